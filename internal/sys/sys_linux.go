@@ -1,0 +1,44 @@
+//go:build linux
+
+package sys
+
+import (
+	"fmt"
+	"os"
+
+	"golang.org/x/sys/unix"
+)
+
+// Memfd creates an anonymous shared-memory file of the given size. The caller
+// owns the returned file and closes it; the memory lives while any mapping or
+// fd refers to it.
+func Memfd(name string, size int64) (*os.File, error) {
+	fd, err := unix.MemfdCreate(name, unix.MFD_CLOEXEC)
+	if err != nil {
+		return nil, fmt.Errorf("memfd_create %s: %w", name, err)
+	}
+	f := os.NewFile(uintptr(fd), "memfd:"+name)
+	if err := f.Truncate(size); err != nil {
+		f.Close()
+		return nil, fmt.Errorf("size memfd %s: %w", name, err)
+	}
+	return f, nil
+}
+
+// Map maps size bytes of f shared and read-write. The mapping outlives f;
+// release it with Unmap.
+func Map(f *os.File, size int) ([]byte, error) {
+	mem, err := unix.Mmap(int(f.Fd()), 0, size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_SHARED)
+	if err != nil {
+		return nil, fmt.Errorf("mmap %s (%d bytes): %w", f.Name(), size, err)
+	}
+	return mem, nil
+}
+
+// Unmap releases a mapping made by Map.
+func Unmap(mem []byte) error {
+	if err := unix.Munmap(mem); err != nil {
+		return fmt.Errorf("munmap: %w", err)
+	}
+	return nil
+}

@@ -1,0 +1,19 @@
+//go:build !linux
+
+package sys
+
+import (
+	"errors"
+	"os"
+	"sync/atomic"
+	"time"
+)
+
+// ErrUnsupported is returned by every call on systems other than Linux.
+var ErrUnsupported = errors.New("shunt: shared memory and futexes need Linux")
+
+func Memfd(name string, size int64) (*os.File, error)             { return nil, ErrUnsupported }
+func Map(f *os.File, size int) ([]byte, error)                    { return nil, ErrUnsupported }
+func Unmap(mem []byte) error                                      { return ErrUnsupported }
+func FutexWait(w *atomic.Uint32, v uint32, t time.Duration) error { return ErrUnsupported }
+func FutexWake(w *atomic.Uint32, n int) (int, error)              { return 0, ErrUnsupported }

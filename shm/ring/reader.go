@@ -1,0 +1,241 @@
+package ring
+
+import (
+	"io"
+	"os"
+	"time"
+
+	"github.com/shuntnet/shunt/shm/wait"
+)
+
+var errDeadline = os.ErrDeadlineExceeded
+
+// Reader is the consuming end of a ring. It is for one goroutine at a time
+// (single consumer); SetDeadline, Interrupt and Close may be called from any
+// goroutine.
+type Reader struct {
+	end
+	head   uint64 // private copy; published to r.head
+	tail   uint64 // last validated tail of the writer
+	msgs   uint64
+	peeked int // bytes handed out by the last Peek
+}
+
+// NewReader takes the consuming end of r. The head and tail are read once
+// and checked; afterwards the Reader never re-reads its own head.
+func NewReader(r *Ring, p *wait.Policy) (*Reader, error) {
+	rd := &Reader{end: end{r: r, policy: p, flag: r.rwait}}
+	rd.head = r.head.Load()
+	rd.msgs = r.rmsgs.Load()
+	rd.tail = r.tail.Load()
+	if rd.head > rd.tail || rd.tail-rd.head > uint64(len(r.data)) {
+		return nil, ErrCorrupt
+	}
+	return rd, nil
+}
+
+// avail returns the readable bytes, refreshing the writer's tail (one
+// shared load) only when the cached view has fewer than want. It validates
+// the tail: monotonic, never more than capacity ahead of the head.
+func (rd *Reader) avail(want int) (int, error) {
+	if a := rd.tail - rd.head; a >= uint64(max(want, 1)) {
+		return int(a), nil
+	}
+	t := rd.r.tail.Load()
+	if t < rd.tail || t-rd.head > uint64(len(rd.r.data)) {
+		return 0, ErrCorrupt
+	}
+	rd.tail = t
+	return int(t - rd.head), nil
+}
+
+// empty returns the error for an empty ring: reset, EOF after FIN, local
+// close, or nil when data may still come. FIN is loaded before the tail
+// (the writer stores them the other way round), so a FIN seen with an
+// unchanged tail really is the end.
+func (rd *Reader) empty() (int, error) {
+	fin := rd.r.wflags.Load()&FlagFIN != 0
+	a, err := rd.avail(1)
+	if err != nil || a > 0 {
+		return a, err
+	}
+	if fin {
+		return 0, io.EOF
+	}
+	return 0, nil
+}
+
+// TryRead copies up to len(p) bytes out of the ring without blocking. It
+// returns 0, nil when the ring is empty and the writer may still write,
+// io.EOF after FIN once drained, ErrReset once the flow was reset (unread
+// data is discarded, as a TCP reset does). Space is returned to the writer
+// in batches of at most Batch bytes, so it can refill while we copy.
+func (rd *Reader) TryRead(p []byte) (int, error) {
+	if rd.closed.Load() {
+		return 0, ErrClosed
+	}
+	if rd.r.reset.Load() != 0 {
+		return 0, ErrReset
+	}
+	a, err := rd.avail(len(p))
+	if err != nil {
+		return 0, err
+	}
+	if a == 0 {
+		if a, err = rd.empty(); a == 0 || err != nil {
+			return 0, err
+		}
+	}
+	done := 0
+	for done < len(p) && a > 0 {
+		n := min(a, len(p)-done, Batch)
+		off := int(rd.head & rd.r.mask)
+		c := copy(p[done:done+n], rd.r.data[off:])
+		copy(p[done+c:done+n], rd.r.data)
+		done += n
+		if err := rd.consume(n); err != nil {
+			return done, err
+		}
+		if a, err = rd.avail(len(p) - done); err != nil {
+			return done, err
+		}
+	}
+	return done, nil
+}
+
+// consume returns n bytes of space to the writer and wakes it if it sleeps.
+func (rd *Reader) consume(n int) error {
+	rd.head += uint64(n)
+	rd.msgs++
+	rd.r.head.Store(rd.head)
+	rd.r.rmsgs.Store(rd.msgs)
+	return rd.policy.Wake(rd.r.wwait)
+}
+
+// Read copies at least one byte into p, blocking while the ring is empty.
+// It returns io.EOF after FIN, ErrReset on reset, os.ErrDeadlineExceeded at
+// the deadline.
+func (rd *Reader) Read(p []byte) (int, error) {
+	if rd.expired() {
+		return 0, errDeadline
+	}
+	for {
+		n, err := rd.TryRead(p)
+		if n > 0 || err != nil || len(p) == 0 {
+			return n, err
+		}
+		if err := rd.waitData(); err != nil {
+			return 0, err
+		}
+	}
+}
+
+// TryPeek returns up to n (and at most Batch) contiguous readable bytes in
+// place, without
+// blocking (empty when nothing is readable; io.EOF after FIN). The bytes stay
+// in the ring until Release. The slice aliases shared memory: the peer cannot
+// legally write there before Release, but a hostile one could, so callers
+// validate what they parse from it.
+func (rd *Reader) TryPeek(n int) ([]byte, error) {
+	rd.peeked = 0
+	if rd.closed.Load() {
+		return nil, ErrClosed
+	}
+	if rd.r.reset.Load() != 0 {
+		return nil, ErrReset
+	}
+	a, err := rd.avail(n)
+	if err != nil {
+		return nil, err
+	}
+	if a == 0 {
+		if a, err = rd.empty(); a == 0 || err != nil {
+			return nil, err
+		}
+	}
+	off := int(rd.head & rd.r.mask)
+	n = min(n, a, len(rd.r.data)-off, Batch)
+	rd.peeked = n
+	return rd.r.data[off : off+n : off+n], nil
+}
+
+// Peek is TryPeek that blocks until at least one byte is readable.
+func (rd *Reader) Peek(n int) ([]byte, error) {
+	if rd.expired() {
+		return nil, errDeadline
+	}
+	for {
+		b, err := rd.TryPeek(n)
+		if err != nil || len(b) > 0 || n <= 0 {
+			return b, err
+		}
+		if err := rd.waitData(); err != nil {
+			return nil, err
+		}
+	}
+}
+
+// Release gives the first n peeked bytes back to the writer.
+func (rd *Reader) Release(n int) error {
+	if n < 0 || n > rd.peeked {
+		return ErrBadCommit
+	}
+	rd.peeked = 0
+	if n == 0 {
+		return nil
+	}
+	return rd.consume(n)
+}
+
+// Buffered returns how many bytes are readable now (FIONREAD).
+func (rd *Reader) Buffered() (int, error) { return rd.avail(len(rd.r.data)) }
+
+// Ready reports whether a blocked reader should wake up (wait.Cond).
+func (rd *Reader) Ready() bool {
+	return rd.r.tail.Load() != rd.tail || rd.interrupted() || rd.closed.Load() ||
+		rd.r.reset.Load() != 0 || rd.r.wflags.Load()&FlagFIN != 0
+}
+
+func (rd *Reader) waitData() error {
+	rd.intrSeen = rd.intr.Load()
+	for {
+		if err := rd.policy.Wait(rd, rd.flag, rd.deadlineTime()); err != nil {
+			return err
+		}
+		if rd.r.reset.Load() != 0 || rd.closed.Load() {
+			return nil // the caller's Try* reports it
+		}
+		if a, err := rd.empty(); err != nil || a > 0 {
+			return nil
+		}
+		if !rd.interrupted() {
+			continue
+		}
+		rd.intrSeen = rd.intr.Load()
+		if dl := rd.deadlineTime(); !dl.IsZero() && !time.Now().Before(dl) {
+			return errDeadline
+		}
+	}
+}
+
+// CloseRead tells the writer that nobody will read: its writes fail with
+// ErrPeerClosed from now on.
+func (rd *Reader) CloseRead() error {
+	rd.r.rflags.Store(rd.r.rflags.Load() | FlagReaderClosed)
+	return rd.policy.Wake(rd.r.wwait)
+}
+
+// Close stops this end: pending and later calls fail with ErrClosed. Safe to
+// call from any goroutine. It does not tell the writer (use CloseRead).
+func (rd *Reader) Close() error {
+	if rd.closed.CompareAndSwap(false, true) {
+		rd.interrupt()
+	}
+	return nil
+}
+
+// Interrupt wakes a blocked call so that it re-checks its state.
+func (rd *Reader) Interrupt() { rd.interrupt() }
+
+// Stats returns this ring's counters.
+func (rd *Reader) Stats() Stats { return rd.r.Stats() }
