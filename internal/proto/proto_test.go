@@ -1,0 +1,125 @@
+package proto_test
+
+import (
+	"bytes"
+	"errors"
+	"net/netip"
+	"testing"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+var (
+	a = netip.MustParseAddrPort("10.77.1.2:40001")
+	b = netip.MustParseAddrPort("[fd00::3]:5201")
+)
+
+func samples() []proto.Msg {
+	return []proto.Msg{
+		{Type: proto.Hello, PID: 4242},
+		{Type: proto.Welcome, GuestID: 7, Gen: 3, RegionSize: 64 << 20, Region: "/dev/shm/shunt-tenant"},
+		{Type: proto.Listen, Local: a},
+		{Type: proto.Unlisten, Local: b},
+		{Type: proto.Intent, Local: a, Remote: b},
+		{Type: proto.Open, ReqID: 9, Role: proto.Passive, Local: b, Remote: a},
+		{Type: proto.Ready, ReqID: 9, Slot: 4, Gen: 11, Capacity: 1 << 20, RingAB: 1 << 16, RingBA: 1<<16 + 1<<20 + 1024, Side: proto.SideB},
+		{Type: proto.TCP, ReqID: 10, Reason: proto.ReasonPolicy},
+		{Type: proto.Close, Slot: 4, Gen: 11, Side: proto.SideA},
+		{Type: proto.Release, Slot: 4, Gen: 11},
+		{Type: proto.Revoke, Slot: 4, Gen: 11, Reason: proto.ReasonConntrackGone},
+		{Type: proto.Kick, Slot: 4, Gen: 11, Side: proto.SideB},
+		{Type: proto.Ping, Nonce: 1 << 60},
+		{Type: proto.Pong, Nonce: 5},
+		{Type: proto.Reattach, Slot: 1, Gen: 2, Side: proto.SideA, Local: a, Remote: b},
+		{Type: proto.Error, Reason: proto.ReasonMalformed, Text: "bad frame"},
+	}
+}
+
+func TestRoundTrip(t *testing.T) {
+	for _, m := range samples() {
+		t.Run(m.Type.String(), func(t *testing.T) {
+			frame, err := m.Append(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := proto.Decode(frame)
+			if err != nil || got != m {
+				t.Fatalf("Decode = %+v, %v; want %+v", got, err, m)
+			}
+			var w bytes.Buffer
+			if err := proto.Write(&w, &m); err != nil {
+				t.Fatal(err)
+			}
+			got, _, err = proto.Read(&w, nil)
+			if err != nil || got != m {
+				t.Fatalf("Read = %+v, %v; want %+v", got, err, m)
+			}
+		})
+	}
+}
+
+// TestWireSizes pins the frame sizes: the C library encodes the same bytes.
+func TestWireSizes(t *testing.T) {
+	want := map[proto.Type]int{
+		proto.Hello: 4, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
+		proto.Ready: 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 13, proto.Revoke: 14,
+		proto.Kick: 13, proto.Ping: 8, proto.Reattach: 49,
+	}
+	for _, m := range samples() {
+		n, ok := want[m.Type]
+		if !ok {
+			continue
+		}
+		frame, _ := m.Append(nil)
+		if len(frame) != proto.HeaderSize+n {
+			t.Errorf("%s: frame %d bytes, want %d", m.Type, len(frame), proto.HeaderSize+n)
+		}
+	}
+}
+
+func TestMalformed(t *testing.T) {
+	good, _ := (&proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Active, Local: a, Remote: b}).Append(nil)
+	mod := func(f func(b []byte) []byte) []byte { return f(append([]byte(nil), good...)) }
+	tests := map[string][]byte{
+		"short header":    good[:5],
+		"bad version":     mod(func(b []byte) []byte { b[0] = 2; return b }),
+		"unknown type":    mod(func(b []byte) []byte { b[1] = 200; return b }),
+		"reserved set":    mod(func(b []byte) []byte { b[2] = 1; return b }),
+		"length too big":  mod(func(b []byte) []byte { b[4], b[5] = 0xff, 0xff; return b }),
+		"truncated":       good[:len(good)-1],
+		"trailing bytes":  append(mod(func(b []byte) []byte { b[4]++; return b }), 0),
+		"bad role":        mod(func(b []byte) []byte { b[12] = 3; return b }),
+		"length mismatch": mod(func(b []byte) []byte { b[4]--; return b }),
+	}
+	for name, frame := range tests {
+		if _, err := proto.Decode(frame); !errors.Is(err, proto.ErrMalformed) {
+			t.Errorf("%s: Decode = %v, want ErrMalformed", name, err)
+		}
+	}
+}
+
+// FuzzDecode: any bytes decode to a message that re-encodes to a frame which
+// decodes to the same message, or fail with ErrMalformed.
+func FuzzDecode(f *testing.F) {
+	for _, m := range samples() {
+		frame, _ := m.Append(nil)
+		f.Add(frame)
+	}
+	f.Fuzz(func(t *testing.T, frame []byte) {
+		m, err := proto.Decode(frame)
+		if err != nil {
+			if !errors.Is(err, proto.ErrMalformed) {
+				t.Fatalf("error %v does not wrap ErrMalformed", err)
+			}
+			return
+		}
+		again, err := m.Append(nil)
+		if err != nil {
+			t.Fatalf("re-encode %+v: %v", m, err)
+		}
+		m2, err := proto.Decode(again)
+		if err != nil || m2 != m {
+			t.Fatalf("round trip: %+v, %v; want %+v", m2, err, m)
+		}
+	})
+}
