@@ -1,0 +1,167 @@
+// Command hostd is Shunt's host daemon and its CLI.
+//
+//	hostd agent -config /etc/shunt/hostd.hcl   run the daemon
+//	hostd guests | flows | status             show state (tables; -json for JSON)
+//	hostd reload                               re-read the policy (as SIGHUP does)
+//	hostd revoke FLOW                          revoke one flow
+package main
+
+import (
+	"encoding/json"
+	"flag"
+	"fmt"
+	"os"
+	"os/signal"
+	"sort"
+	"strings"
+	"syscall"
+	"text/tabwriter"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/agent"
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/config"
+)
+
+const usage = `usage: hostd <command> [flags]
+
+commands:
+  agent  -config FILE     run the daemon
+  guests                  list configured guests and their sessions
+  flows                   list fast-path flows with byte counters
+  status                  summary
+  counters                fallback, revocation and flow counters
+  reload                  re-read the policy; revokes flows it forbids
+  revoke FLOW             revoke one flow (name as in 'hostd flows')
+
+client flags: -admin SOCKET (default /run/shunt/admin.sock), -json
+`
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	cmd, args := os.Args[1], os.Args[2:]
+	var err error
+	switch cmd {
+	case "agent":
+		err = runAgent(args)
+	case "guests", "flows", "status", "counters", "reload", "revoke":
+		err = runClient(cmd, args)
+	case "-h", "-help", "--help", "help":
+		fmt.Print(usage)
+	default:
+		fmt.Fprintf(os.Stderr, "hostd: unknown command %q\n\n%s", cmd, usage)
+		os.Exit(2)
+	}
+	if err != nil {
+		fmt.Fprintf(os.Stderr, "hostd %s: %v\n", cmd, err)
+		os.Exit(1)
+	}
+}
+
+func runAgent(args []string) error {
+	fs := flag.NewFlagSet("agent", flag.ExitOnError)
+	path := fs.String("config", "/etc/shunt/hostd.hcl", "configuration file")
+	fs.Parse(args)
+	cfg, err := config.Load(*path)
+	if err != nil {
+		return err
+	}
+	log := hclog.New(&hclog.LoggerOptions{
+		Name: "hostd", Level: hclog.LevelFromString(cfg.LogLevel), JSONFormat: cfg.LogFormat == "json",
+		Output: os.Stderr, TimeFormat: time.RFC3339Nano,
+	})
+	a, err := agent.Start(log, cfg)
+	if err != nil {
+		return err
+	}
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGINT, syscall.SIGTERM)
+	for s := range sigs {
+		if s == syscall.SIGHUP {
+			if _, err := a.Reload(); err != nil {
+				log.Error("reload failed; keeping the old policy", "error", err)
+			}
+			continue
+		}
+		log.Info("stopping; live flows keep running", "signal", s)
+		a.Close()
+		return nil
+	}
+	return nil
+}
+
+func runClient(cmd string, args []string) error {
+	fs := flag.NewFlagSet(cmd, flag.ExitOnError)
+	sock := fs.String("admin", "/run/shunt/admin.sock", "hostd admin socket")
+	asJSON := fs.Bool("json", false, "print JSON")
+	fs.Parse(args)
+	req := admin.Request{Cmd: cmd}
+	if cmd == "revoke" {
+		if fs.NArg() != 1 {
+			return fmt.Errorf("usage: hostd revoke FLOW")
+		}
+		req.Flow = fs.Arg(0)
+	}
+	var out json.RawMessage
+	if err := admin.Call(*sock, req, &out); err != nil {
+		return err
+	}
+	if *asJSON {
+		fmt.Println(string(out))
+		return nil
+	}
+	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
+	defer tw.Flush()
+	switch cmd {
+	case "guests":
+		var gs []broker.GuestInfo
+		if err := json.Unmarshal(out, &gs); err != nil {
+			return err
+		}
+		fmt.Fprintln(tw, "GUEST\tID\tGROUP\tADDRESSES\tSESSIONS\tLISTENING\tFLOWS")
+		for _, g := range gs {
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%s\t%d\n", g.Name, g.ID, g.Group, strings.Join(g.Addresses, ","), g.Sessions, strings.Join(g.Listening, ","), g.Flows)
+		}
+	case "flows":
+		var fl []broker.FlowInfo
+		if err := json.Unmarshal(out, &fl); err != nil {
+			return err
+		}
+		fmt.Fprintln(tw, "FLOW\tA\tB\tSRC\tDST\tSTATE\tRING\tBYTES A>B\tBYTES B>A\tATTACHED\tRULE\tAGE")
+		for _, f := range fl {
+			state := f.State
+			if f.Reason != "" {
+				state += "(" + f.Reason + ")"
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", f.Name, f.GuestA, f.GuestB, f.Src, f.Dst, state, f.Ring, f.BytesAB, f.BytesBA, f.Attached, f.Rule, time.Since(f.Created).Round(time.Second))
+		}
+	case "status":
+		var st agent.Status
+		if err := json.Unmarshal(out, &st); err != nil {
+			return err
+		}
+		fmt.Fprintf(tw, "uptime\t%s\nguests\t%d\nsessions\t%d\nflows\t%d\ngroups\t%s\n", st.Uptime, st.Guests, st.Sessions, st.Flows, strings.Join(st.Groups, ","))
+	case "counters":
+		var cs map[string]float64
+		if err := json.Unmarshal(out, &cs); err != nil {
+			return err
+		}
+		keys := make([]string, 0, len(cs))
+		for k := range cs {
+			keys = append(keys, k)
+		}
+		sort.Strings(keys)
+		for _, k := range keys {
+			fmt.Fprintf(tw, "%s\t%g\n", k, cs[k])
+		}
+	default:
+		fmt.Fprintln(tw, string(out))
+	}
+	return nil
+}

@@ -1,0 +1,342 @@
+package guestlib
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/wait"
+)
+
+// Options configure a Client. The zero value reads the environment.
+type Options struct {
+	Control string       // control socket; "" = $SHUNT_CONTROL or /run/shunt/guest.sock
+	Region  string       // region file override; "" = $SHUNT_REGION or what hostd says
+	Wait    *wait.Policy // nil = $SHUNT_WAIT or adaptive
+	Disable bool         // always plain TCP ($SHUNT_DISABLE=1)
+	// VerdictTimeout bounds how long Dial waits for hostd's verdict; it
+	// should exceed hostd's pairing timeout. 0 = 5s.
+	VerdictTimeout time.Duration
+	// Logf, if set, receives one line per connection saying which path it
+	// took and why (shunt-run -v uses it).
+	Logf func(format string, args ...any)
+}
+
+func (o Options) withEnv() (Options, error) {
+	if o.Control == "" {
+		o.Control = os.Getenv("SHUNT_CONTROL")
+	}
+	if o.Control == "" {
+		o.Control = "/run/shunt/guest.sock"
+	}
+	if o.Region == "" {
+		o.Region = os.Getenv("SHUNT_REGION")
+	}
+	if o.Wait == nil {
+		o.Wait = &wait.Policy{Mode: wait.Adaptive}
+		if s := os.Getenv("SHUNT_WAIT"); s != "" {
+			m, err := wait.ParseMode(s)
+			if err != nil {
+				return o, fmt.Errorf("SHUNT_WAIT: %w", err)
+			}
+			o.Wait.Mode = m
+		}
+	}
+	if os.Getenv("SHUNT_DISABLE") == "1" {
+		o.Disable = true
+	}
+	if o.VerdictTimeout <= 0 {
+		o.VerdictTimeout = 5 * time.Second
+	}
+	return o, nil
+}
+
+// Client is a guest process's session with hostd, shared by its Dialers and
+// Listeners. It is safe for concurrent use. It reconnects on its own when
+// hostd restarts; Close ends the session.
+type Client struct {
+	opts Options
+
+	mu         sync.Mutex
+	conn       net.Conn // nil while disconnected
+	region     *region.Region
+	guestID    uint32
+	nextReq    uint32
+	pending    map[uint32]chan proto.Msg
+	flows      map[flowKey]*Conn
+	listens    map[netip.AddrPort]int
+	closes     []proto.Msg // CLOSEs to send once reconnected
+	lastTry    time.Time
+	lastErr    error
+	closed     bool
+	reconnects int
+	done       chan struct{}
+	wg         sync.WaitGroup
+}
+
+type flowKey struct {
+	slot uint32
+	gen  uint64
+}
+
+// NewClient returns a client; it connects to hostd lazily, on first use.
+func NewClient(opts Options) (*Client, error) {
+	o, err := opts.withEnv()
+	if err != nil {
+		return nil, err
+	}
+	return &Client{
+		opts: o, pending: map[uint32]chan proto.Msg{}, flows: map[flowKey]*Conn{},
+		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
+	}, nil
+}
+
+var (
+	defaultOnce   sync.Once
+	defaultClient *Client
+	defaultErr    error
+)
+
+// DefaultClient is the process-wide client configured from the environment.
+func DefaultClient() (*Client, error) {
+	defaultOnce.Do(func() { defaultClient, defaultErr = NewClient(Options{}) })
+	return defaultClient, defaultErr
+}
+
+// errNoHostd is why a connection stays on TCP when hostd cannot be reached.
+var errNoHostd = errors.New("hostd unreachable")
+
+// ensure connects if not connected; it tries at most once a second so that
+// a missing hostd costs a Dial nothing but a check.
+func (c *Client) ensure() error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.closed {
+		return net.ErrClosed
+	}
+	if c.conn != nil {
+		return nil
+	}
+	if time.Since(c.lastTry) < time.Second {
+		return fmt.Errorf("%w: %w", errNoHostd, c.lastErr)
+	}
+	c.lastTry = time.Now()
+	c.lastErr = c.connectLocked()
+	if c.lastErr != nil {
+		return fmt.Errorf("%w: %w", errNoHostd, c.lastErr)
+	}
+	return nil
+}
+
+// connectLocked dials hostd, does HELLO/WELCOME, maps the region on first
+// connect, re-announces listeners and held flows, and starts the reader.
+func (c *Client) connectLocked() error {
+	conn, err := net.DialTimeout("unix", c.opts.Control, 2*time.Second)
+	if err != nil {
+		return fmt.Errorf("control %s: %w", c.opts.Control, err)
+	}
+	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
+	if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
+		conn.Close()
+		return fmt.Errorf("hello: %w", err)
+	}
+	m, _, err := proto.Read(conn, nil)
+	if err != nil || m.Type != proto.Welcome {
+		conn.Close()
+		if err == nil {
+			err = fmt.Errorf("hostd answered HELLO with %s", m.Type)
+		}
+		return fmt.Errorf("welcome: %w", err)
+	}
+	_ = conn.SetDeadline(time.Time{})
+	if c.region == nil {
+		path := c.opts.Region
+		if path == "" {
+			path = m.Region
+		}
+		r, err := region.Open(path)
+		if err != nil {
+			conn.Close()
+			return fmt.Errorf("map the region: %w", err)
+		}
+		c.region = r
+	}
+	c.guestID = m.GuestID
+	// Re-announce what this process holds (after a hostd restart).
+	var msgs []proto.Msg
+	for a := range c.listens {
+		msgs = append(msgs, proto.Msg{Type: proto.Listen, Local: a})
+	}
+	for k, fc := range c.flows {
+		msgs = append(msgs, proto.Msg{Type: proto.Reattach, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
+	}
+	msgs = append(msgs, c.closes...)
+	c.closes = nil
+	for i := range msgs {
+		if err := proto.Write(conn, &msgs[i]); err != nil {
+			conn.Close()
+			return fmt.Errorf("re-announce: %w", err)
+		}
+	}
+	c.conn = conn
+	c.wg.Add(1)
+	go c.readLoop(conn)
+	return nil
+}
+
+// readLoop dispatches hostd's messages until the channel fails, then fails
+// pending requests over to TCP and reconnects in the background.
+func (c *Client) readLoop(conn net.Conn) {
+	defer c.wg.Done()
+	var buf []byte
+	for {
+		m, b, err := proto.Read(conn, buf)
+		buf = b
+		if err != nil {
+			break
+		}
+		switch m.Type {
+		case proto.Ready, proto.TCP:
+			c.mu.Lock()
+			ch := c.pending[m.ReqID]
+			delete(c.pending, m.ReqID)
+			c.mu.Unlock()
+			if ch != nil {
+				ch <- m
+			}
+		case proto.Revoke:
+			c.mu.Lock()
+			fc := c.flows[flowKey{m.Slot, m.Gen}]
+			c.mu.Unlock()
+			if fc != nil {
+				fc.revoke(m.Reason)
+			}
+		case proto.Ping:
+			c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+		case proto.Error:
+			c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
+		}
+	}
+	conn.Close()
+	c.mu.Lock()
+	if c.conn == conn {
+		c.conn = nil
+	}
+	for id, ch := range c.pending {
+		ch <- proto.Msg{Type: proto.TCP, ReqID: id, Reason: proto.ReasonNoHostd}
+		delete(c.pending, id)
+	}
+	closed := c.closed
+	c.mu.Unlock()
+	if !closed {
+		c.wg.Add(1)
+		go c.reconnect()
+	}
+}
+
+// reconnect retries hostd with backoff until it answers or Close.
+func (c *Client) reconnect() {
+	defer c.wg.Done()
+	delay := 20 * time.Millisecond
+	for {
+		select {
+		case <-c.done:
+			return
+		case <-time.After(delay):
+		}
+		c.mu.Lock()
+		if c.closed || c.conn != nil {
+			c.mu.Unlock()
+			return
+		}
+		err := c.connectLocked()
+		if err == nil {
+			c.reconnects++
+		}
+		c.mu.Unlock()
+		if err == nil {
+			return
+		}
+		delay = min(2*delay, time.Second)
+	}
+}
+
+// send writes m if connected; CLOSE is queued for the next connection
+// otherwise, so hostd learns of it after a restart.
+func (c *Client) send(m proto.Msg) error {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sendLocked(m)
+}
+
+func (c *Client) sendLocked(m proto.Msg) error {
+	if c.conn == nil {
+		if m.Type == proto.Close {
+			c.closes = append(c.closes, m)
+		}
+		return errNoHostd
+	}
+	return proto.Write(c.conn, &m)
+}
+
+// request sends an OPEN and returns the channel its verdict arrives on.
+func (c *Client) request(m proto.Msg) (chan proto.Msg, error) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.nextReq++
+	m.ReqID = c.nextReq
+	ch := make(chan proto.Msg, 1)
+	c.pending[m.ReqID] = ch
+	if err := c.sendLocked(m); err != nil {
+		delete(c.pending, m.ReqID)
+		return nil, err
+	}
+	return ch, nil
+}
+
+func (c *Client) forget(ch chan proto.Msg) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	for id, x := range c.pending {
+		if x == ch {
+			delete(c.pending, id)
+		}
+	}
+}
+
+func (c *Client) logf(format string, args ...any) {
+	if c.opts.Logf != nil {
+		c.opts.Logf(format, args...)
+	}
+}
+
+// Reconnects reports how many times the client reconnected to hostd.
+func (c *Client) Reconnects() int {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.reconnects
+}
+
+// Close ends the session with hostd. Fast-path connections already open
+// keep working; new ones use TCP.
+func (c *Client) Close() error {
+	c.mu.Lock()
+	if c.closed {
+		c.mu.Unlock()
+		return nil
+	}
+	c.closed = true
+	close(c.done)
+	if c.conn != nil {
+		c.conn.Close()
+	}
+	c.mu.Unlock()
+	c.wg.Wait()
+	return nil
+}

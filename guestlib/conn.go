@@ -1,0 +1,408 @@
+package guestlib
+
+import (
+	"errors"
+	"io"
+	"net"
+	"net/netip"
+	"os"
+	"sync"
+	"syscall"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
+)
+
+// Path says how a connection's bytes move.
+type Path struct {
+	Fast   bool   // true: shared-memory rings; false: the kernel's TCP
+	Reason string // why not fast ("policy", "no-hostd", ...); "" when fast
+}
+
+func (p Path) String() string {
+	if p.Fast {
+		return "shunt"
+	}
+	return "tcp(" + p.Reason + ")"
+}
+
+// Conn is a TCP connection whose bytes may take the fast path. It implements
+// net.Conn (and CloseWrite/CloseRead like *net.TCPConn); as net.Conn
+// requires, it is safe for concurrent use, with one Read and one Write at a
+// time each.
+type Conn struct {
+	tcp    *net.TCPConn
+	client *Client
+	local  netip.AddrPort
+	remote netip.AddrPort
+
+	vmu     sync.Mutex    // serializes deciding the path
+	verdict chan struct{} // closed once path is decided
+	wait    chan proto.Msg
+	path    Path
+
+	// Fast path, set before verdict is closed.
+	side proto.Side
+	slot uint32
+	gen  uint64
+	w    *ring.Writer
+	rd   *ring.Reader
+
+	readMu, writeMu sync.Mutex
+	closeOnce       sync.Once
+	revoked         chan struct{} // closed on revocation
+	revokeOnce      sync.Once
+	deadlineMu      sync.Mutex
+	readDL, writeDL time.Time
+
+	zcRead, zcWrite []byte // TCP-path emulation of the zero-copy API
+}
+
+func newConn(c *Client, tcp *net.TCPConn) *Conn {
+	return &Conn{
+		tcp: tcp, client: c, verdict: make(chan struct{}), revoked: make(chan struct{}),
+		local:  tcp.LocalAddr().(*net.TCPAddr).AddrPort(),
+		remote: tcp.RemoteAddr().(*net.TCPAddr).AddrPort(),
+	}
+}
+
+// decided reports whether the path is decided.
+func (c *Conn) decided() bool {
+	select {
+	case <-c.verdict:
+		return true
+	default:
+		return false
+	}
+}
+
+// decide records the path; the caller holds vmu (or owns c alone) and has
+// checked that it is not decided yet.
+func (c *Conn) decide(p Path) {
+	c.path = p
+	close(c.verdict)
+	if c.client != nil {
+		c.client.logf("shunt: %s -> %s: %s", c.local, c.remote, p)
+	}
+}
+
+// resolve waits for hostd's verdict (passive side, lazily) or the deadline.
+func (c *Conn) resolve(deadline time.Time) error {
+	select {
+	case <-c.verdict:
+		return nil
+	default:
+	}
+	var timer <-chan time.Time
+	if !deadline.IsZero() {
+		t := time.NewTimer(time.Until(deadline))
+		defer t.Stop()
+		timer = t.C
+	}
+	select {
+	case <-c.verdict:
+		return nil
+	case m := <-c.wait:
+		c.apply(m)
+		return nil
+	case <-timer:
+		return os.ErrDeadlineExceeded
+	}
+}
+
+// apply turns a READY or TCP message into the connection's path. A READY
+// whose rings do not check out falls back to TCP (and tells hostd).
+func (c *Conn) apply(m proto.Msg) {
+	c.vmu.Lock()
+	defer c.vmu.Unlock()
+	if c.decided() {
+		if m.Type == proto.Ready { // too late (closed meanwhile): give it back
+			_ = c.client.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+		}
+		return
+	}
+	if m.Type != proto.Ready {
+		c.decide(Path{Reason: m.Reason.String()})
+		return
+	}
+	if err := c.attach(m); err != nil {
+		c.client.logf("shunt: READY for %s did not check out: %v", c.remote, err)
+		c.client.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+		c.decide(Path{Reason: proto.ReasonInternal.String()})
+		return
+	}
+	c.decide(Path{Fast: true})
+}
+
+func (c *Conn) attach(m proto.Msg) error {
+	c.client.mu.Lock()
+	reg := c.client.region
+	c.client.mu.Unlock()
+	ab, ba, err := reg.Rings(int(m.Slot), m.Gen)
+	if err != nil {
+		return err
+	}
+	if ab.Capacity() != int(m.Capacity) {
+		return ring.ErrCorrupt
+	}
+	out, in := ab, ba
+	if m.Side == proto.SideB {
+		out, in = ba, ab
+	}
+	p := c.client.opts.Wait
+	if c.w, err = ring.NewWriter(out, p); err != nil {
+		return err
+	}
+	if c.rd, err = ring.NewReader(in, p); err != nil {
+		return err
+	}
+	c.side, c.slot, c.gen = m.Side, m.Slot, m.Gen
+	c.client.mu.Lock()
+	c.client.flows[flowKey{m.Slot, m.Gen}] = c
+	c.client.mu.Unlock()
+	// Keep the lease alive and noticed: keepalive on the idle TCP socket.
+	_ = c.tcp.SetKeepAlive(true)
+	_ = c.tcp.SetKeepAlivePeriod(15 * time.Second)
+	return nil
+}
+
+// Path returns how this connection's bytes move, waiting for hostd's verdict
+// if it is not in yet.
+func (c *Conn) Path() Path {
+	_ = c.resolve(time.Time{})
+	return c.path
+}
+
+func (c *Conn) fast() bool { return c.path.Fast }
+
+// opErr wraps a ring error the way the net package reports socket errors,
+// so callers can match ECONNRESET, EPIPE, timeouts and net.ErrClosed.
+func (c *Conn) opErr(op string, err error) error {
+	switch {
+	case err == nil || err == io.EOF:
+		return err
+	case errors.Is(err, ring.ErrReset):
+		err = os.NewSyscallError(op, syscall.ECONNRESET)
+	case errors.Is(err, ring.ErrPeerClosed):
+		err = os.NewSyscallError(op, syscall.EPIPE)
+	case errors.Is(err, ring.ErrClosed):
+		err = net.ErrClosed
+	}
+	return &net.OpError{Op: op, Net: "tcp", Source: net.TCPAddrFromAddrPort(c.local), Addr: net.TCPAddrFromAddrPort(c.remote), Err: err}
+}
+
+func (c *Conn) deadlines() (r, w time.Time) {
+	c.deadlineMu.Lock()
+	defer c.deadlineMu.Unlock()
+	return c.readDL, c.writeDL
+}
+
+// Read implements net.Conn.
+func (c *Conn) Read(p []byte) (int, error) {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	dl, _ := c.deadlines()
+	if err := c.resolve(dl); err != nil {
+		return 0, c.opErr("read", err)
+	}
+	if !c.fast() {
+		return c.tcp.Read(p)
+	}
+	n, err := c.rd.Read(p)
+	return n, c.opErr("read", err)
+}
+
+// Write implements net.Conn.
+func (c *Conn) Write(p []byte) (int, error) {
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	_, dl := c.deadlines()
+	if err := c.resolve(dl); err != nil {
+		return 0, c.opErr("write", err)
+	}
+	if !c.fast() {
+		return c.tcp.Write(p)
+	}
+	n, err := c.w.Write(p)
+	return n, c.opErr("write", err)
+}
+
+// CloseWrite shuts down the writing side: the peer reads EOF after the data.
+func (c *Conn) CloseWrite() error {
+	if err := c.resolve(time.Time{}); err != nil {
+		return err
+	}
+	if !c.fast() {
+		return c.tcp.CloseWrite()
+	}
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	return c.opErr("close", c.w.CloseWrite())
+}
+
+// CloseRead shuts down the reading side: the peer's writes fail with EPIPE.
+func (c *Conn) CloseRead() error {
+	if err := c.resolve(time.Time{}); err != nil {
+		return err
+	}
+	if !c.fast() {
+		return c.tcp.CloseRead()
+	}
+	return c.opErr("close", c.rd.CloseRead())
+}
+
+// Close implements net.Conn. On the fast path it sends FIN on the ring,
+// releases the flow to hostd, and closes the kernel socket (the lease).
+func (c *Conn) Close() error {
+	var err error
+	c.closeOnce.Do(func() {
+		c.vmu.Lock()
+		if !c.decided() {
+			c.decide(Path{Reason: "closed"})
+		}
+		c.vmu.Unlock()
+		if c.fast() {
+			// Wake blocked calls first, then publish FIN under the write
+			// lock (the Write they were in has returned by then).
+			c.w.Close()
+			c.rd.Close()
+			c.writeMu.Lock()
+			select {
+			case <-c.revoked:
+				// A revoked flow ends like a reset connection.
+				_ = c.tcp.SetLinger(0)
+			default:
+				_ = c.w.CloseWrite()
+			}
+			c.writeMu.Unlock()
+			_ = c.rd.CloseRead()
+			c.client.mu.Lock()
+			delete(c.client.flows, flowKey{c.slot, c.gen})
+			c.client.mu.Unlock()
+			_ = c.client.send(proto.Msg{Type: proto.Close, Slot: c.slot, Gen: c.gen, Side: c.side})
+		}
+		err = c.tcp.Close()
+	})
+	return err
+}
+
+// revoke is hostd's REVOKE: make sure both rings are reset (hostd already
+// did, unless the region is gone) and wake this end's blocked calls.
+func (c *Conn) revoke(reason proto.Reason) {
+	c.revokeOnce.Do(func() {
+		close(c.revoked)
+		c.client.logf("shunt: %s -> %s revoked: %s", c.local, c.remote, reason)
+		if c.fast() {
+			c.w.Interrupt()
+			c.rd.Interrupt()
+		}
+	})
+}
+
+// LocalAddr implements net.Conn.
+func (c *Conn) LocalAddr() net.Addr { return c.tcp.LocalAddr() }
+
+// RemoteAddr implements net.Conn.
+func (c *Conn) RemoteAddr() net.Addr { return c.tcp.RemoteAddr() }
+
+// SetDeadline implements net.Conn.
+func (c *Conn) SetDeadline(t time.Time) error {
+	c.SetReadDeadline(t)
+	return c.SetWriteDeadline(t)
+}
+
+// SetReadDeadline implements net.Conn.
+func (c *Conn) SetReadDeadline(t time.Time) error {
+	c.deadlineMu.Lock()
+	c.readDL = t
+	c.deadlineMu.Unlock()
+	select {
+	case <-c.verdict:
+		if c.fast() {
+			c.rd.SetDeadline(t)
+			return nil
+		}
+	default:
+	}
+	return c.tcp.SetReadDeadline(t)
+}
+
+// SetWriteDeadline implements net.Conn.
+func (c *Conn) SetWriteDeadline(t time.Time) error {
+	c.deadlineMu.Lock()
+	c.writeDL = t
+	c.deadlineMu.Unlock()
+	select {
+	case <-c.verdict:
+		if c.fast() {
+			c.w.SetDeadline(t)
+			return nil
+		}
+	default:
+	}
+	return c.tcp.SetWriteDeadline(t)
+}
+
+// ReadBuffer returns up to max readable bytes in place (zero copy), blocking
+// until at least one is readable; ReleaseRead(n) consumes them. On the TCP
+// path it reads into an internal buffer, so callers need not care.
+func (c *Conn) ReadBuffer(max int) ([]byte, error) {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	dl, _ := c.deadlines()
+	if err := c.resolve(dl); err != nil {
+		return nil, c.opErr("read", err)
+	}
+	if !c.fast() {
+		if cap(c.zcRead) < max {
+			c.zcRead = make([]byte, max)
+		}
+		n, err := c.tcp.Read(c.zcRead[:max])
+		c.zcRead = c.zcRead[:n]
+		return c.zcRead, err
+	}
+	b, err := c.rd.Peek(max)
+	return b, c.opErr("read", err)
+}
+
+// ReleaseRead consumes n bytes returned by ReadBuffer.
+func (c *Conn) ReleaseRead(n int) error {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	if !c.fast() {
+		return nil
+	}
+	return c.opErr("read", c.rd.Release(n))
+}
+
+// WriteBuffer returns up to max bytes of ring space to fill in place (zero
+// copy), blocking until some is free; CommitWrite(n) sends them.
+func (c *Conn) WriteBuffer(max int) ([]byte, error) {
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	_, dl := c.deadlines()
+	if err := c.resolve(dl); err != nil {
+		return nil, c.opErr("write", err)
+	}
+	if !c.fast() {
+		if cap(c.zcWrite) < max {
+			c.zcWrite = make([]byte, max)
+		}
+		c.zcWrite = c.zcWrite[:max]
+		return c.zcWrite, nil
+	}
+	b, err := c.w.Reserve(max)
+	return b, c.opErr("write", err)
+}
+
+// CommitWrite sends the first n bytes of the last WriteBuffer.
+func (c *Conn) CommitWrite(n int) error {
+	c.writeMu.Lock()
+	defer c.writeMu.Unlock()
+	if !c.fast() {
+		_, err := c.tcp.Write(c.zcWrite[:n])
+		return err
+	}
+	return c.opErr("write", c.w.Commit(n))
+}

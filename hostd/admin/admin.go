@@ -1,0 +1,115 @@
+// Package admin is hostd's admin socket: one JSON request per connection,
+// one JSON reply, on a Unix socket only root can reach. The `hostd guests`,
+// `hostd flows`, `hostd status`, `hostd reload` and `hostd revoke` commands
+// are its client.
+package admin
+
+import (
+	"encoding/json"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sync"
+	"time"
+)
+
+// Request is what the CLI sends.
+type Request struct {
+	Cmd  string `json:"cmd"` // status, guests, flows, reload, revoke
+	Flow string `json:"flow,omitempty"`
+}
+
+// Reply is what hostd answers: Error, or Data (command-specific JSON).
+type Reply struct {
+	Error string          `json:"error,omitempty"`
+	Data  json.RawMessage `json:"data,omitempty"`
+}
+
+// Handler answers one request.
+type Handler func(Request) (any, error)
+
+// Server serves the admin socket. Close stops it and waits.
+type Server struct {
+	l  net.Listener
+	h  Handler
+	wg sync.WaitGroup
+}
+
+// Listen serves h on a Unix socket at path (mode 0600).
+func Listen(path string, h Handler) (*Server, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, fmt.Errorf("admin socket dir: %w", err)
+	}
+	_ = os.Remove(path)
+	l, err := net.Listen("unix", path)
+	if err != nil {
+		return nil, fmt.Errorf("admin socket: %w", err)
+	}
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, fmt.Errorf("admin socket: %w", err)
+	}
+	s := &Server{l: l, h: h}
+	s.wg.Add(1)
+	go s.serve()
+	return s, nil
+}
+
+func (s *Server) serve() {
+	defer s.wg.Done()
+	for {
+		c, err := s.l.Accept()
+		if err != nil {
+			return
+		}
+		s.wg.Add(1)
+		go func() {
+			defer s.wg.Done()
+			defer c.Close()
+			_ = c.SetDeadline(time.Now().Add(10 * time.Second))
+			var req Request
+			var rep Reply
+			if err := json.NewDecoder(c).Decode(&req); err != nil {
+				rep.Error = "bad request: " + err.Error()
+			} else if data, err := s.h(req); err != nil {
+				rep.Error = err.Error()
+			} else if rep.Data, err = json.Marshal(data); err != nil {
+				rep.Error = err.Error()
+			}
+			_ = json.NewEncoder(c).Encode(rep)
+		}()
+	}
+}
+
+// Close stops serving and waits for requests in flight.
+func (s *Server) Close() {
+	s.l.Close()
+	s.wg.Wait()
+}
+
+// Call sends one request to the admin socket at path and decodes the reply
+// data into out.
+func Call(path string, req Request, out any) error {
+	c, err := net.DialTimeout("unix", path, 5*time.Second)
+	if err != nil {
+		return fmt.Errorf("reach hostd at %s: %w (is hostd running? see: systemctl status shunt-hostd)", path, err)
+	}
+	defer c.Close()
+	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	if err := json.NewEncoder(c).Encode(req); err != nil {
+		return fmt.Errorf("send to hostd: %w", err)
+	}
+	var rep Reply
+	if err := json.NewDecoder(c).Decode(&rep); err != nil {
+		return fmt.Errorf("read hostd's reply: %w", err)
+	}
+	if rep.Error != "" {
+		return errors.New(rep.Error)
+	}
+	if out != nil {
+		return json.Unmarshal(rep.Data, out)
+	}
+	return nil
+}

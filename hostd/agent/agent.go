@@ -1,0 +1,338 @@
+// Package agent wires hostd together: what `hostd agent` runs. It creates or
+// adopts each trust group's region, learns guest addresses, and starts the
+// broker, the control channels, the conntrack watcher, the admin socket and
+// the metrics listener; Close stops them in the order that keeps flows
+// running (the broker first, so nothing is revoked because hostd stops).
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"net/netip"
+	"os"
+	"strings"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/server"
+	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/region"
+)
+
+// Agent is a running hostd.
+type Agent struct {
+	log     hclog.Logger
+	cfg     *config.Config
+	ct      *ctrack.Netlink
+	m       *metrics.Set
+	b       *broker.Broker
+	srv     *server.Server
+	adm     *admin.Server
+	http    *http.Server
+	regions []*region.Region
+	guests  []*broker.Guest
+	cancel  context.CancelFunc
+	wg      sync.WaitGroup
+	started time.Time
+}
+
+// Start brings hostd up from cfg. On failure everything already started is
+// stopped again.
+func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
+	a := &Agent{log: log, cfg: cfg, m: metrics.New(), started: time.Now()}
+	defer func() {
+		if err != nil {
+			a.Close()
+		}
+	}()
+	tab, err := policy.Compile(cfg.Policy)
+	if err != nil {
+		return nil, err
+	}
+	if a.ct, err = ctrack.Dial(cfg.ConntrackNetns); err != nil {
+		return nil, err
+	}
+	groups := map[string]*broker.Group{}
+	for _, g := range cfg.Groups {
+		r, adopted, err := openRegion(g)
+		if err != nil {
+			return nil, err
+		}
+		a.regions = append(a.regions, r)
+		gen := r.BumpGeneration()
+		pool, problems := region.Adopt(r, nil)
+		for _, p := range problems {
+			log.Warn("region slot dropped", "group", g.Name, "problem", p)
+		}
+		groups[g.Name] = &broker.Group{Name: g.Name, Region: g.Region, Pool: pool}
+		log.Info("region ready", "group", g.Name, "path", g.Region, "size", g.Geometry.Size, "adopted", adopted, "generation", gen)
+	}
+	var eps []server.Endpoint
+	for _, gc := range cfg.Guests {
+		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: groups[gc.Group], CTMark: gc.CTMark}
+		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
+		if err != nil {
+			return nil, err
+		}
+		g.SetAddrs(addrs)
+		a.guests = append(a.guests, g)
+		eps = append(eps, server.Endpoint{Guest: g, Path: gc.Control})
+	}
+	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, broker.Options{PairingTimeout: cfg.PairingTimeout})
+	a.m.NewFlowBytes(a.b.FlowStats)
+	for _, g := range groups {
+		if n := a.b.Adopt(g, cfg.ReattachGrace); n > 0 {
+			log.Info("adopted live flows from the region", "group", g.Name, "flows", n, "grace", cfg.ReattachGrace)
+		}
+	}
+	a.b.Resync()
+	if a.srv, err = server.Listen(log.Named("control"), a.b, a.m, eps); err != nil {
+		return nil, err
+	}
+	if a.adm, err = admin.Listen(cfg.AdminSocket, a.handle); err != nil {
+		return nil, err
+	}
+	if cfg.MetricsAddress != "" {
+		l, err := net.Listen("tcp", cfg.MetricsAddress)
+		if err != nil {
+			return nil, fmt.Errorf("metrics listener: %w", err)
+		}
+		mux := http.NewServeMux()
+		mux.Handle("/metrics", promhttp.HandlerFor(a.m.Registry, promhttp.HandlerOpts{}))
+		a.http = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+		a.wg.Add(1)
+		go func() {
+			defer a.wg.Done()
+			_ = a.http.Serve(l)
+		}()
+	}
+	ctx, cancel := context.WithCancel(context.Background())
+	a.cancel = cancel
+	a.wg.Add(1)
+	go a.watchConntrack(ctx)
+	log.Info("hostd running", "guests", len(a.guests), "groups", len(groups), "admin", cfg.AdminSocket, "metrics", cfg.MetricsAddress)
+	return a, nil
+}
+
+// openRegion adopts a group's existing region file if it is a valid region
+// of the configured geometry, or creates a fresh one.
+func openRegion(g config.Group) (*region.Region, bool, error) {
+	if r, err := region.Open(g.Region); err == nil {
+		if r.Layout().Geometry == g.Geometry {
+			return r, true, nil
+		}
+		r.Close()
+		return nil, false, fmt.Errorf("region %s has geometry %+v, config says %+v: stop the guests using it and remove the file to resize", g.Region, r.Layout().Geometry, g.Geometry)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		hclog.Default().Warn("region file is not a valid region; recreating it", "path", g.Region, "error", err)
+	}
+	r, err := region.Create(g.Region, g.Geometry, 0o600)
+	return r, false, err
+}
+
+// guestAddrs returns what a guest owns: its configured addresses, plus the
+// subnets routed to its interface (learned with netlink in the conntrack
+// namespace), except the host's own addresses on that interface.
+func guestAddrs(nsPath string, gc config.Guest) (broker.Addrs, error) {
+	var out broker.Addrs
+	for _, a := range gc.Addresses {
+		out.Prefixes = append(out.Prefixes, netip.PrefixFrom(a, a.BitLen()))
+	}
+	if gc.Interface == "" {
+		return out, nil
+	}
+	h, err := netlinkHandle(nsPath)
+	if err != nil {
+		return out, err
+	}
+	defer h.Close()
+	link, err := h.LinkByName(gc.Interface)
+	if err != nil {
+		return out, fmt.Errorf("guest %s: interface %s: %w", gc.Name, gc.Interface, err)
+	}
+	routes, err := h.RouteList(link, netlink.FAMILY_ALL)
+	if err != nil {
+		return out, fmt.Errorf("guest %s: routes of %s: %w", gc.Name, gc.Interface, err)
+	}
+	for _, r := range routes {
+		if r.Dst == nil {
+			continue
+		}
+		if p, ok := netip.AddrFromSlice(r.Dst.IP); ok {
+			ones, _ := r.Dst.Mask.Size()
+			pfx := netip.PrefixFrom(p.Unmap(), ones).Masked()
+			if !pfx.Addr().IsLinkLocalUnicast() {
+				out.Prefixes = append(out.Prefixes, pfx)
+			}
+		}
+	}
+	addrs, err := h.AddrList(link, netlink.FAMILY_ALL)
+	if err != nil {
+		return out, fmt.Errorf("guest %s: addresses of %s: %w", gc.Name, gc.Interface, err)
+	}
+	for _, ad := range addrs {
+		if a, ok := netip.AddrFromSlice(ad.IP); ok {
+			out.Except = append(out.Except, a.Unmap())
+		}
+	}
+	return out, nil
+}
+
+func netlinkHandle(nsPath string) (*netlink.Handle, error) {
+	if nsPath == "" {
+		return netlink.NewHandle()
+	}
+	ns, err := netns.GetFromPath(nsPath)
+	if err != nil {
+		return nil, fmt.Errorf("open netns %s: %w", nsPath, err)
+	}
+	defer ns.Close()
+	return netlink.NewHandleAt(ns)
+}
+
+// watchConntrack revokes flows whose conntrack entry is destroyed; when the
+// event stream fails (lost events), it resyncs and listens again.
+func (a *Agent) watchConntrack(ctx context.Context) {
+	defer a.wg.Done()
+	for {
+		err := a.ct.Destroyed(ctx, a.b.ConntrackDestroyed)
+		if ctx.Err() != nil {
+			return
+		}
+		a.log.Warn("conntrack events interrupted; resyncing", "error", err)
+		a.b.Resync()
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(100 * time.Millisecond):
+		}
+	}
+}
+
+// Reload re-reads the policy from the configuration file and applies it;
+// flows the new policy forbids are revoked.
+func (a *Agent) Reload() (int, error) {
+	c, err := config.Load(a.cfg.Path)
+	if err != nil {
+		return 0, fmt.Errorf("reload: %w", err)
+	}
+	tab, err := policy.Compile(c.Policy)
+	if err != nil {
+		return 0, fmt.Errorf("reload: %w", err)
+	}
+	n := a.b.SetPolicy(tab)
+	a.log.Info("policy reloaded", "rules", len(tab.Rules()), "revoked", n)
+	return n, nil
+}
+
+// Status is the `hostd status` reply.
+type Status struct {
+	Uptime   string   `json:"uptime"`
+	Guests   int      `json:"guests"`
+	Sessions int      `json:"sessions"`
+	Flows    int      `json:"flows"`
+	Groups   []string `json:"groups"`
+}
+
+func (a *Agent) handle(r admin.Request) (any, error) {
+	switch r.Cmd {
+	case "guests":
+		return a.b.Guests(), nil
+	case "flows":
+		return a.b.Flows(), nil
+	case "status":
+		st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: len(a.guests), Flows: len(a.b.Flows())}
+		for _, g := range a.b.Guests() {
+			st.Sessions += g.Sessions
+		}
+		for _, g := range a.cfg.Groups {
+			st.Groups = append(st.Groups, g.Name)
+		}
+		return st, nil
+	case "counters":
+		return a.counters()
+	case "reload":
+		n, err := a.Reload()
+		return map[string]int{"revoked": n}, err
+	case "revoke":
+		if !a.b.Revoke(r.Flow) {
+			return nil, fmt.Errorf("no flow named %q (see hostd flows)", r.Flow)
+		}
+		return map[string]string{"revoked": r.Flow}, nil
+	}
+	return nil, fmt.Errorf("unknown command %q", r.Cmd)
+}
+
+// Close stops hostd without revoking flows: they keep running and the next
+// hostd adopts them from the regions.
+func (a *Agent) Close() {
+	if a.b != nil {
+		a.b.Close()
+	}
+	if a.cancel != nil {
+		a.cancel()
+	}
+	if a.srv != nil {
+		a.srv.Close()
+	}
+	if a.adm != nil {
+		a.adm.Close()
+	}
+	if a.http != nil {
+		a.http.Close()
+	}
+	a.wg.Wait()
+	if a.ct != nil {
+		a.ct.Close()
+	}
+	for _, r := range a.regions {
+		r.Close()
+	}
+}
+
+// counters returns Shunt's own counters and gauges as "name{label=value}"
+// keys, for the CLI and the tests.
+func (a *Agent) counters() (map[string]float64, error) {
+	mfs, err := a.m.Registry.Gather()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if !strings.HasPrefix(mf.GetName(), "shunt_") {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			key := mf.GetName()
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetName()+"="+l.GetValue())
+			}
+			if len(labels) > 0 {
+				key += "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.Counter != nil:
+				out[key] = m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				out[key] = m.GetGauge().GetValue()
+			case m.Histogram != nil:
+				out[key+"_count"] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,27 @@
+// Package broker is hostd's flow broker: it decides, for each TCP connection
+// between two guests, whether the pair gets a shared-memory ring pair, and
+// takes the ring pair away again when the connection's permission goes.
+//
+// Lifecycle of one flow (A connects to B):
+//
+//	A: INTENT(A's tuple)      recorded, no reply
+//	A: connect()              kernel: firewall, NAT, conntrack
+//	A: OPEN(active)  --+
+//	B: OPEN(passive) --+--> verify each side against conntrack (the entry
+//	                        exists, is ESTABLISHED and assured, the tuple's
+//	                        source is the claiming guest's), then pair the two
+//	                        by the entry's reply tuple, which both sides share
+//	                        even through DNAT and SNAT; ask policy; allocate
+//	                        a ring pair in the trust group's region
+//	hostd: READY to both, or TCP(reason) to both
+//	...data on the rings; TCP stays open as the lease...
+//	conntrack DESTROY, policy reload, guest gone -> REVOKE to both; the ring
+//	pair is freed once both sides released it (CLOSE) or are gone.
+//
+// A passive OPEN with no intent is an ordinary client: TCP at once, no wait.
+// A side whose peer never shows gets TCP(timeout) after the pairing timeout,
+// and the verdict is remembered for the tuple so the late side gets it too.
+//
+// The broker trusts nothing a guest says: its identity is the session it
+// speaks on, and every tuple is checked against the kernel's conntrack.
+package broker

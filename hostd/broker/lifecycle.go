@@ -1,0 +1,187 @@
+package broker
+
+import (
+	"errors"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/region"
+)
+
+// ConntrackDestroyed revokes the flow whose connection's conntrack entry
+// was destroyed (conntrack -D, timeout, flush).
+func (b *Broker) ConntrackDestroyed(e ctrack.Entry) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if f := b.byKey[e.Reply]; f != nil {
+		b.revokeLocked(f, proto.ReasonConntrackGone)
+	}
+}
+
+// Resync checks every live flow's conntrack entry and revokes the flows
+// whose entry is gone: after lost events (ENOBUFS) and after adoption.
+// Lookups run without the lock.
+func (b *Broker) Resync() {
+	b.mu.Lock()
+	type check struct {
+		f    *Flow
+		orig ctrack.Tuple
+	}
+	var checks []check
+	for _, f := range b.flows {
+		if f.Revoked == proto.ReasonNone {
+			checks = append(checks, check{f, f.Orig})
+		}
+	}
+	b.mu.Unlock()
+	for _, c := range checks {
+		e, err := b.ct.Lookup(c.orig)
+		b.mu.Lock()
+		switch {
+		case errors.Is(err, ctrack.ErrNotFound):
+			b.revokeLocked(c.f, proto.ReasonConntrackGone)
+		case err != nil:
+			b.log.Warn("conntrack resync lookup failed", "flow", c.f.Name(), "error", err)
+		case c.f.Key != e.Reply:
+			if c.f.Key != (ctrack.Tuple{}) && b.byKey[c.f.Key] == c.f {
+				delete(b.byKey, c.f.Key)
+			}
+			c.f.Key = e.Reply
+			b.byKey[e.Reply] = c.f
+		}
+		b.mu.Unlock()
+	}
+}
+
+// SetPolicy installs a new policy table and revokes the live flows that it
+// no longer allows on the fast path.
+func (b *Broker) SetPolicy(t *policy.Table) (revoked int) {
+	b.policy.Store(t)
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, f := range b.flows {
+		if f.Revoked != proto.ReasonNone {
+			continue
+		}
+		to := f.Key.Src // the accepting guest's real address
+		if !to.IsValid() {
+			to = f.Orig.Dst // adopted, not yet resynced
+		}
+		if !t.Decide(policy.Flow{From: f.Orig.Src, To: to}).FastPath {
+			b.revokeLocked(f, proto.ReasonPolicyReload)
+			revoked++
+		}
+	}
+	return revoked
+}
+
+// Revoke revokes a flow by name (an operator's command).
+func (b *Broker) Revoke(name string) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, f := range b.flows {
+		if f.Name() == name {
+			b.revokeLocked(f, proto.ReasonAdmin)
+			return true
+		}
+	}
+	return false
+}
+
+// Adopt rebuilds the flows of group g from its region after a hostd
+// restart. The flows keep running; their guests have grace to reconnect and
+// REATTACH, after which any side still missing counts as gone.
+func (b *Broker) Adopt(g *Group, grace time.Duration) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	n := 0
+	for _, s := range g.Pool.Live() {
+		ga, gb := b.guestByID(s.OwnerA), b.guestByID(s.OwnerB)
+		if ga == nil || gb == nil || ga.Group != g || gb.Group != g {
+			b.log.Warn("adopted slot names unknown guests; freeing it", "group", g.Name, "slot", s.Index)
+			_ = g.Pool.Revoke(s.Index, s.Gen, uint32(proto.ReasonInternal))
+			_ = g.Pool.Free(s.Index, s.Gen)
+			continue
+		}
+		f := &Flow{
+			id: flowID{g.Name, s.Index}, Gen: s.Gen, Group: g, GuestA: ga, GuestB: gb,
+			Orig: ctrack.Tuple{Src: s.Src, Dst: s.Dst}, Capacity: s.Capacity,
+			Created: time.Unix(0, s.Created), Rule: "adopted", adopted: true,
+			released: s.Released,
+		}
+		if s.State == region.Revoked {
+			f.Revoked = proto.Reason(s.Reason)
+			b.m.Flows.WithLabelValues("revoked", "direct").Inc()
+		} else {
+			b.m.Flows.WithLabelValues("ready", "direct").Inc()
+		}
+		b.flows[f.id] = f
+		n++
+	}
+	if n > 0 {
+		b.wg.Add(1)
+		time.AfterFunc(grace, func() {
+			defer b.wg.Done()
+			b.graceOver(g)
+		})
+	}
+	return n
+}
+
+func (b *Broker) guestByID(id uint32) *Guest {
+	for _, g := range b.guests {
+		if g.ID == id {
+			return g
+		}
+	}
+	return nil
+}
+
+// graceOver treats adopted sides that did not reattach as gone.
+func (b *Broker) graceOver(g *Group) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		return
+	}
+	for _, f := range b.flows {
+		if f.Group != g || !f.adopted {
+			continue
+		}
+		f.adopted = false
+		if f.sessA == nil && f.released&region.SideA == 0 {
+			b.goneLocked(f, region.SideA)
+		}
+		if f.sessB == nil && f.released&region.SideB == 0 {
+			b.goneLocked(f, region.SideB)
+		}
+	}
+}
+
+// Reattach handles a REATTACH: after a hostd restart a guest says it still
+// holds side m.Side of flow (m.Slot, m.Gen). The session must belong to the
+// guest that owns that side. An unknown flow is answered with REVOKE so the
+// guest drops it.
+func (b *Broker) Reattach(s Session, m proto.Msg) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	g := s.Guest()
+	f := b.flowLocked(g.Group, int(m.Slot), m.Gen)
+	ok := f != nil && (m.Side == proto.SideA && f.GuestA == g && f.released&region.SideA == 0 ||
+		m.Side == proto.SideB && f.GuestB == g && f.released&region.SideB == 0)
+	if !ok {
+		s.Send(proto.Msg{Type: proto.Revoke, Slot: m.Slot, Gen: m.Gen, Reason: proto.ReasonPeerGone})
+		return
+	}
+	if m.Side == proto.SideA {
+		f.sessA = s
+	} else {
+		f.sessB = s
+	}
+	if f.Revoked != proto.ReasonNone {
+		s.Send(proto.Msg{Type: proto.Revoke, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
+	}
+	b.log.Info("flow reattached", "flow", f.Name(), "guest", g.Name, "side", m.Side)
+}

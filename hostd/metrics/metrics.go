@@ -1,0 +1,97 @@
+// Package metrics defines hostd's Prometheus metrics. The broker updates the
+// counters as it decides; flow byte counters are read from the rings at
+// scrape time by a collector (they live in shared memory, not in hostd).
+package metrics
+
+import (
+	"github.com/prometheus/client_golang/prometheus"
+	"github.com/prometheus/client_golang/prometheus/collectors"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+// Set holds hostd's metrics. Safe for concurrent use.
+type Set struct {
+	Registry  *prometheus.Registry
+	Fallbacks *prometheus.CounterVec // reason
+	Revokes   *prometheus.CounterVec // reason
+	Opens     *prometheus.CounterVec // role
+	Flows     *prometheus.GaugeVec   // state, mode
+	Setup     prometheus.Histogram   // seconds from the first OPEN of a pair to READY
+	Malformed prometheus.Counter     // control channels closed for malformed input
+	Sessions  *prometheus.GaugeVec   // guest
+}
+
+// New creates the metrics and registers them, with Go and process metrics,
+// in a fresh registry.
+func New() *Set {
+	s := &Set{
+		Registry: prometheus.NewRegistry(),
+		Fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_fallbacks_total", Help: "Connections kept on TCP, by reason.",
+		}, []string{"reason"}),
+		Revokes: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_revocations_total", Help: "Fast-path flows revoked, by reason.",
+		}, []string{"reason"}),
+		Opens: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_opens_total", Help: "OPEN requests from guests, by role.",
+		}, []string{"role"}),
+		Flows: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "shunt_flows", Help: "Fast-path flows by state and waiting mode.",
+		}, []string{"state", "mode"}),
+		Setup: prometheus.NewHistogram(prometheus.HistogramOpts{
+			Name: "shunt_flow_setup_seconds", Help: "Time from the first OPEN of a pair to READY.",
+			Buckets: prometheus.ExponentialBuckets(20e-6, 2, 16),
+		}),
+		Malformed: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_control_malformed_total", Help: "Control channels closed for malformed messages.",
+		}),
+		Sessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "shunt_guest_sessions", Help: "Connected control sessions per guest.",
+		}, []string{"guest"}),
+	}
+	s.Registry.MustRegister(s.Fallbacks, s.Revokes, s.Opens, s.Flows, s.Setup, s.Malformed, s.Sessions,
+		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
+	for _, r := range proto.Reasons() {
+		s.Fallbacks.WithLabelValues(r.String())
+	}
+	return s
+}
+
+// FlowStat is one flow's counters for the byte collector.
+type FlowStat struct {
+	Flow, GuestA, GuestB string
+	BytesAB, BytesBA     uint64
+}
+
+// FlowBytes exports per-flow and per-guest byte counters, read from the
+// rings at scrape time through fn.
+type FlowBytes struct {
+	Fn      func() []FlowStat
+	perFlow *prometheus.Desc
+	perGst  *prometheus.Desc
+}
+
+// NewFlowBytes registers a FlowBytes collector on s.
+func (s *Set) NewFlowBytes(fn func() []FlowStat) {
+	s.Registry.MustRegister(&FlowBytes{
+		Fn:      fn,
+		perFlow: prometheus.NewDesc("shunt_flow_bytes", "Bytes moved by a live flow, by direction (from the ring counters).", []string{"flow", "direction"}, nil),
+		perGst:  prometheus.NewDesc("shunt_guest_bytes_sent", "Bytes sent by a guest over its live flows.", []string{"guest"}, nil),
+	})
+}
+
+func (c *FlowBytes) Describe(ch chan<- *prometheus.Desc) { ch <- c.perFlow; ch <- c.perGst }
+
+func (c *FlowBytes) Collect(ch chan<- prometheus.Metric) {
+	byGuest := map[string]uint64{}
+	for _, f := range c.Fn() {
+		ch <- prometheus.MustNewConstMetric(c.perFlow, prometheus.GaugeValue, float64(f.BytesAB), f.Flow, "ab")
+		ch <- prometheus.MustNewConstMetric(c.perFlow, prometheus.GaugeValue, float64(f.BytesBA), f.Flow, "ba")
+		byGuest[f.GuestA] += f.BytesAB
+		byGuest[f.GuestB] += f.BytesBA
+	}
+	for g, n := range byGuest {
+		ch <- prometheus.MustNewConstMetric(c.perGst, prometheus.GaugeValue, float64(n), g)
+	}
+}

@@ -1,0 +1,301 @@
+package nsrig
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"runtime"
+	"strings"
+
+	"github.com/vishvananda/netlink"
+	"github.com/vishvananda/netns"
+)
+
+// Guest is one guest namespace.
+type Guest struct {
+	Index    int
+	Name     string     // g1, g2, ...
+	NS       string     // netns name
+	Addr     netip.Addr // the guest's address
+	HostAddr netip.Addr // the host side of its veth
+	HostIf   string     // the host side interface name
+}
+
+// NSPath is the guest namespace's bind-mount path.
+func (g *Guest) NSPath() string { return "/run/netns/" + g.NS }
+
+// Rig is a created rig.
+type Rig struct {
+	Name   string
+	HostNS string // netns name of the host
+	Guests []*Guest
+}
+
+// HostNSPath is the host namespace's bind-mount path.
+func (r *Rig) HostNSPath() string { return "/run/netns/" + r.HostNS }
+
+// New describes a rig with n guests; Create makes it.
+func New(name string, n int) (*Rig, error) {
+	if len(name) == 0 || len(name) > 8 || strings.ContainsAny(name, " /") {
+		return nil, fmt.Errorf("rig name %q: want 1 to 8 characters, no spaces or slashes", name)
+	}
+	if n < 1 || n > 200 {
+		return nil, fmt.Errorf("rig guests %d: want 1 to 200", n)
+	}
+	r := &Rig{Name: name, HostNS: "shunt-" + name + "-host"}
+	for i := 1; i <= n; i++ {
+		r.Guests = append(r.Guests, &Guest{
+			Index: i, Name: fmt.Sprintf("g%d", i), NS: fmt.Sprintf("shunt-%s-g%d", name, i),
+			Addr:     netip.AddrFrom4([4]byte{10, 77, byte(i), 2}),
+			HostAddr: netip.AddrFrom4([4]byte{10, 77, byte(i), 1}),
+			HostIf:   fmt.Sprintf("sh-%s-%d", name, i),
+		})
+	}
+	return r, nil
+}
+
+// Create builds the rig, removing leftovers of a rig with the same name
+// first. On failure it removes what it made.
+func (r *Rig) Create() (err error) {
+	if os.Geteuid() != 0 {
+		return errors.New("the namespace rig needs root (CAP_NET_ADMIN, CAP_SYS_ADMIN): run as root")
+	}
+	_ = r.Destroy()
+	defer func() {
+		if err != nil {
+			_ = r.Destroy()
+		}
+	}()
+	host, err := newNamed(r.HostNS)
+	if err != nil {
+		return err
+	}
+	defer host.Close()
+	hh, err := netlink.NewHandleAt(host)
+	if err != nil {
+		return fmt.Errorf("netlink in %s: %w", r.HostNS, err)
+	}
+	defer hh.Close()
+	if err := linkUp(hh, "lo"); err != nil {
+		return err
+	}
+	if err := r.In(r.HostNSPath(), func() error {
+		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644)
+	}); err != nil {
+		return fmt.Errorf("enable forwarding in %s: %w", r.HostNS, err)
+	}
+	for _, g := range r.Guests {
+		if err := r.addGuest(hh, host, g); err != nil {
+			return fmt.Errorf("guest %s: %w", g.Name, err)
+		}
+	}
+	return r.Firewall("")
+}
+
+func (r *Rig) addGuest(hh *netlink.Handle, host netns.NsHandle, g *Guest) error {
+	gns, err := newNamed(g.NS)
+	if err != nil {
+		return err
+	}
+	defer gns.Close()
+	gh, err := netlink.NewHandleAt(gns)
+	if err != nil {
+		return fmt.Errorf("netlink in %s: %w", g.NS, err)
+	}
+	defer gh.Close()
+	veth := &netlink.Veth{
+		LinkAttrs: netlink.LinkAttrs{Name: g.HostIf, Namespace: netlink.NsFd(host)},
+		PeerName:  "eth0", PeerNamespace: netlink.NsFd(gns),
+	}
+	// Create in the host namespace directly, the peer in the guest's.
+	if err := hh.LinkAdd(veth); err != nil {
+		return fmt.Errorf("veth %s: %w", g.HostIf, err)
+	}
+	if err := addAddr(hh, g.HostIf, g.HostAddr); err != nil {
+		return err
+	}
+	if err := addAddr(gh, "eth0", g.Addr); err != nil {
+		return err
+	}
+	for _, name := range []string{"lo", "eth0"} {
+		if err := linkUp(gh, name); err != nil {
+			return err
+		}
+	}
+	if err := linkUp(hh, g.HostIf); err != nil {
+		return err
+	}
+	eth0, err := gh.LinkByName("eth0")
+	if err != nil {
+		return err
+	}
+	gw := net.IP(g.HostAddr.AsSlice())
+	if err := gh.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: gw}); err != nil {
+		return fmt.Errorf("default route in %s: %w", g.NS, err)
+	}
+	return nil
+}
+
+func addAddr(h *netlink.Handle, ifname string, a netip.Addr) error {
+	l, err := h.LinkByName(ifname)
+	if err != nil {
+		return fmt.Errorf("link %s: %w", ifname, err)
+	}
+	ipn := &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(24, 32)}
+	if err := h.AddrAdd(l, &netlink.Addr{IPNet: ipn}); err != nil {
+		return fmt.Errorf("address %s on %s: %w", a, ifname, err)
+	}
+	return nil
+}
+
+func linkUp(h *netlink.Handle, ifname string) error {
+	l, err := h.LinkByName(ifname)
+	if err != nil {
+		return fmt.Errorf("link %s: %w", ifname, err)
+	}
+	if err := h.LinkSetUp(l); err != nil {
+		return fmt.Errorf("set %s up: %w", ifname, err)
+	}
+	return nil
+}
+
+// newNamed creates a named network namespace without leaving the calling
+// thread in it.
+func newNamed(name string) (netns.NsHandle, error) {
+	runtime.LockOSThread()
+	defer runtime.UnlockOSThread()
+	orig, err := netns.Get()
+	if err != nil {
+		return 0, fmt.Errorf("current netns: %w", err)
+	}
+	defer orig.Close()
+	ns, err := netns.NewNamed(name)
+	if err != nil {
+		return 0, fmt.Errorf("create netns %s: %w", name, err)
+	}
+	if err := netns.Set(orig); err != nil {
+		ns.Close()
+		return 0, fmt.Errorf("return from netns %s: %w", name, err)
+	}
+	return ns, nil
+}
+
+// In runs fn on an OS thread that is inside the namespace at nsPath.
+// Sockets fn creates stay in that namespace after fn returns, and processes
+// it starts are born there.
+func (r *Rig) In(nsPath string, fn func() error) error { return In(nsPath, fn) }
+
+// In runs fn on an OS thread inside the namespace at nsPath.
+func In(nsPath string, fn func() error) error {
+	errc := make(chan error, 1)
+	go func() {
+		runtime.LockOSThread()
+		// The thread is not unlocked: if restoring its namespace fails,
+		// the runtime must throw it away rather than reuse it.
+		orig, err := netns.Get()
+		if err != nil {
+			errc <- err
+			return
+		}
+		defer orig.Close()
+		ns, err := netns.GetFromPath(nsPath)
+		if err != nil {
+			errc <- fmt.Errorf("open netns %s: %w", nsPath, err)
+			return
+		}
+		defer ns.Close()
+		if err := netns.Set(ns); err != nil {
+			errc <- fmt.Errorf("enter netns %s: %w", nsPath, err)
+			return
+		}
+		err = fn()
+		if serr := netns.Set(orig); serr == nil {
+			runtime.UnlockOSThread()
+		}
+		errc <- err
+	}()
+	return <-errc
+}
+
+// Command returns a command that runs in the namespace at nsPath once
+// started with Start (which must be used instead of cmd.Start).
+func Start(nsPath string, cmd *exec.Cmd) error {
+	return In(nsPath, cmd.Start)
+}
+
+// Run runs a command in the namespace and returns its combined output.
+func Run(nsPath string, name string, args ...string) (string, error) {
+	var out bytes.Buffer
+	cmd := exec.Command(name, args...)
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := Start(nsPath, cmd); err != nil {
+		return "", err
+	}
+	err := cmd.Wait()
+	if err != nil {
+		err = fmt.Errorf("%s %s: %w: %s", name, strings.Join(args, " "), err, strings.TrimSpace(out.String()))
+	}
+	return out.String(), err
+}
+
+// Firewall replaces the host's nftables ruleset for the rig. extra goes into
+// the forward chain after the rules every rig has: established flows pass,
+// and new flows are stamped with the originating guest's index as
+// conntrack mark (so hostd can check which guest a flow came from). nat
+// goes into a nat prerouting chain (DNAT rules).
+func (r *Rig) Firewall(extra string, nat ...string) error {
+	var b strings.Builder
+	b.WriteString("table inet shunt_rig\ndelete table inet shunt_rig\ntable inet shunt_rig {\n")
+	b.WriteString("  chain forward {\n    type filter hook forward priority 0; policy accept;\n")
+	for _, g := range r.Guests {
+		fmt.Fprintf(&b, "    ct state new iifname %q ct mark set %d\n", g.HostIf, g.Index)
+	}
+	b.WriteString("    ct state established,related accept\n")
+	if extra != "" {
+		b.WriteString("    " + extra + "\n")
+	}
+	b.WriteString("  }\n  chain prerouting {\n    type nat hook prerouting priority -100; policy accept;\n")
+	for _, n := range nat {
+		b.WriteString("    " + n + "\n")
+	}
+	b.WriteString("  }\n}\n")
+	cmd := exec.Command("nft", "-f", "-")
+	cmd.Stdin = strings.NewReader(b.String())
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := Start(r.HostNSPath(), cmd); err != nil {
+		return fmt.Errorf("nft: %w (is nftables installed? apt-get install nftables)", err)
+	}
+	if err := cmd.Wait(); err != nil {
+		return fmt.Errorf("nft ruleset: %w: %s", err, strings.TrimSpace(out.String()))
+	}
+	return nil
+}
+
+// Destroy removes the rig's namespaces (and with them their veths, rules
+// and conntrack tables). Removing a rig that does not exist is not an error.
+func (r *Rig) Destroy() error {
+	var errs []error
+	for _, name := range append([]string{r.HostNS}, r.nsNames()...) {
+		if _, err := os.Stat(filepath.Join("/run/netns", name)); err != nil {
+			continue
+		}
+		if err := netns.DeleteNamed(name); err != nil {
+			errs = append(errs, fmt.Errorf("delete netns %s: %w", name, err))
+		}
+	}
+	return errors.Join(errs...)
+}
+
+func (r *Rig) nsNames() []string {
+	var out []string
+	for _, g := range r.Guests {
+		out = append(out, g.NS)
+	}
+	return out
+}
