@@ -51,6 +51,7 @@ type env struct {
 	hostd   *exec.Cmd
 	logs    *os.File
 	clients []*guestlib.Client
+	lns     map[[2]int]*guestlib.Listener // by guest and port
 }
 
 var rigSeq int
@@ -69,7 +70,7 @@ func newEnv(t *testing.T, n int, policy string) *env {
 	if err := r.Create(); err != nil {
 		t.Fatalf("create rig: %v", err)
 	}
-	e := &env{t: t, rig: r, dir: t.TempDir()}
+	e := &env{t: t, rig: r, dir: t.TempDir(), lns: map[[2]int]*guestlib.Listener{}}
 	t.Cleanup(func() {
 		for _, c := range e.clients {
 			c.Close()
@@ -165,9 +166,13 @@ func (e *env) killHostd() {
 	e.hostd = nil
 }
 
-// listen listens on port in guest i (1-based) through guestlib.
+// listen listens on port in guest i (1-based) through guestlib, once per
+// guest and port.
 func (e *env) listen(i int, port int) *guestlib.Listener {
 	e.t.Helper()
+	if l := e.lns[[2]int{i, port}]; l != nil {
+		return l
+	}
 	g := e.rig.Guests[i-1]
 	var l *guestlib.Listener
 	err := nsrig.In(g.NSPath(), func() error {
@@ -180,6 +185,7 @@ func (e *env) listen(i int, port int) *guestlib.Listener {
 		e.t.Fatalf("listen in %s: %v", g.Name, err)
 	}
 	e.t.Cleanup(func() { l.Close() })
+	e.lns[[2]int{i, port}] = l
 	return l
 }
 

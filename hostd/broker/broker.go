@@ -84,6 +84,9 @@ type Options struct {
 	PairingTimeout time.Duration // how long one side waits for the other
 	LookupTimeout  time.Duration // how long to wait for conntrack to show ESTABLISHED
 	RememberFor    time.Duration // how long a timeout verdict is remembered
+	// IntentGrace is how long a passive side waits for a local guest's
+	// INTENT that may be in flight; 0 = 50ms.
+	IntentGrace time.Duration
 }
 
 // Broker is the flow broker. It is safe for concurrent use; Close stops its
@@ -124,6 +127,8 @@ type half struct {
 	entry ctrack.Entry
 	at    time.Time
 	timer *time.Timer
+
+	onTimeout proto.Reason // the verdict if the other side does not come
 }
 
 type flowID struct {
@@ -157,6 +162,9 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 	}
 	if opts.LookupTimeout <= 0 {
 		opts.LookupTimeout = 200 * time.Millisecond
+	}
+	if opts.IntentGrace <= 0 {
+		opts.IntentGrace = 50 * time.Millisecond
 	}
 	if opts.RememberFor <= 0 {
 		opts.RememberFor = 30 * time.Second
@@ -263,6 +271,7 @@ func (b *Broker) listeningLocked(g *Guest, addr netip.AddrPort) bool {
 // they grant nothing.
 func (b *Broker) Intent(s Session, t ctrack.Tuple) {
 	if !s.Guest().Owns(t.Src.Addr()) {
+		b.log.Debug("intent for an address the guest does not own; ignored", "guest", s.Guest().Name, "tuple", t)
 		return
 	}
 	b.mu.Lock()
@@ -319,13 +328,22 @@ func (b *Broker) open(s Session, m proto.Msg) {
 		b.fallbackLocked(s, m.ReqID, proto.ReasonNotOwner)
 		return
 	}
+	wait, onTimeout := b.opts.PairingTimeout, proto.ReasonTimeout
 	if m.Role == proto.Passive && other == nil {
 		if _, ok := b.intents[e.Orig]; !ok {
-			// An ordinary client, or one whose OPEN lost the race with ours:
-			// either way both sides must get the same verdict, so remember it.
-			b.fallbackLocked(s, m.ReqID, proto.ReasonNoIntent)
-			b.rememberLocked(key, proto.ReasonNoIntent)
-			return
+			og := b.guestByAddr(e.Orig.Src.Addr())
+			if og == nil || !b.hasSessionLocked(og) {
+				// An ordinary client: TCP at once. Remember it, so a late
+				// OPEN of the other side gets the same verdict.
+				b.log.Debug("passive open without intent", "guest", s.Guest().Name, "orig", e.Orig)
+				b.fallbackLocked(s, m.ReqID, proto.ReasonNoIntent)
+				b.rememberLocked(key, proto.ReasonNoIntent)
+				return
+			}
+			// The connecting side is a Shunt guest whose INTENT may still be
+			// queued behind us (its session is served by another goroutine):
+			// wait briefly for it instead of the full pairing timeout.
+			wait, onTimeout = b.opts.IntentGrace, proto.ReasonNoIntent
 		}
 	}
 	if m.Role == proto.Active {
@@ -341,7 +359,8 @@ func (b *Broker) open(s Session, m proto.Msg) {
 		delete(b.intents, e.Orig)
 	}
 	if other == nil {
-		h.timer = time.AfterFunc(b.opts.PairingTimeout, func() { b.timeout(key, h) })
+		h.onTimeout = onTimeout
+		h.timer = time.AfterFunc(wait, func() { b.timeout(key, h) })
 		b.waiting[key] = h
 		return
 	}
@@ -484,7 +503,16 @@ func (b *Broker) timeout(key ctrack.Tuple, h *half) {
 	if b.closed || b.waiting[key] != h {
 		return
 	}
-	b.dropWaitingLocked(key, h, proto.ReasonTimeout)
+	b.dropWaitingLocked(key, h, h.onTimeout)
+}
+
+func (b *Broker) hasSessionLocked(g *Guest) bool {
+	for s := range b.sessions {
+		if s.Guest() == g {
+			return true
+		}
+	}
+	return false
 }
 
 func (b *Broker) dropWaitingLocked(key ctrack.Tuple, h *half, reason proto.Reason) {

@@ -18,7 +18,10 @@
 //	conntrack DESTROY, policy reload, guest gone -> REVOKE to both; the ring
 //	pair is freed once both sides released it (CLOSE) or are gone.
 //
-// A passive OPEN with no intent is an ordinary client: TCP at once, no wait.
+// A passive OPEN with no intent from a peer that is not a connected Shunt
+// guest is an ordinary client: TCP at once, no wait. If the peer is a
+// connected guest, its INTENT may still be queued on its own session, so the
+// passive side waits a short grace (50 ms) before settling on TCP.
 // A side whose peer never shows gets TCP(timeout) after the pairing timeout,
 // and the verdict is remembered for the tuple so the late side gets it too.
 //

@@ -1,0 +1,101 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"io"
+	"net"
+	"net/http"
+	"strings"
+	"sync/atomic"
+	"testing"
+
+	"golang.org/x/net/nettest"
+
+	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/integration/nsrig"
+)
+
+// TestConnConformance runs x/net/nettest's net.Conn conformance suite on
+// guestlib connections, on the fast path and on the TCP fallback.
+func TestConnConformance(t *testing.T) {
+	e := newEnv(t, 2, `rule "fallback" {
+  action = "tcp"
+  ports  = ["5301"]
+}`)
+	for _, tc := range []struct {
+		name string
+		port int
+		fast bool
+	}{{"fastpath", 5300, true}, {"fallback", 5301, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			l := e.listen(2, tc.port)
+			nettest.TestConn(t, func() (c1, c2 net.Conn, stop func(), err error) {
+				acc := make(chan *guestlib.Conn, 1)
+				go func() {
+					s, err := l.AcceptShunt()
+					if err != nil {
+						t.Errorf("accept: %v", err)
+					}
+					acc <- s
+				}()
+				c, err := e.dial(1, fmt.Sprintf("%s:%d", e.rig.Guests[1].Addr, tc.port))
+				if err != nil {
+					return nil, nil, nil, err
+				}
+				s := <-acc
+				if c.Path().Fast != tc.fast || s.Path().Fast != tc.fast {
+					t.Fatalf("paths %s / %s, want fast=%v", c.Path(), s.Path(), tc.fast)
+				}
+				return c, s, func() { c.Close(); s.Close() }, nil
+			})
+		})
+	}
+}
+
+// TestHTTPOverGuestlib: net/http's server and client run over guestlib
+// connections on the fast path.
+func TestHTTPOverGuestlib(t *testing.T) {
+	e := newEnv(t, 2, "")
+	l := e.listen(2, 8081)
+	srv := &http.Server{Handler: http.HandlerFunc(func(w http.ResponseWriter, r *http.Request) {
+		body, _ := io.ReadAll(r.Body)
+		fmt.Fprintf(w, "hello %s, you sent %d bytes", r.URL.Path[1:], len(body))
+	})}
+	go srv.Serve(l)
+	defer srv.Close()
+	var fast atomic.Int32
+	client := &http.Client{Transport: &http.Transport{
+		DialContext: func(ctx context.Context, network, addr string) (net.Conn, error) {
+			var c *guestlib.Conn
+			err := nsrig.In(e.rig.Guests[0].NSPath(), func() error {
+				var err error
+				d := guestlib.Dialer{Client: e.clients[0]}
+				c, err = d.DialContext(ctx, "tcp4", addr)
+				return err
+			})
+			if err == nil && c.Path().Fast {
+				fast.Add(1)
+			}
+			return c, err
+		},
+	}}
+	defer client.CloseIdleConnections()
+	for i := range 3 {
+		resp, err := client.Post(fmt.Sprintf("http://%s:8081/shunt", e.rig.Guests[1].Addr), "text/plain", strings.NewReader(strings.Repeat("x", 100000*i)))
+		if err != nil {
+			t.Fatal(err)
+		}
+		b, _ := io.ReadAll(resp.Body)
+		resp.Body.Close()
+		if want := fmt.Sprintf("hello shunt, you sent %d bytes", 100000*i); string(b) != want {
+			t.Fatalf("response %q, want %q", b, want)
+		}
+	}
+	if fast.Load() < 1 {
+		t.Fatal("no HTTP connection took the fast path")
+	}
+	if fl := e.flows(); len(fl) < 1 {
+		t.Fatalf("hostd lists no flow for the HTTP connection")
+	}
+}

@@ -1,0 +1,171 @@
+package integration
+
+import (
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"net/netip"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+func TestFirewallRejectStaysRejected(t *testing.T) {
+	e := newEnv(t, 2, "")
+	if err := e.rig.Firewall("tcp dport 5210 reject with tcp reset"); err != nil {
+		t.Fatal(err)
+	}
+	e.listen(2, 5210)
+	_, err := e.dial(1, fmt.Sprintf("%s:5210", e.rig.Guests[1].Addr))
+	if !errors.Is(err, syscall.ECONNREFUSED) {
+		t.Fatalf("dial through a rejecting firewall = %v, want ECONNREFUSED as without Shunt", err)
+	}
+	if fl := e.flows(); len(fl) != 0 {
+		t.Fatalf("a rejected connection has flows: %+v", fl)
+	}
+}
+
+func TestPolicyDeniedStaysOnTCP(t *testing.T) {
+	e := newEnv(t, 2, `rule "no-5211" {
+  action = "tcp"
+  ports  = ["5211"]
+}`)
+	c, s := e.pair(1, 2, 5211)
+	if p := c.Path(); p.Fast || p.Reason != "policy" {
+		t.Fatalf("client path %s, want tcp(policy)", p)
+	}
+	if p := s.Path(); p.Fast || p.Reason != "policy" {
+		t.Fatalf("server path %s, want tcp(policy)", p)
+	}
+	roundTrip(t, c, s)
+	if got := e.counter("shunt_fallbacks_total{reason=policy}"); got < 1 {
+		t.Fatalf("policy fallbacks counted %v, want at least 1", got)
+	}
+	if fl := e.flows(); len(fl) != 0 {
+		t.Fatalf("a policy-denied connection has flows: %+v", fl)
+	}
+}
+
+func roundTrip(t *testing.T, c, s net.Conn) {
+	t.Helper()
+	go func() { c.Write([]byte("ping")) }()
+	b := make([]byte, 4)
+	if _, err := io.ReadFull(s, b); err != nil || string(b) != "ping" {
+		t.Fatalf("server read %q, %v", b, err)
+	}
+	s.Write([]byte("pong"))
+	if _, err := io.ReadFull(c, b); err != nil || string(b) != "pong" {
+		t.Fatalf("client read %q, %v", b, err)
+	}
+}
+
+// rawSession speaks the control protocol on a guest's socket directly.
+func rawSession(t *testing.T, path string) net.Conn {
+	t.Helper()
+	c, err := net.Dial("unix", path)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { c.Close() })
+	if err := proto.Write(c, &proto.Msg{Type: proto.Hello, PID: 1}); err != nil {
+		t.Fatal(err)
+	}
+	c.SetDeadline(time.Now().Add(5 * time.Second))
+	if m, _, err := proto.Read(c, nil); err != nil || m.Type != proto.Welcome {
+		t.Fatalf("welcome: %+v, %v", m, err)
+	}
+	return c
+}
+
+// TestForeignTupleRefused: guest 3 claims the tuple of a connection between
+// guests 1 and 2; hostd refuses it and counts it, and the real flow is not
+// disturbed.
+func TestForeignTupleRefused(t *testing.T) {
+	e := newEnv(t, 3, "")
+	c, _ := e.pair(1, 2, 5212)
+	if !c.Path().Fast {
+		t.Fatalf("path %s, want fast", c.Path())
+	}
+	raw := rawSession(t, e.control(e.rig.Guests[2]))
+	local := c.LocalAddr().(*net.TCPAddr).AddrPort()
+	remote := c.RemoteAddr().(*net.TCPAddr).AddrPort()
+	for _, role := range []proto.Role{proto.Active, proto.Passive} {
+		l, r := local, remote
+		if role == proto.Passive {
+			l, r = remote, local
+		}
+		if err := proto.Write(raw, &proto.Msg{Type: proto.Open, ReqID: 7, Role: role, Local: unmap(l), Remote: unmap(r)}); err != nil {
+			t.Fatal(err)
+		}
+		m, _, err := proto.Read(raw, nil)
+		if err != nil || m.Type != proto.TCP || m.Reason != proto.ReasonNotOwner {
+			t.Fatalf("foreign OPEN (%d) answered %+v, %v; want TCP(not-owner)", role, m, err)
+		}
+	}
+	if got := e.counter("shunt_fallbacks_total{reason=not-owner}"); got != 2 {
+		t.Fatalf("not-owner fallbacks %v, want 2", got)
+	}
+	if fl := e.flows(); len(fl) != 1 || fl[0].State != "ready" {
+		t.Fatalf("the real flow was disturbed: %+v", fl)
+	}
+}
+
+func unmap(a netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(a.Addr().Unmap(), a.Port()) }
+
+// TestDNATPairs: guest 1 connects to a service address that the host DNATs
+// to guest 2; the two sides see different tuples and still pair.
+func TestDNATPairs(t *testing.T) {
+	e := newEnv(t, 2, "")
+	if err := e.rig.Firewall("", fmt.Sprintf("ip daddr 10.77.200.1 tcp dport 80 dnat ip to %s:8080", e.rig.Guests[1].Addr)); err != nil {
+		t.Fatal(err)
+	}
+	l := e.listen(2, 8080)
+	acc := make(chan net.Conn, 1)
+	go func() { s, _ := l.AcceptShunt(); acc <- s }()
+	c, err := e.dial(1, "10.77.200.1:80")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	s := <-acc
+	defer s.Close()
+	if !c.Path().Fast {
+		t.Fatalf("client path through DNAT %s, want fast", c.Path())
+	}
+	roundTrip(t, c, s)
+	fl := e.flows()
+	if len(fl) != 1 || fl[0].Dst != "10.77.200.1:80" || fl[0].GuestB != "g2" {
+		t.Fatalf("flows %+v; want one to the service address, accepted by g2", fl)
+	}
+}
+
+// TestMalformedControlMessage: garbage on one guest's channel closes that
+// channel with ERROR and a logged, counted reason; other guests go on.
+func TestMalformedControlMessage(t *testing.T) {
+	e := newEnv(t, 3, "")
+	raw := rawSession(t, e.control(e.rig.Guests[2]))
+	raw.Write([]byte{1, 99, 0, 0, 0, 0, 0, 0})
+	m, _, err := proto.Read(raw, nil)
+	if err != nil || m.Type != proto.Error || m.Reason != proto.ReasonMalformed {
+		t.Fatalf("after garbage: %+v, %v; want ERROR(malformed)", m, err)
+	}
+	if _, _, err := proto.Read(raw, nil); !errors.Is(err, io.EOF) {
+		t.Fatalf("channel still open after ERROR: %v", err)
+	}
+	if got := e.counter("shunt_control_malformed_total"); got != 1 {
+		t.Fatalf("malformed counter %v, want 1", got)
+	}
+	// A READY sent by a guest is a protocol violation too.
+	raw2 := rawSession(t, e.control(e.rig.Guests[2]))
+	proto.Write(raw2, &proto.Msg{Type: proto.Ready, Side: proto.SideA})
+	if m, _, err := proto.Read(raw2, nil); err != nil || m.Type != proto.Error {
+		t.Fatalf("after a guest-sent READY: %+v, %v; want ERROR", m, err)
+	}
+	c, _ := e.pair(1, 2, 5213)
+	if !c.Path().Fast {
+		t.Fatalf("other guests lost the fast path: %s", c.Path())
+	}
+}
