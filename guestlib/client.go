@@ -69,6 +69,8 @@ type Client struct {
 	guestID    uint32
 	nextReq    uint32
 	pending    map[uint32]chan proto.Msg
+	pongs      map[uint64]chan struct{}
+	nonce      uint64
 	flows      map[flowKey]*Conn
 	listens    map[netip.AddrPort]int
 	closes     []proto.Msg // CLOSEs to send once reconnected
@@ -92,7 +94,7 @@ func NewClient(opts Options) (*Client, error) {
 		return nil, err
 	}
 	return &Client{
-		opts: o, pending: map[uint32]chan proto.Msg{}, flows: map[flowKey]*Conn{},
+		opts: o, pending: map[uint32]chan proto.Msg{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
 		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
 	}, nil
 }
@@ -219,6 +221,14 @@ func (c *Client) readLoop(conn net.Conn) {
 			}
 		case proto.Ping:
 			c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+		case proto.Pong:
+			c.mu.Lock()
+			ch := c.pongs[m.Nonce]
+			delete(c.pongs, m.Nonce)
+			c.mu.Unlock()
+			if ch != nil {
+				close(ch)
+			}
 		case proto.Error:
 			c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
 		}
@@ -283,6 +293,32 @@ func (c *Client) sendLocked(m proto.Msg) error {
 		return errNoHostd
 	}
 	return proto.Write(c.conn, &m)
+}
+
+// sync waits until hostd has processed everything sent so far on this
+// session (a PING answered by a PONG; a session is served in order), so that
+// a LISTEN is in effect before a peer's connection can reach hostd through
+// another session.
+func (c *Client) sync(timeout time.Duration) error {
+	c.mu.Lock()
+	c.nonce++
+	n := c.nonce
+	ch := make(chan struct{})
+	c.pongs[n] = ch
+	err := c.sendLocked(proto.Msg{Type: proto.Ping, Nonce: n})
+	c.mu.Unlock()
+	if err != nil {
+		return err
+	}
+	select {
+	case <-ch:
+		return nil
+	case <-time.After(timeout):
+		c.mu.Lock()
+		delete(c.pongs, n)
+		c.mu.Unlock()
+		return errNoHostd
+	}
 }
 
 // request sends an OPEN and returns the channel its verdict arrives on.

@@ -212,8 +212,8 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, addr string) (*List
 		c.mu.Lock()
 		c.listens[l.addr]++
 		c.mu.Unlock()
-		if c.ensure() == nil {
-			_ = c.send(proto.Msg{Type: proto.Listen, Local: l.addr})
+		if c.ensure() == nil && c.send(proto.Msg{Type: proto.Listen, Local: l.addr}) == nil {
+			_ = c.sync(time.Second)
 		}
 	}
 	return l, nil

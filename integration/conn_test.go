@@ -70,7 +70,7 @@ func TestHTTPOverGuestlib(t *testing.T) {
 			var c *guestlib.Conn
 			err := nsrig.In(e.rig.Guests[0].NSPath(), func() error {
 				var err error
-				d := guestlib.Dialer{Client: e.clients[0]}
+				d := guestlib.Dialer{Client: e.Clients[0]}
 				c, err = d.DialContext(ctx, "tcp4", addr)
 				return err
 			})

@@ -3,12 +3,9 @@ package integration
 import (
 	"context"
 	"fmt"
-	"net"
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
-	"syscall"
 	"testing"
 	"time"
 
@@ -16,6 +13,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
 
@@ -41,148 +39,67 @@ func TestMain(m *testing.M) {
 	os.Exit(code)
 }
 
-// env is one test's world: a rig, a hostd, and a guestlib client per guest.
+// env is one test's world: a stack plus test helpers.
 type env struct {
-	t       *testing.T
-	rig     *nsrig.Rig
-	dir     string
-	cfg     string
-	admin   string
-	hostd   *exec.Cmd
-	logs    *os.File
-	clients []*guestlib.Client
-	lns     map[[2]int]*guestlib.Listener // by guest and port
+	*stack.Stack
+	t   *testing.T
+	rig *nsrig.Rig
+	lns map[[2]int]*guestlib.Listener // by guest and port
 }
 
 var rigSeq int
 
-// newEnv creates a rig of n guests and starts hostd with the given policy
-// block body. Everything is removed when the test ends.
-func newEnv(t *testing.T, n int, policy string) *env {
+// newEnv starts a stack of n guests with the given policy block body; it is
+// removed when the test ends, and hostd's log is shown if the test failed.
+func newEnv(t testing.TB, n int, policy string) *env {
 	t.Helper()
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
 	rigSeq++
-	r, err := nsrig.New(fmt.Sprintf("e%d%d", os.Getpid()%1000, rigSeq), n)
+	s, err := stack.Start(stack.Options{
+		Name: fmt.Sprintf("e%d%d", os.Getpid()%1000, rigSeq), Guests: n, HostdBin: hostdBin,
+		Dir: t.TempDir(), Policy: policy, Logf: t.Logf,
+	})
 	if err != nil {
-		t.Fatal(err)
+		t.Fatalf("start stack: %v", err)
 	}
-	if err := r.Create(); err != nil {
-		t.Fatalf("create rig: %v", err)
+	e := &env{Stack: s, rig: s.Rig, lns: map[[2]int]*guestlib.Listener{}}
+	if tt, ok := t.(*testing.T); ok {
+		e.t = tt
 	}
-	e := &env{t: t, rig: r, dir: t.TempDir(), lns: map[[2]int]*guestlib.Listener{}}
 	t.Cleanup(func() {
-		for _, c := range e.clients {
-			c.Close()
+		if t.Failed() {
+			t.Logf("hostd log:\n%s", s.Log())
 		}
-		e.stopHostd()
-		if err := r.Destroy(); err != nil {
-			t.Errorf("destroy rig: %v", err)
-		}
-		os.Remove("/dev/shm/shunt-" + r.Name)
-		if t.Failed() && e.logs != nil {
-			b, _ := os.ReadFile(e.logs.Name())
-			t.Logf("hostd log:\n%s", b)
+		if err := s.Close(); err != nil {
+			t.Errorf("close stack: %v", err)
 		}
 	})
-	e.admin = filepath.Join(e.dir, "admin.sock")
-	e.writeConfig(policy)
-	e.startHostd()
-	for _, g := range r.Guests {
-		c, err := guestlib.NewClient(guestlib.Options{Control: e.control(g), Logf: t.Logf})
-		if err != nil {
-			t.Fatal(err)
-		}
-		e.clients = append(e.clients, c)
-	}
 	return e
 }
 
-func (e *env) control(g *nsrig.Guest) string { return filepath.Join(e.dir, g.Name+".sock") }
-
+func (e *env) control(g *nsrig.Guest) string { return e.Control(g) }
 func (e *env) writeConfig(policy string) {
-	var b strings.Builder
-	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = \"\"\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
-		e.admin, e.rig.HostNSPath())
-	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n}\n", "/dev/shm/shunt-"+e.rig.Name)
-	for _, g := range e.rig.Guests {
-		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  ct_mark = %d\n}\n",
-			g.Name, g.Index, e.control(g), g.HostIf, g.Index)
-	}
-	fmt.Fprintf(&b, "policy {\n%s\n}\n", policy)
-	e.cfg = filepath.Join(e.dir, "hostd.hcl")
-	if err := os.WriteFile(e.cfg, []byte(b.String()), 0o600); err != nil {
+	if err := e.WriteConfig(policy); err != nil {
 		e.t.Fatal(err)
 	}
 }
-
 func (e *env) startHostd() {
-	e.t.Helper()
-	if e.logs == nil {
-		f, err := os.Create(filepath.Join(e.dir, "hostd.log"))
-		if err != nil {
-			e.t.Fatal(err)
-		}
-		e.logs = f
-	}
-	cmd := exec.Command(hostdBin, "agent", "-config", e.cfg)
-	cmd.Stdout, cmd.Stderr = e.logs, e.logs
-	if err := cmd.Start(); err != nil {
+	if err := e.StartHostd(); err != nil {
 		e.t.Fatal(err)
 	}
-	e.hostd = cmd
-	deadline := time.Now().Add(10 * time.Second)
-	for {
-		if err := admin.Call(e.admin, admin.Request{Cmd: "status"}, nil); err == nil {
-			return
-		}
-		if time.Now().After(deadline) {
-			b, _ := os.ReadFile(e.logs.Name())
-			e.t.Fatalf("hostd did not come up in 10s:\n%s", b)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
 }
+func (e *env) killHostd() { e.KillHostd() }
 
-func (e *env) stopHostd() {
-	if e.hostd == nil {
-		return
-	}
-	e.hostd.Process.Signal(syscall.SIGTERM)
-	done := make(chan struct{})
-	go func() { e.hostd.Wait(); close(done) }()
-	select {
-	case <-done:
-	case <-time.After(5 * time.Second):
-		e.hostd.Process.Kill()
-		<-done
-	}
-	e.hostd = nil
-}
-
-func (e *env) killHostd() {
-	e.hostd.Process.Kill()
-	e.hostd.Wait()
-	e.hostd = nil
-}
-
-// listen listens on port in guest i (1-based) through guestlib, once per
-// guest and port.
+// listen listens on port in guest i (1-based), once per guest and port.
 func (e *env) listen(i int, port int) *guestlib.Listener {
 	e.t.Helper()
 	if l := e.lns[[2]int{i, port}]; l != nil {
 		return l
 	}
-	g := e.rig.Guests[i-1]
-	var l *guestlib.Listener
-	err := nsrig.In(g.NSPath(), func() error {
-		lc := guestlib.ListenConfig{Client: e.clients[i-1]}
-		var err error
-		l, err = lc.Listen(context.Background(), "tcp4", fmt.Sprintf("%s:%d", g.Addr, port))
-		return err
-	})
+	l, err := e.Listen(i, port)
 	if err != nil {
-		e.t.Fatalf("listen in %s: %v", g.Name, err)
+		e.t.Fatalf("listen in g%d: %v", i, err)
 	}
 	e.t.Cleanup(func() { l.Close() })
 	e.lns[[2]int{i, port}] = l
@@ -191,15 +108,7 @@ func (e *env) listen(i int, port int) *guestlib.Listener {
 
 // dial dials addr from guest i through guestlib.
 func (e *env) dial(i int, addr string) (*guestlib.Conn, error) {
-	g := e.rig.Guests[i-1]
-	var c *guestlib.Conn
-	err := nsrig.In(g.NSPath(), func() error {
-		d := guestlib.Dialer{Client: e.clients[i-1]}
-		var err error
-		c, err = d.DialContext(context.Background(), "tcp4", addr)
-		return err
-	})
-	return c, err
+	return e.Dial(context.Background(), i, addr)
 }
 
 // pair dials from guest a to a listener in guest b and returns both ends.
@@ -226,7 +135,7 @@ func (e *env) pair(a, b, port int) (client, server *guestlib.Conn) {
 func (e *env) flows() []broker.FlowInfo {
 	e.t.Helper()
 	var fl []broker.FlowInfo
-	if err := admin.Call(e.admin, admin.Request{Cmd: "flows"}, &fl); err != nil {
+	if err := admin.Call(e.Admin, admin.Request{Cmd: "flows"}, &fl); err != nil {
 		e.t.Fatalf("hostd flows: %v", err)
 	}
 	return fl
@@ -235,7 +144,7 @@ func (e *env) flows() []broker.FlowInfo {
 func (e *env) counter(key string) float64 {
 	e.t.Helper()
 	var cs map[string]float64
-	if err := admin.Call(e.admin, admin.Request{Cmd: "counters"}, &cs); err != nil {
+	if err := admin.Call(e.Admin, admin.Request{Cmd: "counters"}, &cs); err != nil {
 		e.t.Fatalf("hostd counters: %v", err)
 	}
 	return cs[key]
@@ -262,5 +171,3 @@ func (e *env) hostCmd(name string, args ...string) string {
 	}
 	return out
 }
-
-var _ = net.ErrClosed

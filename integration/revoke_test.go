@@ -86,7 +86,7 @@ func TestPolicyReloadRevokes(t *testing.T) {
 }`)
 	start := time.Now()
 	var rep map[string]int
-	if err := admin.Call(e.admin, admin.Request{Cmd: "reload"}, &rep); err != nil {
+	if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil {
 		t.Fatal(err)
 	}
 	if rep["revoked"] != 1 {
@@ -107,8 +107,8 @@ func TestPolicyReloadRevokes(t *testing.T) {
 
 func TestReloadWithTypoKeepsPolicy(t *testing.T) {
 	e := newEnv(t, 2, "")
-	os.WriteFile(e.cfg, []byte(strings.Replace(mustRead(t, e.cfg), "pairing_timeout", "pairing_timout", 1)), 0o600)
-	err := admin.Call(e.admin, admin.Request{Cmd: "reload"}, nil)
+	os.WriteFile(e.Config, []byte(strings.Replace(mustRead(t, e.Config), "pairing_timeout", "pairing_timout", 1)), 0o600)
+	err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, nil)
 	if err == nil || !strings.Contains(err.Error(), "hostd.hcl:") || !strings.Contains(err.Error(), "Unsupported argument") {
 		t.Fatalf("reload of a config with a typo = %v; want an error naming the file and line", err)
 	}
@@ -156,7 +156,7 @@ func TestHostdRestart(t *testing.T) {
 	readMiB := func(n int) {
 		t.Helper()
 		if _, err := io.CopyN(io.Discard, s, int64(n)<<20); err != nil {
-			t.Fatalf("read while hostd is %s: %v", map[bool]string{true: "up", false: "down"}[e.hostd != nil], err)
+			t.Fatalf("read while hostd is %s: %v", map[bool]string{true: "up", false: "down"}[e.Hostd != nil], err)
 		}
 	}
 	readMiB(16)

@@ -1,0 +1,165 @@
+// Package perf measures connections the same way for kernel TCP and for
+// Shunt, so that the demo, the benchmarks and docs/BENCHMARKS.md compare
+// like with like: ping-pong one-way latency, streaming throughput,
+// connection setup time, and CPU while idle.
+package perf
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"net"
+	"os"
+	"sort"
+	"syscall"
+	"time"
+)
+
+// PingPong sends size-byte messages from a to b and back iters times and
+// returns the median one-way latency over batches (half the round trip).
+// b must echo: PingPong runs the echo loop itself in a goroutine.
+func PingPong(a, b net.Conn, size, iters int) (time.Duration, error) {
+	echoErr := make(chan error, 1)
+	go func() {
+		buf := make([]byte, size)
+		for range iters {
+			if _, err := io.ReadFull(b, buf); err != nil {
+				echoErr <- err
+				return
+			}
+			if _, err := b.Write(buf); err != nil {
+				echoErr <- err
+				return
+			}
+		}
+		echoErr <- nil
+	}()
+	msg := make([]byte, size)
+	back := make([]byte, size)
+	const batches = 20
+	per := max(iters/batches, 1)
+	var samples []time.Duration
+	for done := 0; done < iters; {
+		n := min(per, iters-done)
+		start := time.Now()
+		for range n {
+			if _, err := a.Write(msg); err != nil {
+				return 0, err
+			}
+			if _, err := io.ReadFull(a, back); err != nil {
+				return 0, err
+			}
+		}
+		samples = append(samples, time.Since(start)/time.Duration(2*n))
+		done += n
+	}
+	if err := <-echoErr; err != nil {
+		return 0, fmt.Errorf("echo: %w", err)
+	}
+	return Median(samples), nil
+}
+
+// Stream writes total bytes in msg-byte writes from a to b and returns the
+// throughput in GB/s as seen by the reader (all bytes received).
+func Stream(a, b net.Conn, msg int, total int64) (float64, error) {
+	errc := make(chan error, 1)
+	start := time.Now()
+	go func() {
+		buf := make([]byte, msg)
+		for left := total; left > 0; left -= int64(msg) {
+			if _, err := a.Write(buf[:min(int64(msg), left)]); err != nil {
+				errc <- err
+				return
+			}
+		}
+		errc <- nil
+	}()
+	n, err := io.CopyN(io.Discard, b, total)
+	elapsed := time.Since(start)
+	if err != nil {
+		return 0, err
+	}
+	if err := <-errc; err != nil {
+		return 0, err
+	}
+	return float64(n) / elapsed.Seconds() / 1e9, nil
+}
+
+// Median returns the median of ds (which it sorts).
+func Median(ds []time.Duration) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+	return ds[len(ds)/2]
+}
+
+// BusyPoll wraps a kernel TCP connection so that Read spins on a
+// non-blocking recv instead of parking in the netpoller: the
+// "busy-polling" mode of sockperf --nonblocked, for a fair comparison with
+// spinning ring readers.
+type BusyPoll struct {
+	*net.TCPConn
+	rc syscall.RawConn
+}
+
+// NewBusyPoll wraps c.
+func NewBusyPoll(c *net.TCPConn) (*BusyPoll, error) {
+	rc, err := c.SyscallConn()
+	if err != nil {
+		return nil, err
+	}
+	return &BusyPoll{TCPConn: c, rc: rc}, nil
+}
+
+// Read spins until data (or an error) arrives.
+func (b *BusyPoll) Read(p []byte) (int, error) {
+	var n int
+	var rerr error
+	err := b.rc.Read(func(fd uintptr) bool {
+		for {
+			n, rerr = syscall.Read(int(fd), p)
+			if !errors.Is(rerr, syscall.EAGAIN) {
+				return true
+			}
+		}
+	})
+	if err != nil {
+		return 0, err
+	}
+	if rerr != nil {
+		return 0, rerr
+	}
+	if n == 0 && len(p) > 0 {
+		return 0, io.EOF
+	}
+	return n, nil
+}
+
+// CPUTime returns this process's user+system CPU time.
+func CPUTime() time.Duration {
+	var ru syscall.Rusage
+	_ = syscall.Getrusage(syscall.RUSAGE_SELF, &ru)
+	return time.Duration(ru.Utime.Nano() + ru.Stime.Nano())
+}
+
+// ProcessCPU returns the user+system CPU time of process pid (from
+// /proc/pid/stat; clock ticks of 10 ms on Linux).
+func ProcessCPU(pid int) (time.Duration, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return 0, err
+	}
+	// Fields after the command name (which is in parentheses).
+	i := bytes.LastIndexByte(b, ')')
+	var f [15]string
+	n, _ := fmt.Sscan(string(b[i+2:]), &f[0], &f[1], &f[2], &f[3], &f[4], &f[5], &f[6], &f[7], &f[8], &f[9], &f[10], &f[11], &f[12])
+	if n < 13 {
+		return 0, fmt.Errorf("parse /proc/%d/stat", pid)
+	}
+	var ut, st int64
+	fmt.Sscan(f[11], &ut)
+	fmt.Sscan(f[12], &st)
+	return time.Duration(ut+st) * 10 * time.Millisecond, nil
+}
