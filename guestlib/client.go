@@ -73,7 +73,8 @@ type Client struct {
 	nonce      uint64
 	flows      map[flowKey]*Conn
 	listens    map[netip.AddrPort]int
-	closes     []proto.Msg // CLOSEs to send once reconnected
+	routes     map[netip.Addr]route // source address cache (see source)
+	closes     []proto.Msg          // CLOSEs to send once reconnected
 	lastTry    time.Time
 	lastErr    error
 	closed     bool
@@ -95,7 +96,7 @@ func NewClient(opts Options) (*Client, error) {
 	}
 	return &Client{
 		opts: o, pending: map[uint32]chan proto.Msg{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
-		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
+		listens: map[netip.AddrPort]int{}, routes: map[netip.Addr]route{}, done: make(chan struct{}),
 	}, nil
 }
 

@@ -82,7 +82,7 @@ func (d *Dialer) DialContext(ctx context.Context, network, addr string) (*Conn, 
 // dialFast binds the socket before connect to learn its tuple, announces
 // INTENT, connects, sends OPEN and waits for the verdict.
 func (d *Dialer) dialFast(ctx context.Context, c *Client, network string, raddr *net.TCPAddr, remote netip.AddrPort) (*Conn, error) {
-	src, err := sourceFor(remote)
+	src, err := c.source(remote.Addr())
 	if err != nil {
 		return nil, fmt.Errorf("shunt: route to %s: %w", remote, err)
 	}
@@ -132,15 +132,31 @@ func (d *Dialer) dialFast(ctx context.Context, c *Client, network string, raddr 
 	return conn, nil
 }
 
-// sourceFor asks the kernel which source address it would use for remote
-// (a connected UDP socket sends nothing).
-func sourceFor(remote netip.AddrPort) (netip.Addr, error) {
-	u, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(remote.Addr(), max(remote.Port(), 9))))
+// source returns the source address the kernel uses towards dst, cached
+// for a few seconds (asking costs a socket, tens of microseconds).
+func (c *Client) source(dst netip.Addr) (netip.Addr, error) {
+	c.mu.Lock()
+	r, ok := c.routes[dst]
+	c.mu.Unlock()
+	if ok && time.Since(r.at) < 5*time.Second {
+		return r.src, nil
+	}
+	// A connected UDP socket sends nothing but learns the route.
+	u, err := net.DialUDP("udp", nil, net.UDPAddrFromAddrPort(netip.AddrPortFrom(dst, 9)))
 	if err != nil {
 		return netip.Addr{}, err
 	}
 	defer u.Close()
-	return u.LocalAddr().(*net.UDPAddr).AddrPort().Addr().Unmap(), nil
+	src := u.LocalAddr().(*net.UDPAddr).AddrPort().Addr().Unmap()
+	c.mu.Lock()
+	c.routes[dst] = route{src, time.Now()}
+	c.mu.Unlock()
+	return src, nil
+}
+
+type route struct {
+	src netip.Addr
+	at  time.Time
 }
 
 // bindEphemeral binds fd to src with an ephemeral port and returns it.

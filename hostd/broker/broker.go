@@ -285,27 +285,19 @@ func (b *Broker) Intent(s Session, t ctrack.Tuple) {
 	b.intents[t] = now.Add(b.opts.PairingTimeout + b.opts.LookupTimeout + 10*time.Second)
 }
 
-// Open handles an OPEN. The verdict is sent on s later (READY or TCP);
-// Open itself returns at once.
+// Open handles an OPEN: it verifies the claim (one conntrack lookup, on the
+// caller's goroutine, so a session's messages stay in order) and then either
+// answers, pairs, or leaves the side waiting for its peer; the verdict goes
+// out on s.
 func (b *Broker) Open(s Session, m proto.Msg) {
 	b.m.Opens.WithLabelValues(map[proto.Role]string{proto.Active: "active", proto.Passive: "passive"}[m.Role]).Inc()
-	b.mu.Lock()
-	if b.closed {
-		b.mu.Unlock()
-		return
-	}
-	b.wg.Add(1)
-	b.mu.Unlock()
-	go func() {
-		defer b.wg.Done()
-		b.open(s, m)
-	}()
+	b.open(s, m)
 }
 
 func (b *Broker) open(s Session, m proto.Msg) {
 	at := time.Now()
 	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}
-	e, reason := b.verify(s.Guest(), m.Role, t)
+	e, reason := b.verifyOrReuse(s.Guest(), m.Role, t)
 	if reason != proto.ReasonNone {
 		b.log.Debug("open refused", "guest", s.Guest().Name, "role", m.Role, "tuple", t, "reason", reason)
 		b.fallback(s, m.ReqID, reason)
@@ -377,6 +369,42 @@ func (b *Broker) open(s Session, m proto.Msg) {
 	b.pairLocked(a, p, start)
 }
 
+// verifyOrReuse verifies a claim, reusing the entry that the other side's
+// verified OPEN already fetched when the claim is exactly that entry's other
+// direction (one conntrack lookup per connection instead of two).
+func (b *Broker) verifyOrReuse(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry, proto.Reason) {
+	if g.Owns(t.Src.Addr()) && !t.Src.Addr().IsLoopback() {
+		b.mu.Lock()
+		var key ctrack.Tuple
+		if role == proto.Passive {
+			key = t // B's view is the reply tuple itself
+		}
+		if role == proto.Active {
+			// A's reply tuple is unknown before a lookup; find a waiting
+			// passive side whose entry has t as its original direction.
+			for k, h := range b.waiting {
+				if h.role == proto.Passive && h.entry.Orig == t {
+					key = k
+					break
+				}
+			}
+		}
+		h := b.waiting[key]
+		b.mu.Unlock()
+		if h != nil && h.role != role {
+			e := h.entry
+			mine := e.Orig
+			if role == proto.Passive {
+				mine = e.Reply
+			}
+			if mine == t && (role != proto.Active || g.CTMark == 0 || e.Mark == g.CTMark) {
+				return e, proto.ReasonNone
+			}
+		}
+	}
+	return b.verify(g, role, t)
+}
+
 // verify checks one side's claim against conntrack, without the lock.
 func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry, proto.Reason) {
 	if t.Dst.Addr().IsLoopback() || t.Src.Addr().IsLoopback() {
@@ -388,9 +416,12 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 	var e ctrack.Entry
 	var err error
 	deadline := time.Now().Add(b.opts.LookupTimeout)
-	for delay := 100 * time.Microsecond; ; delay = min(2*delay, 10*time.Millisecond) {
+	for delay, tries := 100*time.Microsecond, 1; ; delay, tries = min(2*delay, 10*time.Millisecond), tries+1 {
 		e, err = b.ct.Lookup(t)
 		if err == nil && e.Established() {
+			if tries > 1 {
+				b.log.Debug("conntrack entry established after retries", "tuple", t, "tries", tries, "state", e.TCPState)
+			}
 			break
 		}
 		if time.Now().After(deadline) {
@@ -488,7 +519,7 @@ func (b *Broker) pairLocked(a, p *half, start time.Time) {
 	p.sess.Send(ready)
 	b.m.Setup.Observe(time.Since(start).Seconds())
 	b.m.Flows.WithLabelValues("ready", "direct").Inc()
-	b.log.Info("fast path", "flow", f.Name(), "a", ga.Name, "b", gp.Name, "tuple", f.Orig, "ring", e.Capacity, "rule", v.Rule)
+	b.log.Info("fast path", "flow", f.Name(), "a", ga.Name, "b", gp.Name, "tuple", f.Orig, "ring", e.Capacity, "rule", v.Rule, "setup", time.Since(start))
 }
 
 func (b *Broker) failPairLocked(a, p *half, reason proto.Reason) {
