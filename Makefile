@@ -5,13 +5,17 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build test test-short check fmt vet staticcheck bench bench-shm fuzz clean
+.PHONY: help build demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e fuzz clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-build: ## build every package and the commands into bin/
+build: ## build every package, and the commands into bin/
 	$(GO) build ./...
+	$(GO) build -o $(BIN)/ ./cmd/...
+
+demo: build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
+	$(BIN)/shunt-demo $(DEMOFLAGS)
 
 test: ## run all tests (privileged ones need root; under CI=true they fail instead of skipping)
 	$(GO) test -timeout 30m ./...
@@ -30,7 +34,7 @@ vet:
 staticcheck:
 	$(STATICCHECK) ./...
 
-bench: bench-shm ## run all benchmarks (see docs/BENCHMARKS.md)
+bench: bench-shm bench-e2e ## run all benchmarks (see docs/BENCHMARKS.md)
 
 # The machines move between cache placements over seconds, so whole suites
 # are interleaved (BENCHCOUNT rounds of every benchmark) rather than running
@@ -41,9 +45,17 @@ bench-shm: ## cross-process ring benchmarks, medians of BENCHCOUNT interleaved r
 	for i in $$(seq $(BENCHCOUNT)); do $(BIN)/shm.test -test.run '^$$' -test.bench . -test.benchtime 200ms >> $(BIN)/bench-shm.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-shm.txt
 
+bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-e2e.txt
+	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Guest -test.benchtime 1s >> ../$(BIN)/bench-e2e.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-e2e.txt
+
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzAttach FuzzIndices; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/ring || exit 1; done
 	@for t in FuzzHeader FuzzEntry; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/region || exit 1; done
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $${FUZZTIME:-30s} ./internal/proto
+	$(GO) test -run '^$$' -fuzz '^FuzzParseMessages$$' -fuzztime $${FUZZTIME:-30s} ./hostd/ctrack
 
 clean: ## remove build outputs
 	rm -rf $(BIN)

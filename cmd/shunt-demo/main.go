@@ -111,10 +111,9 @@ func run(hostd string, quick bool) error {
 	}
 
 	type row struct {
-		what           string
-		kernel, shunt  string
-		ratio          string
-		kernelV, shunV float64
+		what          string
+		kernel, shunt string
+		ratio         string
 	}
 	var rows []row
 	add := func(what string, k, sh float64, unit string, higherBetter bool) {
@@ -170,35 +169,53 @@ func run(hostd string, quick bool) error {
 	}
 	add("64 KiB streaming throughput", kStream, sStream, "GB/s", true)
 
-	fmt.Println("shunt-demo: measuring connection setup ...")
-	setup := func(mk func(int) (pair, error), base int) (time.Duration, error) {
-		var ds []time.Duration
-		for i := range 30 {
-			start := time.Now()
-			p, err := mk(base + i)
-			if err != nil {
-				return 0, err
-			}
-			// Setup ends when the first byte has made the round trip.
-			go p.server.Write([]byte{1})
-			if _, err := io.ReadFull(p.client, make([]byte, 1)); err != nil {
-				return 0, err
-			}
-			ds = append(ds, time.Since(start))
-			p.client.Close()
-			p.server.Close()
-		}
-		return perf.Median(ds), nil
-	}
-	kSetup, err := setup(kernel, 7100)
+	fmt.Println("shunt-demo: measuring connection setup (connect + accept + first byte) ...")
+	kSetup, err := setupTime(func() (net.Listener, error) {
+		var l net.Listener
+		err := nsrig.In(g2.NSPath(), func() (err error) {
+			l, err = net.Listen("tcp4", netip.AddrPortFrom(g2.Addr, 7100).String())
+			return err
+		})
+		return l, err
+	}, func() (c net.Conn, err error) {
+		err = nsrig.In(g1.NSPath(), func() error {
+			c, err = net.Dial("tcp4", netip.AddrPortFrom(g2.Addr, 7100).String())
+			return err
+		})
+		return c, err
+	})
 	if err != nil {
 		return err
 	}
-	sSetup, err := setup(shunt, 7200)
+	sSetup, err := setupTime(func() (net.Listener, error) { return s.Listen(2, 7101) }, func() (net.Conn, error) {
+		return s.Dial(context.Background(), 1, netip.AddrPortFrom(g2.Addr, 7101).String())
+	})
 	if err != nil {
 		return err
 	}
 	add("connect + accept + first byte", us(kSetup), us(sSetup), "us", false)
+
+	fmt.Println("shunt-demo: measuring idle CPU (2 s, one idle fast-path flow) ...")
+	hostdBefore, _ := perf.ProcessCPU(s.Hostd.Process.Pid)
+	selfBefore := perf.CPUTime()
+	idle, idleErr := make(chan error, 1), make(chan error, 1)
+	go func() {
+		_, err := sp.server.Read(make([]byte, 1))
+		idle <- err
+	}()
+	time.Sleep(2 * time.Second)
+	selfCPU := perf.CPUTime() - selfBefore
+	hostdAfter, _ := perf.ProcessCPU(s.Hostd.Process.Pid)
+	sp.client.Write([]byte{1})
+	go func() { idleErr <- <-idle }()
+	if err := <-idleErr; err != nil {
+		return err
+	}
+	idleRow := func(what string, cpu time.Duration) {
+		rows = append(rows, row{what: what, kernel: "-", shunt: fmt.Sprintf("%.2f %%core", 100*cpu.Seconds()/2), ratio: "-"})
+	}
+	idleRow("idle CPU of hostd", hostdAfter-hostdBefore)
+	idleRow("idle CPU of a guest blocked in Read (adaptive)", selfCPU)
 
 	fmt.Println()
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
@@ -208,14 +225,49 @@ func run(hostd string, quick bool) error {
 	}
 	tw.Flush()
 	fmt.Printf("\n(medians; %d ping-pong round trips, %d MiB streamed through Shunt; setup adds %.0f us with Shunt)\n", iters, total>>20, us(sSetup)-us(kSetup))
+	out, _ := exec.Command(hostd, "flows", "-admin", s.Admin).CombinedOutput()
+	fmt.Printf("\nhostd flows at the end of the run:\n%s", out)
 	for _, p := range []pair{kp, kb, sp} {
 		p.client.Close()
 		p.server.Close()
 	}
-	out, _ := exec.Command(hostd, "flows", "-admin", s.Admin).CombinedOutput()
-	fmt.Printf("\nhostd flows during the run's end:\n%s", out)
 	fmt.Println("shunt-demo: removing the demo host")
 	return nil
+}
+
+// setupTime measures connect + accept + one byte back, against a listener
+// that already exists, 50 times, and returns the median.
+func setupTime(listen func() (net.Listener, error), dial func() (net.Conn, error)) (time.Duration, error) {
+	l, err := listen()
+	if err != nil {
+		return 0, err
+	}
+	defer l.Close()
+	var ds []time.Duration
+	for range 50 {
+		start := time.Now()
+		acc := make(chan net.Conn, 1)
+		go func() {
+			c, err := l.Accept()
+			if err == nil {
+				c.Write([]byte{1})
+			}
+			acc <- c
+		}()
+		c, err := dial()
+		if err != nil {
+			return 0, err
+		}
+		if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
+			return 0, err
+		}
+		ds = append(ds, time.Since(start))
+		c.Close()
+		if sc := <-acc; sc != nil {
+			sc.Close()
+		}
+	}
+	return perf.Median(ds), nil
 }
 
 func us(d time.Duration) float64 { return float64(d.Nanoseconds()) / 1e3 }

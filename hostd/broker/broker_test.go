@@ -1,0 +1,279 @@
+package broker_test
+
+import (
+	"net/netip"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/ctrack/cttest"
+	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/shmtest"
+)
+
+// session is a fake control session that records what hostd sends.
+type session struct {
+	g    *broker.Guest
+	mu   sync.Mutex
+	msgs []proto.Msg
+	got  chan proto.Msg
+}
+
+func newSession(g *broker.Guest) *session { return &session{g: g, got: make(chan proto.Msg, 16)} }
+
+func (s *session) Guest() *broker.Guest { return s.g }
+func (s *session) Send(m proto.Msg)     { s.got <- m }
+
+func (s *session) next(t *testing.T) proto.Msg {
+	t.Helper()
+	select {
+	case m := <-s.got:
+		return m
+	case <-time.After(5 * time.Second):
+		t.Fatal("no message from the broker within 5s")
+		return proto.Msg{}
+	}
+}
+
+func (s *session) none(t *testing.T) {
+	t.Helper()
+	select {
+	case m := <-s.got:
+		t.Fatalf("unexpected message %+v", m)
+	case <-time.After(20 * time.Millisecond):
+	}
+}
+
+type world struct {
+	b          *broker.Broker
+	ct         *cttest.Table
+	g1, g2, g3 *broker.Guest
+	m          *metrics.Set
+}
+
+func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
+
+func newWorld(t *testing.T, spec policy.Spec) *world {
+	r, _ := shmtest.Region(t, region.Geometry{Size: 8 << 20, Slots: 8})
+	pool, _ := region.Adopt(r, nil)
+	grp := &broker.Group{Name: "t", Region: "mem", Pool: pool}
+	other := &broker.Group{Name: "u", Region: "mem2", Pool: pool}
+	mk := func(name string, id uint32, g *broker.Group, addr string) *broker.Guest {
+		gu := &broker.Guest{Name: name, ID: id, Group: g}
+		a := netip.MustParseAddr(addr)
+		gu.SetAddrs(broker.Addrs{Prefixes: []netip.Prefix{netip.PrefixFrom(a, 32)}})
+		return gu
+	}
+	w := &world{ct: &cttest.Table{}, m: metrics.New(),
+		g1: mk("g1", 1, grp, "10.0.0.1"), g2: mk("g2", 2, grp, "10.0.0.2"), g3: mk("g3", 3, other, "10.0.0.3")}
+	tab, err := policy.Compile(spec)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2, w.g3},
+		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond, IntentGrace: 30 * time.Millisecond})
+	t.Cleanup(w.b.Close)
+	return w
+}
+
+// conn sets up a conntrack entry from a (src) to b (dst) and returns the
+// tuples as each side sees them.
+func (w *world) conn(src, dst string) (ctrack.Tuple, ctrack.Tuple) {
+	a := ctrack.Tuple{Src: ap(src), Dst: ap(dst)}
+	w.ct.Add(a, a.Reverse(), 0)
+	return a, a.Reverse()
+}
+
+func open(role proto.Role, t ctrack.Tuple, req uint32) proto.Msg {
+	return proto.Msg{Type: proto.Open, ReqID: req, Role: role, Local: t.Src, Remote: t.Dst}
+}
+
+func TestPairBothOrders(t *testing.T) {
+	for _, activeFirst := range []bool{true, false} {
+		w := newWorld(t, policy.Spec{})
+		sa, sb := newSession(w.g1), newSession(w.g2)
+		w.b.Attach(sa)
+		w.b.Attach(sb)
+		w.b.Listen(sb, ap("10.0.0.2:80"), true)
+		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+		w.b.Intent(sa, ta)
+		if activeFirst {
+			w.b.Open(sa, open(proto.Active, ta, 1))
+			w.b.Open(sb, open(proto.Passive, tb, 2))
+		} else {
+			w.b.Open(sb, open(proto.Passive, tb, 2))
+			w.b.Open(sa, open(proto.Active, ta, 1))
+		}
+		ma, mb := sa.next(t), sb.next(t)
+		if ma.Type != proto.Ready || mb.Type != proto.Ready || ma.Slot != mb.Slot || ma.Gen != mb.Gen ||
+			ma.Side != proto.SideA || mb.Side != proto.SideB || ma.ReqID != 1 || mb.ReqID != 2 {
+			t.Fatalf("active first %v: got %+v and %+v; want READY for both, sides A and B, same slot", activeFirst, ma, mb)
+		}
+		if fl := w.b.Flows(); len(fl) != 1 || fl[0].GuestA != "g1" || fl[0].GuestB != "g2" {
+			t.Fatalf("flows %+v", fl)
+		}
+	}
+}
+
+func TestVerdicts(t *testing.T) {
+	tests := []struct {
+		name   string
+		spec   policy.Spec
+		prep   func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple)
+		wantA  proto.Reason
+		wantB  proto.Reason
+		noOpen bool // the active side does not send OPEN
+	}{
+		{"policy", policy.Spec{Default: "tcp"}, nil, proto.ReasonPolicy, proto.ReasonPolicy, false},
+		{"no listener", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			w.b.Listen(sb, ap("10.0.0.2:80"), false)
+			return w.conn("10.0.0.1:4000", "10.0.0.2:80")
+		}, proto.ReasonNoListener, proto.ReasonNoListener, false},
+		{"not owner", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			a, _ := w.conn("10.0.0.9:4000", "10.0.0.2:80")
+			return a, ctrack.Tuple{}
+		}, proto.ReasonNotOwner, 0, false},
+		{"no conntrack", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			return ctrack.Tuple{Src: ap("10.0.0.1:4000"), Dst: ap("10.0.0.2:80")}, ctrack.Tuple{}
+		}, proto.ReasonNoConntrack, 0, false},
+		{"loopback", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			return ctrack.Tuple{Src: ap("127.0.0.1:4000"), Dst: ap("127.0.0.1:80")}, ctrack.Tuple{}
+		}, proto.ReasonLoopback, 0, false},
+		{"not local", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			a, _ := w.conn("10.0.0.1:4000", "192.0.2.1:80")
+			return a, ctrack.Tuple{}
+		}, proto.ReasonNotLocal, 0, false},
+		{"timeout", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			a, _ := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+			return a, ctrack.Tuple{}
+		}, proto.ReasonTimeout, 0, false},
+		{"passive without intent from a non-guest", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			a := ctrack.Tuple{Src: ap("192.0.2.7:5000"), Dst: ap("10.0.0.2:80")}
+			w.ct.Add(a, a.Reverse(), 0)
+			return ctrack.Tuple{}, a.Reverse()
+		}, 0, proto.ReasonNoIntent, true},
+		{"cross group", policy.Spec{}, func(w *world, sa, sb *session) (ctrack.Tuple, ctrack.Tuple) {
+			a, _ := w.conn("10.0.0.1:4000", "10.0.0.3:80")
+			return a, ctrack.Tuple{}
+		}, proto.ReasonCrossGroup, 0, false},
+	}
+	for _, tt := range tests {
+		t.Run(tt.name, func(t *testing.T) {
+			w := newWorld(t, tt.spec)
+			sa, sb := newSession(w.g1), newSession(w.g2)
+			w.b.Attach(sa)
+			w.b.Attach(sb)
+			w.b.Listen(sb, ap("10.0.0.2:80"), true)
+			var ta, tb ctrack.Tuple
+			if tt.prep != nil {
+				ta, tb = tt.prep(w, sa, sb)
+			} else {
+				ta, tb = w.conn("10.0.0.1:4000", "10.0.0.2:80")
+			}
+			if !tt.noOpen {
+				w.b.Intent(sa, ta)
+				w.b.Open(sa, open(proto.Active, ta, 1))
+			}
+			if tb.Src.IsValid() {
+				w.b.Open(sb, open(proto.Passive, tb, 2))
+			}
+			if tt.wantA != 0 {
+				if m := sa.next(t); m.Type != proto.TCP || m.Reason != tt.wantA {
+					t.Fatalf("active side got %+v, want TCP(%s)", m, tt.wantA)
+				}
+			}
+			if tt.wantB != 0 {
+				if m := sb.next(t); m.Type != proto.TCP || m.Reason != tt.wantB {
+					t.Fatalf("passive side got %+v, want TCP(%s)", m, tt.wantB)
+				}
+			}
+			if len(w.b.Flows()) != 0 {
+				t.Fatalf("a refused connection has a flow")
+			}
+		})
+	}
+}
+
+// TestPassiveWaitsForQueuedIntent: the passive OPEN arrives before the
+// connecting guest's INTENT (another session); it waits the grace and pairs.
+func TestPassiveWaitsForQueuedIntent(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := newSession(w.g1), newSession(w.g2)
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sb.none(t)
+	w.b.Intent(sa, ta)
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	if ma, mb := sa.next(t), sb.next(t); ma.Type != proto.Ready || mb.Type != proto.Ready {
+		t.Fatalf("got %+v and %+v, want READY for both", ma, mb)
+	}
+}
+
+func TestRevokeAndRelease(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := newSession(w.g1), newSession(w.g2)
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Intent(sa, ta)
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	ready := sa.next(t)
+	sb.next(t)
+	e, _ := w.ct.Lookup(ta)
+	w.b.ConntrackDestroyed(e)
+	for _, s := range []*session{sa, sb} {
+		if m := s.next(t); m.Type != proto.Revoke || m.Reason != proto.ReasonConntrackGone || m.Slot != ready.Slot {
+			t.Fatalf("got %+v, want REVOKE(conntrack-gone)", m)
+		}
+	}
+	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideA})
+	if len(w.b.Flows()) != 1 {
+		t.Fatal("flow freed after one side released it")
+	}
+	// A CLOSE for the other side from the wrong guest is ignored.
+	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideB})
+	if len(w.b.Flows()) != 1 {
+		t.Fatal("a guest released its peer's side")
+	}
+	w.b.Detach(sb) // the passive guest goes away: its side counts as released
+	if len(w.b.Flows()) != 0 {
+		t.Fatalf("flow still listed after both sides went: %+v", w.b.Flows())
+	}
+}
+
+func TestGuestLimit(t *testing.T) {
+	w := newWorld(t, policy.Spec{MaxFlowsPerGuest: 1})
+	sa, sb := newSession(w.g1), newSession(w.g2)
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	for i, port := range []string{"4000", "4001"} {
+		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
+		w.b.Intent(sa, ta)
+		w.b.Open(sa, open(proto.Active, ta, uint32(i)))
+		w.b.Open(sb, open(proto.Passive, tb, uint32(i)))
+		ma, mb := sa.next(t), sb.next(t)
+		want := proto.Ready
+		if i == 1 {
+			want = proto.TCP
+		}
+		if ma.Type != want || mb.Type != want {
+			t.Fatalf("flow %d: got %s and %s, want %s", i, ma.Type, mb.Type, want)
+		}
+		if i == 1 && ma.Reason != proto.ReasonGuestLimit {
+			t.Fatalf("second flow reason %s, want guest-limit", ma.Reason)
+		}
+	}
+}
