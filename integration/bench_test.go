@@ -1,14 +1,20 @@
 package integration
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
+	"os/exec"
+	"strconv"
+	"strings"
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/perf"
 )
@@ -75,24 +81,68 @@ func busyPair(b *testing.B, p connPair) connPair {
 	return connPair{c, s}
 }
 
+// peerProcess starts the echo/sink child in guest 2 with the given stack
+// and returns the address it listens on.
+func peerProcess(b *testing.B, e *env, stack string, port int) string {
+	g2 := e.rig.Guests[1]
+	addr := netip.AddrPortFrom(g2.Addr, uint16(port)).String()
+	cmd := exec.Command(os.Args[0], "-test.run=^$")
+	cmd.Env = append(os.Environ(), "SHUNT_E2E_CHILD=echo", "SHUNT_E2E_STACK="+stack, "SHUNT_E2E_SIZE=8",
+		"SHUNT_E2E_ADDR="+addr, "SHUNT_CONTROL="+e.control(g2))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		b.Fatal(err)
+	}
+	if err := nsrig.Start(g2.NSPath(), cmd); err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	line, err := bufio.NewReader(out).ReadString('\n')
+	if err != nil || line != "ready\n" {
+		b.Fatalf("peer process: %q, %v", line, err)
+	}
+	return addr
+}
+
+// dialFrom dials addr from guest 1 with the given stack.
+func dialFrom(b *testing.B, e *env, stack, addr string) net.Conn {
+	var c net.Conn
+	var err error
+	if stack == "shunt" {
+		var sc *guestlib.Conn
+		sc, err = e.Dial(context.Background(), 1, addr)
+		if err == nil && !sc.Path().Fast {
+			b.Fatalf("path %s, want fast", sc.Path())
+		}
+		c = sc
+	} else {
+		err = nsrig.In(e.rig.Guests[0].NSPath(), func() (err error) { c, err = net.Dial("tcp4", addr); return err })
+		if err == nil && stack == "busypoll" {
+			c, err = perf.NewBusyPoll(c.(*net.TCPConn))
+		}
+	}
+	if err != nil {
+		b.Fatal(err)
+	}
+	b.Cleanup(func() { c.Close() })
+	return c
+}
+
+var stacks = []string{"kernel", "busypoll", "shunt"}
+
+// BenchmarkGuestPingPong8B: 8-byte ping-pong between a process in guest 1
+// (this one) and an echo process in guest 2.
 func BenchmarkGuestPingPong8B(b *testing.B) {
 	e := newEnv(b, 2, "")
-	cases := []struct {
-		name string
-		mk   func() connPair
-	}{
-		{"kernel-blocking", func() connPair { return kernelPair(b, e, 7400) }},
-		{"kernel-busypoll", func() connPair { return busyPair(b, kernelPair(b, e, 7401)) }},
-		{"shunt-adaptive", func() connPair { return shuntPair(b, e, 7402) }},
-	}
-	for _, tc := range cases {
-		b.Run(tc.name, func(b *testing.B) {
-			p := tc.mk()
-			go echo(p.s, 8)
+	for i, stack := range stacks {
+		b.Run(stack, func(b *testing.B) {
+			c := dialFrom(b, e, stack, peerProcess(b, e, stack, 7400+i))
+			c.Write([]byte{'e'})
 			msg, back := make([]byte, 8), make([]byte, 8)
 			for b.Loop() {
-				p.c.Write(msg)
-				if _, err := io.ReadFull(p.c, back); err != nil {
+				c.Write(msg)
+				if _, err := io.ReadFull(c, back); err != nil {
 					b.Fatal(err)
 				}
 			}
@@ -101,40 +151,27 @@ func BenchmarkGuestPingPong8B(b *testing.B) {
 	}
 }
 
-func echo(c net.Conn, size int) {
-	buf := make([]byte, size)
-	for {
-		if _, err := io.ReadFull(c, buf); err != nil {
-			return
-		}
-		if _, err := c.Write(buf); err != nil {
-			return
-		}
-	}
-}
-
+// BenchmarkGuestStream64K: 64 KiB writes from guest 1 to a sink process in
+// guest 2; the figure counts the bytes the sink reports it received.
 func BenchmarkGuestStream64K(b *testing.B) {
 	e := newEnv(b, 2, "")
-	for _, tc := range []struct {
-		name string
-		mk   func() connPair
-	}{
-		{"kernel", func() connPair { return kernelPair(b, e, 7410) }},
-		{"shunt", func() connPair { return shuntPair(b, e, 7411) }},
-	} {
-		b.Run(tc.name, func(b *testing.B) {
-			p := tc.mk()
-			done := make(chan int64)
-			go func() { n, _ := io.Copy(io.Discard, p.s); done <- n }()
+	for i, stack := range []string{"kernel", "shunt"} {
+		b.Run(stack, func(b *testing.B) {
+			c := dialFrom(b, e, stack, peerProcess(b, e, stack, 7410+i))
+			c.Write([]byte{'s'})
 			buf := make([]byte, 64<<10)
 			b.SetBytes(int64(len(buf)))
 			for b.Loop() {
-				if _, err := p.c.Write(buf); err != nil {
+				if _, err := c.Write(buf); err != nil {
 					b.Fatal(err)
 				}
 			}
-			p.c.(interface{ CloseWrite() error }).CloseWrite()
-			n := <-done
+			c.(interface{ CloseWrite() error }).CloseWrite()
+			line, err := bufio.NewReader(c).ReadString('\n')
+			n, _ := strconv.ParseInt(strings.TrimSpace(line), 10, 64)
+			if err != nil || n != int64(b.N)*int64(len(buf)) {
+				b.Fatalf("sink received %q (%v), want %d bytes", line, err, b.N*len(buf))
+			}
 			b.ReportMetric(float64(n)/b.Elapsed().Seconds()/1e9, "GB/s")
 		})
 	}

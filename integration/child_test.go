@@ -3,18 +3,27 @@ package integration
 import (
 	"context"
 	"fmt"
+	"net"
 	"os"
+	"strconv"
 
 	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/integration/perf"
 )
 
-// child is a guest process started by a test (inside a guest namespace):
-// SHUNT_E2E_CHILD=writer dials SHUNT_E2E_ADDR through SHUNT_CONTROL and
-// writes until it is killed.
+// child is a guest process started by a test or benchmark inside a guest
+// namespace, selected by SHUNT_E2E_CHILD:
+//
+//	writer  dial SHUNT_E2E_ADDR through guestlib and write until killed
+//	echo    listen on SHUNT_E2E_ADDR (SHUNT_E2E_STACK = kernel, busypoll or
+//	        shunt), print "ready", and echo SHUNT_E2E_SIZE-byte messages on
+//	        each connection; a connection whose first byte is 's' is a sink
+//	        instead: read to EOF, then write the byte count as a line
 func child() int {
+	addr := os.Getenv("SHUNT_E2E_ADDR")
 	switch os.Getenv("SHUNT_E2E_CHILD") {
 	case "writer":
-		c, err := guestlib.DialContext(context.Background(), "tcp4", os.Getenv("SHUNT_E2E_ADDR"))
+		c, err := guestlib.DialContext(context.Background(), "tcp4", addr)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "dial:", err)
 			return 1
@@ -27,6 +36,23 @@ func child() int {
 				return 1
 			}
 		}
+	case "echo":
+		size, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_SIZE"))
+		stack := os.Getenv("SHUNT_E2E_STACK")
+		var l net.Listener
+		var err error
+		if stack == "shunt" {
+			l, err = guestlib.Listen("tcp4", addr)
+		} else {
+			l, err = net.Listen("tcp4", addr)
+		}
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "listen:", err)
+			return 1
+		}
+		fmt.Println("ready")
+		perf.Serve(l, size, stack == "busypoll")
+		return 1
 	}
 	return 2
 }

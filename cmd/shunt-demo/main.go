@@ -7,6 +7,7 @@
 package main
 
 import (
+	"bufio"
 	"context"
 	"flag"
 	"fmt"
@@ -19,6 +20,7 @@ import (
 	"text/tabwriter"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/perf"
 	"github.com/shuntnet/shunt/integration/stack"
@@ -28,7 +30,12 @@ func main() {
 	exe, _ := os.Executable()
 	hostd := flag.String("hostd", filepath.Join(filepath.Dir(exe), "hostd"), "hostd binary")
 	quick := flag.Bool("quick", false, "fewer iterations")
+	peer := flag.String("peer", "", "internal: run as the peer process in a guest (kernel, busypoll or shunt)")
+	addr := flag.String("addr", "", "internal: the peer's listen address")
 	flag.Parse()
+	if *peer != "" {
+		fail(runPeer(*peer, *addr))
+	}
 	if os.Geteuid() != 0 {
 		fail(fmt.Errorf("the demo builds network namespaces and needs root: sudo %s", os.Args[0]))
 	}
@@ -38,6 +45,50 @@ func main() {
 	if err := run(*hostd, *quick); err != nil {
 		fail(err)
 	}
+}
+
+// runPeer is the demo's guest-2 process: it listens with the given stack and
+// serves echo and sink connections (perf.Serve) until killed.
+func runPeer(stack, addr string) error {
+	var l net.Listener
+	var err error
+	if stack == "shunt" {
+		l, err = guestlib.Listen("tcp4", addr)
+	} else {
+		l, err = net.Listen("tcp4", addr)
+	}
+	if err != nil {
+		return err
+	}
+	fmt.Println("ready")
+	return perf.Serve(l, 8, stack == "busypoll")
+}
+
+// startPeer runs this binary as the peer process inside guest 2 and waits
+// until it listens.
+func startPeer(s *stack.Stack, stack string, port int) (string, *exec.Cmd, error) {
+	g2 := s.Rig.Guests[1]
+	addr := netip.AddrPortFrom(g2.Addr, uint16(port)).String()
+	exe, err := os.Executable()
+	if err != nil {
+		return "", nil, err
+	}
+	cmd := exec.Command(exe, "-peer", stack, "-addr", addr)
+	cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+s.Control(g2))
+	cmd.Stderr = os.Stderr
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return "", nil, err
+	}
+	if err := nsrig.Start(g2.NSPath(), cmd); err != nil {
+		return "", nil, err
+	}
+	if line, err := bufio.NewReader(out).ReadString('\n'); err != nil || line != "ready\n" {
+		cmd.Process.Kill()
+		cmd.Wait()
+		return "", nil, fmt.Errorf("peer process (%s): %q, %v", stack, line, err)
+	}
+	return addr, cmd, nil
 }
 
 func fail(err error) {
@@ -61,28 +112,6 @@ func run(hostd string, quick bool) error {
 	if quick {
 		iters, total = 2000, 256<<20
 	}
-	// Kernel TCP: plain sockets between the two guests through the host.
-	kernel := func(port int) (pair, error) {
-		var l net.Listener
-		if err := nsrig.In(g2.NSPath(), func() (err error) {
-			l, err = net.Listen("tcp4", netip.AddrPortFrom(g2.Addr, uint16(port)).String())
-			return err
-		}); err != nil {
-			return pair{}, err
-		}
-		defer l.Close()
-		acc := make(chan net.Conn, 1)
-		go func() { c, _ := l.Accept(); acc <- c }()
-		var c net.Conn
-		err := nsrig.In(g1.NSPath(), func() (err error) {
-			c, err = net.Dial("tcp4", netip.AddrPortFrom(g2.Addr, uint16(port)).String())
-			return err
-		})
-		if err != nil {
-			return pair{}, err
-		}
-		return pair{c, <-acc}, nil
-	}
 	shunt := func(port int) (pair, error) {
 		l, err := s.Listen(2, port)
 		if err != nil {
@@ -101,15 +130,6 @@ func run(hostd string, quick bool) error {
 		}
 		return pair{c, srv}, nil
 	}
-	busy := func(p pair) (pair, error) {
-		a, err := perf.NewBusyPoll(p.client.(*net.TCPConn))
-		if err != nil {
-			return p, err
-		}
-		b, err := perf.NewBusyPoll(p.server.(*net.TCPConn))
-		return pair{a, b}, err
-	}
-
 	type row struct {
 		what          string
 		kernel, shunt string
@@ -126,48 +146,73 @@ func run(hostd string, quick bool) error {
 		rows = append(rows, r)
 	}
 
+	fmt.Println("shunt-demo: starting a peer process in guest 2 per stack ...")
+	conns := map[string]net.Conn{}
+	for i, st := range []string{"kernel", "busypoll", "shunt"} {
+		addr, cmd, err := startPeer(s, st, 7001+i)
+		if err != nil {
+			return err
+		}
+		defer func() { cmd.Process.Kill(); cmd.Wait() }()
+		var c net.Conn
+		if st == "shunt" {
+			sc, err := s.Dial(context.Background(), 1, addr)
+			if err != nil {
+				return err
+			}
+			if p := sc.Path(); !p.Fast {
+				return fmt.Errorf("the Shunt connection stayed on TCP: %s", p)
+			}
+			c = sc
+		} else {
+			if err := nsrig.In(g1.NSPath(), func() (err error) { c, err = net.Dial("tcp4", addr); return err }); err != nil {
+				return err
+			}
+			if st == "busypoll" {
+				if c, err = perf.NewBusyPoll(c.(*net.TCPConn)); err != nil {
+					return err
+				}
+			}
+		}
+		defer c.Close()
+		conns[st] = c
+	}
+
 	fmt.Println("shunt-demo: measuring 8 B ping-pong (one-way latency) ...")
-	kp, err := kernel(7001)
-	if err != nil {
-		return err
+	lat := map[string]time.Duration{}
+	for _, st := range []string{"kernel", "busypoll", "shunt"} {
+		if lat[st], err = perf.RemotePingPong(conns[st], 8, iters); err != nil {
+			return fmt.Errorf("%s ping-pong: %w", st, err)
+		}
 	}
-	kLat, err := perf.PingPong(kp.client, kp.server, 8, iters)
-	if err != nil {
-		return err
-	}
-	kb, err := kernel(7002)
-	if err != nil {
-		return err
-	}
-	kbp, err := busy(kb)
-	if err != nil {
-		return err
-	}
-	kBusy, err := perf.PingPong(kbp.client, kbp.server, 8, iters)
-	if err != nil {
-		return err
-	}
-	sp, err := shunt(7003)
-	if err != nil {
-		return err
-	}
-	sLat, err := perf.PingPong(sp.client, sp.server, 8, iters)
-	if err != nil {
-		return err
-	}
-	add("8 B one-way latency, kernel blocking vs Shunt adaptive", us(kLat), us(sLat), "us", false)
-	add("8 B one-way latency, kernel busy-polling vs Shunt adaptive", us(kBusy), us(sLat), "us", false)
+	add("8 B one-way latency, kernel blocking vs Shunt adaptive", us(lat["kernel"]), us(lat["shunt"]), "us", false)
+	add("8 B one-way latency, kernel busy-polling vs Shunt adaptive", us(lat["busypoll"]), us(lat["shunt"]), "us", false)
 
 	fmt.Println("shunt-demo: measuring 64 KiB streaming ...")
-	kStream, err := perf.Stream(kp.client, kp.server, 64<<10, total/4)
-	if err != nil {
-		return err
+	stream := map[string]float64{}
+	for i, st := range []string{"kernel", "shunt"} {
+		// A fresh connection each: the ping-pong ones are echoes.
+		addr := netip.AddrPortFrom(g2.Addr, uint16(7001+2*i)).String()
+		var c net.Conn
+		if st == "shunt" {
+			c, err = s.Dial(context.Background(), 1, addr)
+		} else {
+			err = nsrig.In(g1.NSPath(), func() (err error) { c, err = net.Dial("tcp4", addr); return err })
+		}
+		if err != nil {
+			return err
+		}
+		n := total
+		if st == "kernel" {
+			n /= 8
+		}
+		stream[st], err = perf.RemoteStream(c, 64<<10, n)
+		c.Close()
+		if err != nil {
+			return fmt.Errorf("%s stream: %w", st, err)
+		}
 	}
-	sStream, err := perf.Stream(sp.client, sp.server, 64<<10, total)
-	if err != nil {
-		return err
-	}
-	add("64 KiB streaming throughput", kStream, sStream, "GB/s", true)
+	add("64 KiB streaming throughput", stream["kernel"], stream["shunt"], "GB/s", true)
 
 	fmt.Println("shunt-demo: measuring connection setup (connect + accept + first byte) ...")
 	kSetup, err := setupTime(func() (net.Listener, error) {
@@ -196,9 +241,15 @@ func run(hostd string, quick bool) error {
 	add("connect + accept + first byte", us(kSetup), us(sSetup), "us", false)
 
 	fmt.Println("shunt-demo: measuring idle CPU (2 s, one idle fast-path flow) ...")
+	sp, err := shunt(7300)
+	if err != nil {
+		return err
+	}
+	defer sp.client.Close()
+	defer sp.server.Close()
 	hostdBefore, _ := perf.ProcessCPU(s.Hostd.Process.Pid)
 	selfBefore := perf.CPUTime()
-	idle, idleErr := make(chan error, 1), make(chan error, 1)
+	idle := make(chan error, 1)
 	go func() {
 		_, err := sp.server.Read(make([]byte, 1))
 		idle <- err
@@ -207,8 +258,7 @@ func run(hostd string, quick bool) error {
 	selfCPU := perf.CPUTime() - selfBefore
 	hostdAfter, _ := perf.ProcessCPU(s.Hostd.Process.Pid)
 	sp.client.Write([]byte{1})
-	go func() { idleErr <- <-idle }()
-	if err := <-idleErr; err != nil {
+	if err := <-idle; err != nil {
 		return err
 	}
 	idleRow := func(what string, cpu time.Duration) {
@@ -224,13 +274,10 @@ func run(hostd string, quick bool) error {
 		fmt.Fprintf(tw, "%s\t%s\t%s\t%s\n", r.what, r.kernel, r.shunt, r.ratio)
 	}
 	tw.Flush()
-	fmt.Printf("\n(medians; %d ping-pong round trips, %d MiB streamed through Shunt; setup adds %.0f us with Shunt)\n", iters, total>>20, us(sSetup)-us(kSetup))
+	fmt.Printf("\n(medians; guest 1 is this process, guest 2 a peer process per stack; %d ping-pong round trips;\n %d MiB streamed through Shunt, %d MiB through the kernel; setup adds %.0f us with Shunt)\n", iters, total>>20, total>>23, us(sSetup)-us(kSetup))
 	out, _ := exec.Command(hostd, "flows", "-admin", s.Admin).CombinedOutput()
 	fmt.Printf("\nhostd flows at the end of the run:\n%s", out)
-	for _, p := range []pair{kp, kb, sp} {
-		p.client.Close()
-		p.server.Close()
-	}
+
 	fmt.Println("shunt-demo: removing the demo host")
 	return nil
 }

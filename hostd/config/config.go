@@ -110,6 +110,11 @@ func Parse(name string, src []byte) (*Config, error) {
 	}
 	at := func(what string) string { return fmt.Sprintf("%s: %s", name, what) }
 	var err error
+	switch c.LogLevel {
+	case "trace", "debug", "info", "warn", "error":
+	default:
+		return nil, fmt.Errorf("%s", at(fmt.Sprintf("log_level %q: want trace, debug, info, warn or error", c.LogLevel)))
+	}
 	if c.LogFormat != "text" && c.LogFormat != "json" {
 		return nil, fmt.Errorf("%s", at(fmt.Sprintf("log_format %q: want \"text\" or \"json\"", c.LogFormat)))
 	}

@@ -74,6 +74,7 @@ func TestParseErrorsNameFileAndLine(t *testing.T) {
 		{"bad address", strings.Replace(good, `"10.77.1.2"`, `"10.77.1"`, 1), `address "10.77.1"`},
 		{"bad region size", strings.Replace(good, `"16MiB"`, `"16 parsecs"`, 1), `trust_group "tenant" (line 7): region_size`},
 		{"bad policy", strings.Replace(good, `ports  = ["22"]`, `ports  = ["ssh"]`, 1), `rule "no-ssh" (line 30): ports: "ssh"`},
+		{"bad log level", strings.Replace(good, `"debug"`, `"verbose"`, 1), `log_level "verbose"`},
 		{"bad log format", strings.Replace(good, `"json"`, `"yaml"`, 1), `log_format "yaml"`},
 		{"bad duration", strings.Replace(good, `"500ms"`, `"soon"`, 1), "pairing_timeout"},
 	}

@@ -163,3 +163,101 @@ func ProcessCPU(pid int) (time.Duration, error) {
 	fmt.Sscan(f[12], &st)
 	return time.Duration(ut+st) * 10 * time.Millisecond, nil
 }
+
+// Serve accepts connections on l and answers each one, the peer side of
+// PingPong and Stream across processes: a connection whose first byte is 's'
+// is a sink (read to EOF, then write the byte count as a line); any other
+// first byte makes it an echo of size-byte messages. busy wraps kernel
+// connections in BusyPoll.
+func Serve(l net.Listener, size int, busy bool) error {
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return err
+		}
+		if busy {
+			if c, err = NewBusyPoll(c.(*net.TCPConn)); err != nil {
+				return err
+			}
+		}
+		go serveOne(c, size)
+	}
+}
+
+func serveOne(c net.Conn, size int) {
+	defer c.Close()
+	kind := make([]byte, 1)
+	if _, err := io.ReadFull(c, kind); err != nil {
+		return
+	}
+	if kind[0] == 's' {
+		n, _ := io.Copy(io.Discard, c)
+		fmt.Fprintf(c, "%d\n", n)
+		return
+	}
+	buf := make([]byte, size)
+	for {
+		if _, err := io.ReadFull(c, buf); err != nil {
+			return
+		}
+		if _, err := c.Write(buf); err != nil {
+			return
+		}
+	}
+}
+
+// RemotePingPong measures size-byte ping-pong against a Serve peer over c
+// and returns the median one-way latency over batches.
+func RemotePingPong(c net.Conn, size, iters int) (time.Duration, error) {
+	if _, err := c.Write([]byte{'e'}); err != nil {
+		return 0, err
+	}
+	msg, back := make([]byte, size), make([]byte, size)
+	const batches = 20
+	per := max(iters/batches, 1)
+	var samples []time.Duration
+	for done := 0; done < iters; done += per {
+		start := time.Now()
+		for range per {
+			if _, err := c.Write(msg); err != nil {
+				return 0, err
+			}
+			if _, err := io.ReadFull(c, back); err != nil {
+				return 0, err
+			}
+		}
+		samples = append(samples, time.Since(start)/time.Duration(2*per))
+	}
+	return Median(samples), nil
+}
+
+// RemoteStream writes total bytes in msg-byte writes to a Serve peer's sink
+// over c and returns GB/s, counting only what the peer reports received.
+func RemoteStream(c net.Conn, msg int, total int64) (float64, error) {
+	if _, err := c.Write([]byte{'s'}); err != nil {
+		return 0, err
+	}
+	start := time.Now()
+	buf := make([]byte, msg)
+	for left := total; left > 0; left -= int64(msg) {
+		if _, err := c.Write(buf[:min(int64(msg), left)]); err != nil {
+			return 0, err
+		}
+	}
+	cw, ok := c.(interface{ CloseWrite() error })
+	if !ok {
+		return 0, errors.New("connection cannot half-close")
+	}
+	if err := cw.CloseWrite(); err != nil {
+		return 0, err
+	}
+	var n int64
+	if _, err := fmt.Fscanln(c, &n); err != nil {
+		return 0, fmt.Errorf("sink's count: %w", err)
+	}
+	elapsed := time.Since(start)
+	if n != total {
+		return 0, fmt.Errorf("sink received %d bytes, want %d", n, total)
+	}
+	return float64(n) / elapsed.Seconds() / 1e9, nil
+}

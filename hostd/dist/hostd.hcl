@@ -1,0 +1,47 @@
+# Example hostd configuration; docs/config.md is the reference.
+log_level       = "info"   # trace, debug, info, warn, error
+log_format      = "json"   # or "text"
+admin_socket    = "/run/shunt/admin.sock"
+metrics_address = "127.0.0.1:9469"
+pairing_timeout = "2s"
+reattach_grace  = "5s"
+
+trust_group "tenant-a" {
+  region      = "/dev/shm/shunt-tenant-a"
+  region_size = "64MiB"
+  slots       = 256
+}
+
+guest "vm1" {
+  id        = 1
+  group     = "tenant-a"
+  control   = "/run/shunt/vm1.sock"
+  interface = "vnet0"      # learn the guest's addresses from the routes on its tap
+  ct_mark   = 1            # nft: ct state new iifname "vnet0" ct mark set 1
+}
+
+guest "vm2" {
+  id        = 2
+  group     = "tenant-a"
+  control   = "/run/shunt/vm2.sock"
+  addresses = ["192.168.100.12"]
+}
+
+policy {
+  default             = "fastpath"
+  ring_size           = "1MiB"
+  max_flows_per_guest = 256
+
+  rule "ssh-stays-on-tcp" {
+    action = "tcp"
+    ports  = ["22"]
+  }
+
+  rule "mpi" {
+    action    = "fastpath"
+    from      = ["192.168.100.0/24"]
+    to        = ["192.168.100.0/24"]
+    ports     = ["1024-65535"]
+    ring_size = "4MiB"
+  }
+}
