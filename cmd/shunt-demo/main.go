@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command shunt-demo is the quick start: it builds a demo host of two
 // guests in network namespaces on this machine, starts hostd, measures the
 // kernel's TCP over veth against Shunt side by side, prints a table, and

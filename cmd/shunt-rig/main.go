@@ -1,3 +1,5 @@
+//go:build linux
+
 // Command shunt-rig creates and removes the network-namespace test host that
 // Shunt's tests, demo and benchmarks use (see integration/nsrig).
 //

@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package perf measures connections the same way for kernel TCP and for
 // Shunt, so that the demo, the benchmarks and docs/BENCHMARKS.md compare
 // like with like: ping-pong one-way latency, streaming throughput,

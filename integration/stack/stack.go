@@ -1,3 +1,5 @@
+//go:build linux
+
 // Package stack runs a whole Shunt host for tests, the demo and benchmarks:
 // a namespace rig (integration/nsrig), the real hostd binary configured for
 // it, and a guestlib client per guest. Close (or a failed Start) removes

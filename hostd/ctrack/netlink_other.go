@@ -1,0 +1,25 @@
+//go:build !linux
+
+package ctrack
+
+import (
+	"context"
+	"errors"
+)
+
+// Netlink is the kernel Tracker; conntrack exists only on Linux.
+type Netlink struct{}
+
+var errNotLinux = errors.New("conntrack needs Linux")
+
+// Dial fails: conntrack exists only on Linux.
+func Dial(netnsPath string) (*Netlink, error) { return nil, errNotLinux }
+
+// Lookup implements Tracker.
+func (*Netlink) Lookup(Tuple) (Entry, error) { return Entry{}, errNotLinux }
+
+// Destroyed implements Tracker.
+func (*Netlink) Destroyed(context.Context, func(Entry)) error { return errNotLinux }
+
+// Close implements Tracker.
+func (*Netlink) Close() error { return nil }
