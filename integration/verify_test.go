@@ -5,12 +5,18 @@ import (
 	"fmt"
 	"io"
 	"net"
+	"net/http"
 	"net/netip"
+	"os"
+	"strings"
 	"syscall"
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/internal/testenv"
 )
 
 func TestFirewallRejectStaysRejected(t *testing.T) {
@@ -167,5 +173,42 @@ func TestMalformedControlMessage(t *testing.T) {
 	c, _ := e.pair(1, 2, 5213)
 	if !c.Path().Fast {
 		t.Fatalf("other guests lost the fast path: %s", c.Path())
+	}
+}
+
+// TestMetricsEndpoint: hostd serves Prometheus metrics, including the
+// per-flow byte counters read from the rings.
+func TestMetricsEndpoint(t *testing.T) {
+	testenv.NeedRoot(t)
+	l, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	addr := l.Addr().String()
+	l.Close()
+	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("m%d", os.Getpid()%1000), Guests: 2, HostdBin: hostdBin, Dir: t.TempDir(), Metrics: addr})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	e := &env{Stack: s, t: t, rig: s.Rig, lns: map[[2]int]*guestlib.Listener{}}
+	c, srv := e.pair(1, 2, 5400)
+	roundTrip(t, c, srv)
+	resp, err := http.Get("http://" + addr + "/metrics")
+	if err != nil {
+		t.Fatal(err)
+	}
+	body, _ := io.ReadAll(resp.Body)
+	resp.Body.Close()
+	for _, want := range []string{
+		`shunt_flow_bytes{direction="ab",flow="t/0.1"} 4`,
+		`shunt_flows{mode="direct",state="ready"} 1`,
+		`shunt_fallbacks_total{reason="policy"} 0`,
+		`shunt_flow_setup_seconds_count 1`,
+		`shunt_guest_sessions{guest="g1"} 1`,
+	} {
+		if !strings.Contains(string(body), want) {
+			t.Errorf("metrics lack %q", want)
+		}
 	}
 }

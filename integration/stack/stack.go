@@ -31,6 +31,7 @@ type Stack struct {
 	Clients []*guestlib.Client
 
 	hostdBin string
+	metrics  string
 	logs     *os.File
 	ownDir   bool
 }
@@ -42,6 +43,7 @@ type Options struct {
 	HostdBin string // path of the hostd binary
 	Dir      string // "" = a new temporary directory, removed by Close
 	Policy   string // body of the policy block
+	Metrics  string // hostd's metrics_address; "" = none
 	Logf     func(string, ...any)
 }
 
@@ -51,7 +53,7 @@ func Start(o Options) (_ *Stack, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin}
+	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics}
 	if s.Dir == "" {
 		if s.Dir, err = os.MkdirTemp("", "shunt-"+o.Name); err != nil {
 			return nil, err
@@ -92,8 +94,8 @@ func (s *Stack) RegionPath() string { return "/dev/shm/shunt-" + s.Rig.Name }
 // WriteConfig (re)writes hostd's configuration with the given policy body.
 func (s *Stack) WriteConfig(policy string) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = \"\"\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
-		s.Admin, s.Rig.HostNSPath())
+	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
+		s.Admin, s.metrics, s.Rig.HostNSPath())
 	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n}\n", s.RegionPath())
 	for _, g := range s.Rig.Guests {
 		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  ct_mark = %d\n}\n",
