@@ -72,4 +72,3 @@ func netlinkHandle(nsPath string) (*netlink.Handle, error) {
 	defer ns.Close()
 	return netlink.NewHandleAt(ns)
 }
-

@@ -48,4 +48,3 @@ type Tracker interface {
 	Destroyed(ctx context.Context, fn func(Entry)) error
 	Close() error
 }
-
