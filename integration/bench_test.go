@@ -3,7 +3,6 @@ package integration
 import (
 	"bufio"
 	"context"
-	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -22,64 +21,6 @@ import (
 // Benchmarks between two namespace guests, kernel TCP over veth against
 // Shunt, in one run (make bench-e2e; needs root). Figures are reported with
 // b.ReportMetric; docs/BENCHMARKS.md has the table and the command.
-
-type connPair struct{ c, s net.Conn }
-
-func kernelPair(b *testing.B, e *env, port int) connPair {
-	g1, g2 := e.rig.Guests[0], e.rig.Guests[1]
-	var l net.Listener
-	if err := nsrig.In(g2.NSPath(), func() (err error) {
-		l, err = net.Listen("tcp4", netip.AddrPortFrom(g2.Addr, uint16(port)).String())
-		return err
-	}); err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	acc := make(chan net.Conn, 1)
-	go func() { c, _ := l.Accept(); acc <- c }()
-	var c net.Conn
-	if err := nsrig.In(g1.NSPath(), func() (err error) {
-		c, err = net.Dial("tcp4", netip.AddrPortFrom(g2.Addr, uint16(port)).String())
-		return err
-	}); err != nil {
-		b.Fatal(err)
-	}
-	p := connPair{c, <-acc}
-	b.Cleanup(func() { p.c.Close(); p.s.Close() })
-	return p
-}
-
-func shuntPair(b *testing.B, e *env, port int) connPair {
-	l, err := e.Listen(2, port)
-	if err != nil {
-		b.Fatal(err)
-	}
-	defer l.Close()
-	acc := make(chan net.Conn, 1)
-	go func() { c, _ := l.AcceptShunt(); acc <- c }()
-	c, err := e.Dial(context.Background(), 1, fmt.Sprintf("%s:%d", e.rig.Guests[1].Addr, port))
-	if err != nil {
-		b.Fatal(err)
-	}
-	if !c.Path().Fast {
-		b.Fatalf("path %s, want fast", c.Path())
-	}
-	p := connPair{c, <-acc}
-	b.Cleanup(func() { p.c.Close(); p.s.Close() })
-	return p
-}
-
-func busyPair(b *testing.B, p connPair) connPair {
-	c, err := perf.NewBusyPoll(p.c.(*net.TCPConn))
-	if err != nil {
-		b.Fatal(err)
-	}
-	s, err := perf.NewBusyPoll(p.s.(*net.TCPConn))
-	if err != nil {
-		b.Fatal(err)
-	}
-	return connPair{c, s}
-}
 
 // peerProcess starts the echo/sink child in guest 2 with the given stack
 // and returns the address it listens on.

@@ -46,7 +46,7 @@ func main() {
 	case "exec":
 		args := fs.Args()
 		if len(args) < 3 || args[1] != "--" {
-			fail(fmt.Errorf("usage: shunt-rig exec GUEST -- command args..."))
+			fail(fmt.Errorf("usage: shunt-rig exec GUEST -- COMMAND [ARGS]"))
 		}
 		ns := r.HostNSPath()
 		for _, g := range r.Guests {

@@ -2,7 +2,6 @@ package broker_test
 
 import (
 	"net/netip"
-	"sync"
 	"testing"
 	"time"
 
@@ -20,10 +19,8 @@ import (
 
 // session is a fake control session that records what hostd sends.
 type session struct {
-	g    *broker.Guest
-	mu   sync.Mutex
-	msgs []proto.Msg
-	got  chan proto.Msg
+	g   *broker.Guest
+	got chan proto.Msg
 }
 
 func newSession(g *broker.Guest) *session { return &session{g: g, got: make(chan proto.Msg, 16)} }
