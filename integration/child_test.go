@@ -15,6 +15,8 @@ import (
 // namespace, selected by SHUNT_E2E_CHILD:
 //
 //	writer  dial SHUNT_E2E_ADDR through guestlib and write until killed
+//	setup   dial SHUNT_E2E_ADDR (SHUNT_E2E_STACK kernel or shunt) SHUNT_E2E_N
+//	        times with perf.Setup and print the median in nanoseconds
 //	echo    listen on SHUNT_E2E_ADDR (SHUNT_E2E_STACK = kernel, busypoll or
 //	        shunt), print "ready", and echo SHUNT_E2E_SIZE-byte messages on
 //	        each connection; a connection whose first byte is 's' is a sink
@@ -36,6 +38,25 @@ func child() int {
 				return 1
 			}
 		}
+	case "setup":
+		n, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_N"))
+		dial := func() (net.Conn, error) { return net.Dial("tcp4", addr) }
+		if os.Getenv("SHUNT_E2E_STACK") == "shunt" {
+			dial = func() (net.Conn, error) {
+				c, err := guestlib.Dial("tcp4", addr)
+				if err == nil && !c.Path().Fast {
+					err = fmt.Errorf("path %s, want fast", c.Path())
+				}
+				return c, err
+			}
+		}
+		d, err := perf.Setup(dial, n, 8)
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "setup:", err)
+			return 1
+		}
+		fmt.Println(d.Nanoseconds())
+		return 0
 	case "echo":
 		size, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_SIZE"))
 		stack := os.Getenv("SHUNT_E2E_STACK")

@@ -296,6 +296,7 @@ func (b *Broker) Open(s Session, m proto.Msg) {
 
 func (b *Broker) open(s Session, m proto.Msg) {
 	at := time.Now()
+	b.log.Trace("open", "guest", s.Guest().Name, "role", m.Role, "local", m.Local, "remote", m.Remote)
 	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}
 	e, reason := b.verifyOrReuse(s.Guest(), m.Role, t)
 	if reason != proto.ReasonNone {
@@ -354,6 +355,7 @@ func (b *Broker) open(s Session, m proto.Msg) {
 		h.onTimeout = onTimeout
 		h.timer = time.AfterFunc(wait, func() { b.timeout(key, h) })
 		b.waiting[key] = h
+		b.log.Trace("open verified; waiting for the other side", "guest", s.Guest().Name, "took", time.Since(at))
 		return
 	}
 	other.timer.Stop()

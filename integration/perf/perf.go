@@ -263,3 +263,31 @@ func RemoteStream(c net.Conn, msg int, total int64) (float64, error) {
 	}
 	return float64(n) / elapsed.Seconds() / 1e9, nil
 }
+
+// Setup measures n connection setups against a Serve peer: dial, then one
+// size-byte message there and back (so the peer has accepted and both
+// sides may use the connection), then close. It returns the median.
+func Setup(dial func() (net.Conn, error), n, size int) (time.Duration, error) {
+	msg := make([]byte, 1+size)
+	msg[0] = 'e'
+	back := make([]byte, size)
+	var ds []time.Duration
+	for range n {
+		start := time.Now()
+		c, err := dial()
+		if err != nil {
+			return 0, err
+		}
+		if _, err := c.Write(msg); err != nil {
+			c.Close()
+			return 0, err
+		}
+		if _, err := io.ReadFull(c, back); err != nil {
+			c.Close()
+			return 0, err
+		}
+		ds = append(ds, time.Since(start))
+		c.Close()
+	}
+	return Median(ds), nil
+}
