@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e fuzz clean
+.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e fuzz clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -13,6 +13,15 @@ help: ## list the targets
 build: ## build every package, and the commands into bin/
 	$(GO) build ./...
 	$(GO) build -o $(BIN)/ ./cmd/...
+	$(MAKE) --no-print-directory preload
+
+CFLAGS ?= -std=c11 -O2 -Wall -Wextra -Werror -fPIC
+PRELOAD_SRC := $(wildcard guestlib/preload/csrc/*.c)
+
+preload: ## build the C ring/region/protocol objects (libshunt.a) with gcc
+	@mkdir -p $(BIN)/preload
+	for f in ring region proto; do $(CC) $(CFLAGS) -c guestlib/preload/csrc/$$f.c -o $(BIN)/preload/$$f.o || exit 1; done
+	ar rcs $(BIN)/libshunt.a $(BIN)/preload/ring.o $(BIN)/preload/region.o $(BIN)/preload/proto.o
 
 demo: build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
 	$(BIN)/shunt-demo $(DEMOFLAGS)

@@ -1,0 +1,255 @@
+/* SPSC byte ring, format v1: see shunt.h and shm/ring/doc.go. Memory
+ * ordering: __atomic builtins with sequentially consistent order, the same
+ * as Go's sync/atomic, so the Dekker-style waiting protocol holds across
+ * the two languages. */
+#define _GNU_SOURCE
+#include "shunt.h"
+
+#include <errno.h>
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+#define BATCH (32u << 10)
+#define SC __ATOMIC_SEQ_CST
+
+static inline uint64_t *w64(const struct shunt_ring *r, int off) { return (uint64_t *)(r->hdr + off); }
+static inline uint32_t *w32(const struct shunt_ring *r, int off) { return (uint32_t *)(r->hdr + off); }
+
+static int valid_cap(uint64_t c) { return c >= SHUNT_RING_MIN && c <= SHUNT_RING_MAX && (c & (c - 1)) == 0; }
+
+static int attach(struct shunt_ring *r, void *mem, size_t len, uint64_t want)
+{
+	memset(r, 0, sizeof *r);
+	if (len < SHUNT_RING_HEADER || ((uintptr_t)mem % 64) != 0)
+		return SHUNT_ECORRUPT;
+	r->hdr = mem;
+	if (__atomic_load_n(w32(r, SHUNT_OFF_MAGIC), SC) != SHUNT_RING_MAGIC)
+		return SHUNT_ECORRUPT;
+	uint64_t c = __atomic_load_n(w64(r, SHUNT_OFF_CAPACITY), SC);
+	if (!valid_cap(c) || len - SHUNT_RING_HEADER < c || (want && c != want))
+		return SHUNT_ECORRUPT;
+	r->cap = c; /* read once; a later rewrite by the peer changes nothing */
+	r->mask = c - 1;
+	r->data = r->hdr + SHUNT_RING_HEADER;
+	return 0;
+}
+
+int shunt_ring_writer(struct shunt_ring *w, void *mem, size_t len, uint64_t want)
+{
+	int err = attach(w, mem, len, want);
+	if (err)
+		return err;
+	w->own = __atomic_load_n(w64(w, SHUNT_OFF_TAIL), SC);
+	w->msgs = __atomic_load_n(w64(w, SHUNT_OFF_WMSGS), SC);
+	w->peer = __atomic_load_n(w64(w, SHUNT_OFF_HEAD), SC);
+	if (w->peer > w->own || w->own - w->peer > w->cap)
+		return SHUNT_ECORRUPT;
+	return 0;
+}
+
+int shunt_ring_reader(struct shunt_ring *r, void *mem, size_t len, uint64_t want)
+{
+	int err = attach(r, mem, len, want);
+	if (err)
+		return err;
+	r->own = __atomic_load_n(w64(r, SHUNT_OFF_HEAD), SC);
+	r->msgs = __atomic_load_n(w64(r, SHUNT_OFF_RMSGS), SC);
+	r->peer = __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC);
+	if (r->own > r->peer || r->peer - r->own > r->cap)
+		return SHUNT_ECORRUPT;
+	return 0;
+}
+
+static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
+{
+	/* Not FUTEX_PRIVATE: the word is shared with another process. */
+	return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
+}
+
+/* wake: the waker's half of the protocol (shm/wait Policy.Wake). */
+static void wake(uint32_t *flag)
+{
+	uint32_t one = 1;
+	if (__atomic_load_n(flag, SC) != 0 &&
+	    __atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC))
+		futex(flag, FUTEX_WAKE, 1, NULL);
+}
+
+/* free space, refreshing the reader's head when the cache has less than want. */
+static int64_t space(struct shunt_ring *w, uint64_t want)
+{
+	uint64_t f = w->cap - (w->own - w->peer);
+	if (f >= (want ? want : 1))
+		return (int64_t)f;
+	uint64_t h = __atomic_load_n(w64(w, SHUNT_OFF_HEAD), SC);
+	if (h < w->peer || h > w->own)
+		return SHUNT_ECORRUPT;
+	w->peer = h;
+	return (int64_t)(w->cap - (w->own - h));
+}
+
+ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n)
+{
+	if (__atomic_load_n(w32(w, SHUNT_OFF_RESET), SC))
+		return SHUNT_ERESET;
+	if (w->fin || (__atomic_load_n(w32(w, SHUNT_OFF_RFLAGS), SC) & 1))
+		return SHUNT_EPIPE;
+	const uint8_t *p = buf;
+	size_t done = 0;
+	while (done < n) {
+		int64_t f = space(w, n - done);
+		if (f < 0)
+			return done ? (ssize_t)done : f;
+		if (f == 0)
+			break;
+		size_t k = n - done;
+		if (k > (size_t)f)
+			k = f;
+		if (k > BATCH)
+			k = BATCH;
+		size_t off = w->own & w->mask, first = w->cap - off;
+		if (first > k)
+			first = k;
+		memcpy(w->data + off, p + done, first);
+		memcpy(w->data, p + done + first, k - first);
+		done += k;
+		w->own += k;
+		w->msgs++;
+		__atomic_store_n(w64(w, SHUNT_OFF_TAIL), w->own, SC);
+		__atomic_store_n(w64(w, SHUNT_OFF_WMSGS), w->msgs, SC);
+		wake(w32(w, SHUNT_OFF_RWAIT));
+	}
+	return done ? (ssize_t)done : (n ? SHUNT_EAGAIN : 0);
+}
+
+/* readable bytes, refreshing the writer's tail when the cache has less than want. */
+static int64_t avail(struct shunt_ring *r, uint64_t want)
+{
+	uint64_t a = r->peer - r->own;
+	if (a >= (want ? want : 1))
+		return (int64_t)a;
+	uint64_t t = __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC);
+	if (t < r->peer || t - r->own > r->cap)
+		return SHUNT_ECORRUPT;
+	r->peer = t;
+	return (int64_t)(t - r->own);
+}
+
+ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
+{
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+		return SHUNT_ERESET;
+	int64_t a = avail(r, n);
+	if (a < 0)
+		return a;
+	if (a == 0) {
+		/* FIN is loaded before the tail (the writer stores them the
+		 * other way round), so FIN with no new data really is the end. */
+		int fin = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1;
+		if ((a = avail(r, 1)) < 0)
+			return a;
+		if (a == 0)
+			return fin ? 0 : SHUNT_EAGAIN;
+	}
+	uint8_t *p = buf;
+	size_t done = 0;
+	while (done < n && a > 0) {
+		size_t k = n - done;
+		if (k > (uint64_t)a)
+			k = a;
+		if (k > BATCH)
+			k = BATCH;
+		size_t off = r->own & r->mask, first = r->cap - off;
+		if (first > k)
+			first = k;
+		memcpy(p + done, r->data + off, first);
+		memcpy(p + done + first, r->data, k - first);
+		done += k;
+		r->own += k;
+		r->msgs++;
+		__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, SC);
+		__atomic_store_n(w64(r, SHUNT_OFF_RMSGS), r->msgs, SC);
+		wake(w32(r, SHUNT_OFF_WWAIT));
+		if ((a = avail(r, n - done)) < 0)
+			return done;
+	}
+	return done;
+}
+
+int shunt_ring_close_write(struct shunt_ring *w)
+{
+	if (w->fin)
+		return 0;
+	w->fin = 1;
+	__atomic_fetch_or(w32(w, SHUNT_OFF_WFLAGS), 1, SC);
+	wake(w32(w, SHUNT_OFF_RWAIT));
+	return 0;
+}
+
+int shunt_ring_close_read(struct shunt_ring *r)
+{
+	__atomic_fetch_or(w32(r, SHUNT_OFF_RFLAGS), 1, SC);
+	wake(w32(r, SHUNT_OFF_WWAIT));
+	return 0;
+}
+
+int shunt_ring_ready(struct shunt_ring *r, int reader)
+{
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+		return 1;
+	if (reader)
+		return __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC) != r->own ||
+		       (__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1);
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RFLAGS), SC) & 1)
+		return 1;
+	return r->cap - (r->own - __atomic_load_n(w64(r, SHUNT_OFF_HEAD), SC)) > 0;
+}
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns)
+{
+	int64_t start = now_ns();
+	for (unsigned i = 1;; i++) {
+		if (shunt_ring_ready(r, reader))
+			return 0;
+		if (i % 64)
+			continue;
+		int64_t el = now_ns() - start;
+		if (timeout_ns >= 0 && el >= timeout_ns)
+			return SHUNT_EAGAIN;
+		if (el >= spin_ns)
+			break;
+#if defined(__x86_64__)
+		__builtin_ia32_pause();
+#endif
+	}
+	uint32_t *flag = w32(r, reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT);
+	for (;;) {
+		__atomic_store_n(flag, 1, SC);
+		if (shunt_ring_ready(r, reader)) {
+			__atomic_store_n(flag, 0, SC);
+			return 0;
+		}
+		struct timespec ts, *tsp = NULL;
+		if (timeout_ns >= 0) {
+			int64_t left = timeout_ns - (now_ns() - start);
+			if (left <= 0) {
+				__atomic_store_n(flag, 0, SC);
+				return SHUNT_EAGAIN;
+			}
+			ts.tv_sec = left / 1000000000;
+			ts.tv_nsec = left % 1000000000;
+			tsp = &ts;
+		}
+		futex(flag, FUTEX_WAIT, 1, tsp);
+	}
+}
