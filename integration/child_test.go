@@ -60,13 +60,7 @@ func child() int {
 	case "echo":
 		size, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_SIZE"))
 		stack := os.Getenv("SHUNT_E2E_STACK")
-		var l net.Listener
-		var err error
-		if stack == "shunt" {
-			l, err = guestlib.Listen("tcp4", addr)
-		} else {
-			l, err = net.Listen("tcp4", addr)
-		}
+		l, err := perf.Listen(stack, addr)
 		if err != nil {
 			fmt.Fprintln(os.Stderr, "listen:", err)
 			return 1

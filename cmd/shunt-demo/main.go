@@ -22,7 +22,6 @@ import (
 	"text/tabwriter"
 	"time"
 
-	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/perf"
 	"github.com/shuntnet/shunt/integration/stack"
@@ -52,13 +51,7 @@ func main() {
 // runPeer is the demo's guest-2 process: it listens with the given stack and
 // serves echo and sink connections (perf.Serve) until killed.
 func runPeer(stack, addr string) error {
-	var l net.Listener
-	var err error
-	if stack == "shunt" {
-		l, err = guestlib.Listen("tcp4", addr)
-	} else {
-		l, err = net.Listen("tcp4", addr)
-	}
+	l, err := perf.Listen(stack, addr)
 	if err != nil {
 		return err
 	}

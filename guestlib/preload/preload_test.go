@@ -16,6 +16,7 @@ import (
 	"testing"
 
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/internal/proto/prototest"
 	"github.com/shuntnet/shunt/internal/testenv"
 	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -55,26 +56,7 @@ func fields(m proto.Msg) string {
 // does too.
 func TestProtocolVectors(t *testing.T) {
 	bin := xtest(t)
-	a := netip.MustParseAddrPort("10.77.1.2:40001")
-	b := netip.MustParseAddrPort("[fd00::3]:5201")
-	msgs := []proto.Msg{
-		{Type: proto.Hello, PID: 4242},
-		{Type: proto.Welcome, GuestID: 7, Gen: 3, RegionSize: 64 << 20, Region: "/dev/shm/shunt-tenant"},
-		{Type: proto.Listen, Local: a},
-		{Type: proto.Unlisten, Local: b},
-		{Type: proto.Intent, Local: a, Remote: b},
-		{Type: proto.Open, ReqID: 9, Role: proto.Passive, Local: b, Remote: a},
-		{Type: proto.Ready, ReqID: 9, Slot: 4, Gen: 11, Capacity: 1 << 20, RingAB: 1 << 16, RingBA: 1<<16 + 1<<20 + 1024, Side: proto.SideB},
-		{Type: proto.TCP, ReqID: 10, Reason: proto.ReasonPolicy},
-		{Type: proto.Close, Slot: 4, Gen: 11, Side: proto.SideA},
-		{Type: proto.Release, Slot: 4, Gen: 11},
-		{Type: proto.Revoke, Slot: 4, Gen: 1 << 40, Reason: proto.ReasonConntrackGone},
-		{Type: proto.Kick, Slot: 4, Gen: 11, Side: proto.SideB},
-		{Type: proto.Ping, Nonce: 1 << 60},
-		{Type: proto.Pong, Nonce: 5},
-		{Type: proto.Reattach, Slot: 1, Gen: 2, Side: proto.SideA, Local: a, Remote: b},
-		{Type: proto.Error, Reason: proto.ReasonMalformed, Text: "bad frame"},
-	}
+	msgs := prototest.Samples()
 	var in strings.Builder
 	var frames [][]byte
 	for _, m := range msgs {

@@ -12,6 +12,8 @@ import (
 	"github.com/mdlayher/netlink"
 	"github.com/ti-mo/conntrack"
 	"golang.org/x/sys/unix"
+
+	"github.com/shuntnet/shunt/internal/nsexec"
 )
 
 // getter does single-entry ctnetlink GETs on a raw netlink socket with a
@@ -48,7 +50,7 @@ func newGetter(netnsPath string) (*getter, error) {
 	if netnsPath == "" {
 		err = open()
 	} else {
-		err = inNetns(netnsPath, open)
+		err = nsexec.In(netnsPath, open)
 	}
 	if err != nil {
 		return nil, fmt.Errorf("conntrack netlink socket: %w", err)

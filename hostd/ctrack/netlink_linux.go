@@ -8,14 +8,12 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
-	"runtime"
 	"sync"
 	"syscall"
 
 	"github.com/mdlayher/netlink"
 	"github.com/ti-mo/conntrack"
 	"github.com/ti-mo/netfilter"
-	"github.com/vishvananda/netns"
 )
 
 // Netlink is the kernel Tracker.
@@ -128,33 +126,3 @@ func (n *Netlink) Destroyed(ctx context.Context, fn func(Entry)) error {
 
 // Close implements Tracker.
 func (n *Netlink) Close() error { return n.query.close() }
-
-// inNetns runs fn on an OS thread inside the namespace at path.
-func inNetns(path string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		ns, err := netns.GetFromPath(path)
-		if err != nil {
-			errc <- fmt.Errorf("open netns %s: %w", path, err)
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- fmt.Errorf("enter netns %s: %w", path, err)
-			return
-		}
-		err = fn()
-		if netns.Set(orig) == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- err
-	}()
-	return <-errc
-}

@@ -16,6 +16,8 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+
+	"github.com/shuntnet/shunt/internal/nsexec"
 )
 
 // Guest is one guest namespace.
@@ -192,40 +194,12 @@ func newNamed(name string) (netns.NsHandle, error) {
 // it starts are born there.
 func (r *Rig) In(nsPath string, fn func() error) error { return In(nsPath, fn) }
 
-// In runs fn on an OS thread inside the namespace at nsPath.
-func In(nsPath string, fn func() error) error {
-	errc := make(chan error, 1)
-	go func() {
-		runtime.LockOSThread()
-		// The thread is not unlocked: if restoring its namespace fails,
-		// the runtime must throw it away rather than reuse it.
-		orig, err := netns.Get()
-		if err != nil {
-			errc <- err
-			return
-		}
-		defer orig.Close()
-		ns, err := netns.GetFromPath(nsPath)
-		if err != nil {
-			errc <- fmt.Errorf("open netns %s: %w", nsPath, err)
-			return
-		}
-		defer ns.Close()
-		if err := netns.Set(ns); err != nil {
-			errc <- fmt.Errorf("enter netns %s: %w", nsPath, err)
-			return
-		}
-		err = fn()
-		if serr := netns.Set(orig); serr == nil {
-			runtime.UnlockOSThread()
-		}
-		errc <- err
-	}()
-	return <-errc
-}
+// In runs fn on an OS thread inside the namespace at nsPath (see
+// internal/nsexec).
+func In(nsPath string, fn func() error) error { return nsexec.In(nsPath, fn) }
 
-// Command returns a command that runs in the namespace at nsPath once
-// started with Start (which must be used instead of cmd.Start).
+// Start starts cmd inside the namespace at nsPath (use it instead of
+// cmd.Start).
 func Start(nsPath string, cmd *exec.Cmd) error {
 	return In(nsPath, cmd.Start)
 }

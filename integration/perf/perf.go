@@ -3,7 +3,8 @@
 // Package perf measures connections the same way for kernel TCP and for
 // Shunt, so that the demo, the benchmarks and docs/BENCHMARKS.md compare
 // like with like: ping-pong one-way latency, streaming throughput,
-// connection setup time, and CPU while idle.
+// connection setup time, and CPU while idle. The far side of every
+// measurement is a peer process running Serve.
 package perf
 
 import (
@@ -16,77 +17,9 @@ import (
 	"sort"
 	"syscall"
 	"time"
+
+	"github.com/shuntnet/shunt/guestlib"
 )
-
-// PingPong sends size-byte messages from a to b and back iters times and
-// returns the median one-way latency over batches (half the round trip).
-// b must echo: PingPong runs the echo loop itself in a goroutine.
-func PingPong(a, b net.Conn, size, iters int) (time.Duration, error) {
-	echoErr := make(chan error, 1)
-	go func() {
-		buf := make([]byte, size)
-		for range iters {
-			if _, err := io.ReadFull(b, buf); err != nil {
-				echoErr <- err
-				return
-			}
-			if _, err := b.Write(buf); err != nil {
-				echoErr <- err
-				return
-			}
-		}
-		echoErr <- nil
-	}()
-	msg := make([]byte, size)
-	back := make([]byte, size)
-	const batches = 20
-	per := max(iters/batches, 1)
-	var samples []time.Duration
-	for done := 0; done < iters; {
-		n := min(per, iters-done)
-		start := time.Now()
-		for range n {
-			if _, err := a.Write(msg); err != nil {
-				return 0, err
-			}
-			if _, err := io.ReadFull(a, back); err != nil {
-				return 0, err
-			}
-		}
-		samples = append(samples, time.Since(start)/time.Duration(2*n))
-		done += n
-	}
-	if err := <-echoErr; err != nil {
-		return 0, fmt.Errorf("echo: %w", err)
-	}
-	return Median(samples), nil
-}
-
-// Stream writes total bytes in msg-byte writes from a to b and returns the
-// throughput in GB/s as seen by the reader (all bytes received).
-func Stream(a, b net.Conn, msg int, total int64) (float64, error) {
-	errc := make(chan error, 1)
-	start := time.Now()
-	go func() {
-		buf := make([]byte, msg)
-		for left := total; left > 0; left -= int64(msg) {
-			if _, err := a.Write(buf[:min(int64(msg), left)]); err != nil {
-				errc <- err
-				return
-			}
-		}
-		errc <- nil
-	}()
-	n, err := io.CopyN(io.Discard, b, total)
-	elapsed := time.Since(start)
-	if err != nil {
-		return 0, err
-	}
-	if err := <-errc; err != nil {
-		return 0, err
-	}
-	return float64(n) / elapsed.Seconds() / 1e9, nil
-}
 
 // Median returns the median of ds (which it sorts).
 func Median(ds []time.Duration) time.Duration {
@@ -290,4 +223,14 @@ func Setup(dial func() (net.Conn, error), n, size int) (time.Duration, error) {
 		c.Close()
 	}
 	return Median(ds), nil
+}
+
+// Listen listens on addr with one of the stacks the benchmarks compare:
+// "shunt" (guestlib, the default client from the environment), or "kernel"
+// and "busypoll" (plain TCP).
+func Listen(stack, addr string) (net.Listener, error) {
+	if stack == "shunt" {
+		return guestlib.Listen("tcp4", addr)
+	}
+	return net.Listen("tcp4", addr)
 }

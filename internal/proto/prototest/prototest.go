@@ -1,0 +1,39 @@
+// Package prototest has sample control messages, one of every type, for the
+// Go tests of the protocol and the cross-language tests against the C
+// implementation.
+package prototest
+
+import (
+	"net/netip"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+// A and B are sample addresses, one IPv4 and one IPv6.
+var (
+	A = netip.MustParseAddrPort("10.77.1.2:40001")
+	B = netip.MustParseAddrPort("[fd00::3]:5201")
+)
+
+// Samples returns one message of every type, with every field set to a
+// value that exercises its width.
+func Samples() []proto.Msg {
+	return []proto.Msg{
+		{Type: proto.Hello, PID: 4242},
+		{Type: proto.Welcome, GuestID: 7, Gen: 3, RegionSize: 64 << 20, Region: "/dev/shm/shunt-tenant"},
+		{Type: proto.Listen, Local: A},
+		{Type: proto.Unlisten, Local: B},
+		{Type: proto.Intent, Local: A, Remote: B},
+		{Type: proto.Open, ReqID: 9, Role: proto.Passive, Local: B, Remote: A},
+		{Type: proto.Ready, ReqID: 9, Slot: 4, Gen: 11, Capacity: 1 << 20, RingAB: 1 << 16, RingBA: 1<<16 + 1<<20 + 1024, Side: proto.SideB},
+		{Type: proto.TCP, ReqID: 10, Reason: proto.ReasonPolicy},
+		{Type: proto.Close, Slot: 4, Gen: 11, Side: proto.SideA},
+		{Type: proto.Release, Slot: 4, Gen: 11},
+		{Type: proto.Revoke, Slot: 4, Gen: 1 << 40, Reason: proto.ReasonConntrackGone},
+		{Type: proto.Kick, Slot: 4, Gen: 11, Side: proto.SideB},
+		{Type: proto.Ping, Nonce: 1 << 60},
+		{Type: proto.Pong, Nonce: 5},
+		{Type: proto.Reattach, Slot: 1, Gen: 2, Side: proto.SideA, Local: A, Remote: B},
+		{Type: proto.Error, Reason: proto.ReasonMalformed, Text: "bad frame"},
+	}
+}
