@@ -91,6 +91,7 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 			if c.Ready() {
 				return nil
 			}
+			pause()
 			if i%checkEvery != 0 {
 				continue
 			}
