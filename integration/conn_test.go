@@ -99,3 +99,55 @@ func TestHTTPOverGuestlib(t *testing.T) {
 		t.Fatalf("hostd lists no flow for the HTTP connection")
 	}
 }
+
+// TestZeroCopyAPI: ReadBuffer/ReleaseRead and WriteBuffer/CommitWrite move
+// the same bytes as Read and Write, on the fast path and on the fallback.
+func TestZeroCopyAPI(t *testing.T) {
+	e := newEnv(t, 2, `rule "fallback" {
+  action = "tcp"
+  ports  = ["5311"]
+}`)
+	for _, tc := range []struct {
+		port int
+		fast bool
+	}{{5310, true}, {5311, false}} {
+		c, s := e.pair(1, 2, tc.port)
+		if c.Path().Fast != tc.fast {
+			t.Fatalf("port %d: path %s, want fast=%v", tc.port, c.Path(), tc.fast)
+		}
+		want := []byte(strings.Repeat("zero-copy ", 10000))
+		go func() {
+			for off := 0; off < len(want); {
+				b, err := c.WriteBuffer(len(want) - off)
+				if err != nil {
+					t.Errorf("WriteBuffer: %v", err)
+					return
+				}
+				n := copy(b, want[off:])
+				if err := c.CommitWrite(n); err != nil {
+					t.Errorf("CommitWrite: %v", err)
+					return
+				}
+				off += n
+			}
+			c.CloseWrite()
+		}()
+		var got []byte
+		for {
+			b, err := s.ReadBuffer(4096)
+			got = append(got, b...)
+			if err == io.EOF {
+				break
+			}
+			if err != nil {
+				t.Fatalf("ReadBuffer: %v", err)
+			}
+			if err := s.ReleaseRead(len(b)); err != nil {
+				t.Fatal(err)
+			}
+		}
+		if string(got) != string(want) {
+			t.Fatalf("port %d: received %d bytes, want %d equal bytes", tc.port, len(got), len(want))
+		}
+	}
+}

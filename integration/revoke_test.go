@@ -213,3 +213,26 @@ func TestGuestKilled(t *testing.T) {
 	s.Close()
 	eventually(t, 5*time.Second, "ring pair reclaimed", func() bool { return len(e.flows()) == 0 })
 }
+
+// TestSIGHUPReloads: the operator's reload path (systemctl reload sends
+// SIGHUP) re-reads the policy and revokes what it forbids.
+func TestSIGHUPReloads(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5220)
+	if !c.Path().Fast {
+		t.Fatalf("path %s, want fast", c.Path())
+	}
+	errc := blockedReads(c, s)
+	e.writeConfig(`rule "no-5220" {
+  action = "tcp"
+  ports  = ["5220"]
+}`)
+	start := time.Now()
+	if err := e.Hostd.Process.Signal(syscall.SIGHUP); err != nil {
+		t.Fatal(err)
+	}
+	expectResets(t, errc, 2, start)
+	if got := e.counter("shunt_revocations_total{reason=policy-reload}"); got != 1 {
+		t.Fatalf("policy-reload revocations %v, want 1", got)
+	}
+}
