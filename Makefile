@@ -18,10 +18,10 @@ build: ## build every package, and the commands into bin/
 CFLAGS ?= -std=c11 -O2 -Wall -Wextra -Werror -fPIC
 PRELOAD_SRC := $(wildcard guestlib/preload/csrc/*.c)
 
-preload: ## build the C ring/region/protocol objects (libshunt.a) with gcc
-	@mkdir -p $(BIN)/preload
-	for f in ring region proto; do $(CC) $(CFLAGS) -c guestlib/preload/csrc/$$f.c -o $(BIN)/preload/$$f.o || exit 1; done
-	ar rcs $(BIN)/libshunt.a $(BIN)/preload/ring.o $(BIN)/preload/region.o $(BIN)/preload/proto.o
+preload: ## build the LD_PRELOAD library and shunt-run into bin/ (gcc)
+	@mkdir -p $(BIN)
+	$(CC) $(CFLAGS) -shared -o $(BIN)/libshunt-preload.so $(filter-out %/xtest.c,$(PRELOAD_SRC)) -ldl -lpthread
+	install -m 0755 guestlib/preload/shunt-run $(BIN)/shunt-run
 
 demo: build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
 	$(BIN)/shunt-demo $(DEMOFLAGS)

@@ -179,6 +179,32 @@ ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
 	return done;
 }
 
+ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n)
+{
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+		return SHUNT_ERESET;
+	int fin = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1;
+	int64_t a = avail(r, n);
+	if (a < 0)
+		return a;
+	if (a == 0)
+		return fin ? 0 : SHUNT_EAGAIN;
+	size_t k = n < (uint64_t)a ? n : (size_t)a;
+	size_t off = r->own & r->mask, first = r->cap - off;
+	if (first > k)
+		first = k;
+	memcpy(buf, r->data + off, first);
+	memcpy((uint8_t *)buf + first, r->data, k - first);
+	return k;
+}
+
+ssize_t shunt_ring_buffered(struct shunt_ring *r)
+{
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+		return SHUNT_ERESET;
+	return avail(r, r->cap);
+}
+
 int shunt_ring_close_write(struct shunt_ring *w)
 {
 	if (w->fin)

@@ -57,6 +57,11 @@ int shunt_ring_reader(struct shunt_ring *r, void *mem, size_t len, uint64_t want
  * SHUNT_EPIPE (write), SHUNT_ECORRUPT; read returns 0 at EOF (FIN, drained). */
 ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n);
 ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n);
+/* Copies up to n readable bytes without consuming them: bytes, 0 at EOF, or
+ * a negative error like shunt_ring_read. */
+ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n);
+/* Readable bytes now (FIONREAD), or a negative error. */
+ssize_t shunt_ring_buffered(struct shunt_ring *r);
 int shunt_ring_close_write(struct shunt_ring *w);
 int shunt_ring_close_read(struct shunt_ring *r);
 

@@ -1,0 +1,1387 @@
+/* libshunt-preload.so: Shunt's fast path for unmodified programs.
+ *
+ * The program keeps its kernel socket fds; this library maps an fd to its
+ * flow. Around connect() and accept() it talks to hostd (control protocol
+ * v1) exactly as the Go guestlib does; when hostd answers READY, the
+ * connection's bytes move through the rings, otherwise everything goes to
+ * libc unchanged. Every fd this library does not own goes straight to libc.
+ *
+ * Waiting: a blocking read or write spins for SHUNT_SPIN_NS (default
+ * 25 us), then sleeps on the ring's futex. poll, select and epoll_wait on
+ * sets that mix fast-path and kernel fds first check the rings, spin, and
+ * then block in the kernel call with a per-thread eventfd added; a helper
+ * thread sleeps on the rings' futexes (futex_waitv) and writes that eventfd,
+ * so one wake-up covers both worlds and an idle program burns no CPU.
+ *
+ * Rules (docs/preload.md): after fork() the child reconnects to hostd on
+ * its own; an inherited fast-path flow must then be used by only one of the
+ * two processes, and closing it in either ends it (EOF for the peer).
+ * exec() drops the library's state with the process image: the flow's fd
+ * stays open in the new image as a plain kernel socket that carries no
+ * data, so programs should not exec with live fast-path fds (they rarely
+ * do; MPI launchers connect after exec). */
+#define _GNU_SOURCE
+#include "shunt.h"
+
+#include <arpa/inet.h>
+#include <dlfcn.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <linux/futex.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/eventfd.h>
+#include <sys/ioctl.h>
+#include <sys/mman.h>
+#include <sys/select.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+#include <sys/un.h>
+#include <time.h>
+#include <unistd.h>
+
+/* ---- libc ---- */
+
+#define REAL(name) static __typeof__(name) *real_##name
+REAL(socket); REAL(connect); REAL(listen); REAL(accept); REAL(accept4); REAL(close);
+REAL(read); REAL(write); REAL(recv); REAL(send); REAL(recvfrom); REAL(sendto);
+REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
+REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
+REAL(select); REAL(pselect); REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
+REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile);
+
+static void resolve(void)
+{
+#define R(name) real_##name = dlsym(RTLD_NEXT, #name)
+	R(socket); R(connect); R(listen); R(accept); R(accept4); R(close); R(read); R(write);
+	R(recv); R(send); R(recvfrom); R(sendto); R(recvmsg); R(sendmsg); R(readv); R(writev);
+	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll); R(select);
+	R(pselect); R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
+	R(sendfile);
+#undef R
+}
+
+/* ---- configuration and logging ---- */
+
+static int verbose, disabled;
+static int64_t spin_ns = 25000;
+static const char *control_path = "/run/shunt/guest.sock";
+static const char *region_override;
+
+static void logf_(const char *fmt, ...)
+{
+	if (!verbose)
+		return;
+	char buf[512];
+	va_list ap;
+	va_start(ap, fmt);
+	int n = vsnprintf(buf, sizeof buf - 1, fmt, ap);
+	va_end(ap);
+	if (n < 0)
+		return;
+	if (n > (int)sizeof buf - 2)
+		n = sizeof buf - 2;
+	buf[n++] = '\n';
+	if (real_write)
+		real_write(2, buf, n);
+}
+
+static const char *reason_names[] = {
+	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
+	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
+	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
+	"no-hostd", "disabled"};
+static const char *reason(unsigned r) { return r < sizeof reason_names / sizeof *reason_names ? reason_names[r] : "?"; }
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* ---- flows and the fd table ---- */
+
+struct flow {
+	int refs; /* fds (dup) pointing here; guarded by tab_mu */
+	int nonblock;
+	struct shunt_ring w, r;
+	uint32_t slot;
+	uint64_t gen;
+	uint8_t side;
+	int revoked, closed_wr;
+	pthread_mutex_t rmu, wmu;
+};
+
+#define FD_MAX 65536
+static struct flow *fds[FD_MAX];
+static uint8_t kind[FD_MAX]; /* 1 tcp socket, 2 registered listener */
+static uint8_t nonblk[FD_MAX]; /* O_NONBLOCK of candidate sockets before a verdict */
+static pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
+
+/* epoll interest in fast-path fds, per epoll fd (see epoll_ctl). */
+struct epi { int fd; struct epoll_event ev; uint64_t seen; };
+struct ep { pthread_mutex_t mu; struct epi *it; int n, cap; int efd_added; };
+static struct ep *eps[FD_MAX];
+
+static struct flow *flow_of(int fd) { return fd >= 0 && fd < FD_MAX ? __atomic_load_n(&fds[fd], __ATOMIC_ACQUIRE) : NULL; }
+
+/* ---- the session with hostd ---- */
+
+static struct {
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	int fd;
+	int64_t tried;
+	uint8_t *region;
+	struct shunt_region reg;
+	uint32_t next_req;
+	struct { uint32_t id; int done; struct shunt_msg m; } pend[64];
+	uint64_t nonce, pong;
+	pid_t pid;
+} ctl = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .fd = -1};
+
+static int read_full(int fd, void *buf, size_t n)
+{
+	uint8_t *p = buf;
+	while (n) {
+		ssize_t k = real_read(fd, p, n);
+		if (k <= 0) {
+			if (k < 0 && errno == EINTR)
+				continue;
+			return -1;
+		}
+		p += k;
+		n -= k;
+	}
+	return 0;
+}
+
+static int ctl_read(int fd, struct shunt_msg *m)
+{
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX], type;
+	if (read_full(fd, buf, SHUNT_PROTO_HEADER))
+		return -1;
+	ssize_t n = shunt_msg_header(buf, &type);
+	if (n < 0 || read_full(fd, buf + SHUNT_PROTO_HEADER, n))
+		return -1;
+	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
+}
+
+static int ctl_write_locked(const struct shunt_msg *m)
+{
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
+	ssize_t n = shunt_msg_encode(m, buf, sizeof buf);
+	if (ctl.fd < 0 || n < 0)
+		return -1;
+	return real_send(ctl.fd, buf, n, MSG_NOSIGNAL) == n ? 0 : -1;
+}
+
+static void on_revoke(const struct shunt_msg *m)
+{
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = fds[fd];
+		if (f && f->slot == m->slot && f->gen == m->gen && !f->revoked) {
+			f->revoked = 1;
+			logf_("shunt: fd %d revoked: %s", fd, reason(m->reason));
+		}
+	}
+	pthread_mutex_unlock(&tab_mu);
+}
+
+static void *ctl_reader(void *arg)
+{
+	int fd = (int)(intptr_t)arg;
+	struct shunt_msg m;
+	while (ctl_read(fd, &m) == 0) {
+		pthread_mutex_lock(&ctl.mu);
+		if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
+			for (int i = 0; i < 64; i++)
+				if (ctl.pend[i].id == m.req_id && !ctl.pend[i].done) {
+					ctl.pend[i].m = m;
+					ctl.pend[i].done = 1;
+				}
+		} else if (m.type == SHUNT_PONG) {
+			ctl.pong = m.nonce;
+		} else if (m.type == SHUNT_ERROR) {
+			logf_("shunt: hostd closed the control channel: %s", m.text);
+		}
+		pthread_cond_broadcast(&ctl.cv);
+		pthread_mutex_unlock(&ctl.mu);
+		if (m.type == SHUNT_REVOKE)
+			on_revoke(&m);
+	}
+	pthread_mutex_lock(&ctl.mu);
+	if (ctl.fd == fd) {
+		real_close(fd);
+		ctl.fd = -1;
+	}
+	for (int i = 0; i < 64; i++)
+		if (ctl.pend[i].id && !ctl.pend[i].done) {
+			ctl.pend[i].m.type = SHUNT_TCP;
+			ctl.pend[i].m.reason = 19; /* no-hostd */
+			ctl.pend[i].done = 1;
+		}
+	pthread_cond_broadcast(&ctl.cv);
+	pthread_mutex_unlock(&ctl.mu);
+	return NULL;
+}
+
+static int map_region(const char *path)
+{
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	struct stat st;
+	if (fd < 0 || fstat(fd, &st) < 0) {
+		if (fd >= 0)
+			real_close(fd);
+		return -1;
+	}
+	void *mem = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	real_close(fd);
+	if (mem == MAP_FAILED)
+		return -1;
+	if (shunt_region_attach(&ctl.reg, mem, st.st_size)) {
+		munmap(mem, st.st_size);
+		return -1;
+	}
+	ctl.region = mem;
+	return 0;
+}
+
+/* ctl_ensure connects to hostd if needed; a failed attempt is retried at
+ * most once a second, so a missing hostd costs a connect() nothing. */
+static int ctl_ensure(void)
+{
+	pthread_mutex_lock(&ctl.mu);
+	if (ctl.pid != getpid()) { /* forked: the parent's session is not ours */
+		ctl.fd = -1;
+		ctl.pid = getpid();
+		ctl.tried = 0;
+	}
+	if (ctl.fd >= 0) {
+		pthread_mutex_unlock(&ctl.mu);
+		return 0;
+	}
+	int64_t now = now_ns();
+	if (ctl.tried && now - ctl.tried < 1000000000) {
+		pthread_mutex_unlock(&ctl.mu);
+		return -1;
+	}
+	ctl.tried = now;
+	int fd = real_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	strncpy(sa.sun_path, control_path, sizeof sa.sun_path - 1);
+	struct shunt_msg m = {.type = SHUNT_HELLO, .pid = getpid()};
+	uint8_t buf[64];
+	ssize_t n = shunt_msg_encode(&m, buf, sizeof buf);
+	struct timeval tv = {.tv_sec = 5};
+	if (fd < 0 || real_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+	    real_send(fd, buf, n, MSG_NOSIGNAL) != n || ctl_read(fd, &m) || m.type != SHUNT_WELCOME) {
+		logf_("shunt: hostd unreachable at %s: %s", control_path, strerror(errno));
+		if (fd >= 0)
+			real_close(fd);
+		pthread_mutex_unlock(&ctl.mu);
+		return -1;
+	}
+	tv.tv_sec = 0;
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	if (!ctl.region && map_region(region_override ? region_override : m.region)) {
+		logf_("shunt: cannot map the region %s", region_override ? region_override : m.region);
+		real_close(fd);
+		pthread_mutex_unlock(&ctl.mu);
+		return -1;
+	}
+	ctl.fd = fd;
+	pthread_t th;
+	pthread_attr_t at;
+	pthread_attr_init(&at);
+	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old); /* the reader takes no signals */
+	pthread_create(&th, &at, ctl_reader, (void *)(intptr_t)fd);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_mutex_unlock(&ctl.mu);
+	return 0;
+}
+
+static int ctl_send(const struct shunt_msg *m)
+{
+	pthread_mutex_lock(&ctl.mu);
+	int r = ctl_write_locked(m);
+	pthread_mutex_unlock(&ctl.mu);
+	return r;
+}
+
+/* ctl_request sends an OPEN and waits for its READY or TCP. */
+static void ctl_request(struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms)
+{
+	struct timespec dl;
+	clock_gettime(CLOCK_REALTIME, &dl);
+	dl.tv_sec += timeout_ms / 1000;
+	dl.tv_nsec += (timeout_ms % 1000) * 1000000L;
+	if (dl.tv_nsec >= 1000000000) {
+		dl.tv_sec++;
+		dl.tv_nsec -= 1000000000;
+	}
+	pthread_mutex_lock(&ctl.mu);
+	int slot = -1;
+	for (int i = 0; i < 64 && slot < 0; i++)
+		if (!ctl.pend[i].id)
+			slot = i;
+	memset(reply, 0, sizeof *reply);
+	reply->type = SHUNT_TCP;
+	reply->reason = 13; /* internal */
+	if (slot < 0) {
+		pthread_mutex_unlock(&ctl.mu);
+		return;
+	}
+	m->req_id = ++ctl.next_req ? ctl.next_req : ++ctl.next_req;
+	ctl.pend[slot].id = m->req_id;
+	ctl.pend[slot].done = 0;
+	if (ctl_write_locked(m) == 0) {
+		while (!ctl.pend[slot].done)
+			if (pthread_cond_timedwait(&ctl.cv, &ctl.mu, &dl) == ETIMEDOUT)
+				break;
+		if (ctl.pend[slot].done)
+			*reply = ctl.pend[slot].m;
+		else
+			reply->reason = 9; /* timeout */
+	} else {
+		reply->reason = 19; /* no-hostd */
+	}
+	ctl.pend[slot].id = 0;
+	pthread_mutex_unlock(&ctl.mu);
+}
+
+/* ctl_sync waits until hostd processed what we sent (PING/PONG): a LISTEN
+ * is in effect before a peer's OPEN can arrive on another session. */
+static void ctl_sync(void)
+{
+	pthread_mutex_lock(&ctl.mu);
+	struct shunt_msg m = {.type = SHUNT_PING, .nonce = ++ctl.nonce};
+	if (ctl_write_locked(&m) == 0) {
+		struct timespec dl;
+		clock_gettime(CLOCK_REALTIME, &dl);
+		dl.tv_sec += 1;
+		while (ctl.pong < m.nonce && ctl.fd >= 0)
+			if (pthread_cond_timedwait(&ctl.cv, &ctl.mu, &dl) == ETIMEDOUT)
+				break;
+	}
+	pthread_mutex_unlock(&ctl.mu);
+}
+
+/* ---- addresses ---- */
+
+static int to_addr(const struct sockaddr *sa, struct shunt_addr *a)
+{
+	memset(a, 0, sizeof *a);
+	if (sa->sa_family == AF_INET) {
+		const struct sockaddr_in *s4 = (const void *)sa;
+		a->ip[10] = a->ip[11] = 0xff;
+		memcpy(a->ip + 12, &s4->sin_addr, 4);
+		a->port = ntohs(s4->sin_port);
+		return 0;
+	}
+	if (sa->sa_family == AF_INET6) {
+		const struct sockaddr_in6 *s6 = (const void *)sa;
+		memcpy(a->ip, &s6->sin6_addr, 16);
+		a->port = ntohs(s6->sin6_port);
+		return 0;
+	}
+	return -1;
+}
+
+static int is_loopback(const struct shunt_addr *a)
+{
+	static const uint8_t v4[12] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0xff, 0xff};
+	static const uint8_t v6lo[16] = {0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1};
+	if (!memcmp(a->ip, v4, 12))
+		return a->ip[12] == 127;
+	return !memcmp(a->ip, v6lo, 16);
+}
+
+static int local_of(int fd, struct shunt_addr *a)
+{
+	struct sockaddr_storage ss;
+	socklen_t len = sizeof ss;
+	return getsockname(fd, (struct sockaddr *)&ss, &len) < 0 ? -1 : to_addr((struct sockaddr *)&ss, a);
+}
+
+static int remote_of(int fd, struct shunt_addr *a)
+{
+	struct sockaddr_storage ss;
+	socklen_t len = sizeof ss;
+	return getpeername(fd, (struct sockaddr *)&ss, &len) < 0 ? -1 : to_addr((struct sockaddr *)&ss, a);
+}
+
+/* ---- verdicts ---- */
+
+/* adopt applies hostd's verdict for fd: READY attaches the rings. */
+static void adopt(int fd, const struct shunt_msg *v, const char *who)
+{
+	char ip[64];
+	struct shunt_addr r;
+	remote_of(fd, &r);
+	inet_ntop(AF_INET6, r.ip, ip, sizeof ip);
+	if (v->type != SHUNT_READY) {
+		logf_("shunt: fd %d %s [%s]:%u: tcp (%s)", fd, who, ip, r.port, reason(v->reason));
+		return;
+	}
+	struct shunt_slot s;
+	struct flow *f = calloc(1, sizeof *f);
+	if (!f || shunt_region_slot(&ctl.reg, v->slot, &s) || s.gen != v->gen || s.capacity != v->capacity) {
+		logf_("shunt: fd %d: READY does not match the region; tcp", fd);
+		struct shunt_msg c = {.type = SHUNT_CLOSE, .slot = v->slot, .gen = v->gen, .side = v->side};
+		ctl_send(&c);
+		free(f);
+		return;
+	}
+	size_t len = SHUNT_RING_HEADER + s.capacity;
+	uint8_t *out = ctl.region + (v->side == 1 ? s.ring_ab : s.ring_ba);
+	uint8_t *in = ctl.region + (v->side == 1 ? s.ring_ba : s.ring_ab);
+	if (shunt_ring_writer(&f->w, out, len, s.capacity) || shunt_ring_reader(&f->r, in, len, s.capacity)) {
+		logf_("shunt: fd %d: corrupt rings; tcp", fd);
+		free(f);
+		return;
+	}
+	f->slot = v->slot;
+	f->gen = v->gen;
+	f->side = v->side;
+	f->refs = 1;
+	f->nonblock = nonblk[fd];
+	pthread_mutex_init(&f->rmu, NULL);
+	pthread_mutex_init(&f->wmu, NULL);
+	int one = 1;
+	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one); /* the lease */
+	__atomic_store_n(&fds[fd], f, __ATOMIC_RELEASE);
+	logf_("shunt: fd %d %s [%s]:%u: shunt (slot %u, ring %llu bytes)", fd, who, ip, r.port, v->slot,
+	      (unsigned long long)s.capacity);
+}
+
+static void open_side(int fd, uint8_t role, const char *who)
+{
+	struct shunt_msg m = {.type = SHUNT_OPEN, .role = role}, v;
+	if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
+		return;
+	ctl_request(&m, &v, 5000);
+	adopt(fd, &v, who);
+}
+
+/* ---- sockets ---- */
+
+__attribute__((constructor)) static void init(void)
+{
+	resolve();
+	const char *s;
+	if ((s = getenv("SHUNT_CONTROL")) && *s)
+		control_path = s;
+	if ((s = getenv("SHUNT_REGION")) && *s)
+		region_override = s;
+	if ((s = getenv("SHUNT_VERBOSE")) && *s >= '1' && *s <= '9')
+		verbose = *s - '0';
+	if ((s = getenv("SHUNT_DISABLE")) && *s == '1')
+		disabled = 1;
+	if ((s = getenv("SHUNT_SPIN_NS")) && *s)
+		spin_ns = atoll(s);
+	if ((s = getenv("SHUNT_WAIT")) && !strcmp(s, "block"))
+		spin_ns = 0;
+	if (s && !strcmp(s, "spin"))
+		spin_ns = INT64_MAX;
+	ctl.pid = getpid();
+}
+
+int socket(int domain, int type, int protocol)
+{
+	int fd = real_socket(domain, type, protocol);
+	if (fd >= 0 && fd < FD_MAX && (domain == AF_INET || domain == AF_INET6) && (type & 0xf) == SOCK_STREAM) {
+		kind[fd] = 1;
+		nonblk[fd] = (type & SOCK_NONBLOCK) != 0;
+	}
+	return fd;
+}
+
+/* source_for asks the kernel which source address it would use (a
+ * connected UDP socket sends nothing). */
+static int source_for(const struct sockaddr *dst, socklen_t len, struct sockaddr_storage *src)
+{
+	int u = real_socket(dst->sa_family, SOCK_DGRAM | SOCK_CLOEXEC, 0);
+	if (u < 0)
+		return -1;
+	struct sockaddr_storage d;
+	memcpy(&d, dst, len);
+	if (d.ss_family == AF_INET && ((struct sockaddr_in *)&d)->sin_port == 0)
+		((struct sockaddr_in *)&d)->sin_port = htons(9);
+	socklen_t sl = sizeof *src;
+	int r = real_connect(u, (struct sockaddr *)&d, len) < 0 || getsockname(u, (struct sockaddr *)src, &sl) < 0 ? -1 : 0;
+	real_close(u);
+	if (src->ss_family == AF_INET)
+		((struct sockaddr_in *)src)->sin_port = 0;
+	else
+		((struct sockaddr_in6 *)src)->sin6_port = 0;
+	return r;
+}
+
+int connect(int fd, const struct sockaddr *addr, socklen_t len)
+{
+	struct shunt_addr remote, local;
+	if (fd < 0 || fd >= FD_MAX || kind[fd] != 1 || disabled || !addr || to_addr(addr, &remote))
+		return real_connect(fd, addr, len);
+	if (is_loopback(&remote)) {
+		logf_("shunt: fd %d connect: tcp (loopback)", fd);
+		return real_connect(fd, addr, len);
+	}
+	if (ctl_ensure()) {
+		logf_("shunt: fd %d connect: tcp (no-hostd)", fd);
+		return real_connect(fd, addr, len);
+	}
+	/* Bind first to learn the tuple, announce it, then connect. */
+	struct sockaddr_storage src;
+	if (local_of(fd, &local) == 0 && local.port == 0 && source_for(addr, len, &src) == 0)
+		bind(fd, (struct sockaddr *)&src, src.ss_family == AF_INET ? sizeof(struct sockaddr_in) : sizeof(struct sockaddr_in6));
+	if (local_of(fd, &local) == 0) {
+		struct shunt_msg in = {.type = SHUNT_INTENT, .local = local, .remote = remote};
+		ctl_send(&in);
+	}
+	int r = real_connect(fd, addr, len);
+	if (r == 0) {
+		open_side(fd, 1, "connect");
+		return 0;
+	}
+	if (errno != EINPROGRESS)
+		return r;
+	/* Non-blocking connect: a connection to a guest on this host completes
+	 * in well under a millisecond, so wait for it (bounded) and take the
+	 * verdict now; the program sees an immediate success, which
+	 * non-blocking connect may always report. A slower connection is not
+	 * to a local guest: it stays on TCP, as EINPROGRESS. */
+	struct pollfd p = {.fd = fd, .events = POLLOUT};
+	if (real_poll(&p, 1, 200) != 1) {
+		logf_("shunt: fd %d connect: tcp (slow non-blocking connect)", fd);
+		errno = EINPROGRESS;
+		return -1;
+	}
+	int err = 0;
+	socklen_t el = sizeof err;
+	getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
+	if (err) {
+		errno = err;
+		return -1;
+	}
+	open_side(fd, 1, "connect");
+	return 0;
+}
+
+int listen(int fd, int backlog)
+{
+	int r = real_listen(fd, backlog);
+	if (r == 0 && fd >= 0 && fd < FD_MAX && kind[fd] == 1 && !disabled && ctl_ensure() == 0) {
+		struct shunt_msg m = {.type = SHUNT_LISTEN};
+		if (local_of(fd, &m.local) == 0 && ctl_send(&m) == 0) {
+			ctl_sync();
+			kind[fd] = 2;
+		}
+	}
+	return r;
+}
+
+int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
+{
+	int c = real_accept4(fd, addr, len, flags);
+	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == 2) {
+		kind[c] = 1;
+		nonblk[c] = (flags & SOCK_NONBLOCK) != 0;
+		struct shunt_addr r;
+		if (remote_of(c, &r) == 0 && !is_loopback(&r))
+			open_side(c, 2, "accept");
+	}
+	return c;
+}
+
+int accept(int fd, struct sockaddr *addr, socklen_t *len) { return accept4(fd, addr, len, 0); }
+
+/* ---- data ---- */
+
+static int map_err(ssize_t e)
+{
+	switch (e) {
+	case SHUNT_EAGAIN: return EAGAIN;
+	case SHUNT_EPIPE: return EPIPE;
+	default: return ECONNRESET; /* reset, or a corrupt ring: the flow is over */
+	}
+}
+
+static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
+{
+	int nb = f->nonblock || (flags & MSG_DONTWAIT);
+	size_t done = 0;
+	pthread_mutex_lock(&f->rmu);
+	for (;;) {
+		ssize_t k = (flags & MSG_PEEK) ? shunt_ring_peek(&f->r, (uint8_t *)buf + done, n - done)
+					       : shunt_ring_read(&f->r, (uint8_t *)buf + done, n - done);
+		if (k > 0) {
+			done += k;
+			if (!(flags & MSG_WAITALL) || done == n || (flags & MSG_PEEK))
+				break;
+			continue;
+		}
+		if (k == 0 || n == 0)
+			break; /* EOF */
+		if (k != SHUNT_EAGAIN || nb || done) {
+			if (done)
+				break;
+			pthread_mutex_unlock(&f->rmu);
+			errno = map_err(k);
+			return -1;
+		}
+		shunt_ring_wait(&f->r, 1, spin_ns, -1);
+	}
+	pthread_mutex_unlock(&f->rmu);
+	if (verbose > 1)
+		logf_("shunt: recv %zu flags %#x -> %zu", n, flags, done);
+	return done;
+}
+
+static ssize_t fast_send(struct flow *f, const void *buf, size_t n, int flags)
+{
+	int nb = f->nonblock || (flags & MSG_DONTWAIT);
+	size_t done = 0;
+	pthread_mutex_lock(&f->wmu);
+	while (done < n || n == 0) {
+		ssize_t k = shunt_ring_write(&f->w, (const uint8_t *)buf + done, n - done);
+		if (k >= 0) {
+			done += k;
+			if (n == 0)
+				break;
+			continue;
+		}
+		if (k == SHUNT_EAGAIN && !nb) {
+			shunt_ring_wait(&f->w, 0, spin_ns, -1);
+			continue;
+		}
+		if (done && k == SHUNT_EAGAIN)
+			break;
+		pthread_mutex_unlock(&f->wmu);
+		if (k == SHUNT_EPIPE && !(flags & MSG_NOSIGNAL))
+			raise(SIGPIPE);
+		errno = map_err(k);
+		return -1;
+	}
+	pthread_mutex_unlock(&f->wmu);
+	if (verbose > 1)
+		logf_("shunt: send %zu flags %#x -> %zu", n, flags, done);
+	return done;
+}
+
+ssize_t read(int fd, void *buf, size_t n)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_recv(f, buf, n, 0) : real_read(fd, buf, n);
+}
+
+ssize_t write(int fd, const void *buf, size_t n)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_send(f, buf, n, 0) : real_write(fd, buf, n);
+}
+
+ssize_t recv(int fd, void *buf, size_t n, int flags)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_recv(f, buf, n, flags) : real_recv(fd, buf, n, flags);
+}
+
+ssize_t send(int fd, const void *buf, size_t n, int flags)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_send(f, buf, n, flags) : real_send(fd, buf, n, flags);
+}
+
+ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockaddr *addr, socklen_t *len)
+{
+	struct flow *f = flow_of(fd);
+	if (!f)
+		return real_recvfrom(fd, buf, n, flags, addr, len);
+	if (addr && len)
+		getpeername(fd, addr, len);
+	return fast_recv(f, buf, n, flags);
+}
+
+ssize_t sendto(int fd, const void *buf, size_t n, int flags, const struct sockaddr *addr, socklen_t len)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_send(f, buf, n, flags) : real_sendto(fd, buf, n, flags, addr, len);
+}
+
+static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int flags)
+{
+	ssize_t total = 0;
+	for (int i = 0; i < cnt; i++) {
+		if (!iov[i].iov_len)
+			continue;
+		/* Block only for the first byte, as readv does. */
+		ssize_t k = fast_recv(f, iov[i].iov_base, iov[i].iov_len, total ? flags | MSG_DONTWAIT : flags);
+		if (k < 0)
+			return total ? total : -1;
+		total += k;
+		if ((size_t)k < iov[i].iov_len)
+			break;
+	}
+	return total;
+}
+
+static ssize_t fast_writev(struct flow *f, const struct iovec *iov, int cnt, int flags)
+{
+	ssize_t total = 0;
+	for (int i = 0; i < cnt; i++) {
+		ssize_t k = fast_send(f, iov[i].iov_base, iov[i].iov_len, flags);
+		if (k < 0)
+			return total ? total : -1;
+		total += k;
+		if ((size_t)k < iov[i].iov_len)
+			break;
+	}
+	return total;
+}
+
+ssize_t readv(int fd, const struct iovec *iov, int cnt)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_readv(f, iov, cnt, 0) : real_readv(fd, iov, cnt);
+}
+
+ssize_t writev(int fd, const struct iovec *iov, int cnt)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_writev(f, iov, cnt, 0) : real_writev(fd, iov, cnt);
+}
+
+ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
+{
+	struct flow *f = flow_of(fd);
+	if (!f)
+		return real_recvmsg(fd, msg, flags);
+	msg->msg_controllen = 0;
+	msg->msg_flags = 0;
+	return fast_readv(f, msg->msg_iov, msg->msg_iovlen, flags);
+}
+
+ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
+{
+	struct flow *f = flow_of(fd);
+	return f ? fast_writev(f, msg->msg_iov, msg->msg_iovlen, flags) : real_sendmsg(fd, msg, flags);
+}
+
+ssize_t sendfile(int out, int in, off_t *off, size_t count)
+{
+	struct flow *f = flow_of(out);
+	if (!f)
+		return real_sendfile(out, in, off, count);
+	/* By copying: the bytes go through the ring. */
+	char buf[65536];
+	size_t n = count < sizeof buf ? count : sizeof buf;
+	ssize_t k = off ? pread(in, buf, n, *off) : real_read(in, buf, n);
+	if (k <= 0)
+		return k;
+	ssize_t w = fast_send(f, buf, k, 0);
+	if (w > 0 && off)
+		*off += w;
+	else if (w > 0 && w < k)
+		lseek(in, w - k, SEEK_CUR);
+	return w;
+}
+
+/* ---- lifetime ---- */
+
+static void release(struct flow *f)
+{
+	if (!f->revoked)
+		shunt_ring_close_write(&f->w);
+	shunt_ring_close_read(&f->r);
+	struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
+	ctl_send(&m);
+	free(f);
+}
+
+/* forget drops fd's reference to its flow; the last one releases it. */
+static void forget(int fd)
+{
+	if (fd < 0 || fd >= FD_MAX)
+		return;
+	pthread_mutex_lock(&tab_mu);
+	struct flow *f = fds[fd];
+	fds[fd] = NULL;
+	int last = f && --f->refs == 0;
+	if (kind[fd] == 2) {
+		struct shunt_msg m = {.type = SHUNT_UNLISTEN};
+		if (local_of(fd, &m.local) == 0)
+			ctl_send(&m);
+	}
+	kind[fd] = 0;
+	for (int i = 0; i < FD_MAX && f; i++) /* drop its epoll interests */
+		if (eps[i]) {
+			pthread_mutex_lock(&eps[i]->mu);
+			for (int j = 0; j < eps[i]->n; j++)
+				if (eps[i]->it[j].fd == fd)
+					eps[i]->it[j--] = eps[i]->it[--eps[i]->n];
+			pthread_mutex_unlock(&eps[i]->mu);
+		}
+	if (eps[fd]) { /* an epoll fd */
+		free(eps[fd]->it);
+		free(eps[fd]);
+		eps[fd] = NULL;
+	}
+	pthread_mutex_unlock(&tab_mu);
+	if (last)
+		release(f);
+}
+
+int close(int fd)
+{
+	forget(fd);
+	return real_close(fd);
+}
+
+int shutdown(int fd, int how)
+{
+	struct flow *f = flow_of(fd);
+	if (!f)
+		return real_shutdown(fd, how);
+	/* The kernel socket is the lease and stays as it is. */
+	if (how == SHUT_WR || how == SHUT_RDWR) {
+		pthread_mutex_lock(&f->wmu);
+		shunt_ring_close_write(&f->w);
+		pthread_mutex_unlock(&f->wmu);
+	}
+	if (how == SHUT_RD || how == SHUT_RDWR)
+		shunt_ring_close_read(&f->r);
+	return 0;
+}
+
+static void share(int old, int fd)
+{
+	if (fd < 0 || fd >= FD_MAX || old < 0 || old >= FD_MAX || fd == old)
+		return;
+	forget(fd);
+	pthread_mutex_lock(&tab_mu);
+	struct flow *f = fds[old];
+	if (f)
+		f->refs++;
+	fds[fd] = f;
+	kind[fd] = kind[old] == 2 ? 1 : kind[old]; /* the listener registration stays with old */
+	nonblk[fd] = nonblk[old];
+	pthread_mutex_unlock(&tab_mu);
+}
+
+int dup(int old)
+{
+	int fd = real_dup(old);
+	if (fd >= 0)
+		share(old, fd);
+	return fd;
+}
+
+int dup2(int old, int fd)
+{
+	if (old != fd)
+		forget(fd);
+	int r = real_dup2(old, fd);
+	if (r >= 0)
+		share(old, r);
+	return r;
+}
+
+int dup3(int old, int fd, int flags)
+{
+	forget(fd);
+	int r = real_dup3(old, fd, flags);
+	if (r >= 0)
+		share(old, r);
+	return r;
+}
+
+static void set_nonblock(int fd, int on)
+{
+	if (fd < 0 || fd >= FD_MAX)
+		return;
+	nonblk[fd] = on;
+	struct flow *f = flow_of(fd);
+	if (f)
+		f->nonblock = on;
+}
+
+int fcntl(int fd, int cmd, ...)
+{
+	va_list ap;
+	va_start(ap, cmd);
+	long arg = va_arg(ap, long);
+	va_end(ap);
+	int r = real_fcntl(fd, cmd, arg);
+	if (r >= 0 && cmd == F_SETFL)
+		set_nonblock(fd, (arg & O_NONBLOCK) != 0);
+	if (r >= 0 && (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC))
+		share(fd, r);
+	return r;
+}
+
+int ioctl(int fd, unsigned long req, ...)
+{
+	va_list ap;
+	va_start(ap, req);
+	void *arg = va_arg(ap, void *);
+	va_end(ap);
+	struct flow *f = flow_of(fd);
+	if (f && req == FIONREAD) {
+		ssize_t n = shunt_ring_buffered(&f->r);
+		*(int *)arg = n > 0 ? (int)n : 0;
+		return 0;
+	}
+	int r = real_ioctl(fd, req, arg);
+	if (r == 0 && req == FIONBIO)
+		set_nonblock(fd, *(int *)arg != 0);
+	return r;
+}
+
+/* ---- waiting on sets: poll, select, epoll ---- */
+
+#ifndef FUTEX_32
+#define FUTEX_32 2
+#endif
+struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; };
+
+/* helper is a thread's sleeper: it waits on ring futex words with
+ * futex_waitv and writes efd when one is woken, so a poll/epoll that
+ * includes efd wakes up for ring traffic as well as kernel events. */
+struct helper {
+	int efd, ok;
+	pthread_mutex_t mu;
+	pthread_cond_t cv;
+	struct waitv w[65];
+	int n, req;
+	uint32_t cancel;
+};
+static __thread struct helper *me;
+
+static void *helper_loop(void *arg)
+{
+	struct helper *h = arg;
+	for (;;) {
+		pthread_mutex_lock(&h->mu);
+		while (!h->req)
+			pthread_cond_wait(&h->cv, &h->mu);
+		int n = h->n;
+		pthread_mutex_unlock(&h->mu);
+		long r = syscall(SYS_futex_waitv, h->w, n, 0, NULL, CLOCK_MONOTONIC);
+		(void)r;
+		if (!__atomic_load_n(&h->cancel, __ATOMIC_SEQ_CST)) {
+			uint64_t one = 1;
+			real_write(h->efd, &one, 8);
+		}
+		pthread_mutex_lock(&h->mu);
+		h->req = 0;
+		pthread_cond_broadcast(&h->cv);
+		pthread_mutex_unlock(&h->mu);
+	}
+	return NULL;
+}
+
+static struct helper *helper(void)
+{
+	if (me)
+		return me->ok ? me : NULL;
+	me = calloc(1, sizeof *me);
+	if (!me)
+		return NULL;
+	pthread_mutex_init(&me->mu, NULL);
+	pthread_cond_init(&me->cv, NULL);
+	me->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	pthread_t th;
+	pthread_attr_t at;
+	pthread_attr_init(&at);
+	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	me->ok = me->efd >= 0 && pthread_create(&th, &at, helper_loop, me) == 0;
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	return me->ok ? me : NULL;
+}
+
+/* A set of futex words to sleep on (the rings' waiting flags). */
+struct arm { uint32_t *flag[64]; int n; };
+
+static void arm_add(struct arm *a, struct flow *f, int reader)
+{
+	if (a->n < 64)
+		a->flag[a->n++] = (uint32_t *)((reader ? f->r.hdr : f->w.hdr) + (reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT));
+}
+
+static void arm_set(struct arm *a, uint32_t v)
+{
+	for (int i = 0; i < a->n; i++)
+		__atomic_store_n(a->flag[i], v, __ATOMIC_SEQ_CST);
+}
+
+static void helper_start(struct helper *h, struct arm *a)
+{
+	pthread_mutex_lock(&h->mu);
+	__atomic_store_n(&h->cancel, 0, __ATOMIC_SEQ_CST);
+	h->w[0] = (struct waitv){.val = 0, .uaddr = (uintptr_t)&h->cancel, .flags = FUTEX_32};
+	for (int i = 0; i < a->n; i++)
+		h->w[i + 1] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[i], .flags = FUTEX_32};
+	h->n = a->n + 1;
+	h->req = 1;
+	pthread_cond_broadcast(&h->cv);
+	pthread_mutex_unlock(&h->mu);
+}
+
+static void helper_stop(struct helper *h)
+{
+	__atomic_store_n(&h->cancel, 1, __ATOMIC_SEQ_CST);
+	syscall(SYS_futex, &h->cancel, FUTEX_WAKE, 1, NULL, NULL, 0);
+	pthread_mutex_lock(&h->mu);
+	while (h->req)
+		pthread_cond_wait(&h->cv, &h->mu);
+	pthread_mutex_unlock(&h->mu);
+	uint64_t v;
+	while (real_read(h->efd, &v, 8) == 8)
+		;
+}
+
+/* fast_events returns the poll events a fast-path fd has for interest ev. */
+static short fast_events(struct flow *f, short ev)
+{
+	short r = 0;
+	if (f->revoked || __atomic_load_n((uint32_t *)(f->r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST))
+		return POLLIN | POLLOUT | POLLERR | POLLHUP;
+	if ((ev & POLLIN) && shunt_ring_ready(&f->r, 1))
+		r |= POLLIN | (__atomic_load_n((uint32_t *)(f->r.hdr + SHUNT_OFF_WFLAGS), __ATOMIC_SEQ_CST) & 1 ? POLLRDHUP & ev : 0);
+	if ((ev & POLLOUT) && shunt_ring_ready(&f->w, 0))
+		r |= POLLOUT;
+	return r;
+}
+
+static int remaining_ms(int64_t deadline)
+{
+	if (deadline < 0)
+		return -1;
+	int64_t left = deadline - now_ns();
+	return left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+}
+
+/* do_poll is poll(2) over a set that may contain fast-path fds. */
+static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_t *mask)
+{
+	int fast = 0;
+	for (nfds_t i = 0; i < n; i++)
+		fast += flow_of(p[i].fd) != NULL;
+	if (!fast) {
+		struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
+		return real_ppoll(p, n, timeout_ns < 0 ? NULL : &ts, mask);
+	}
+	struct pollfd stack[64], *kp = n + 1 <= 64 ? stack : malloc((n + 1) * sizeof *kp);
+	if (!kp)
+		return errno = ENOMEM, -1;
+	int64_t start = now_ns(), deadline = timeout_ns < 0 ? -1 : start + timeout_ns;
+	int result;
+	for (;;) {
+		int ready = 0;
+		for (nfds_t i = 0; i < n; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			kp[i] = p[i];
+			kp[i].revents = 0;
+			if (f) {
+				p[i].revents = fast_events(f, p[i].events);
+				kp[i].fd = -1;
+			} else {
+				p[i].revents = 0;
+			}
+		}
+		int k = real_poll(kp, n, 0);
+		for (nfds_t i = 0; i < n; i++) {
+			if (kp[i].fd >= 0)
+				p[i].revents = kp[i].revents;
+			ready += p[i].revents != 0;
+		}
+		if (ready || k < 0) {
+			result = k < 0 ? k : ready;
+			break;
+		}
+		int64_t now = now_ns();
+		if (deadline >= 0 && now >= deadline) {
+			result = 0;
+			break;
+		}
+		if (now - start < spin_ns)
+			continue;
+		/* Block: publish "waiting" in every fast ring, re-check, sleep. */
+		struct arm a = {.n = 0};
+		for (nfds_t i = 0; i < n; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			if (f && (p[i].events & POLLIN))
+				arm_add(&a, f, 1);
+			if (f && (p[i].events & POLLOUT))
+				arm_add(&a, f, 0);
+		}
+		arm_set(&a, 1);
+		int again = 0;
+		for (nfds_t i = 0; i < n; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			if (f && fast_events(f, p[i].events))
+				again = 1;
+		}
+		struct helper *h = again ? NULL : helper();
+		if (!again && h) {
+			helper_start(h, &a);
+			kp[n] = (struct pollfd){.fd = h->efd, .events = POLLIN};
+			int64_t left = deadline < 0 ? -1 : deadline - now_ns();
+			struct timespec ts = {left / 1000000000, left % 1000000000};
+			real_ppoll(kp, n + 1, left < 0 ? NULL : &ts, mask);
+			helper_stop(h);
+		} else if (!again) {
+			/* No futex_waitv (kernel < 5.16): sleep in short slices. */
+			int ms = remaining_ms(deadline);
+			real_poll(kp, n, ms < 0 || ms > 1 ? 1 : ms);
+		}
+		arm_set(&a, 0);
+	}
+	if (kp != stack)
+		free(kp);
+	return result;
+}
+
+int poll(struct pollfd *p, nfds_t n, int timeout)
+{
+	return do_poll(p, n, timeout < 0 ? -1 : (int64_t)timeout * 1000000, NULL);
+}
+
+int ppoll(struct pollfd *p, nfds_t n, const struct timespec *ts, const sigset_t *mask)
+{
+	return do_poll(p, n, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
+}
+
+static int do_select(int nfds, fd_set *r, fd_set *w, fd_set *e, int64_t timeout_ns, const sigset_t *mask)
+{
+	struct pollfd p[FD_SETSIZE];
+	int n = 0;
+	for (int fd = 0; fd < nfds && fd < FD_SETSIZE; fd++) {
+		short ev = (r && FD_ISSET(fd, r) ? POLLIN : 0) | (w && FD_ISSET(fd, w) ? POLLOUT : 0) |
+			   (e && FD_ISSET(fd, e) ? POLLPRI : 0);
+		if (ev)
+			p[n++] = (struct pollfd){.fd = fd, .events = ev};
+	}
+	int k = do_poll(p, n, timeout_ns, mask);
+	if (k < 0)
+		return k;
+	if (r)
+		FD_ZERO(r);
+	if (w)
+		FD_ZERO(w);
+	if (e)
+		FD_ZERO(e);
+	int count = 0;
+	for (int i = 0; i < n; i++) {
+		short re = p[i].revents;
+		if (r && (re & (POLLIN | POLLHUP | POLLERR)) && (p[i].events & POLLIN))
+			FD_SET(p[i].fd, r), count++;
+		if (w && (re & (POLLOUT | POLLERR)) && (p[i].events & POLLOUT))
+			FD_SET(p[i].fd, w), count++;
+		if (e && (re & POLLPRI))
+			FD_SET(p[i].fd, e), count++;
+	}
+	return count;
+}
+
+int select(int nfds, fd_set *r, fd_set *w, fd_set *e, struct timeval *tv)
+{
+	int64_t t = tv ? (int64_t)tv->tv_sec * 1000000000 + tv->tv_usec * 1000 : -1;
+	return do_select(nfds, r, w, e, t, NULL);
+}
+
+int pselect(int nfds, fd_set *r, fd_set *w, fd_set *e, const struct timespec *ts, const sigset_t *mask)
+{
+	return do_select(nfds, r, w, e, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
+}
+
+/* epoll: interest in fast-path fds is kept here, not in the kernel (their
+ * kernel sockets stay idle); everything else is the kernel's. */
+#define EFD_MAGIC 0x5348554e54454644ull /* "SHUNTEFD" */
+
+static struct ep *ep_of(int epfd, int create)
+{
+	if (epfd < 0 || epfd >= FD_MAX)
+		return NULL;
+	pthread_mutex_lock(&tab_mu);
+	if (!eps[epfd] && create) {
+		eps[epfd] = calloc(1, sizeof **eps);
+		if (eps[epfd])
+			pthread_mutex_init(&eps[epfd]->mu, NULL);
+	}
+	struct ep *e = eps[epfd];
+	pthread_mutex_unlock(&tab_mu);
+	return e;
+}
+
+int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
+{
+	struct flow *f = flow_of(fd);
+	struct ep *e = ep_of(epfd, f != NULL);
+	if (e) {
+		pthread_mutex_lock(&e->mu);
+		int at = -1;
+		for (int i = 0; i < e->n; i++)
+			if (e->it[i].fd == fd)
+				at = i;
+		if (f || at >= 0) {
+			int r = 0;
+			if (op == EPOLL_CTL_ADD && at >= 0)
+				r = -1, errno = EEXIST;
+			else if (op != EPOLL_CTL_ADD && at < 0)
+				r = -1, errno = ENOENT;
+			else if (op == EPOLL_CTL_DEL)
+				e->it[at] = e->it[--e->n];
+			else if (op == EPOLL_CTL_MOD)
+				e->it[at].ev = *ev, e->it[at].seen = 0;
+			else {
+				if (e->n == e->cap) {
+					int cap = e->cap ? 2 * e->cap : 8;
+					struct epi *it = realloc(e->it, cap * sizeof *it);
+					if (!it) {
+						pthread_mutex_unlock(&e->mu);
+						return errno = ENOMEM, -1;
+					}
+					e->it = it, e->cap = cap;
+				}
+				e->it[e->n++] = (struct epi){.fd = fd, .ev = *ev};
+			}
+			pthread_mutex_unlock(&e->mu);
+			return r;
+		}
+		pthread_mutex_unlock(&e->mu);
+	}
+	return real_epoll_ctl(epfd, op, fd, ev);
+}
+
+static uint32_t ep_from_poll(short r)
+{
+	return (r & POLLIN ? EPOLLIN : 0) | (r & POLLOUT ? EPOLLOUT : 0) | (r & POLLERR ? EPOLLERR : 0) |
+	       (r & POLLHUP ? EPOLLHUP : 0) | (r & POLLRDHUP ? EPOLLRDHUP : 0);
+}
+
+/* ep_collect reports ready fast-path interests (level-triggered; EPOLLET
+ * reports once per new tail; EPOLLONESHOT disarms). */
+static int ep_collect(struct ep *e, struct epoll_event *out, int max, struct arm *a)
+{
+	int k = 0;
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < e->n && k < max; i++) {
+		struct epi *x = &e->it[i];
+		struct flow *f = flow_of(x->fd);
+		if (!f || !(x->ev.events & ~(EPOLLET | EPOLLONESHOT)))
+			continue;
+		short want = (x->ev.events & EPOLLIN ? POLLIN : 0) | (x->ev.events & EPOLLOUT ? POLLOUT : 0) |
+			     (x->ev.events & EPOLLRDHUP ? POLLRDHUP : 0);
+		if (a) {
+			if (want & POLLIN)
+				arm_add(a, f, 1);
+			if (want & POLLOUT)
+				arm_add(a, f, 0);
+			continue;
+		}
+		uint32_t got = ep_from_poll(fast_events(f, want)) & (x->ev.events | EPOLLERR | EPOLLHUP);
+		if (!got)
+			continue;
+		if (x->ev.events & EPOLLET) {
+			uint64_t mark = __atomic_load_n((uint64_t *)(f->r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST) ^
+					__atomic_load_n((uint64_t *)(f->w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST) << 1;
+			if (mark + 1 == x->seen)
+				continue;
+			x->seen = mark + 1;
+		}
+		if (x->ev.events & EPOLLONESHOT)
+			x->ev.events &= EPOLLET | EPOLLONESHOT;
+		out[k].events = got;
+		out[k].data = x->ev.data;
+		k++;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return k;
+}
+
+static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
+{
+	struct ep *e = ep_of(epfd, 0);
+	if (!e || !e->n)
+		return real_epoll_pwait(epfd, ev, max, timeout, mask);
+	int64_t start = now_ns(), deadline = timeout < 0 ? -1 : start + (int64_t)timeout * 1000000;
+	for (;;) {
+		int k = ep_collect(e, ev, max, NULL);
+		if (k < max) {
+			int r = real_epoll_wait(epfd, ev + k, max - k, 0);
+			if (r < 0 && !k)
+				return r;
+			int base = k;
+			for (int i = 0; i < r; i++)
+				if (ev[base + i].data.u64 != EFD_MAGIC)
+					ev[k++] = ev[base + i];
+		}
+		if (k)
+			return k;
+		int64_t now = now_ns();
+		if (deadline >= 0 && now >= deadline)
+			return 0;
+		if (now - start < spin_ns)
+			continue;
+		struct arm a = {.n = 0};
+		ep_collect(e, NULL, 1 << 30, &a);
+		arm_set(&a, 1);
+		struct epoll_event tmp[1];
+		if (ep_collect(e, tmp, 1, NULL)) {
+			arm_set(&a, 0);
+			continue;
+		}
+		struct helper *h = helper();
+		if (h && !e->efd_added) {
+			struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
+			if (real_epoll_ctl(epfd, EPOLL_CTL_ADD, h->efd, &m) == 0 || errno == EEXIST)
+				e->efd_added = 1;
+		}
+		if (h && e->efd_added) {
+			helper_start(h, &a);
+			int r = real_epoll_pwait(epfd, ev, max, remaining_ms(deadline), mask);
+			helper_stop(h);
+			arm_set(&a, 0);
+			int kept = 0;
+			for (int i = 0; i < r; i++)
+				if (ev[i].data.u64 != EFD_MAGIC)
+					ev[kept++] = ev[i];
+			if (kept || r < 0)
+				return r < 0 ? r : kept;
+		} else {
+			int ms = remaining_ms(deadline);
+			int r = real_epoll_pwait(epfd, ev, max, ms < 0 || ms > 1 ? 1 : ms, mask);
+			arm_set(&a, 0);
+			if (r != 0)
+				return r;
+		}
+	}
+}
+
+int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout) { return do_epoll_wait(epfd, ev, max, timeout, NULL); }
+
+int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
+{
+	return do_epoll_wait(epfd, ev, max, timeout, mask);
+}
