@@ -6,6 +6,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"strings"
 	"testing"
 	"time"
 
@@ -17,7 +18,7 @@ import (
 	"github.com/shuntnet/shunt/internal/testenv"
 )
 
-var hostdBin string
+var hostdBin, preloadLib, shuntRun string
 
 func TestMain(m *testing.M) {
 	if os.Getenv("SHUNT_E2E_CHILD") != "" {
@@ -33,6 +34,23 @@ func TestMain(m *testing.M) {
 	if err != nil {
 		fmt.Fprintf(os.Stderr, "build hostd: %v\n%s", err, out)
 		os.Exit(1)
+	}
+	// The preload library and shunt-run, for the unmodified-program tests.
+	preloadLib = filepath.Join(dir, "libshunt-preload.so")
+	shuntRun = filepath.Join(dir, "shunt-run")
+	src, _ := filepath.Glob("../guestlib/preload/csrc/*.c")
+	args := []string{"-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-o", preloadLib}
+	for _, f := range src {
+		if !strings.HasSuffix(f, "xtest.c") {
+			args = append(args, f)
+		}
+	}
+	if out, err := exec.Command("gcc", append(args, "-ldl", "-lpthread")...).CombinedOutput(); err != nil {
+		preloadLib = "" // tests that need it say why
+		fmt.Fprintf(os.Stderr, "build libshunt-preload.so: %v\n%s", err, out)
+	}
+	if b, err := os.ReadFile("../guestlib/preload/shunt-run"); err == nil {
+		os.WriteFile(shuntRun, b, 0o755)
 	}
 	code := m.Run()
 	os.RemoveAll(dir)

@@ -1,0 +1,238 @@
+package integration
+
+import (
+	"bytes"
+	"encoding/json"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"regexp"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/internal/testenv"
+)
+
+// Unmodified programs under shunt-run in the namespace rig: sockperf,
+// iperf3, redis and Open MPI. Each test asserts the fast path through
+// hostd (a flow listed while the program runs, or the library's -v lines),
+// and checks the program's own results.
+
+// guestCmd is a command run in guest i under shunt-run -v.
+func (e *env) guestCmd(i int, name string, args ...string) *exec.Cmd {
+	e.t.Helper()
+	if preloadLib == "" {
+		testenv.Missing(e.t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
+	}
+	testenv.NeedTool(e.t, name, map[string]string{"sockperf": "sockperf", "iperf3": "iperf3", "redis-server": "redis-server",
+		"redis-benchmark": "redis-tools", "redis-cli": "redis-tools"}[name])
+	cmd := exec.Command(shuntRun, append([]string{"-v", name}, args...)...)
+	cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[i-1]), "SHUNT_PRELOAD="+preloadLib)
+	return cmd
+}
+
+// start starts cmd in guest i; it is killed when the test ends.
+func (e *env) start(i int, cmd *exec.Cmd) *bytes.Buffer {
+	e.t.Helper()
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	return &out
+}
+
+// run runs cmd in guest i and returns its output.
+func (e *env) run(i int, cmd *exec.Cmd) string {
+	e.t.Helper()
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
+		e.t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			e.t.Fatalf("%s: %v\n%s", cmd.Args, err, out.String())
+		}
+	case <-time.After(60 * time.Second):
+		cmd.Process.Kill()
+		e.t.Fatalf("%s did not finish in 60s\n%s", cmd.Args, out.String())
+	}
+	return out.String()
+}
+
+// waitListening waits until something listens on port in guest i.
+func (e *env) waitListening(i, port int) {
+	e.t.Helper()
+	eventually(e.t, 10*time.Second, fmt.Sprintf("a listener on port %d in g%d", port, i), func() bool {
+		out, _ := nsrig.Run(e.rig.Guests[i-1].NSPath(), "ss", "-ltnH", fmt.Sprintf("sport = :%d", port))
+		return strings.Contains(out, strconv.Itoa(port))
+	})
+}
+
+// fastLines counts the library's "shunt (slot" lines: connections that
+// took the fast path.
+func fastLines(out string) int { return strings.Count(out, ": shunt (slot ") }
+
+func TestPreloadSockperf(t *testing.T) {
+	e := newEnv(t, 2, "")
+	g2 := e.rig.Guests[1].Addr.String()
+	srv := e.start(2, e.guestCmd(2, "sockperf", "server", "--tcp", "-i", g2, "-p", "11111"))
+	e.waitListening(2, 11111)
+	// --mps sizes sockperf's table of replies: its default ("max") assumes
+	// at most ~600K messages a second, which the fast path exceeds.
+	pp := e.run(1, e.guestCmd(1, "sockperf", "ping-pong", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "14", "--mps", "5000000"))
+	p50 := regexp.MustCompile(`percentile 50\.000 =\s+([0-9.]+)`).FindStringSubmatch(pp)
+	if fastLines(pp) != 1 || p50 == nil {
+		t.Fatalf("sockperf ping-pong did not run on the fast path:\n%s", pp)
+	}
+	t.Logf("sockperf ping-pong 14 B one-way p50: %s us", p50[1])
+	tp := e.run(1, e.guestCmd(1, "sockperf", "throughput", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "64000", "--mps", "max"))
+	bw := regexp.MustCompile(`BandWidth is ([0-9.]+) MBps`).FindStringSubmatch(tp)
+	if fastLines(tp) != 1 || bw == nil {
+		t.Fatalf("sockperf throughput did not run on the fast path:\n%s", tp)
+	}
+	t.Logf("sockperf throughput 64000 B: %s MBps", bw[1])
+	if got := fastLines(srv.String()); got < 2 {
+		t.Fatalf("the server accepted %d fast-path connections, want 2:\n%s", got, srv.String())
+	}
+}
+
+func TestPreloadIperf3(t *testing.T) {
+	e := newEnv(t, 2, "")
+	g2 := e.rig.Guests[1].Addr.String()
+	e.start(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5301"))
+	e.waitListening(2, 5301)
+	cmd := e.guestCmd(1, "iperf3", "-c", g2, "-p", "5301", "-t", "2", "-J")
+	var flows int
+	stop := make(chan struct{})
+	go func() { // hostd lists the data connection while it runs
+		for {
+			select {
+			case <-stop:
+				return
+			case <-time.After(100 * time.Millisecond):
+				if n := len(e.flows()); n > flows {
+					flows = n
+				}
+			}
+		}
+	}()
+	out := e.run(1, cmd)
+	close(stop)
+	var res struct {
+		End struct {
+			SumReceived struct {
+				Bytes         float64 `json:"bytes"`
+				BitsPerSecond float64 `json:"bits_per_second"`
+			} `json:"sum_received"`
+		} `json:"end"`
+	}
+	js := out[strings.Index(out, "{") : strings.LastIndex(out, "}")+1] // -v lines go around the JSON
+	if err := json.Unmarshal([]byte(js), &res); err != nil || res.End.SumReceived.Bytes == 0 {
+		t.Fatalf("iperf3 result: %v\n%s", err, out)
+	}
+	if flows < 2 {
+		t.Fatalf("hostd listed %d flows during iperf3, want its control and data connections", flows)
+	}
+	t.Logf("iperf3: %.1f Gbit/s over the fast path", res.End.SumReceived.BitsPerSecond/1e9)
+}
+
+func TestPreloadRedis(t *testing.T) {
+	e := newEnv(t, 2, "")
+	g2 := e.rig.Guests[1].Addr.String()
+	srv := e.start(2, e.guestCmd(2, "redis-server", "--bind", g2, "--port", "6390", "--save", "", "--appendonly", "no", "--protected-mode", "no"))
+	e.waitListening(2, 6390)
+	set := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6390", "set", "shunt", "fast"))
+	get := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6390", "get", "shunt"))
+	if !strings.Contains(set, "OK") || !strings.Contains(get, "fast") || fastLines(get) != 1 {
+		t.Fatalf("redis-cli over the fast path: set %q, get %q", set, get)
+	}
+	bench := e.run(1, e.guestCmd(1, "redis-benchmark", "-h", g2, "-p", "6390", "-n", "20000", "-c", "4", "-t", "set,get", "-q"))
+	rps := regexp.MustCompile(`GET: ([0-9.]+) requests per second`).FindStringSubmatch(bench)
+	if rps == nil || fastLines(bench) < 4 {
+		t.Fatalf("redis-benchmark did not run over the fast path:\n%s", bench)
+	}
+	t.Logf("redis GET: %s requests/s over the fast path", rps[1])
+	if fastLines(srv.String()) < 6 {
+		t.Fatalf("redis-server accepted %d fast-path connections, want at least 6", fastLines(srv.String()))
+	}
+}
+
+// TestPreloadMPI runs an MPI ping-pong and bandwidth program of our own
+// across the two guests with Open MPI's TCP BTL under the preload library.
+// mpirun runs in the rig's host namespace (which routes to both guests);
+// its rsh agent starts orted inside each guest namespace.
+func TestPreloadMPI(t *testing.T) {
+	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
+	testenv.NeedTool(t, "mpirun", "openmpi-bin")
+	e := newEnv(t, 2, "")
+	if preloadLib == "" {
+		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
+	}
+	dir := t.TempDir()
+	prog := filepath.Join(dir, "pingpong")
+	if out, err := exec.Command("mpicc", "-O2", "-o", prog, "mpi/pingpong.c").CombinedOutput(); err != nil {
+		t.Fatalf("mpicc: %v\n%s", err, out)
+	}
+	out := e.mpirun(t, dir, prog, true)
+	if !strings.Contains(out, "data ok") || fastLines(out) < 2 {
+		t.Fatalf("MPI over the fast path:\n%s", out)
+	}
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, "lat 8 ") || strings.HasPrefix(l, "bw ") {
+			t.Log(l)
+		}
+	}
+}
+
+// mpirun runs prog on two ranks, one per guest; preload puts the ranks
+// under the Shunt library.
+func (e *env) mpirun(t *testing.T, dir, prog string, preload bool, args ...string) string {
+	rsh := filepath.Join(dir, "rsh")
+	var cases strings.Builder
+	for _, g := range e.rig.Guests {
+		fmt.Fprintf(&cases, "%s) ns=%s; ctl=%s ;;\n", g.Addr, g.NS, e.control(g))
+	}
+	lib := ""
+	if preload {
+		lib = preloadLib
+	}
+	script := fmt.Sprintf("#!/bin/sh\n# plm_rsh_agent: rsh HOST CMD -> CMD in that guest's namespace\nhost=$1; shift\ncase $host in\n%s*) echo \"unknown host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec $ns env SHUNT_CONTROL=$ctl LD_PRELOAD=%s SHUNT_VERBOSE=1 sh -c \"$*\"\n", cases.String(), lib)
+	if err := os.WriteFile(rsh, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	hosts := fmt.Sprintf("%s:1,%s:1", e.rig.Guests[0].Addr, e.rig.Guests[1].Addr)
+	cmd := exec.Command("mpirun", append([]string{"--allow-run-as-root", "-np", "2", "--host", hosts,
+		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", rsh, "--mca", "pml", "ob1", "--mca", "btl", "self,tcp",
+		"--mca", "btl_tcp_if_include", "10.77.0.0/16", "--mca", "oob_tcp_if_include", "10.77.0.0/16",
+		// Two orteds on one machine: no hwloc shared-memory topology
+		// (it crashes when both map it), no binding (both ranks would get
+		// core 0).
+		"--mca", "rtc", "^hwloc", "--bind-to", "none", prog}, args...)...)
+	var out bytes.Buffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := nsrig.Start(e.rig.HostNSPath(), cmd); err != nil {
+		t.Fatal(err)
+	}
+	done := make(chan error, 1)
+	go func() { done <- cmd.Wait() }()
+	select {
+	case err := <-done:
+		if err != nil {
+			t.Fatalf("mpirun: %v\n%s", err, out.String())
+		}
+	case <-time.After(120 * time.Second):
+		cmd.Process.Kill()
+		t.Fatalf("mpirun did not finish in 120s\n%s", out.String())
+	}
+	return out.String()
+}
