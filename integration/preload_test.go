@@ -1,6 +1,7 @@
 package integration
 
 import (
+	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -235,4 +236,69 @@ func (e *env) mpirun(t *testing.T, dir, prog string, preload bool, args ...strin
 		t.Fatalf("mpirun did not finish in 120s\n%s", out.String())
 	}
 	return out.String()
+}
+
+// TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):
+// MSG_PEEK and MSG_DONTWAIT, MSG_WAITALL, half-close, dup/dup2/F_DUPFD,
+// non-blocking connect, epoll with fast-path and kernel fds in one set,
+// nested epoll, fork, a blocked read ending in ECONNRESET on revocation,
+// and a program without hostd running on plain TCP and saying why.
+func TestPreloadEdgeCases(t *testing.T) {
+	testenv.NeedTool(t, "gcc", "gcc")
+	testenv.NeedTool(t, "conntrack", "conntrack")
+	e := newEnv(t, 2, "")
+	if preloadLib == "" {
+		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
+	}
+	edge := filepath.Join(t.TempDir(), "edge")
+	if out, err := exec.Command("gcc", "-O2", "-Wall", "-pthread", "-o", edge, "ctest/edge.c").CombinedOutput(); err != nil {
+		t.Fatalf("build edge: %v\n%s", err, out)
+	}
+	g2 := e.rig.Guests[1].Addr.String()
+	client := func(test string) *exec.Cmd {
+		cmd := exec.Command(shuntRun, "-v", edge, "client", g2, "7700", test)
+		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+preloadLib)
+		return cmd
+	}
+	srv := exec.Command(shuntRun, "-v", edge, "server", g2, "7700")
+	srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
+	e.start(2, srv)
+	e.waitListening(2, 7700)
+	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork"} {
+		t.Run(test, func(t *testing.T) {
+			out := e.run(1, client(test))
+			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {
+				t.Fatalf("%s:\n%s", test, out)
+			}
+		})
+	}
+	t.Run("revoke", func(t *testing.T) {
+		cmd := client("revoke")
+		stdout, _ := cmd.StdoutPipe()
+		var stderr bytes.Buffer
+		cmd.Stderr = &stderr
+		if err := nsrig.Start(e.rig.Guests[0].NSPath(), cmd); err != nil {
+			t.Fatal(err)
+		}
+		defer cmd.Process.Kill()
+		r := bufio.NewReader(stdout)
+		if line, err := r.ReadString('\n'); err != nil || line != "blocked\n" {
+			t.Fatalf("client: %q, %v", line, err)
+		}
+		time.Sleep(20 * time.Millisecond) // let it enter the read; an early revoke is caught too
+		e.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "7700")
+		line, _ := r.ReadString('\n')
+		cmd.Wait()
+		if line != "PASS revoke\n" {
+			t.Fatalf("after conntrack -D: %q\n%s", line, stderr.String())
+		}
+	})
+	t.Run("hostd-absent", func(t *testing.T) {
+		cmd := client("plain")
+		cmd.Env = append(cmd.Env, "SHUNT_CONTROL=/nonexistent/shunt.sock")
+		out := e.run(1, cmd)
+		if !strings.Contains(out, "PASS plain") || !strings.Contains(out, "tcp (no-hostd)") {
+			t.Fatalf("without hostd:\n%s", out)
+		}
+	})
 }

@@ -13,9 +13,11 @@
  * thread sleeps on the rings' futexes (futex_waitv) and writes that eventfd,
  * so one wake-up covers both worlds and an idle program burns no CPU.
  *
- * Rules (docs/preload.md): after fork() the child reconnects to hostd on
- * its own; an inherited fast-path flow must then be used by only one of the
- * two processes, and closing it in either ends it (EOF for the peer).
+ * Rules (docs/preload.md): after fork() fast-path flows stay with the
+ * parent; in the child, inherited copies fail with ENOTCONN and close()
+ * only forgets them (the fork-for-a-helper pattern: popen, system, redis'
+ * BGSAVE). The child's own new connections work normally (it reconnects to
+ * hostd on its own).
  * exec() drops the library's state with the process image: the flow's fd
  * stays open in the new image as a plain kernel socket that carries no
  * data, so programs should not exec with live fast-path fds (they rarely
@@ -74,6 +76,7 @@ static void resolve(void)
 /* ---- configuration and logging ---- */
 
 static int verbose, disabled;
+static pid_t my_pid; /* getpid() is a system call; this is kept current across fork */
 static int64_t spin_ns = 25000;
 static const char *control_path = "/run/shunt/guest.sock";
 static const char *region_override;
@@ -114,6 +117,7 @@ static int64_t now_ns(void)
 
 struct flow {
 	int refs; /* fds (dup) pointing here; guarded by tab_mu */
+	pid_t owner; /* the process that may use it (see fork) */
 	int nonblock;
 	struct shunt_ring w, r;
 	uint32_t slot;
@@ -130,7 +134,7 @@ static uint8_t nonblk[FD_MAX]; /* O_NONBLOCK of candidate sockets before a verdi
 static pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
 
 /* epoll interest in fast-path fds, per epoll fd (see epoll_ctl). */
-struct epi { int fd; struct epoll_event ev; uint64_t seen; };
+struct epi { int fd; struct epoll_event ev; uint64_t seen; int nested; };
 struct ep { pthread_mutex_t mu; struct epi *it; int n, cap; int efd_added; int64_t kernel_at; };
 static struct ep *eps[FD_MAX];
 
@@ -461,6 +465,7 @@ static void adopt(int fd, const struct shunt_msg *v, const char *who)
 	f->gen = v->gen;
 	f->side = v->side;
 	f->refs = 1;
+	f->owner = my_pid;
 	f->nonblock = nonblk[fd];
 	pthread_mutex_init(&f->rmu, NULL);
 	pthread_mutex_init(&f->wmu, NULL);
@@ -482,6 +487,16 @@ static void open_side(int fd, uint8_t role, const char *who)
 
 /* ---- sockets ---- */
 
+struct helper;
+static __thread struct helper *me;
+
+static void after_fork(void)
+{
+	my_pid = getpid();
+	/* The parent's helper thread did not come along. */
+	me = NULL;
+}
+
 __attribute__((constructor)) static void init(void)
 {
 	resolve();
@@ -500,7 +515,8 @@ __attribute__((constructor)) static void init(void)
 		spin_ns = 0;
 	if (s && !strcmp(s, "spin"))
 		spin_ns = INT64_MAX;
-	ctl.pid = getpid();
+	ctl.pid = my_pid = getpid();
+	pthread_atfork(NULL, NULL, after_fork);
 }
 
 int socket(int domain, int type, int protocol)
@@ -623,8 +639,20 @@ static int map_err(ssize_t e)
 	}
 }
 
+/* inherited reports (and fails with ENOTCONN) use of a flow inherited
+ * across fork(): flows stay with the parent (see the rules above). */
+static int inherited(struct flow *f)
+{
+	if (f->owner == my_pid)
+		return 0;
+	errno = ENOTCONN;
+	return 1;
+}
+
 static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
 {
+	if (inherited(f))
+		return -1;
 	int nb = f->nonblock || (flags & MSG_DONTWAIT);
 	size_t done = 0;
 	pthread_mutex_lock(&f->rmu);
@@ -639,7 +667,7 @@ static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
 		}
 		if (k == 0 || n == 0)
 			break; /* EOF */
-		if (k != SHUNT_EAGAIN || nb || done) {
+		if (k != SHUNT_EAGAIN || nb || (done && !(flags & MSG_WAITALL))) {
 			if (done)
 				break;
 			pthread_mutex_unlock(&f->rmu);
@@ -656,6 +684,8 @@ static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
 
 static ssize_t fast_send(struct flow *f, const void *buf, size_t n, int flags)
 {
+	if (inherited(f))
+		return -1;
 	int nb = f->nonblock || (flags & MSG_DONTWAIT);
 	size_t done = 0;
 	pthread_mutex_lock(&f->wmu);
@@ -807,6 +837,10 @@ ssize_t sendfile(int out, int in, off_t *off, size_t count)
 
 static void release(struct flow *f)
 {
+	if (f->owner != my_pid) { /* a fork child's copy: only forget it */
+		free(f);
+		return;
+	}
 	if (!f->revoked)
 		shunt_ring_close_write(&f->w);
 	shunt_ring_close_read(&f->r);
@@ -972,8 +1006,6 @@ struct helper {
 	int n, req;
 	uint32_t cancel;
 };
-static __thread struct helper *me;
-
 static void *helper_loop(void *arg)
 {
 	struct helper *h = arg;
@@ -1239,8 +1271,12 @@ static struct ep *ep_of(int epfd, int create)
 	return e;
 }
 
+static int ep_add_nested(int epfd, int op, int fd, struct epoll_event *ev);
+
 int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 {
+	if (fd >= 0 && fd < FD_MAX && eps[fd]) /* an epoll set inside another */
+		return ep_add_nested(epfd, op, fd, ev);
 	struct flow *f = flow_of(fd);
 	struct ep *e = ep_of(epfd, f != NULL);
 	if (e) {
@@ -1279,10 +1315,59 @@ int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 	return real_epoll_ctl(epfd, op, fd, ev);
 }
 
+/* ep_add_nested registers an inner epoll fd with the kernel as usual and
+ * also here, so the outer set sees the inner set's fast-path readiness. */
+static int ep_add_nested(int epfd, int op, int fd, struct epoll_event *ev)
+{
+	int r = real_epoll_ctl(epfd, op, fd, ev);
+	struct ep *e = ep_of(epfd, 1);
+	if (r < 0 || !e)
+		return r;
+	pthread_mutex_lock(&e->mu);
+	int at = -1;
+	for (int i = 0; i < e->n; i++)
+		if (e->it[i].fd == fd)
+			at = i;
+	if (op == EPOLL_CTL_DEL && at >= 0)
+		e->it[at] = e->it[--e->n];
+	else if (op == EPOLL_CTL_MOD && at >= 0)
+		e->it[at].ev = *ev;
+	else if (op == EPOLL_CTL_ADD && at < 0) {
+		if (e->n == e->cap) {
+			int cap = e->cap ? 2 * e->cap : 8;
+			struct epi *it = realloc(e->it, cap * sizeof *it);
+			if (it)
+				e->it = it, e->cap = cap;
+		}
+		if (e->n < e->cap)
+			e->it[e->n++] = (struct epi){.fd = fd, .ev = *ev, .nested = 1};
+	}
+	pthread_mutex_unlock(&e->mu);
+	return r;
+}
+
 static uint32_t ep_from_poll(short r)
 {
 	return (r & POLLIN ? EPOLLIN : 0) | (r & POLLOUT ? EPOLLOUT : 0) | (r & POLLERR ? EPOLLERR : 0) |
 	       (r & POLLHUP ? EPOLLHUP : 0) | (r & POLLRDHUP ? EPOLLRDHUP : 0);
+}
+
+static int ep_collect(struct ep *e, struct epoll_event *out, int max, struct arm *a);
+
+/* ep_peek reports whether a set has a ready fast-path interest, without
+ * consuming edge-triggered or one-shot state (for nested sets). */
+static int ep_peek(struct ep *e)
+{
+	int ready = 0;
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < e->n && !ready; i++) {
+		struct flow *f = e->it[i].nested ? NULL : flow_of(e->it[i].fd);
+		uint32_t ev = e->it[i].ev.events;
+		if (f && fast_events(f, (ev & EPOLLIN ? POLLIN : 0) | (ev & EPOLLOUT ? POLLOUT : 0)))
+			ready = 1;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return ready;
 }
 
 /* ep_collect reports ready fast-path interests (level-triggered; EPOLLET
@@ -1293,6 +1378,22 @@ static int ep_collect(struct ep *e, struct epoll_event *out, int max, struct arm
 	pthread_mutex_lock(&e->mu);
 	for (int i = 0; i < e->n && k < max; i++) {
 		struct epi *x = &e->it[i];
+		if (x->nested) {
+			struct ep *in = x->fd >= 0 && x->fd < FD_MAX ? eps[x->fd] : NULL;
+			if (!in || in == e || !(x->ev.events & EPOLLIN))
+				continue;
+			pthread_mutex_unlock(&e->mu);
+			struct epoll_event tmp[1];
+			int ready = a ? (ep_collect(in, NULL, 1 << 30, a), 0) : ep_peek(in);
+			(void)tmp;
+			pthread_mutex_lock(&e->mu);
+			if (ready && k < max) {
+				out[k].events = EPOLLIN;
+				out[k].data = x->ev.data;
+				k++;
+			}
+			continue;
+		}
 		struct flow *f = flow_of(x->fd);
 		if (!f || !(x->ev.events & ~(EPOLLET | EPOLLONESHOT)))
 			continue;
@@ -1394,4 +1495,22 @@ int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout) { return 
 int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
 {
 	return do_epoll_wait(epfd, ev, max, timeout, mask);
+}
+
+/* Every epoll set is known here from its creation, so that one nested in
+ * another is recognized even before it holds fast-path fds. */
+int epoll_create1(int flags)
+{
+	int fd = real_epoll_create1(flags);
+	if (fd >= 0)
+		ep_of(fd, 1);
+	return fd;
+}
+
+int epoll_create(int size)
+{
+	int fd = real_epoll_create(size);
+	if (fd >= 0)
+		ep_of(fd, 1);
+	return fd;
 }

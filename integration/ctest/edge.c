@@ -1,0 +1,261 @@
+/* edge: socket semantics that preload libraries often get wrong, checked
+ * under shunt-run against plain TCP behaviour (preload_test.go runs it).
+ *
+ *   edge server IP PORT         serve every test's server side
+ *   edge client IP PORT TEST    run one test's client side; prints PASS/FAIL
+ *
+ * Tests: peek waitall halfclose dup nonblock epoll nested fork revoke plain */
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+static int fail(const char *t, const char *why)
+{
+	printf("FAIL %s: %s (errno %d %s)\n", t, why, errno, strerror(errno));
+	return 1;
+}
+
+static int full(int fd, char *buf, int n)
+{
+	int got = 0;
+	while (got < n) {
+		int k = read(fd, buf + got, n - got);
+		if (k <= 0)
+			return k < 0 ? -1 : got;
+		got += k;
+	}
+	return got;
+}
+
+static void drain(int fd)
+{
+	char b[4096];
+	while (read(fd, b, sizeof b) > 0)
+		;
+}
+
+static void serve(int c)
+{
+	char name[32] = {0};
+	int i = 0;
+	while (i < 31 && read(c, name + i, 1) == 1 && name[i] != '\n')
+		i++;
+	name[i] = 0;
+	char buf[65536];
+	if (!strcmp(name, "peek")) {
+		write(c, "hello", 5);
+		drain(c);
+	} else if (!strcmp(name, "waitall")) {
+		memset(buf, 'w', 1000);
+		for (int k = 0; k < 10; k++) {
+			write(c, buf, 1000);
+			usleep(2000);
+		}
+		drain(c);
+	} else if (!strcmp(name, "halfclose")) {
+		int n = 0, k;
+		while ((k = read(c, buf, sizeof buf)) > 0)
+			n += k;
+		int m = snprintf(buf, sizeof buf, "ack:%d", n);
+		write(c, buf, m);
+	} else if (!strcmp(name, "epoll") || !strcmp(name, "nested")) {
+		usleep(50000);
+		write(c, "x", 1);
+		usleep(200000);
+		write(c, "y", 1);
+		drain(c);
+	} else if (!strcmp(name, "revoke")) {
+		drain(c);
+	} else { /* dup nonblock fork plain: echo */
+		int k;
+		while ((k = read(c, buf, sizeof buf)) > 0)
+			write(c, buf, k);
+	}
+	close(c);
+}
+
+static void *serve_thread(void *arg)
+{
+	serve((int)(intptr_t)arg);
+	return NULL;
+}
+
+static int dial(const char *ip, int port, int nonblock)
+{
+	int fd = socket(AF_INET, SOCK_STREAM | (nonblock ? SOCK_NONBLOCK : 0), 0);
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+	inet_pton(AF_INET, ip, &a.sin_addr);
+	int r = connect(fd, (struct sockaddr *)&a, sizeof a);
+	if (r < 0 && !(nonblock && errno == EINPROGRESS))
+		return -1;
+	if (r < 0) {
+		struct pollfd p = {.fd = fd, .events = POLLOUT};
+		if (poll(&p, 1, 5000) != 1)
+			return -1;
+		int err = 0;
+		socklen_t l = sizeof err;
+		getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &l);
+		if (err)
+			return errno = err, -1;
+	}
+	return fd;
+}
+
+static int echo_ok(int fd, const char *msg)
+{
+	char b[64];
+	int n = strlen(msg);
+	return write(fd, msg, n) == n && full(fd, b, n) == n && !memcmp(b, msg, n);
+}
+
+static int client(const char *ip, int port, const char *t)
+{
+	int fd = dial(ip, port, !strcmp(t, "nonblock"));
+	if (fd < 0)
+		return fail(t, "connect");
+	/* write(), not dprintf: glibc's stdio writes with an internal call that
+	 * no preload library can see (docs/preload.md). */
+	char line[40];
+	int ln = snprintf(line, sizeof line, "%s\n", t);
+	if (write(fd, line, ln) != ln)
+		return fail(t, "send the test name");
+	char b[65536];
+	if (!strcmp(t, "peek")) {
+		if (full(fd, b, 0) < 0 || recv(fd, b, 5, MSG_PEEK | MSG_WAITALL) != 5 || memcmp(b, "hello", 5))
+			return fail(t, "MSG_PEEK did not return the data");
+		memset(b, 0, 5);
+		if (recv(fd, b, 5, 0) != 5 || memcmp(b, "hello", 5))
+			return fail(t, "data after peek");
+		int flags = fcntl(fd, F_GETFL);
+		fcntl(fd, F_SETFL, flags | O_NONBLOCK);
+		if (recv(fd, b, 5, 0) != -1 || errno != EAGAIN)
+			return fail(t, "non-blocking recv on an empty connection is not EAGAIN");
+		if (recv(fd, b, 5, MSG_DONTWAIT) != -1 || errno != EAGAIN)
+			return fail(t, "MSG_DONTWAIT");
+	} else if (!strcmp(t, "waitall")) {
+		if (recv(fd, b, 10000, MSG_WAITALL) != 10000)
+			return fail(t, "MSG_WAITALL returned short");
+	} else if (!strcmp(t, "halfclose")) {
+		write(fd, "bye", 3);
+		if (shutdown(fd, SHUT_WR) < 0)
+			return fail(t, "shutdown");
+		int n = read(fd, b, sizeof b - 1);
+		b[n > 0 ? n : 0] = 0;
+		if (n <= 0 || strcmp(b, "ack:3"))
+			return fail(t, "no answer after half-close");
+		if (read(fd, b, 1) != 0)
+			return fail(t, "no EOF after the peer closed");
+		signal(SIGPIPE, SIG_IGN);
+	} else if (!strcmp(t, "dup")) {
+		int d = dup(fd);
+		int d2 = fcntl(fd, F_DUPFD_CLOEXEC, 100);
+		close(fd);
+		if (!echo_ok(d, "via dup") || !echo_ok(d2, "via F_DUPFD"))
+			return fail(t, "I/O through a duplicate after closing the original");
+		int d3 = dup2(d2, 50);
+		close(d2);
+		close(d);
+		if (d3 != 50 || !echo_ok(50, "via dup2"))
+			return fail(t, "I/O through dup2");
+		fd = 50;
+	} else if (!strcmp(t, "nonblock")) {
+		struct pollfd p = {.fd = fd, .events = POLLIN};
+		write(fd, "nb", 2);
+		if (poll(&p, 1, 5000) != 1 || read(fd, b, 2) != 2 || memcmp(b, "nb", 2))
+			return fail(t, "poll/read after a non-blocking connect");
+	} else if (!strcmp(t, "epoll") || !strcmp(t, "nested")) {
+		int ep = epoll_create1(0), outer = ep;
+		struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd}, got[4];
+		epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev);
+		int pfd[2];
+		pipe(pfd); /* a kernel fd in the same set */
+		struct epoll_event pe = {.events = EPOLLIN, .data.fd = pfd[0]};
+		epoll_ctl(ep, EPOLL_CTL_ADD, pfd[0], &pe);
+		if (!strcmp(t, "nested")) {
+			outer = epoll_create1(0);
+			struct epoll_event oe = {.events = EPOLLIN, .data.fd = ep};
+			epoll_ctl(outer, EPOLL_CTL_ADD, ep, &oe);
+		}
+		if (epoll_wait(outer, got, 4, 0) != 0)
+			return fail(t, "ready before any data");
+		int n = epoll_wait(outer, got, 4, 5000);
+		if (n != 1 || got[0].data.fd != (outer == ep ? fd : ep))
+			return fail(t, "epoll did not report the fast-path fd (or its set)");
+		if (read(fd, b, 1) != 1 || b[0] != 'x')
+			return fail(t, "read after epoll");
+		if (epoll_wait(outer, got, 4, 50) != 0)
+			return fail(t, "level-triggered epoll reported a drained fd");
+		write(pfd[1], "k", 1);
+		n = epoll_wait(outer, got, 4, 1000);
+		if (n != 1 || got[0].data.fd != (outer == ep ? pfd[0] : ep))
+			return fail(t, "epoll did not report the kernel fd in the same set");
+		read(pfd[0], b, 1);
+		n = epoll_wait(outer, got, 4, 5000);
+		if (n != 1 || read(fd, b, 1) != 1 || b[0] != 'y')
+			return fail(t, "second message after blocking in epoll");
+	} else if (!strcmp(t, "fork")) {
+		pid_t pid = fork();
+		if (pid == 0) { /* the child: its inherited copy is not usable */
+			int bad = write(fd, "x", 1) != -1 || errno != ENOTCONN;
+			close(fd);
+			_exit(bad);
+		}
+		int st;
+		waitpid(pid, &st, 0);
+		if (!WIFEXITED(st) || WEXITSTATUS(st))
+			return fail(t, "the child could use (or broke) the parent's flow");
+		if (!echo_ok(fd, "after fork"))
+			return fail(t, "the parent's flow after the child closed its copy");
+	} else if (!strcmp(t, "revoke")) {
+		printf("blocked\n");
+		fflush(stdout);
+		int n = read(fd, b, 1);
+		if (n != -1 || errno != ECONNRESET)
+			return fail(t, "a blocked read did not end with ECONNRESET");
+	} else if (!strcmp(t, "plain")) {
+		if (!echo_ok(fd, "plain tcp"))
+			return fail(t, "echo");
+	} else {
+		return fail(t, "unknown test");
+	}
+	close(fd);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
+int main(int argc, char **argv)
+{
+	if (argc == 4 && !strcmp(argv[1], "server")) {
+		int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+		setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+		struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(atoi(argv[3]))};
+		inet_pton(AF_INET, argv[2], &a.sin_addr);
+		if (bind(l, (struct sockaddr *)&a, sizeof a) || listen(l, 16))
+			return perror("listen"), 1;
+		for (;;) {
+			int c = accept(l, NULL, NULL);
+			if (c < 0)
+				continue;
+			pthread_t th; /* a thread per test (not fork: flows stay with the parent) */
+			pthread_create(&th, NULL, serve_thread, (void *)(intptr_t)c);
+			pthread_detach(th);
+		}
+	}
+	if (argc == 5 && !strcmp(argv[1], "client"))
+		return client(argv[2], atoi(argv[3]), argv[4]);
+	fprintf(stderr, "usage: edge server IP PORT | edge client IP PORT TEST\n");
+	return 2;
+}
