@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e fuzz clean
+.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload fuzz clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -43,7 +43,7 @@ vet:
 staticcheck:
 	$(STATICCHECK) ./...
 
-bench: bench-shm bench-e2e ## run all benchmarks (see docs/BENCHMARKS.md)
+bench: bench-shm bench-e2e bench-preload ## run all benchmarks (see docs/BENCHMARKS.md)
 
 # The machines move between cache placements over seconds, so whole suites
 # are interleaved (BENCHCOUNT rounds of every benchmark) rather than running
@@ -59,6 +59,12 @@ bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds
 	@rm -f $(BIN)/bench-e2e.txt
 	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Guest -test.benchtime 1s >> ../$(BIN)/bench-e2e.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-e2e.txt
+
+bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and vader (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-preload.txt
+	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Preload -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-preload.txt
 
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzAttach FuzzIndices; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/ring || exit 1; done

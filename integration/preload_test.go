@@ -25,13 +25,21 @@ import (
 
 // guestCmd is a command run in guest i under shunt-run -v.
 func (e *env) guestCmd(i int, name string, args ...string) *exec.Cmd {
-	e.t.Helper()
-	if preloadLib == "" {
-		testenv.Missing(e.t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
+	return e.toolCmd(e.t, true, i, name, args...)
+}
+
+// toolCmd is a command for guest i, under shunt-run -v if preload.
+func (e *env) toolCmd(t testing.TB, preload bool, i int, name string, args ...string) *exec.Cmd {
+	t.Helper()
+	if preload && preloadLib == "" {
+		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
 	}
-	testenv.NeedTool(e.t, name, map[string]string{"sockperf": "sockperf", "iperf3": "iperf3", "redis-server": "redis-server",
+	testenv.NeedTool(t, name, map[string]string{"sockperf": "sockperf", "iperf3": "iperf3", "redis-server": "redis-server",
 		"redis-benchmark": "redis-tools", "redis-cli": "redis-tools"}[name])
-	cmd := exec.Command(shuntRun, append([]string{"-v", name}, args...)...)
+	cmd := exec.Command(name, args...)
+	if preload {
+		cmd = exec.Command(shuntRun, append([]string{"-v", name}, args...)...)
+	}
 	cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[i-1]), "SHUNT_PRELOAD="+preloadLib)
 	return cmd
 }
@@ -71,12 +79,21 @@ func (e *env) run(i int, cmd *exec.Cmd) string {
 }
 
 // waitListening waits until something listens on port in guest i.
-func (e *env) waitListening(i, port int) {
-	e.t.Helper()
-	eventually(e.t, 10*time.Second, fmt.Sprintf("a listener on port %d in g%d", port, i), func() bool {
+func (e *env) waitListening(i, port int) { waitListening(e.t, e, i, port) }
+
+func waitListening(t testing.TB, e *env, i, port int) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for {
 		out, _ := nsrig.Run(e.rig.Guests[i-1].NSPath(), "ss", "-ltnH", fmt.Sprintf("sport = :%d", port))
-		return strings.Contains(out, strconv.Itoa(port))
-	})
+		if strings.Contains(out, strconv.Itoa(port)) {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("nothing listens on port %d in g%d after 10s", port, i)
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // fastLines counts the library's "shunt (slot" lines: connections that
@@ -197,7 +214,7 @@ func TestPreloadMPI(t *testing.T) {
 
 // mpirun runs prog on two ranks, one per guest; preload puts the ranks
 // under the Shunt library.
-func (e *env) mpirun(t *testing.T, dir, prog string, preload bool, args ...string) string {
+func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...string) string {
 	rsh := filepath.Join(dir, "rsh")
 	var cases strings.Builder
 	for _, g := range e.rig.Guests {
