@@ -14,6 +14,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
@@ -96,6 +98,30 @@ func waitListening(t testing.TB, e *env, i, port int) {
 	}
 }
 
+// maxFlows runs fn and returns the most flows hostd listed meanwhile (it
+// asks every 50 ms): the fast path seen from hostd's side.
+func (e *env) maxFlows(fn func()) int {
+	stop, done := make(chan struct{}), make(chan int)
+	go func() {
+		most := 0
+		for {
+			select {
+			case <-stop:
+				done <- most
+				return
+			case <-time.After(50 * time.Millisecond):
+				var fl []broker.FlowInfo
+				if admin.Call(e.Admin, admin.Request{Cmd: "flows"}, &fl) == nil && len(fl) > most {
+					most = len(fl)
+				}
+			}
+		}
+	}()
+	fn()
+	close(stop)
+	return <-done
+}
+
 // fastLines counts the library's "shunt (slot" lines: connections that
 // took the fast path.
 func fastLines(out string) int { return strings.Count(out, ": shunt (slot ") }
@@ -107,10 +133,13 @@ func TestPreloadSockperf(t *testing.T) {
 	e.waitListening(2, 11111)
 	// --mps sizes sockperf's table of replies: its default ("max") assumes
 	// at most ~600K messages a second, which the fast path exceeds.
-	pp := e.run(1, e.guestCmd(1, "sockperf", "ping-pong", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "14", "--mps", "5000000"))
+	var pp string
+	flows := e.maxFlows(func() {
+		pp = e.run(1, e.guestCmd(1, "sockperf", "ping-pong", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "14", "--mps", "5000000"))
+	})
 	p50 := regexp.MustCompile(`percentile 50\.000 =\s+([0-9.]+)`).FindStringSubmatch(pp)
-	if fastLines(pp) != 1 || p50 == nil {
-		t.Fatalf("sockperf ping-pong did not run on the fast path:\n%s", pp)
+	if fastLines(pp) != 1 || p50 == nil || flows != 1 {
+		t.Fatalf("sockperf ping-pong did not run on the fast path (hostd listed %d flows):\n%s", flows, pp)
 	}
 	t.Logf("sockperf ping-pong 14 B one-way p50: %s us", p50[1])
 	tp := e.run(1, e.guestCmd(1, "sockperf", "throughput", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "64000", "--mps", "max"))
@@ -129,23 +158,8 @@ func TestPreloadIperf3(t *testing.T) {
 	g2 := e.rig.Guests[1].Addr.String()
 	e.start(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5301"))
 	e.waitListening(2, 5301)
-	cmd := e.guestCmd(1, "iperf3", "-c", g2, "-p", "5301", "-t", "2", "-J")
-	var flows int
-	stop := make(chan struct{})
-	go func() { // hostd lists the data connection while it runs
-		for {
-			select {
-			case <-stop:
-				return
-			case <-time.After(100 * time.Millisecond):
-				if n := len(e.flows()); n > flows {
-					flows = n
-				}
-			}
-		}
-	}()
-	out := e.run(1, cmd)
-	close(stop)
+	var out string
+	flows := e.maxFlows(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5301", "-t", "2", "-J")) })
 	var res struct {
 		End struct {
 			SumReceived struct {
@@ -258,7 +272,8 @@ func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...strin
 // TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):
 // MSG_PEEK and MSG_DONTWAIT, MSG_WAITALL, half-close, dup/dup2/F_DUPFD,
 // non-blocking connect, epoll with fast-path and kernel fds in one set,
-// nested epoll, fork, a blocked read ending in ECONNRESET on revocation,
+// nested epoll, fork, exec with the fd open, a blocked read ending in
+// ECONNRESET on revocation,
 // and a program without hostd running on plain TCP and saying why.
 func TestPreloadEdgeCases(t *testing.T) {
 	testenv.NeedTool(t, "gcc", "gcc")
@@ -281,7 +296,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
 	e.start(2, srv)
 	e.waitListening(2, 7700)
-	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork"} {
+	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork", "exec"} {
 		t.Run(test, func(t *testing.T) {
 			out := e.run(1, client(test))
 			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {

@@ -148,6 +148,7 @@ type Flow struct {
 	released uint32       // region.SideA | region.SideB
 	Orig     ctrack.Tuple // A's view
 	Key      ctrack.Tuple // conntrack reply tuple; zero until known (after adoption)
+	CTID     uint32       // the conntrack entry's id, to tell it from a later entry with the same tuple
 	Capacity int
 	Created  time.Time
 	Rule     string
@@ -508,7 +509,7 @@ func (b *Broker) pairLocked(a, p *half, start time.Time) {
 	}
 	f := &Flow{
 		id: flowID{ga.Group.Name, slot}, Gen: e.Gen, Group: ga.Group, GuestA: ga, GuestB: gp,
-		sessA: a.sess, sessB: p.sess, Orig: a.entry.Orig, Key: a.entry.Reply,
+		sessA: a.sess, sessB: p.sess, Orig: a.entry.Orig, Key: a.entry.Reply, CTID: a.entry.ID,
 		Capacity: e.Capacity, Created: time.Now(), Rule: v.Rule,
 	}
 	b.flows[f.id] = f

@@ -229,6 +229,10 @@ func TestRevokeAndRelease(t *testing.T) {
 	ready := sa.next(t)
 	sb.next(t)
 	e, _ := w.ct.Lookup(ta)
+	stale := e
+	stale.ID++ // a DESTROY of an older entry with the same tuple
+	w.b.ConntrackDestroyed(stale)
+	sa.none(t)
 	w.b.ConntrackDestroyed(e)
 	for _, s := range []*session{sa, sb} {
 		if m := s.next(t); m.Type != proto.Revoke || m.Reason != proto.ReasonConntrackGone || m.Slot != ready.Slot {

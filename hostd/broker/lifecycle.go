@@ -15,7 +15,10 @@ import (
 func (b *Broker) ConntrackDestroyed(e ctrack.Entry) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if f := b.byKey[e.Reply]; f != nil {
+	// A tuple can be reused by a new connection while the old entry is
+	// still around (TIME_WAIT); its late DESTROY must not revoke the new
+	// flow, so entry ids must match when both are known.
+	if f := b.byKey[e.Reply]; f != nil && (f.CTID == 0 || e.ID == 0 || f.CTID == e.ID) {
 		b.revokeLocked(f, proto.ReasonConntrackGone)
 	}
 }
@@ -44,11 +47,11 @@ func (b *Broker) Resync() {
 			b.revokeLocked(c.f, proto.ReasonConntrackGone)
 		case err != nil:
 			b.log.Warn("conntrack resync lookup failed", "flow", c.f.Name(), "error", err)
-		case c.f.Key != e.Reply:
+		case c.f.Key != e.Reply || c.f.CTID != e.ID:
 			if c.f.Key != (ctrack.Tuple{}) && b.byKey[c.f.Key] == c.f {
 				delete(b.byKey, c.f.Key)
 			}
-			c.f.Key = e.Reply
+			c.f.Key, c.f.CTID = e.Reply, e.ID
 			b.byKey[e.Reply] = c.f
 		}
 		b.mu.Unlock()

@@ -23,6 +23,7 @@ const (
 
 // Entry is the part of a conntrack entry hostd uses.
 type Entry struct {
+	ID          uint32 // the kernel's id of this entry (a reused tuple gets a new one)
 	Orig, Reply Tuple
 	TCPState    uint8
 	Assured     bool

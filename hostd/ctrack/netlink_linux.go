@@ -72,6 +72,7 @@ func entry(f conntrack.Flow) Entry {
 		}
 	}
 	return Entry{
+		ID:   f.ID,
 		Orig: tuple(f.TupleOrig), Reply: tuple(f.TupleReply),
 		TCPState: f.ProtoInfo.TCP.State, Assured: f.Status.Assured(), Mark: f.Mark, Zone: f.Zone,
 	}

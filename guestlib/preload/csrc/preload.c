@@ -18,10 +18,9 @@
  * only forgets them (the fork-for-a-helper pattern: popen, system, redis'
  * BGSAVE). The child's own new connections work normally (it reconnects to
  * hostd on its own).
- * exec() drops the library's state with the process image: the flow's fd
- * stays open in the new image as a plain kernel socket that carries no
- * data, so programs should not exec with live fast-path fds (they rarely
- * do; MPI launchers connect after exec). */
+ * exec() drops the library's state with the process image; a flow whose
+ * fd stays open across exec is reset first, so both sides see an error
+ * rather than losing bytes (see before_exec). */
 #define _GNU_SOURCE
 #include "shunt.h"
 
@@ -1495,6 +1494,61 @@ int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout) { return 
 int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
 {
 	return do_epoll_wait(epfd, ev, max, timeout, mask);
+}
+
+/* ---- exec ----
+ *
+ * The library's state does not survive exec, but fds without FD_CLOEXEC
+ * do: in the new image a fast-path fd would be a plain kernel socket, and
+ * bytes written to it would go where the peer does not read. So before
+ * exec, every flow this process owns on an fd that stays open is reset
+ * (the peer sees ECONNRESET) and its kernel socket shut down (the new image
+ * sees EPIPE / EOF): an error on both sides, never silent loss. */
+static void before_exec(void)
+{
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = flow_of(fd);
+		if (!f || f->owner != my_pid)
+			continue;
+		int fl = real_fcntl(fd, F_GETFD, 0);
+		if (fl < 0 || (fl & FD_CLOEXEC))
+			continue;
+		__atomic_store_n((uint32_t *)(f->w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		__atomic_store_n((uint32_t *)(f->r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		for (int k = 0; k < 2; k++) { /* wake the peer's reader and writer */
+			uint32_t *w = (uint32_t *)((k ? f->w.hdr : f->r.hdr) + (k ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT));
+			__atomic_store_n(w, 0, __ATOMIC_SEQ_CST);
+			syscall(SYS_futex, w, FUTEX_WAKE, 1, NULL, NULL, 0);
+		}
+		real_shutdown(fd, SHUT_RDWR);
+		logf_("shunt: fd %d stays open across exec: flow reset", fd);
+		struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
+		ctl_send(&m);
+	}
+}
+
+int execve(const char *path, char *const argv[], char *const envp[])
+{
+	static __typeof__(execve) *real_execve;
+	if (!real_execve)
+		real_execve = dlsym(RTLD_NEXT, "execve");
+	before_exec();
+	return real_execve(path, argv, envp);
+}
+
+int execv(const char *path, char *const argv[])
+{
+	extern char **environ;
+	return execve(path, argv, environ);
+}
+
+int execvp(const char *file, char *const argv[])
+{
+	static __typeof__(execvp) *real_execvp;
+	if (!real_execvp)
+		real_execvp = dlsym(RTLD_NEXT, "execvp");
+	before_exec();
+	return real_execvp(file, argv);
 }
 
 /* Every epoll set is known here from its creation, so that one nested in

@@ -14,13 +14,15 @@ import (
 type Table struct {
 	mu      sync.Mutex
 	entries []ctrack.Entry
+	nextID  uint32
 }
 
 // Add inserts an ESTABLISHED, assured TCP entry with the given directions.
 func (t *Table) Add(orig, reply ctrack.Tuple, mark uint32) ctrack.Entry {
-	e := ctrack.Entry{Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark}
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.nextID++
+	e := ctrack.Entry{ID: t.nextID, Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark}
 	t.entries = append(t.entries, e)
 	return e
 }
