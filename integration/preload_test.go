@@ -59,23 +59,26 @@ func (e *env) start(i int, cmd *exec.Cmd) *bytes.Buffer {
 }
 
 // run runs cmd in guest i and returns its output.
-func (e *env) run(i int, cmd *exec.Cmd) string {
-	e.t.Helper()
+func (e *env) run(i int, cmd *exec.Cmd) string { return e.runT(e.t, i, cmd) }
+
+// runT is run reporting to t (a subtest's own).
+func (e *env) runT(t testing.TB, i int, cmd *exec.Cmd) string {
+	t.Helper()
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
-		e.t.Fatal(err)
+		t.Fatal(err)
 	}
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
 	select {
 	case err := <-done:
 		if err != nil {
-			e.t.Fatalf("%s: %v\n%s", cmd.Args, err, out.String())
+			t.Fatalf("%s: %v\n%s", cmd.Args, err, out.String())
 		}
 	case <-time.After(60 * time.Second):
 		cmd.Process.Kill()
-		e.t.Fatalf("%s did not finish in 60s\n%s", cmd.Args, out.String())
+		t.Fatalf("%s did not finish in 60s\n%s", cmd.Args, out.String())
 	}
 	return out.String()
 }
@@ -298,7 +301,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	e.waitListening(2, 7700)
 	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork", "exec"} {
 		t.Run(test, func(t *testing.T) {
-			out := e.run(1, client(test))
+			out := e.runT(t, 1, client(test))
 			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {
 				t.Fatalf("%s:\n%s", test, out)
 			}
@@ -328,7 +331,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	t.Run("hostd-absent", func(t *testing.T) {
 		cmd := client("plain")
 		cmd.Env = append(cmd.Env, "SHUNT_CONTROL=/nonexistent/shunt.sock")
-		out := e.run(1, cmd)
+		out := e.runT(t, 1, cmd)
 		if !strings.Contains(out, "PASS plain") || !strings.Contains(out, "tcp (no-hostd)") {
 			t.Fatalf("without hostd:\n%s", out)
 		}

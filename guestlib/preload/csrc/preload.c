@@ -1542,6 +1542,77 @@ int execv(const char *path, char *const argv[])
 	return execve(path, argv, environ);
 }
 
+/* glibc's execl family calls its internal execve, which no preload can
+ * see, so each is interposed here too. */
+static char **argv_from(const char *first, va_list ap, char ***envp)
+{
+	size_t n = 1;
+	va_list cp;
+	va_copy(cp, ap);
+	while (va_arg(cp, char *))
+		n++;
+	va_end(cp);
+	char **argv = malloc((n + 1) * sizeof *argv);
+	if (!argv)
+		return NULL;
+	argv[0] = (char *)first;
+	for (size_t i = 1; i <= n; i++)
+		argv[i] = i < n ? va_arg(ap, char *) : NULL;
+	if (envp)
+		*envp = va_arg(ap, char **);
+	return argv;
+}
+
+int execl(const char *path, const char *arg, ...)
+{
+	extern char **environ;
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, NULL);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execve(path, argv, environ);
+	free(argv);
+	return r;
+}
+
+int execle(const char *path, const char *arg, ...)
+{
+	char **envp;
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, &envp);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execve(path, argv, envp);
+	free(argv);
+	return r;
+}
+
+int execlp(const char *file, const char *arg, ...)
+{
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, NULL);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execvp(file, argv);
+	free(argv);
+	return r;
+}
+
+int execvpe(const char *file, char *const argv[], char *const envp[])
+{
+	static __typeof__(execvpe) *real_execvpe;
+	if (!real_execvpe)
+		real_execvpe = dlsym(RTLD_NEXT, "execvpe");
+	before_exec();
+	return real_execvpe(file, argv, envp);
+}
+
 int execvp(const char *file, char *const argv[])
 {
 	static __typeof__(execvp) *real_execvp;
