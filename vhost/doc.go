@@ -1,0 +1,62 @@
+// Package vhost is the VM device side of Shunt: how a trust group's region
+// and a guest's control channel reach a virtual machine.
+//
+//	ivshmem  the region as an ivshmem-plain PCI device: QEMU arguments and
+//	         libvirt <shmem> XML from one description, and the guest-side
+//	         lookup of the device's memory BAR in sysfs
+//	vserial  the control channel as a virtio-serial port: QEMU arguments
+//	         and libvirt <channel> XML, and the guest-side lookup of the
+//	         port by name
+//
+// A VM sees exactly what a process guest sees: the same region bytes (BAR2
+// of the ivshmem device is the region file) and the same control protocol
+// (over the port instead of a Unix socket), so guestlib and the preload
+// library run unchanged above the mapping. The VM harness, libvirt
+// integration and the doorbell server are not written yet.
+package vhost
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+	"github.com/shuntnet/shunt/vhost/vserial"
+)
+
+// Attachment is everything a VM needs for Shunt: its trust group's region
+// and its control channel.
+type Attachment struct {
+	Region  ivshmem.Device
+	Control vserial.Port
+}
+
+// QEMUArgs returns the QEMU command-line arguments for both devices.
+func (a Attachment) QEMUArgs() ([]string, error) {
+	r, err := a.Region.QEMUArgs()
+	if err != nil {
+		return nil, err
+	}
+	c, err := a.Control.QEMUArgs()
+	if err != nil {
+		return nil, err
+	}
+	return append(r, c...), nil
+}
+
+// LibvirtXML returns the <devices> children for a libvirt domain.
+func (a Attachment) LibvirtXML() (string, error) {
+	r, err := a.Region.LibvirtXML()
+	if err != nil {
+		return "", err
+	}
+	c, err := a.Control.LibvirtXML()
+	if err != nil {
+		return "", err
+	}
+	return strings.Join([]string{r, c}, "\n"), nil
+}
+
+// String describes the attachment for logs.
+func (a Attachment) String() string {
+	return fmt.Sprintf("region %s (%d bytes), control %s", a.Region.Path, a.Region.Size, a.Control.Socket)
+}

@@ -1,0 +1,84 @@
+package ivshmem_test
+
+import (
+	"errors"
+	"os"
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+)
+
+func TestArgsAndXML(t *testing.T) {
+	d := ivshmem.Device{ID: "shunt0", Path: "/dev/shm/shunt-tenant", Size: 64 << 20}
+	args, err := d.QEMUArgs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := "-object memory-backend-file,id=mem-shunt0,share=on,mem-path=/dev/shm/shunt-tenant,size=67108864 -device ivshmem-plain,id=shunt0,memdev=mem-shunt0"
+	if got := strings.Join(args, " "); got != want {
+		t.Fatalf("QEMU args\n got %s\nwant %s", got, want)
+	}
+	x, err := d.LibvirtXML()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(x, "<shmem name='shunt-tenant'>") || !strings.Contains(x, "<size unit='M'>64</size>") || !strings.Contains(x, "ivshmem-plain") {
+		t.Fatalf("libvirt XML:\n%s", x)
+	}
+}
+
+func TestRejects(t *testing.T) {
+	for name, d := range map[string]ivshmem.Device{
+		"size not a power of two": {ID: "a", Path: "/dev/shm/x", Size: 3 << 20},
+		"size too small":          {ID: "a", Path: "/dev/shm/x", Size: 64 << 10},
+		"relative path":           {ID: "a", Path: "x", Size: 1 << 20},
+		"comma in path":           {ID: "a", Path: "/dev/shm/x,y", Size: 1 << 20},
+		"bad id":                  {ID: "a=b", Path: "/dev/shm/x", Size: 1 << 20},
+	} {
+		if _, err := d.QEMUArgs(); err == nil {
+			t.Errorf("%s: QEMUArgs accepted %+v", name, d)
+		}
+	}
+	if _, err := (ivshmem.Device{ID: "a", Path: "/tmp/x", Size: 1 << 20}).LibvirtXML(); err == nil {
+		t.Error("LibvirtXML accepted a region outside /dev/shm")
+	}
+}
+
+// fakeDev makes a PCI device directory in a fake sysfs.
+func fakeDev(t *testing.T, sysfs, addr, vendor, device string, bar bool) string {
+	dir := filepath.Join(sysfs, "bus/pci/devices", addr)
+	os.MkdirAll(dir, 0o755)
+	os.WriteFile(filepath.Join(dir, "vendor"), []byte(vendor+"\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "device"), []byte(device+"\n"), 0o644)
+	os.WriteFile(filepath.Join(dir, "enable"), []byte("0\n"), 0o644)
+	if bar {
+		os.WriteFile(filepath.Join(dir, "resource2"), nil, 0o600)
+	}
+	return dir
+}
+
+func TestFindByIDsNotAddress(t *testing.T) {
+	sysfs := t.TempDir()
+	fakeDev(t, sysfs, "0000:00:02.0", "0x1af4", "0x1000", true) // virtio-net: same vendor, other device
+	dir := fakeDev(t, sysfs, "0000:00:05.0", "0x1af4", "0x1110", true)
+	bar, err := ivshmem.Find(sysfs)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if bar != filepath.Join(dir, "resource2") {
+		t.Fatalf("Find = %s, want the ivshmem device's resource2", bar)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "enable")); string(b) != "1" {
+		t.Fatalf("the device was not enabled: enable = %q", b)
+	}
+}
+
+func TestFindNone(t *testing.T) {
+	sysfs := t.TempDir()
+	fakeDev(t, sysfs, "0000:00:02.0", "0x8086", "0x1110", true)
+	if _, err := ivshmem.Find(sysfs); !errors.Is(err, ivshmem.ErrNotFound) {
+		t.Fatalf("Find without ivshmem = %v, want ErrNotFound", err)
+	}
+}
