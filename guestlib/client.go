@@ -140,24 +140,15 @@ func (c *Client) ensure() error {
 // connectLocked dials hostd, does HELLO/WELCOME, maps the region on first
 // connect, re-announces listeners and held flows, and starts the reader.
 func (c *Client) connectLocked() error {
-	conn, err := net.DialTimeout("unix", c.opts.Control, 2*time.Second)
+	conn, err := dialControl(c.opts.Control)
 	if err != nil {
 		return fmt.Errorf("control %s: %w", c.opts.Control, err)
 	}
-	_ = conn.SetDeadline(time.Now().Add(5 * time.Second))
-	if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
+	m, err := hello(conn)
+	if err != nil {
 		conn.Close()
-		return fmt.Errorf("hello: %w", err)
+		return err
 	}
-	m, _, err := proto.Read(conn, nil)
-	if err != nil || m.Type != proto.Welcome {
-		conn.Close()
-		if err == nil {
-			err = fmt.Errorf("hostd answered HELLO with %s", m.Type)
-		}
-		return fmt.Errorf("welcome: %w", err)
-	}
-	_ = conn.SetDeadline(time.Time{})
 	if c.region == nil {
 		path := c.opts.Region
 		if path == "" {
@@ -192,6 +183,55 @@ func (c *Client) connectLocked() error {
 	go c.readLoop(conn)
 	return nil
 }
+
+// dialControl opens the control channel: a Unix socket (process guests)
+// or a virtio-serial port's character device (VMs).
+func dialControl(path string) (net.Conn, error) {
+	if st, err := os.Stat(path); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		f, err := os.OpenFile(path, os.O_RDWR, 0)
+		if err != nil {
+			return nil, err
+		}
+		return portConn{f}, nil
+	}
+	return net.DialTimeout("unix", path, 2*time.Second)
+}
+
+// hello says HELLO until hostd answers WELCOME: a virtio-serial port drops
+// what is written before both ends are open, so the first HELLO may be
+// lost; a Unix socket answers the first one.
+func hello(conn net.Conn) (proto.Msg, error) {
+	for try := 0; try < 25; try++ {
+		if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
+			return proto.Msg{}, fmt.Errorf("hello: %w", err)
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
+		m, _, err := proto.Read(conn, nil)
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			continue
+		}
+		_ = conn.SetReadDeadline(time.Time{})
+		if err != nil || m.Type != proto.Welcome {
+			if err == nil {
+				err = fmt.Errorf("hostd answered HELLO with %s", m.Type)
+			}
+			return m, fmt.Errorf("welcome: %w", err)
+		}
+		return m, nil
+	}
+	return proto.Msg{}, errors.New("welcome: no answer to HELLO in 5s")
+}
+
+// portConn is a character device used as the control connection.
+type portConn struct{ *os.File }
+
+func (portConn) LocalAddr() net.Addr  { return portAddr{} }
+func (portConn) RemoteAddr() net.Addr { return portAddr{} }
+
+type portAddr struct{}
+
+func (portAddr) Network() string { return "virtio-serial" }
+func (portAddr) String() string  { return "org.shunt.ctl" }
 
 // readLoop dispatches hostd's messages until the channel fails, then fails
 // pending requests over to TCP and reconnects in the background.

@@ -3,7 +3,8 @@
 // connected to, never something it claims. Each connection is a session;
 // several processes of one guest (MPI ranks in one container) each have one.
 //
-// A session must start with HELLO and gets WELCOME. A malformed message, or
+// A session must start with HELLO and gets WELCOME (again for a repeated
+// HELLO). A malformed message, or
 // one that only hostd may send, gets ERROR and the session is closed and
 // logged; other sessions and guests are unaffected.
 package server
@@ -188,7 +189,8 @@ func (ss *session) readLoop() {
 	ss.srv.b.Attach(ss)
 	g := ss.g.Group
 	st := g.Pool.Region()
-	ss.Send(proto.Msg{Type: proto.Welcome, GuestID: ss.g.ID, Gen: st.Generation(), RegionSize: uint64(st.Layout().Size), Region: g.Region})
+	welcome := proto.Msg{Type: proto.Welcome, GuestID: ss.g.ID, Gen: st.Generation(), RegionSize: uint64(st.Layout().Size), Region: g.Region}
+	ss.Send(welcome)
 	log.Debug("guest connected", "pid", m.PID)
 	for {
 		m, buf, err = proto.Read(ss.c, buf)
@@ -211,6 +213,10 @@ func (ss *session) readLoop() {
 			ss.srv.b.CloseFlow(ss, m)
 		case proto.Reattach:
 			ss.srv.b.Reattach(ss, m)
+		case proto.Hello:
+			// A VM repeats HELLO until answered (its port drops data
+			// until both ends are open), so a late one may arrive.
+			ss.Send(welcome)
 		case proto.Ping:
 			ss.Send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 		case proto.Pong, proto.Kick:

@@ -32,6 +32,7 @@ type Stack struct {
 
 	hostdBin string
 	metrics  string
+	extra    string
 	logs     *os.File
 	ownDir   bool
 }
@@ -44,6 +45,7 @@ type Options struct {
 	Dir      string // "" = a new temporary directory, removed by Close
 	Policy   string // body of the policy block
 	Metrics  string // hostd's metrics_address; "" = none
+	Extra    string // more configuration (guest blocks for VMs)
 	Logf     func(string, ...any)
 }
 
@@ -53,7 +55,7 @@ func Start(o Options) (_ *Stack, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics}
+	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra}
 	if s.Dir == "" {
 		if s.Dir, err = os.MkdirTemp("", "shunt-"+o.Name); err != nil {
 			return nil, err
@@ -101,6 +103,7 @@ func (s *Stack) WriteConfig(policy string) error {
 		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  ct_mark = %d\n}\n",
 			g.Name, g.Index, s.Control(g), g.HostIf, g.Index)
 	}
+	b.WriteString(s.extra)
 	fmt.Fprintf(&b, "policy {\n%s\n}\n", policy)
 	s.Config = filepath.Join(s.Dir, "hostd.hcl")
 	return os.WriteFile(s.Config, []byte(b.String()), 0o600)

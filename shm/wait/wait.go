@@ -144,3 +144,24 @@ func (p *Policy) signal() Signal {
 	}
 	return p.Signal
 }
+
+// Sleeper is the Signal for an end whose peer cannot wake it directly: a
+// peer in another VM (a futex in one guest kernel is invisible to another,
+// and a PCI BAR mapping cannot hold a futex at all). It sleeps at most Max
+// per wait (0 means 1 ms) and its Wake does nothing; hostd-relayed kicks
+// will replace it. The zero value is ready to use.
+type Sleeper struct{ Max time.Duration }
+
+func (s Sleeper) Wait(flag *atomic.Uint32, val uint32, timeout time.Duration) error {
+	d := s.Max
+	if d <= 0 {
+		d = time.Millisecond
+	}
+	if timeout > 0 && timeout < d {
+		d = timeout
+	}
+	time.Sleep(d)
+	return nil
+}
+
+func (Sleeper) Wake(*atomic.Uint32) error { return nil }

@@ -1,0 +1,110 @@
+//go:build linux
+
+// Command shunt-vm-agent is the program the VM tests run inside QEMU guests
+// (integration/vm): guestlib over the VM's ivshmem region and control port,
+// found on its own, reporting on the console with "SHUNT-VM" lines.
+//
+//	shunt-vm-agent server PORT        accept one connection; read it to EOF
+//	shunt-vm-agent client ADDR BYTES  send BYTES (seeded), half-close, await "done"
+//	shunt-vm-agent hold ADDR          connect and block in Read; report how it ended
+package main
+
+import (
+	"context"
+	"fmt"
+	"hash/crc32"
+	"io"
+	"math/rand/v2"
+	"os"
+	"strconv"
+	"time"
+
+	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/shm/wait"
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+	"github.com/shuntnet/shunt/vhost/vserial"
+)
+
+func say(format string, args ...any) { fmt.Printf("SHUNT-VM "+format+"\n", args...) }
+
+func main() {
+	if err := run(os.Args[1:]); err != nil {
+		say("ERROR %v", err)
+		os.Exit(1)
+	}
+}
+
+func run(args []string) error {
+	port, err := vserial.Find("/sys", "/dev")
+	if err != nil {
+		return err
+	}
+	bar, err := ivshmem.Find("/sys")
+	if err != nil {
+		return err
+	}
+	c, err := guestlib.NewClient(guestlib.Options{Control: port, Region: bar,
+		// Another VM's writer cannot wake this VM's sleeping reader.
+		Wait: &wait.Policy{Mode: wait.Adaptive, SpinFor: 50 * time.Microsecond, Signal: wait.Sleeper{}},
+		Logf: func(f string, a ...any) { say("LOG "+f, a...) }})
+	if err != nil {
+		return err
+	}
+	switch {
+	case len(args) == 2 && args[0] == "server":
+		l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1])
+		if err != nil {
+			return err
+		}
+		say("LISTENING")
+		conn, err := l.AcceptShunt()
+		if err != nil {
+			return err
+		}
+		say("PATH %s", conn.Path())
+		h := crc32.NewIEEE()
+		n, err := io.Copy(h, conn)
+		if err != nil {
+			return err
+		}
+		say("RECV %d %d", n, h.Sum32())
+		conn.Write([]byte("done\n"))
+		io.Copy(io.Discard, conn)
+		return conn.Close()
+	case len(args) == 3 && args[0] == "client":
+		total, _ := strconv.Atoi(args[2])
+		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		if err != nil {
+			return err
+		}
+		say("PATH %s", conn.Path())
+		src := rand.NewChaCha8([32]byte{7})
+		buf := make([]byte, 256<<10)
+		var sum uint32
+		for left := total; left > 0; left -= len(buf[:min(left, len(buf))]) {
+			b := buf[:min(left, len(buf))]
+			src.Read(b)
+			sum = crc32.Update(sum, crc32.IEEETable, b)
+			if _, err := conn.Write(b); err != nil {
+				return err
+			}
+		}
+		conn.CloseWrite()
+		reply := make([]byte, 5)
+		if _, err := io.ReadFull(conn, reply); err != nil {
+			return err
+		}
+		say("SENT %d %d", total, sum)
+		return conn.Close()
+	case len(args) == 2 && args[0] == "hold":
+		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		if err != nil {
+			return err
+		}
+		say("PATH %s", conn.Path())
+		_, err = conn.Read(make([]byte, 1))
+		say("READERR %v", err)
+		return nil
+	}
+	return fmt.Errorf("usage: server PORT | client ADDR BYTES | hold ADDR")
+}

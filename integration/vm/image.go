@@ -1,0 +1,164 @@
+//go:build linux
+
+package vm
+
+import (
+	"bytes"
+	"errors"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"sort"
+	"strings"
+)
+
+// Kernel is a bootable kernel and its modules.
+type Kernel struct {
+	Vmlinux string // uncompressed ELF (PVH boot: no decompression under TCG)
+	Modules string // /lib/modules/<version>
+}
+
+// FindKernel picks the newest /boot/vmlinuz-*, extracts its ELF image into
+// cache (once), and returns it with its modules directory.
+func FindKernel(cache string) (Kernel, error) {
+	imgs, _ := filepath.Glob("/boot/vmlinuz-*")
+	if len(imgs) == 0 {
+		return Kernel{}, errors.New("no /boot/vmlinuz-*: apt-get install linux-image-amd64")
+	}
+	sort.Strings(imgs)
+	img := imgs[len(imgs)-1]
+	ver := strings.TrimPrefix(filepath.Base(img), "vmlinuz-")
+	k := Kernel{Vmlinux: filepath.Join(cache, "vmlinux-"+ver), Modules: "/lib/modules/" + ver}
+	if _, err := os.Stat(k.Modules); err != nil {
+		return Kernel{}, fmt.Errorf("modules for %s: %w", ver, err)
+	}
+	if _, err := os.Stat(k.Vmlinux); err == nil {
+		return k, nil
+	}
+	raw, err := os.ReadFile(img)
+	if err != nil {
+		return Kernel{}, err
+	}
+	// The bzImage carries an xz stream (magic FD 37 7A 58 5A 00); xz
+	// complains about the trailing data, but the output is complete.
+	at := bytes.Index(raw, []byte{0xfd, '7', 'z', 'X', 'Z', 0})
+	if at < 0 {
+		return Kernel{}, fmt.Errorf("%s has no xz stream", img)
+	}
+	if err := os.MkdirAll(cache, 0o755); err != nil {
+		return Kernel{}, err
+	}
+	var out bytes.Buffer
+	cmd := exec.Command("xz", "-dc")
+	cmd.Stdin, cmd.Stdout = bytes.NewReader(raw[at:]), &out
+	_ = cmd.Run()
+	if !bytes.HasPrefix(out.Bytes(), []byte("\x7fELF")) {
+		return Kernel{}, fmt.Errorf("decompressing %s gave no ELF image (is xz-utils installed?)", img)
+	}
+	tmp := k.Vmlinux + ".tmp"
+	if err := os.WriteFile(tmp, out.Bytes(), 0o644); err != nil {
+		return Kernel{}, err
+	}
+	return k, os.Rename(tmp, k.Vmlinux)
+}
+
+// modules the guest loads, in dependency order.
+var modules = []string{"virtio_ring", "virtio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
+	"virtio_console", "failover", "net_failover", "virtio_net"}
+
+const initScript = `#!/bin/sh
+mount -t proc proc /proc
+mount -t sysfs sys /sys
+mount -t devtmpfs dev /dev
+for m in %s; do insmod /lib/modules/$m.ko; done
+arg() { sed -n "s/.*shunt\.$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+ip link set lo up
+ip addr add $(arg ip) dev eth0
+ip link set eth0 up
+ip route add default via $(arg gw)
+echo "SHUNT-VM READY"
+/agent $(arg args | tr , ' ')
+echo "SHUNT-VM AGENT-EXIT $?"
+poweroff -f
+`
+
+// BuildInitramfs writes a gzip-less newc cpio archive with busybox, the
+// virtio modules, the init script and agent (a static binary) to path.
+func BuildInitramfs(path string, k Kernel, agent string) error {
+	busybox, err := exec.LookPath("busybox")
+	if err != nil {
+		return errors.New("busybox not found: apt-get install busybox-static")
+	}
+	w := newCpio()
+	for _, d := range []string{"bin", "sbin", "proc", "sys", "dev", "lib", "lib/modules", "tmp"} {
+		w.dir(d)
+	}
+	if err := w.file("bin/busybox", busybox, 0o755); err != nil {
+		return err
+	}
+	for _, l := range []string{"sh", "mount", "insmod", "ip", "sed", "tr", "echo", "poweroff", "cat", "ls", "sleep"} {
+		w.symlink("bin/"+l, "busybox")
+	}
+	for _, m := range modules {
+		found, _ := filepath.Glob(filepath.Join(k.Modules, "kernel", "*", "*", m+".ko"))
+		found2, _ := filepath.Glob(filepath.Join(k.Modules, "kernel", "*", "*", "*", m+".ko"))
+		found = append(found, found2...)
+		if len(found) == 0 {
+			return fmt.Errorf("module %s not under %s", m, k.Modules)
+		}
+		if err := w.file("lib/modules/"+m+".ko", found[0], 0o644); err != nil {
+			return err
+		}
+	}
+	w.data("init", []byte(fmt.Sprintf(initScript, strings.Join(modules, " "))), 0o755)
+	if err := w.file("agent", agent, 0o755); err != nil {
+		return err
+	}
+	return os.WriteFile(path, w.close(), 0o644)
+}
+
+// cpio writes the "newc" format the kernel unpacks into its rootfs.
+type cpio struct {
+	buf bytes.Buffer
+	ino int
+}
+
+func newCpio() *cpio { return &cpio{ino: 1} }
+
+func (c *cpio) entry(name string, mode uint32, body []byte) {
+	c.ino++
+	fmt.Fprintf(&c.buf, "070701%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X%08X",
+		c.ino, mode, 0, 0, 1, 0, len(body), 0, 0, 0, 0, len(name)+1, 0)
+	c.buf.WriteString(name)
+	c.buf.WriteByte(0)
+	c.pad()
+	c.buf.Write(body)
+	c.pad()
+}
+
+func (c *cpio) pad() {
+	for c.buf.Len()%4 != 0 {
+		c.buf.WriteByte(0)
+	}
+}
+
+func (c *cpio) dir(name string)                            { c.entry(name, 0o040755, nil) }
+func (c *cpio) symlink(name, target string)                { c.entry(name, 0o120777, []byte(target)) }
+func (c *cpio) data(name string, body []byte, perm uint32) { c.entry(name, 0o100000|perm, body) }
+func (c *cpio) close() []byte                              { c.entry("TRAILER!!!", 0, nil); return c.buf.Bytes() }
+
+func (c *cpio) file(name, src string, perm uint32) error {
+	f, err := os.Open(src)
+	if err != nil {
+		return err
+	}
+	defer f.Close()
+	b, err := io.ReadAll(f)
+	if err != nil {
+		return err
+	}
+	c.data(name, b, perm)
+	return nil
+}

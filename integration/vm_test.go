@@ -1,0 +1,137 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"net/netip"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/integration/stack"
+	"github.com/shuntnet/shunt/integration/vm"
+	"github.com/shuntnet/shunt/internal/testenv"
+	"github.com/shuntnet/shunt/vhost"
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+	"github.com/shuntnet/shunt/vhost/vserial"
+)
+
+// vmEnv is a stack whose guests are QEMU VMs on taps in the rig's host
+// namespace (the rig's own namespace guests stay idle).
+type vmEnv struct {
+	*env
+	kernel vm.Kernel
+	initrd string
+}
+
+func vmAddr(i int) (netip.Addr, netip.Addr) {
+	return netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 2}), netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 1})
+}
+
+func newVMEnv(t *testing.T, n int) *vmEnv {
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
+	testenv.NeedTool(t, "busybox", "busybox-static")
+	testenv.NeedTool(t, "nft", "nftables")
+	if imgs, _ := filepath.Glob("/boot/vmlinuz-*"); len(imgs) == 0 {
+		testenv.Missing(t, "no guest kernel in /boot", "apt-get install linux-image-amd64")
+	}
+	dir := t.TempDir()
+	k, err := vm.FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent := filepath.Join(dir, "agent")
+	build := exec.Command("go", "build", "-o", agent, "../cmd/shunt-vm-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the guest agent: %v\n%s", err, out)
+	}
+	initrd := filepath.Join(dir, "initramfs")
+	if err := vm.BuildInitramfs(initrd, k, agent); err != nil {
+		t.Fatal(err)
+	}
+	var extra strings.Builder
+	for i := 1; i <= n; i++ {
+		a, _ := vmAddr(i)
+		fmt.Fprintf(&extra, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n}\n", i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), a)
+	}
+	rigSeq++
+	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("v%d%d", os.Getpid()%1000, rigSeq), Guests: 1, HostdBin: hostdBin,
+		Dir: dir, Extra: extra.String(), Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	e := &env{Stack: s, t: t, rig: s.Rig}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("hostd log:\n%s", s.Log())
+		}
+		s.Close()
+	})
+	return &vmEnv{env: e, kernel: k, initrd: initrd}
+}
+
+// boot starts VM i with the agent's arguments; it is stopped with the test.
+func (v *vmEnv) boot(i int, args ...string) *vm.VM {
+	v.t.Helper()
+	a, h := vmAddr(i)
+	m, err := vm.Boot(vm.Options{
+		Name: fmt.Sprintf("vm%d", i), Kernel: v.kernel, Initramfs: v.initrd, HostNS: v.rig.HostNSPath(),
+		Tap: fmt.Sprintf("shvm%d-%d", rigSeq, i), Addr: a, Host: h, Args: args,
+		Attach: vhost.Attachment{
+			Region:  ivshmem.Device{ID: "shunt0", Path: v.RegionPath(), Size: 32 << 20},
+			Control: vserial.Port{ID: "shunt0", Socket: filepath.Join(v.Dir, fmt.Sprintf("vm%d.sock", i))},
+		},
+	}, func(c *exec.Cmd) error { return nsrig.Start(v.rig.HostNSPath(), c) })
+	if err != nil {
+		v.t.Fatal(err)
+	}
+	v.t.Cleanup(func() {
+		if v.t.Failed() {
+			v.t.Logf("console of vm%d:\n%s", i, m.Console())
+		}
+		m.Stop()
+	})
+	return m
+}
+
+// TestVMFastPath: two QEMU VMs; vm2 connects to vm1 through the host's
+// routing, firewall and conntrack, gets the fast path over the ivshmem
+// region, and moves 64 MiB with matching checksums.
+func TestVMFastPath(t *testing.T) {
+	v := newVMEnv(t, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a1, _ := vmAddr(1)
+	srv := v.boot(1, "server", "7000")
+	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
+		t.Fatal(err)
+	}
+	cli := v.boot(2, "client", a1.String()+":7000", fmt.Sprint(64<<20))
+	for _, m := range []*vm.VM{srv, cli} {
+		line, err := m.Wait(ctx, "SHUNT-VM PATH")
+		if err != nil {
+			t.Fatal(err)
+		}
+		if line != "SHUNT-VM PATH shunt" {
+			t.Fatalf("%s: %s, want the fast path", m.Name, line)
+		}
+	}
+	sent, err := cli.Wait(ctx, "SHUNT-VM SENT")
+	if err != nil {
+		t.Fatal(err)
+	}
+	recv, err := srv.Wait(ctx, "SHUNT-VM RECV")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.TrimPrefix(sent, "SHUNT-VM SENT") != strings.TrimPrefix(recv, "SHUNT-VM RECV") {
+		t.Fatalf("client %q, server %q: bytes or checksums differ", sent, recv)
+	}
+	t.Logf("%s / %s", sent, recv)
+}
