@@ -135,3 +135,87 @@ func TestVMFastPath(t *testing.T) {
 	}
 	t.Logf("%s / %s", sent, recv)
 }
+
+// holdPair boots vm1 accepting and vm2 connecting on port, both blocked in
+// Read on the fast path.
+func (v *vmEnv) holdPair(ctx context.Context, port int) (*vm.VM, *vm.VM) {
+	v.t.Helper()
+	a1, _ := vmAddr(1)
+	srv := v.boot(1, "serve-hold", fmt.Sprint(port))
+	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
+		v.t.Fatal(err)
+	}
+	cli := v.boot(2, "hold", fmt.Sprintf("%s:%d", a1, port))
+	for _, m := range []*vm.VM{srv, cli} {
+		if line, err := m.Wait(ctx, "SHUNT-VM PATH"); err != nil || line != "SHUNT-VM PATH shunt" {
+			v.t.Fatalf("%s: %q, %v; want the fast path", m.Name, line, err)
+		}
+	}
+	return srv, cli
+}
+
+func expectVMReset(t *testing.T, ctx context.Context, m *vm.VM) {
+	t.Helper()
+	line, err := m.Wait(ctx, "SHUNT-VM READERR")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(line, "connection reset by peer") {
+		t.Fatalf("%s: %s, want ECONNRESET", m.Name, line)
+	}
+}
+
+// TestVMConntrackDeleteRevokes: deleting the connection's conntrack entry
+// on the host gives ECONNRESET inside both VMs.
+func TestVMConntrackDeleteRevokes(t *testing.T) {
+	testenv.NeedTool(t, "conntrack", "conntrack")
+	v := newVMEnv(t, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	srv, cli := v.holdPair(ctx, 7001)
+	v.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "7001")
+	expectVMReset(t, ctx, srv)
+	expectVMReset(t, ctx, cli)
+}
+
+// TestVMPowerOffRevokes: a VM killed mid-flow gives its peer ECONNRESET,
+// and hostd reclaims the ring pair once the peer has gone too.
+func TestVMPowerOffRevokes(t *testing.T) {
+	v := newVMEnv(t, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	srv, cli := v.holdPair(ctx, 7002)
+	if len(v.flows()) != 1 {
+		t.Fatalf("hostd lists %d flows, want 1", len(v.flows()))
+	}
+	srv.Stop()
+	expectVMReset(t, ctx, cli)
+	eventually(t, 30*time.Second, "ring pair reclaimed after both VMs went", func() bool { return len(v.flows()) == 0 })
+}
+
+// TestVMFirewallReject: a firewall rule rejecting the port means no
+// connection and no fast path.
+func TestVMFirewallReject(t *testing.T) {
+	v := newVMEnv(t, 2)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	if err := v.rig.Firewall("tcp dport 7003 reject with tcp reset"); err != nil {
+		t.Fatal(err)
+	}
+	a1, _ := vmAddr(1)
+	srv := v.boot(1, "server", "7003")
+	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
+		t.Fatal(err)
+	}
+	cli := v.boot(2, "client", a1.String()+":7003", "1024")
+	line, err := cli.Wait(ctx, "SHUNT-VM ERROR")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !strings.Contains(line, "connection refused") {
+		t.Fatalf("client: %s, want connection refused", line)
+	}
+	if fl := v.flows(); len(fl) != 0 {
+		t.Fatalf("a rejected connection has flows: %+v", fl)
+	}
+}

@@ -7,6 +7,7 @@
 //	shunt-vm-agent server PORT        accept one connection; read it to EOF
 //	shunt-vm-agent client ADDR BYTES  send BYTES (seeded), half-close, await "done"
 //	shunt-vm-agent hold ADDR          connect and block in Read; report how it ended
+//	shunt-vm-agent serve-hold PORT    accept one connection and block in Read likewise
 package main
 
 import (
@@ -96,14 +97,24 @@ func run(args []string) error {
 		}
 		say("SENT %d %d", total, sum)
 		return conn.Close()
-	case len(args) == 2 && args[0] == "hold":
-		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+	case len(args) == 2 && (args[0] == "hold" || args[0] == "serve-hold"):
+		var conn *guestlib.Conn
+		if args[0] == "hold" {
+			conn, err = (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		} else {
+			var l *guestlib.Listener
+			if l, err = (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1]); err == nil {
+				say("LISTENING")
+				conn, err = l.AcceptShunt()
+			}
+		}
 		if err != nil {
 			return err
 		}
 		say("PATH %s", conn.Path())
 		_, err = conn.Read(make([]byte, 1))
 		say("READERR %v", err)
+		time.Sleep(100 * time.Millisecond) // let the console drain before power-off
 		return nil
 	}
 	return fmt.Errorf("usage: server PORT | client ADDR BYTES | hold ADDR")
