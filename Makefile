@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload fuzz clean
+.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean
 
 help: ## list the targets
 	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -65,6 +65,12 @@ bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and 
 	@rm -f $(BIN)/bench-preload.txt
 	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Preload -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-preload.txt
+
+bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream over virtio-net TCP and over Shunt (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-vm.txt
+	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkVM$$' -test.benchtime 1x >> ../$(BIN)/bench-vm.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-vm.txt
 
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzAttach FuzzIndices; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/ring || exit 1; done

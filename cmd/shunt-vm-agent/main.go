@@ -8,6 +8,11 @@
 //	shunt-vm-agent client ADDR BYTES  send BYTES (seeded), half-close, await "done"
 //	shunt-vm-agent hold ADDR          connect and block in Read; report how it ended
 //	shunt-vm-agent serve-hold PORT    accept one connection and block in Read likewise
+//	shunt-vm-agent pp-server PORT     echo 8-byte messages, then sink a stream
+//	shunt-vm-agent pp-client ADDR N   N ping-pongs, then a 64 MiB stream; report both
+//
+// A first argument "tcp" keeps every connection on the VM's kernel TCP
+// (virtio-net), for comparison.
 package main
 
 import (
@@ -36,6 +41,10 @@ func main() {
 }
 
 func run(args []string) error {
+	disable := len(args) > 0 && args[0] == "tcp"
+	if disable {
+		args = args[1:]
+	}
 	port, err := vserial.Find("/sys", "/dev")
 	if err != nil {
 		return err
@@ -46,8 +55,9 @@ func run(args []string) error {
 	}
 	c, err := guestlib.NewClient(guestlib.Options{Control: port, Region: bar,
 		// Another VM's writer cannot wake this VM's sleeping reader.
-		Wait: &wait.Policy{Mode: wait.Adaptive, SpinFor: 50 * time.Microsecond, Signal: wait.Sleeper{}},
-		Logf: func(f string, a ...any) { say("LOG "+f, a...) }})
+		Wait:    &wait.Policy{Mode: wait.Adaptive, SpinFor: 50 * time.Microsecond, Signal: wait.Sleeper{}},
+		Disable: disable,
+		Logf:    func(f string, a ...any) { say("LOG "+f, a...) }})
 	if err != nil {
 		return err
 	}
@@ -116,6 +126,65 @@ func run(args []string) error {
 		say("READERR %v", err)
 		time.Sleep(100 * time.Millisecond) // let the console drain before power-off
 		return nil
+	case len(args) == 2 && args[0] == "pp-server":
+		l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1])
+		if err != nil {
+			return err
+		}
+		say("LISTENING")
+		conn, err := l.AcceptShunt()
+		if err != nil {
+			return err
+		}
+		say("PATH %s", conn.Path())
+		buf := make([]byte, 8)
+		for {
+			if _, err := io.ReadFull(conn, buf); err != nil {
+				return err
+			}
+			if string(buf) == "streamnw" { // the client switches to streaming
+				break
+			}
+			if _, err := conn.Write(buf); err != nil {
+				return err
+			}
+		}
+		n, err := io.Copy(io.Discard, conn)
+		fmt.Fprintf(conn, "%d\n", n)
+		say("SINK %d", n)
+		return err
+	case len(args) == 3 && args[0] == "pp-client":
+		iters, _ := strconv.Atoi(args[2])
+		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		if err != nil {
+			return err
+		}
+		say("PATH %s", conn.Path())
+		msg, back := []byte("pingpong"), make([]byte, 8)
+		start := time.Now()
+		for range iters {
+			conn.Write(msg)
+			if _, err := io.ReadFull(conn, back); err != nil {
+				return err
+			}
+		}
+		say("PINGPONG %d", time.Since(start).Nanoseconds()/int64(2*iters))
+		conn.Write([]byte("streamnw"))
+		buf := make([]byte, 64<<10)
+		const total = 64 << 20
+		start = time.Now()
+		for sent := 0; sent < total; sent += len(buf) {
+			if _, err := conn.Write(buf); err != nil {
+				return err
+			}
+		}
+		conn.CloseWrite()
+		var n int
+		if _, err := fmt.Fscanln(conn, &n); err != nil || n != total {
+			return fmt.Errorf("sink reported %d bytes (%v), want %d", n, err, total)
+		}
+		say("STREAM %.1f", float64(total)/time.Since(start).Seconds()/1e6)
+		return conn.Close()
 	}
-	return fmt.Errorf("usage: server PORT | client ADDR BYTES | hold ADDR")
+	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
 }
