@@ -1,0 +1,23 @@
+#!/bin/sh
+# Guest provisioning: tools, Shunt's guest side (built from /shunt), and the
+# MPI benchmark between the guests. Arguments: NAME IP1,IP2
+set -eu
+name=$1
+hosts=$2
+export DEBIAN_FRONTEND=noninteractive
+apt-get update -q
+apt-get install -y -q --no-install-recommends gcc libc6-dev make openmpi-bin libopenmpi-dev sockperf
+make -C /shunt preload
+install -m 0755 /shunt/bin/shunt-run /usr/local/bin/shunt-run
+install -m 0644 /shunt/bin/libshunt-preload.so /usr/local/lib/libshunt-preload.so
+# The control port and the region, found by name and by PCI ids.
+port=$(grep -l org.shunt.ctl /sys/class/virtio-ports/*/name | head -n 1 | xargs dirname | xargs basename)
+bar=$(grep -l 0x1110 /sys/bus/pci/devices/*/device | head -n 1 | xargs dirname)
+echo 1 > "$bar/enable"
+cat > /etc/profile.d/shunt.sh <<ENV
+export SHUNT_CONTROL=/dev/$port
+export SHUNT_REGION=$bar/resource2
+ENV
+mpicc -O2 -o /usr/local/bin/shunt-mpi-pingpong /shunt/integration/mpi/pingpong.c
+echo "$name provisioned: control /dev/$port, region $bar/resource2"
+echo "run the benchmark from g1: mpirun -np 2 --host ${hosts%,*}:1,${hosts#*,}:1 -x SHUNT_CONTROL -x SHUNT_REGION -x LD_PRELOAD=/usr/local/lib/libshunt-preload.so --mca pml ob1 --mca btl self,tcp shunt-mpi-pingpong"
