@@ -26,6 +26,10 @@ type Options struct {
 	// Logf, if set, receives one line per connection saying which path it
 	// took and why (shunt-run -v uses it).
 	Logf func(format string, args ...any)
+	// Kick makes ends wake their peers through hostd (KICK) instead of
+	// futexes: for VMs, whose peers are in other guest kernels. It is set
+	// on its own when Control is a virtio-serial port.
+	Kick bool
 }
 
 func (o Options) withEnv() (Options, error) {
@@ -81,6 +85,7 @@ type Client struct {
 	reconnects int
 	done       chan struct{}
 	wg         sync.WaitGroup
+	kick       *kickSignal // nil unless Options.Kick
 }
 
 type flowKey struct {
@@ -94,10 +99,20 @@ func NewClient(opts Options) (*Client, error) {
 	if err != nil {
 		return nil, err
 	}
-	return &Client{
+	c := &Client{
 		opts: o, pending: map[uint32]chan proto.Msg{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
 		listens: map[netip.AddrPort]int{}, routes: map[netip.Addr]route{}, done: make(chan struct{}),
-	}, nil
+	}
+	if st, err := os.Stat(o.Control); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		c.opts.Kick = true
+	}
+	if c.opts.Kick {
+		c.kick = newKickSignal(c)
+		w := *c.opts.Wait
+		w.Signal = c.kick
+		c.opts.Wait = &w
+	}
+	return c, nil
 }
 
 var (
@@ -262,6 +277,10 @@ func (c *Client) readLoop(conn net.Conn) {
 			}
 		case proto.Ping:
 			c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+		case proto.Kick:
+			if c.kick != nil {
+				c.kick.kicked(flowKey{m.Slot, m.Gen})
+			}
 		case proto.Pong:
 			c.mu.Lock()
 			ch := c.pongs[m.Nonce]

@@ -158,6 +158,15 @@ func (c *Conn) attach(m proto.Msg) error {
 		return err
 	}
 	c.side, c.slot, c.gen = m.Side, m.Slot, m.Gen
+	if k := c.client.kick; k != nil {
+		peer := proto.SideB
+		if m.Side == proto.SideB {
+			peer = proto.SideA
+		}
+		or, ow := out.Waiters() // our writer ring: the peer reads it
+		ir, iw := in.Waiters()  // our reader ring: the peer writes it
+		k.track(flowKey{m.Slot, m.Gen}, peer, or, ow, ir, iw)
+	}
 	c.client.mu.Lock()
 	c.client.flows[flowKey{m.Slot, m.Gen}] = c
 	c.client.mu.Unlock()
@@ -280,6 +289,9 @@ func (c *Conn) Close() error {
 			c.client.mu.Lock()
 			delete(c.client.flows, flowKey{c.slot, c.gen})
 			c.client.mu.Unlock()
+			if k := c.client.kick; k != nil {
+				k.forget(flowKey{c.slot, c.gen})
+			}
 			_ = c.client.send(proto.Msg{Type: proto.Close, Slot: c.slot, Gen: c.gen, Side: c.side})
 		}
 		err = c.tcp.Close()

@@ -76,12 +76,14 @@ func runAgent(args []string) error {
 		Name: "hostd", Level: hclog.LevelFromString(cfg.LogLevel), JSONFormat: cfg.LogFormat == "json",
 		Output: os.Stderr, TimeFormat: time.RFC3339Nano,
 	})
+	// Signals are caught before the admin socket exists, so a reload
+	// (SIGHUP) can never kill a hostd that already answers.
+	sigs := make(chan os.Signal, 4)
+	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGINT, syscall.SIGTERM)
 	a, err := agent.Start(log, cfg)
 	if err != nil {
 		return err
 	}
-	sigs := make(chan os.Signal, 4)
-	signal.Notify(sigs, syscall.SIGHUP, syscall.SIGINT, syscall.SIGTERM)
 	for s := range sigs {
 		if s == syscall.SIGHUP {
 			if _, err := a.Reload(); err != nil {

@@ -635,6 +635,11 @@ func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
 		return
 	}
 	f.Revoked = reason
+	// Count first: the ring reset below wakes the ends at once, and what
+	// they (or an operator) see next should already be in the metrics.
+	b.m.Revokes.WithLabelValues(reason.String()).Inc()
+	b.m.Flows.WithLabelValues("ready", "direct").Dec()
+	b.m.Flows.WithLabelValues("revoked", "direct").Inc()
 	if err := f.Group.Pool.Revoke(f.id.slot, f.Gen, uint32(reason)); err != nil {
 		b.log.Warn("revoke in region failed", "flow", f.Name(), "error", err)
 	}
@@ -644,9 +649,6 @@ func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
 			s.Send(msg)
 		}
 	}
-	b.m.Revokes.WithLabelValues(reason.String()).Inc()
-	b.m.Flows.WithLabelValues("ready", "direct").Dec()
-	b.m.Flows.WithLabelValues("revoked", "direct").Inc()
 	b.log.Info("flow revoked", "flow", f.Name(), "reason", reason)
 }
 

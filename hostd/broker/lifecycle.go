@@ -188,3 +188,25 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 	}
 	b.log.Info("flow reattached", "flow", f.Name(), "guest", g.Name, "side", m.Side)
 }
+
+// Kick relays a KICK from one side of a flow to the other: a guest whose
+// peer is in another VM cannot wake it through shared memory, so it asks
+// hostd. Only a side of the flow may kick it.
+func (b *Broker) Kick(s Session, m proto.Msg) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	f := b.flowLocked(s.Guest().Group, int(m.Slot), m.Gen)
+	if f == nil {
+		return
+	}
+	var to Session
+	switch s {
+	case f.sessA:
+		to = f.sessB
+	case f.sessB:
+		to = f.sessA
+	}
+	if to != nil {
+		to.Send(proto.Msg{Type: proto.Kick, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+	}
+}

@@ -219,7 +219,9 @@ func (ss *session) readLoop() {
 			ss.Send(welcome)
 		case proto.Ping:
 			ss.Send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
-		case proto.Pong, proto.Kick:
+		case proto.Kick:
+			ss.srv.b.Kick(ss, m)
+		case proto.Pong:
 		default:
 			ss.malformed(log, fmt.Errorf("%s is not a guest message: %w", m.Type, proto.ErrMalformed), m.Type)
 			return
