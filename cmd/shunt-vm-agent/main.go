@@ -33,6 +33,29 @@ import (
 
 func say(format string, args ...any) { fmt.Printf("SHUNT-VM "+format+"\n", args...) }
 
+// accept listens on port, says LISTENING, and accepts one connection.
+func accept(c *guestlib.Client, port string) (*guestlib.Conn, error) {
+	l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+port)
+	if err != nil {
+		return nil, err
+	}
+	say("LISTENING")
+	conn, err := l.AcceptShunt()
+	if err == nil {
+		say("PATH %s", conn.Path())
+	}
+	return conn, err
+}
+
+// dial connects to addr and says which path it took.
+func dial(c *guestlib.Client, addr string) (*guestlib.Conn, error) {
+	conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", addr)
+	if err == nil {
+		say("PATH %s", conn.Path())
+	}
+	return conn, err
+}
+
 func main() {
 	if err := run(os.Args[1:]); err != nil {
 		say("ERROR %v", err)
@@ -63,16 +86,10 @@ func run(args []string) error {
 	}
 	switch {
 	case len(args) == 2 && args[0] == "server":
-		l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1])
+		conn, err := accept(c, args[1])
 		if err != nil {
 			return err
 		}
-		say("LISTENING")
-		conn, err := l.AcceptShunt()
-		if err != nil {
-			return err
-		}
-		say("PATH %s", conn.Path())
 		h := crc32.NewIEEE()
 		n, err := io.Copy(h, conn)
 		if err != nil {
@@ -84,11 +101,10 @@ func run(args []string) error {
 		return conn.Close()
 	case len(args) == 3 && args[0] == "client":
 		total, _ := strconv.Atoi(args[2])
-		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		conn, err := dial(c, args[1])
 		if err != nil {
 			return err
 		}
-		say("PATH %s", conn.Path())
 		src := rand.NewChaCha8([32]byte{7})
 		buf := make([]byte, 256<<10)
 		var sum uint32
@@ -110,33 +126,22 @@ func run(args []string) error {
 	case len(args) == 2 && (args[0] == "hold" || args[0] == "serve-hold"):
 		var conn *guestlib.Conn
 		if args[0] == "hold" {
-			conn, err = (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+			conn, err = dial(c, args[1])
 		} else {
-			var l *guestlib.Listener
-			if l, err = (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1]); err == nil {
-				say("LISTENING")
-				conn, err = l.AcceptShunt()
-			}
+			conn, err = accept(c, args[1])
 		}
 		if err != nil {
 			return err
 		}
-		say("PATH %s", conn.Path())
 		_, err = conn.Read(make([]byte, 1))
 		say("READERR %v", err)
 		time.Sleep(100 * time.Millisecond) // let the console drain before power-off
 		return nil
 	case len(args) == 2 && args[0] == "pp-server":
-		l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[1])
+		conn, err := accept(c, args[1])
 		if err != nil {
 			return err
 		}
-		say("LISTENING")
-		conn, err := l.AcceptShunt()
-		if err != nil {
-			return err
-		}
-		say("PATH %s", conn.Path())
 		buf := make([]byte, 8)
 		for {
 			if _, err := io.ReadFull(conn, buf); err != nil {
@@ -155,11 +160,10 @@ func run(args []string) error {
 		return err
 	case len(args) == 3 && args[0] == "pp-client":
 		iters, _ := strconv.Atoi(args[2])
-		conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", args[1])
+		conn, err := dial(c, args[1])
 		if err != nil {
 			return err
 		}
-		say("PATH %s", conn.Path())
 		msg, back := []byte("pingpong"), make([]byte, 8)
 		start := time.Now()
 		for range iters {

@@ -7,13 +7,11 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strconv"
-	"strings"
 	"testing"
 	"time"
 
-	"github.com/shuntnet/shunt/internal/testenv"
 	"github.com/shuntnet/shunt/vhost/doorbell"
+	"github.com/shuntnet/shunt/vhost/vhosttest"
 )
 
 // TestQEMUJoins: two real QEMUs with ivshmem-doorbell devices connect to
@@ -21,7 +19,6 @@ import (
 // one), map the shared memory, and be listed as a peer; when one goes, the
 // server forgets it.
 func TestQEMUJoins(t *testing.T) {
-	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
 	dir := t.TempDir()
 	shm, err := os.Create(filepath.Join(dir, "region"))
 	if err != nil {
@@ -36,16 +33,7 @@ func TestQEMUJoins(t *testing.T) {
 	}
 	defer s.Close()
 	start := func() (*exec.Cmd, *bytes.Buffer) {
-		var out bytes.Buffer
-		cmd := exec.Command("qemu-system-x86_64", "-machine", "pc,accel=tcg", "-m", "64", "-nodefaults",
-			"-display", "none", "-monitor", "none", "-serial", "none", "-S",
-			"-chardev", "socket,id=db,path="+sock, "-device", "ivshmem-doorbell,chardev=db,vectors=2")
-		cmd.Stdout, cmd.Stderr = &out, &out
-		if err := cmd.Start(); err != nil {
-			t.Fatal(err)
-		}
-		t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
-		return cmd, &out
+		return vhosttest.QEMU(t, "-chardev", "socket,id=db,path="+sock, "-device", "ivshmem-doorbell,chardev=db,vectors=2")
 	}
 	waitPeers := func(n int) {
 		t.Helper()
@@ -61,25 +49,8 @@ func TestQEMUJoins(t *testing.T) {
 	waitPeers(1)
 	q2, out2 := start()
 	waitPeers(2)
-	for _, q := range []struct {
-		cmd *exec.Cmd
-		out *bytes.Buffer
-	}{{q1, out1}, {q2, out2}} {
-		deadline := time.Now().Add(10 * time.Second)
-		for {
-			maps, err := os.ReadFile("/proc/" + strconv.Itoa(q.cmd.Process.Pid) + "/maps")
-			if err != nil {
-				t.Fatalf("QEMU exited after the greeting: %v\n%s", err, q.out.String())
-			}
-			if strings.Contains(string(maps), shm.Name()) {
-				break
-			}
-			if time.Now().After(deadline) {
-				t.Fatalf("QEMU did not map the shared memory:\n%s", q.out.String())
-			}
-			time.Sleep(20 * time.Millisecond)
-		}
-	}
+	vhosttest.WaitMapped(t, q1, out1, shm.Name())
+	vhosttest.WaitMapped(t, q2, out2, shm.Name())
 	q1.Process.Kill()
 	q1.Wait()
 	waitPeers(1)
