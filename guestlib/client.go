@@ -178,15 +178,7 @@ func (c *Client) connectLocked() error {
 	}
 	c.guestID = m.GuestID
 	// Re-announce what this process holds (after a hostd restart).
-	var msgs []proto.Msg
-	for a := range c.listens {
-		msgs = append(msgs, proto.Msg{Type: proto.Listen, Local: a})
-	}
-	for k, fc := range c.flows {
-		msgs = append(msgs, proto.Msg{Type: proto.Reattach, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
-	}
-	msgs = append(msgs, c.closes...)
-	c.closes = nil
+	msgs := c.announcementsLocked()
 	for i := range msgs {
 		if err := proto.Write(conn, &msgs[i]); err != nil {
 			conn.Close()
@@ -196,6 +188,10 @@ func (c *Client) connectLocked() error {
 	c.conn = conn
 	c.wg.Add(1)
 	go c.readLoop(conn)
+	if _, ok := conn.(portConn); ok {
+		c.wg.Add(1)
+		go c.keepalive(conn)
+	}
 	return nil
 }
 
@@ -290,7 +286,13 @@ func (c *Client) readLoop(conn net.Conn) {
 				close(ch)
 			}
 		case proto.Error:
+			if m.Reason == proto.ReasonNoHostd { // a restarted hostd behind a VM port
+				c.rehello(conn)
+				continue
+			}
 			c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
+		case proto.Welcome:
+			c.welcomed(conn)
 		}
 	}
 	conn.Close()
@@ -308,6 +310,67 @@ func (c *Client) readLoop(conn net.Conn) {
 		c.wg.Add(1)
 		go c.reconnect()
 	}
+}
+
+// keepalive runs on a VM's port, which stays open when hostd restarts (QEMU
+// reconnects its end): a PING every 500 ms makes a new hostd answer ERROR,
+// and the client says HELLO again.
+func (c *Client) keepalive(conn net.Conn) {
+	defer c.wg.Done()
+	t := time.NewTicker(500 * time.Millisecond)
+	defer t.Stop()
+	for {
+		select {
+		case <-c.done:
+			return
+		case <-t.C:
+			c.mu.Lock()
+			if c.conn != conn {
+				c.mu.Unlock()
+				return
+			}
+			c.nonce++
+			_ = proto.Write(conn, &proto.Msg{Type: proto.Ping, Nonce: c.nonce})
+			c.mu.Unlock()
+		}
+	}
+}
+
+// rehello says HELLO again on the same channel (a new hostd behind it).
+func (c *Client) rehello(conn net.Conn) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn == conn {
+		_ = proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())})
+	}
+}
+
+// welcomed handles a WELCOME after the first: the new hostd gets this
+// process's listeners, flows and undelivered CLOSEs again.
+func (c *Client) welcomed(conn net.Conn) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.conn != conn {
+		return
+	}
+	for _, m := range c.announcementsLocked() {
+		_ = proto.Write(conn, &m)
+	}
+	c.reconnects++
+}
+
+// announcementsLocked is what a new hostd must learn from this process.
+func (c *Client) announcementsLocked() []proto.Msg {
+	var msgs []proto.Msg
+	for a := range c.listens {
+		msgs = append(msgs, proto.Msg{Type: proto.Listen, Local: a})
+	}
+	for k, fc := range c.flows {
+		msgs = append(msgs, proto.Msg{Type: proto.Reattach, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
+	}
+	msgs = append(msgs, c.closes...)
+	c.closes = nil
+	return msgs
 }
 
 // reconnect retries hostd with backoff until it answers or Close.

@@ -182,6 +182,16 @@ func (ss *session) readLoop() {
 	ss.srv.m.Sessions.WithLabelValues(ss.g.Name).Inc()
 	var buf []byte
 	m, buf, err := proto.Read(ss.c, buf)
+	// A VM's port stays open across a hostd restart, so its guest may
+	// still be talking to the hostd before; a PING tells us so. Answer
+	// ERROR (not PONG) so it says HELLO again, and keep the channel.
+	for err == nil && m.Type == proto.Ping {
+		log.Debug("guest talks before HELLO (hostd restarted?); asking for HELLO")
+		b, _ := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonNoHostd, Text: "say HELLO: hostd restarted"}).Append(nil)
+		if _, err = ss.c.Write(b); err == nil {
+			m, buf, err = proto.Read(ss.c, buf)
+		}
+	}
 	if err != nil || m.Type != proto.Hello {
 		ss.malformed(log, err, m.Type)
 		return
