@@ -10,9 +10,9 @@
 //
 // A VM sees exactly what a process guest sees: the same region bytes (BAR2
 // of the ivshmem device is the region file) and the same control protocol
-// (over the port instead of a Unix socket), so guestlib and the preload
-// library run unchanged above the mapping. The VM harness, libvirt
-// integration and the doorbell server are not written yet.
+// (over the port instead of a Unix socket), so guestlib runs unchanged
+// above the mapping (docs/vm.md). doorbell is an ivshmem-doorbell server.
+// libvirt integration is not written yet.
 package vhost
 
 import (
@@ -24,7 +24,7 @@ import (
 )
 
 // Attachment is everything a VM needs for Shunt: its trust group's region
-// and its control channel.
+// and its control channel. A plain value.
 type Attachment struct {
 	Region  ivshmem.Device
 	Control vserial.Port

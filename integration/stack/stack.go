@@ -21,7 +21,8 @@ import (
 	"github.com/shuntnet/shunt/integration/nsrig"
 )
 
-// Stack is a running rig with hostd.
+// Stack is a running rig with hostd. It is for one test goroutine;
+// Listen and Dial may be called concurrently.
 type Stack struct {
 	Rig     *nsrig.Rig
 	Dir     string // config, sockets and hostd.log

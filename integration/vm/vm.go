@@ -33,7 +33,8 @@ type Options struct {
 	MemMB      int
 }
 
-// VM is a running QEMU guest.
+// VM is a running QEMU guest. Wait and Console are safe for concurrent
+// use; Stop is for the owner.
 type VM struct {
 	Name string
 	cmd  *exec.Cmd

@@ -31,8 +31,8 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// Server serves one doorbell device's peers. Close stops it and closes
-// every eventfd it made.
+// Server serves one doorbell device's peers. It is safe for concurrent use;
+// Close stops it and closes every eventfd it made.
 type Server struct {
 	l       *net.UnixListener
 	shm     *os.File
