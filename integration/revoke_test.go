@@ -73,35 +73,52 @@ func TestConntrackDeleteRevokes(t *testing.T) {
 	eventually(t, 5*time.Second, "ring pair reclaimed after both closed", func() bool { return len(e.flows()) == 0 })
 }
 
+// TestPolicyReloadRevokes: a reload that forbids a live flow revokes it,
+// by the admin command and by SIGHUP (what systemctl reload sends); new
+// connections on that port stay on TCP, others keep the fast path.
 func TestPolicyReloadRevokes(t *testing.T) {
-	e := newEnv(t, 2, "")
-	c, s := e.pair(1, 2, 5205)
-	if !c.Path().Fast {
-		t.Fatalf("path %s, want fast", c.Path())
-	}
-	errc := blockedReads(c, s)
-	e.writeConfig(`rule "no-5205" {
+	for _, tc := range []struct {
+		name   string
+		reload func(e *env)
+	}{
+		{"admin", func(e *env) {
+			var rep map[string]int
+			if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil || rep["revoked"] != 1 {
+				e.t.Fatalf("reload: %v, revoked %d flows, want 1", err, rep["revoked"])
+			}
+		}},
+		{"SIGHUP", func(e *env) {
+			if err := e.Hostd.Process.Signal(syscall.SIGHUP); err != nil {
+				e.t.Fatal(err)
+			}
+		}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, 2, "")
+			c, s := e.pair(1, 2, 5205)
+			if !c.Path().Fast {
+				t.Fatalf("path %s, want fast", c.Path())
+			}
+			errc := blockedReads(c, s)
+			e.writeConfig(`rule "no-5205" {
   action = "tcp"
   ports  = ["5205"]
 }`)
-	start := time.Now()
-	var rep map[string]int
-	if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil {
-		t.Fatal(err)
-	}
-	if rep["revoked"] != 1 {
-		t.Fatalf("reload revoked %d flows, want 1", rep["revoked"])
-	}
-	expectResets(t, errc, 2, start)
-	// A new connection on that port now stays on TCP, with the reason;
-	// other ports keep the fast path.
-	c2, s2 := e.pair(1, 2, 5205)
-	if p := c2.Path(); p.Fast || p.Reason != "policy" || s2.Path().Reason != "policy" {
-		t.Fatalf("new connection on the forbidden port: %s / %s, want tcp(policy) on both", p, s2.Path())
-	}
-	c3, _ := e.pair(1, 2, 5206)
-	if !c3.Path().Fast {
-		t.Fatalf("an unrelated port lost the fast path: %s", c3.Path())
+			start := time.Now()
+			tc.reload(e)
+			expectResets(t, errc, 2, start)
+			if got := e.counter("shunt_revocations_total{reason=policy-reload}"); got != 1 {
+				t.Fatalf("policy-reload revocations %v, want 1", got)
+			}
+			c2, s2 := e.pair(1, 2, 5205)
+			if p := c2.Path(); p.Fast || p.Reason != "policy" || s2.Path().Reason != "policy" {
+				t.Fatalf("new connection on the forbidden port: %s / %s, want tcp(policy) on both", p, s2.Path())
+			}
+			c3, _ := e.pair(1, 2, 5206)
+			if !c3.Path().Fast {
+				t.Fatalf("an unrelated port lost the fast path: %s", c3.Path())
+			}
+		})
 	}
 }
 
@@ -212,27 +229,4 @@ func TestGuestKilled(t *testing.T) {
 	}
 	s.Close()
 	eventually(t, 5*time.Second, "ring pair reclaimed", func() bool { return len(e.flows()) == 0 })
-}
-
-// TestSIGHUPReloads: the operator's reload path (systemctl reload sends
-// SIGHUP) re-reads the policy and revokes what it forbids.
-func TestSIGHUPReloads(t *testing.T) {
-	e := newEnv(t, 2, "")
-	c, s := e.pair(1, 2, 5220)
-	if !c.Path().Fast {
-		t.Fatalf("path %s, want fast", c.Path())
-	}
-	errc := blockedReads(c, s)
-	e.writeConfig(`rule "no-5220" {
-  action = "tcp"
-  ports  = ["5220"]
-}`)
-	start := time.Now()
-	if err := e.Hostd.Process.Signal(syscall.SIGHUP); err != nil {
-		t.Fatal(err)
-	}
-	expectResets(t, errc, 2, start)
-	if got := e.counter("shunt_revocations_total{reason=policy-reload}"); got != 1 {
-		t.Fatalf("policy-reload revocations %v, want 1", got)
-	}
 }
