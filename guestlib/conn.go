@@ -219,6 +219,12 @@ func (c *Conn) Read(p []byte) (int, error) {
 		return c.tcp.Read(p)
 	}
 	n, err := c.rd.Read(p)
+	if err == io.EOF && c.w.IsReset() {
+		// hostd resets both rings one after the other; a peer that saw the
+		// first may already have closed the second with FIN. A revoked flow
+		// ends with ECONNRESET, never a clean EOF.
+		err = ring.ErrReset
+	}
 	return n, c.opErr("read", err)
 }
 
@@ -282,7 +288,9 @@ func (c *Conn) Close() error {
 				// A revoked flow ends like a reset connection.
 				_ = c.tcp.SetLinger(0)
 			default:
-				_ = c.w.CloseWrite()
+				if !c.w.IsReset() && !c.rd.Stats().Reset {
+					_ = c.w.CloseWrite()
+				}
 			}
 			c.writeMu.Unlock()
 			_ = c.rd.CloseRead()

@@ -188,6 +188,10 @@ func (p *Pool) Revoke(i int, gen uint64, reason uint32) error {
 	if err != nil {
 		return err // rings corrupt: the ends will see that on their own
 	}
+	// Both reset flags before any wake-up, so an end woken by one finds the
+	// other reset too (it may close the other ring otherwise).
+	ab.Reset(reason)
+	ba.Reset(reason)
 	ab.Abort(reason, &p.wake)
 	ba.Abort(reason, &p.wake)
 	return nil

@@ -220,3 +220,6 @@ func (w *Writer) Interrupt() { w.interrupt() }
 
 // Stats returns this ring's counters.
 func (w *Writer) Stats() Stats { return w.r.Stats() }
+
+// IsReset reports whether this ring was reset.
+func (w *Writer) IsReset() bool { return w.r.IsReset() }

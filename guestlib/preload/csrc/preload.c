@@ -136,6 +136,7 @@ static pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
 struct epi { int fd; struct epoll_event ev; uint64_t seen; int nested; };
 struct ep { pthread_mutex_t mu; struct epi *it; int n, cap; int efd_added; int64_t kernel_at; };
 static struct ep *eps[FD_MAX];
+static int eps_top; /* one past the highest epoll fd seen; guarded by tab_mu */
 
 static struct flow *flow_of(int fd) { return fd >= 0 && fd < FD_MAX ? __atomic_load_n(&fds[fd], __ATOMIC_ACQUIRE) : NULL; }
 
@@ -648,6 +649,16 @@ static int inherited(struct flow *f)
 	return 1;
 }
 
+/* flow_reset reports whether either ring of the flow was reset. hostd
+ * resets both, one after the other; a peer that saw the first may already
+ * have closed (FIN) the other, so an end that reads EOF checks both before
+ * it believes it (otherwise a revocation could look like a clean close). */
+static int flow_reset(struct flow *f)
+{
+	return __atomic_load_n((uint32_t *)(f->r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST) ||
+	       __atomic_load_n((uint32_t *)(f->w.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
+}
+
 static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
 {
 	if (inherited(f))
@@ -663,6 +674,11 @@ static ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
 			if (!(flags & MSG_WAITALL) || done == n || (flags & MSG_PEEK))
 				break;
 			continue;
+		}
+		if (k == 0 && n > 0 && !done && flow_reset(f)) {
+			pthread_mutex_unlock(&f->rmu);
+			errno = ECONNRESET;
+			return -1;
 		}
 		if (k == 0 || n == 0)
 			break; /* EOF */
@@ -840,7 +856,7 @@ static void release(struct flow *f)
 		free(f);
 		return;
 	}
-	if (!f->revoked)
+	if (!f->revoked && !flow_reset(f))
 		shunt_ring_close_write(&f->w);
 	shunt_ring_close_read(&f->r);
 	struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
@@ -863,7 +879,7 @@ static void forget(int fd)
 			ctl_send(&m);
 	}
 	kind[fd] = 0;
-	for (int i = 0; i < FD_MAX && f; i++) /* drop its epoll interests */
+	for (int i = 0; i < eps_top && f; i++) /* drop its epoll interests */
 		if (eps[i]) {
 			pthread_mutex_lock(&eps[i]->mu);
 			for (int j = 0; j < eps[i]->n; j++)
@@ -1264,6 +1280,8 @@ static struct ep *ep_of(int epfd, int create)
 		eps[epfd] = calloc(1, sizeof **eps);
 		if (eps[epfd])
 			pthread_mutex_init(&eps[epfd]->mu, NULL);
+		if (epfd >= eps_top)
+			eps_top = epfd + 1;
 	}
 	struct ep *e = eps[epfd];
 	pthread_mutex_unlock(&tab_mu);
