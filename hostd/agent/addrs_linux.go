@@ -11,6 +11,8 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/witness"
+	"github.com/shuntnet/shunt/internal/nsexec"
 )
 
 // guestAddrs returns what a guest owns: its configured addresses, plus the
@@ -71,4 +73,25 @@ func netlinkHandle(nsPath string) (*netlink.Handle, error) {
 	}
 	defer ns.Close()
 	return netlink.NewHandleAt(ns)
+}
+
+// attachWitness puts the eBPF witness on a guest's host-side interface (in
+// the conntrack namespace) and returns the interface's index.
+func attachWitness(w *witness.Witness, nsPath, ifname string) (int, error) {
+	var idx int
+	attach := func() error {
+		l, err := netlink.LinkByName(ifname)
+		if err != nil {
+			return fmt.Errorf("interface %s: %w", ifname, err)
+		}
+		idx = l.Attrs().Index
+		return w.Attach(idx)
+	}
+	var err error
+	if nsPath == "" {
+		err = attach()
+	} else {
+		err = nsexec.In(nsPath, attach)
+	}
+	return idx, err
 }

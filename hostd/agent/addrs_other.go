@@ -8,6 +8,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/witness"
 )
 
 // guestAddrs returns the configured addresses; learning them from an
@@ -21,4 +22,8 @@ func guestAddrs(nsPath string, gc config.Guest) (broker.Addrs, error) {
 		out.Prefixes = append(out.Prefixes, netip.PrefixFrom(a, a.BitLen()))
 	}
 	return out, nil
+}
+
+func attachWitness(w *witness.Witness, nsPath, ifname string) (int, error) {
+	return 0, errors.New("the eBPF witness needs Linux")
 }

@@ -25,6 +25,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/hostd/server"
+	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
 )
@@ -41,6 +42,7 @@ type Agent struct {
 	http    *http.Server
 	regions []*region.Region
 	guests  []*broker.Guest
+	witness *witness.Witness
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	started time.Time
@@ -77,6 +79,11 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 		groups[g.Name] = &broker.Group{Name: g.Name, Region: g.Region, Pool: pool}
 		log.Info("region ready", "group", g.Name, "path", g.Region, "size", g.Geometry.Size, "adopted", adopted, "generation", gen)
 	}
+	if cfg.Witness {
+		if a.witness, err = witness.Load(); err != nil {
+			return nil, err
+		}
+	}
 	var eps []server.Endpoint
 	for _, gc := range cfg.Guests {
 		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: groups[gc.Group], CTMark: gc.CTMark}
@@ -85,10 +92,19 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 			return nil, err
 		}
 		g.SetAddrs(addrs)
+		if a.witness != nil && gc.Interface != "" {
+			if g.Ifindex, err = attachWitness(a.witness, cfg.ConntrackNetns, gc.Interface); err != nil {
+				return nil, fmt.Errorf("guest %s: %w", gc.Name, err)
+			}
+		}
 		a.guests = append(a.guests, g)
 		eps = append(eps, server.Endpoint{Guest: g, Path: gc.Control})
 	}
-	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, broker.Options{PairingTimeout: cfg.PairingTimeout})
+	opts := broker.Options{PairingTimeout: cfg.PairingTimeout}
+	if a.witness != nil {
+		opts.Witness = a.witness
+	}
+	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.m.NewFlowBytes(a.b.FlowStats)
 	for _, g := range groups {
 		if n := a.b.Adopt(g, cfg.ReattachGrace); n > 0 {
@@ -234,6 +250,9 @@ func (a *Agent) Close() {
 	a.wg.Wait()
 	if a.ct != nil {
 		a.ct.Close()
+	}
+	if a.witness != nil {
+		a.witness.Close()
 	}
 	for _, r := range a.regions {
 		r.Close()

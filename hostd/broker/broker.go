@@ -26,10 +26,11 @@ type Session interface {
 
 // Guest is a configured guest.
 type Guest struct {
-	Name   string
-	ID     uint32
-	Group  *Group
-	CTMark uint32 // 0: not checked
+	Name    string
+	ID      uint32
+	Group   *Group
+	CTMark  uint32 // 0: not checked
+	Ifindex int    // host-side interface, for the eBPF witness; 0: none
 
 	addrs atomic.Pointer[Addrs] // what it owns; swapped whole
 }
@@ -87,6 +88,11 @@ type Options struct {
 	// IntentGrace is how long a passive side waits for a local guest's
 	// INTENT that may be in flight; 0 = 50ms.
 	IntentGrace time.Duration
+	// Witness, if set, must have seen the connection's SYN enter through
+	// the active guest's own interface (hostd/witness).
+	Witness interface {
+		Origin(src, dst netip.AddrPort) (int, error)
+	}
 }
 
 // Broker is the flow broker. It is safe for concurrent use; Close stops its
@@ -448,6 +454,12 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 	}
 	if role == proto.Active && g.CTMark != 0 && e.Mark != g.CTMark {
 		return e, proto.ReasonNotOwner
+	}
+	if role == proto.Active && b.opts.Witness != nil && g.Ifindex != 0 {
+		if in, err := b.opts.Witness.Origin(t.Src, t.Dst); err != nil || in != g.Ifindex {
+			b.log.Warn("the connection's SYN did not come in by the claiming guest's interface", "guest", g.Name, "tuple", t, "ifindex", in, "error", err)
+			return e, proto.ReasonNotOwner
+		}
 	}
 	return e, proto.ReasonNone
 }

@@ -278,3 +278,42 @@ func TestGuestLimit(t *testing.T) {
 		}
 	}
 }
+
+// fakeWitness says every SYN came in by interface in.
+type fakeWitness struct{ in int }
+
+func (f fakeWitness) Origin(src, dst netip.AddrPort) (int, error) { return f.in, nil }
+
+// TestWitness: with the eBPF witness on, a claim holds only if the SYN came
+// in by the claiming guest's own interface.
+func TestWitness(t *testing.T) {
+	for _, tc := range []struct {
+		seen int
+		want proto.Type
+	}{{7, proto.Ready}, {8, proto.TCP}} {
+		w := newWorld(t, policy.Spec{})
+		w.g1.Ifindex = 7
+		w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, mustCompile(t), []*broker.Guest{w.g1, w.g2, w.g3},
+			broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond, Witness: fakeWitness{tc.seen}})
+		t.Cleanup(w.b.Close)
+		sa, sb := newSession(w.g1), newSession(w.g2)
+		w.b.Attach(sa)
+		w.b.Attach(sb)
+		w.b.Listen(sb, ap("10.0.0.2:80"), true)
+		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+		w.b.Intent(sa, ta)
+		w.b.Open(sa, open(proto.Active, ta, 1))
+		w.b.Open(sb, open(proto.Passive, tb, 2))
+		if m := sa.next(t); m.Type != tc.want || (tc.want == proto.TCP && m.Reason != proto.ReasonNotOwner) {
+			t.Fatalf("SYN seen on ifindex %d: active side got %+v, want %s", tc.seen, m, tc.want)
+		}
+	}
+}
+
+func mustCompile(t *testing.T) *policy.Table {
+	tab, err := policy.Compile(policy.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	return tab
+}

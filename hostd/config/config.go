@@ -26,6 +26,7 @@ type Config struct {
 	ConntrackNetns string // path of a netns whose conntrack table to use; "" = hostd's own
 	PairingTimeout time.Duration
 	ReattachGrace  time.Duration
+	Witness        bool // eBPF witness of SYN origin on guest interfaces
 	Groups         []Group
 	Guests         []Guest
 	Policy         policy.Spec
@@ -57,6 +58,7 @@ type file struct {
 	ConntrackNetns string       `hcl:"conntrack_netns,optional"`
 	PairingTimeout string       `hcl:"pairing_timeout,optional"`
 	ReattachGrace  string       `hcl:"reattach_grace,optional"`
+	Witness        bool         `hcl:"witness,optional"`
 	Groups         []groupBlock `hcl:"trust_group,block"`
 	Guests         []guestBlock `hcl:"guest,block"`
 	Policy         *policy.Spec `hcl:"policy,block"`
@@ -103,7 +105,7 @@ func Parse(name string, src []byte) (*Config, error) {
 	c := &Config{
 		Path: name, LogLevel: or(raw.LogLevel, "info"), LogFormat: or(raw.LogFormat, "text"),
 		AdminSocket: or(raw.AdminSocket, "/run/shunt/admin.sock"), MetricsAddress: "127.0.0.1:9469",
-		ConntrackNetns: raw.ConntrackNetns,
+		ConntrackNetns: raw.ConntrackNetns, Witness: raw.Witness,
 	}
 	if raw.MetricsAddress != nil {
 		c.MetricsAddress = *raw.MetricsAddress

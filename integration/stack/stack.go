@@ -97,7 +97,7 @@ func (s *Stack) RegionPath() string { return "/dev/shm/shunt-" + s.Rig.Name }
 // WriteConfig (re)writes hostd's configuration with the given policy body.
 func (s *Stack) WriteConfig(policy string) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
+	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\nwitness = true\n",
 		s.Admin, s.metrics, s.Rig.HostNSPath())
 	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n}\n", s.RegionPath())
 	for _, g := range s.Rig.Guests {
