@@ -20,19 +20,6 @@ import (
 // iteration runs the tool once; the figures are the tools' own, reported
 // with b.ReportMetric.
 
-func (e *env) runB(b *testing.B, i int, cmd *exec.Cmd) string {
-	b.Helper()
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
-		b.Fatal(err)
-	}
-	if err := cmd.Wait(); err != nil {
-		b.Fatalf("%s: %v\n%s", cmd.Args, err, out.String())
-	}
-	return out.String()
-}
-
 func metric(b *testing.B, out, re string) float64 {
 	b.Helper()
 	m := regexp.MustCompile(re).FindStringSubmatch(out)
@@ -63,9 +50,9 @@ func BenchmarkPreloadSockperf(b *testing.B) {
 			waitListening(b, e, 2, 11200+i)
 			var lat, bw []float64
 			for b.Loop() {
-				pp := e.runB(b, 1, e.toolCmd(b, c.preload, 1, "sockperf", append([]string{"ping-pong", "--tcp", "-i", g2, "-p", port, "-t", "2", "-m", "14", "--mps", "5000000"}, c.extra...)...))
+				pp := runIn(b, e.rig.Guests[0].NSPath(), e.toolCmd(b, c.preload, 1, "sockperf", append([]string{"ping-pong", "--tcp", "-i", g2, "-p", port, "-t", "2", "-m", "14", "--mps", "5000000"}, c.extra...)...), time.Minute)
 				lat = append(lat, metric(b, pp, `percentile 50\.000 =\s+([0-9.]+)`))
-				tp := e.runB(b, 1, e.toolCmd(b, c.preload, 1, "sockperf", append([]string{"throughput", "--tcp", "-i", g2, "-p", port, "-t", "2", "-m", "64000", "--mps", "max"}, c.extra...)...))
+				tp := runIn(b, e.rig.Guests[0].NSPath(), e.toolCmd(b, c.preload, 1, "sockperf", append([]string{"throughput", "--tcp", "-i", g2, "-p", port, "-t", "2", "-m", "64000", "--mps", "max"}, c.extra...)...), time.Minute)
 				bw = append(bw, metric(b, tp, `BandWidth is ([0-9.]+) MBps`))
 			}
 			b.ReportMetric(median(lat), "us/oneway-p50")
@@ -90,7 +77,7 @@ func BenchmarkPreloadIperf3(b *testing.B) {
 					b.Fatal(err)
 				}
 				time.Sleep(200 * time.Millisecond) // iperf3 -s has no readiness signal
-				out := e.runB(b, 1, e.toolCmd(b, c.preload, 1, "iperf3", "-c", g2, "-p", port, "-t", "3", "-J"))
+				out := runIn(b, e.rig.Guests[0].NSPath(), e.toolCmd(b, c.preload, 1, "iperf3", "-c", g2, "-p", port, "-t", "3", "-J"), time.Minute)
 				srv.Wait()
 				var res struct {
 					End struct {
@@ -122,7 +109,7 @@ func BenchmarkPreloadMPI(b *testing.B) {
 				if c == "vader" { // both ranks in one guest: shared memory
 					cmd := exec.Command("mpirun", "--allow-run-as-root", "-np", "2", "--mca", "pml", "ob1", "--mca", "btl", "self,vader",
 						"--mca", "btl_vader_single_copy_mechanism", "none", "--bind-to", "none", prog)
-					out = e.runB(b, 1, cmd)
+					out = runIn(b, e.rig.Guests[0].NSPath(), cmd, time.Minute)
 				} else {
 					out = e.mpirun(b, dir, prog, c == "tcp-shunt")
 				}

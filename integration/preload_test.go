@@ -63,10 +63,16 @@ func (e *env) run(i int, cmd *exec.Cmd) string { return e.runT(e.t, i, cmd) }
 
 // runT is run reporting to t (a subtest's own).
 func (e *env) runT(t testing.TB, i int, cmd *exec.Cmd) string {
+	return runIn(t, e.rig.Guests[i-1].NSPath(), cmd, 60*time.Second)
+}
+
+// runIn runs cmd in the namespace at ns, fails t if it fails or outlives
+// timeout, and returns its combined output.
+func runIn(t testing.TB, ns string, cmd *exec.Cmd, timeout time.Duration) string {
 	t.Helper()
 	var out bytes.Buffer
 	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
+	if err := nsrig.Start(ns, cmd); err != nil {
 		t.Fatal(err)
 	}
 	done := make(chan error, 1)
@@ -76,9 +82,10 @@ func (e *env) runT(t testing.TB, i int, cmd *exec.Cmd) string {
 		if err != nil {
 			t.Fatalf("%s: %v\n%s", cmd.Args, err, out.String())
 		}
-	case <-time.After(60 * time.Second):
+	case <-time.After(timeout):
 		cmd.Process.Kill()
-		t.Fatalf("%s did not finish in 60s\n%s", cmd.Args, out.String())
+		<-done
+		t.Fatalf("%s did not finish in %s\n%s", cmd.Args, timeout, out.String())
 	}
 	return out.String()
 }
@@ -253,23 +260,7 @@ func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...strin
 		// (it crashes when both map it), no binding (both ranks would get
 		// core 0).
 		"--mca", "rtc", "^hwloc", "--bind-to", "none", prog}, args...)...)
-	var out bytes.Buffer
-	cmd.Stdout, cmd.Stderr = &out, &out
-	if err := nsrig.Start(e.rig.HostNSPath(), cmd); err != nil {
-		t.Fatal(err)
-	}
-	done := make(chan error, 1)
-	go func() { done <- cmd.Wait() }()
-	select {
-	case err := <-done:
-		if err != nil {
-			t.Fatalf("mpirun: %v\n%s", err, out.String())
-		}
-	case <-time.After(120 * time.Second):
-		cmd.Process.Kill()
-		t.Fatalf("mpirun did not finish in 120s\n%s", out.String())
-	}
-	return out.String()
+	return runIn(t, e.rig.HostNSPath(), cmd, 120*time.Second)
 }
 
 // TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):

@@ -112,58 +112,50 @@ func TestVMFastPath(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a1, _ := vmAddr(1)
-	srv := v.boot(1, "server", "7000")
-	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
-		t.Fatal(err)
-	}
-	cli := v.boot(2, "client", a1.String()+":7000", fmt.Sprint(64<<20))
-	for _, m := range []*vm.VM{srv, cli} {
-		line, err := m.Wait(ctx, "SHUNT-VM PATH")
-		if err != nil {
-			t.Fatal(err)
-		}
-		if line != "SHUNT-VM PATH shunt" {
-			t.Fatalf("%s: %s, want the fast path", m.Name, line)
-		}
-	}
-	sent, err := cli.Wait(ctx, "SHUNT-VM SENT")
-	if err != nil {
-		t.Fatal(err)
-	}
-	recv, err := srv.Wait(ctx, "SHUNT-VM RECV")
-	if err != nil {
-		t.Fatal(err)
-	}
+	srv, cli := v.bootPair(ctx, []string{"server", "7000"}, []string{"client", a1.String() + ":7000", fmt.Sprint(64 << 20)})
+	sent := mustWait(t, ctx, cli, "SHUNT-VM SENT")
+	recv := mustWait(t, ctx, srv, "SHUNT-VM RECV")
 	if strings.TrimPrefix(sent, "SHUNT-VM SENT") != strings.TrimPrefix(recv, "SHUNT-VM RECV") {
 		t.Fatalf("client %q, server %q: bytes or checksums differ", sent, recv)
 	}
 	t.Logf("%s / %s", sent, recv)
 }
 
-// holdPair boots vm1 accepting and vm2 connecting on port, both blocked in
-// Read on the fast path.
-func (v *vmEnv) holdPair(ctx context.Context, port int) (*vm.VM, *vm.VM) {
+// bootPair boots vm1 with srvArgs, waits until it listens, boots vm2 with
+// cliArgs, and checks that both ends took the fast path.
+func (v *vmEnv) bootPair(ctx context.Context, srvArgs, cliArgs []string) (*vm.VM, *vm.VM) {
 	v.tb.Helper()
-	a1, _ := vmAddr(1)
-	srv := v.boot(1, "serve-hold", fmt.Sprint(port))
-	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
-		v.tb.Fatal(err)
-	}
-	cli := v.boot(2, "hold", fmt.Sprintf("%s:%d", a1, port))
+	srv := v.boot(1, srvArgs...)
+	mustWait(v.tb, ctx, srv, "SHUNT-VM LISTENING")
+	cli := v.boot(2, cliArgs...)
 	for _, m := range []*vm.VM{srv, cli} {
-		if line, err := m.Wait(ctx, "SHUNT-VM PATH"); err != nil || line != "SHUNT-VM PATH shunt" {
-			v.tb.Fatalf("%s: %q, %v; want the fast path", m.Name, line, err)
+		if line := mustWait(v.tb, ctx, m, "SHUNT-VM PATH"); line != "SHUNT-VM PATH shunt" {
+			v.tb.Fatalf("%s: %s, want the fast path", m.Name, line)
 		}
 	}
 	return srv, cli
 }
 
-func expectVMReset(t *testing.T, ctx context.Context, m *vm.VM) {
+// holdPair boots vm1 accepting and vm2 connecting on port, both blocked in
+// Read on the fast path.
+func (v *vmEnv) holdPair(ctx context.Context, port int) (*vm.VM, *vm.VM) {
+	a1, _ := vmAddr(1)
+	return v.bootPair(ctx, []string{"serve-hold", fmt.Sprint(port)}, []string{"hold", fmt.Sprintf("%s:%d", a1, port)})
+}
+
+// mustWait waits for a console line of m starting with prefix.
+func mustWait(t testing.TB, ctx context.Context, m *vm.VM, prefix string) string {
 	t.Helper()
-	line, err := m.Wait(ctx, "SHUNT-VM READERR")
+	line, err := m.Wait(ctx, prefix)
 	if err != nil {
 		t.Fatal(err)
 	}
+	return line
+}
+
+func expectVMReset(t *testing.T, ctx context.Context, m *vm.VM) {
+	t.Helper()
+	line := mustWait(t, ctx, m, "SHUNT-VM READERR")
 	if !strings.Contains(line, "connection reset by peer") {
 		t.Fatalf("%s: %s, want ECONNRESET", m.Name, line)
 	}
@@ -208,14 +200,9 @@ func TestVMFirewallReject(t *testing.T) {
 	}
 	a1, _ := vmAddr(1)
 	srv := v.boot(1, "server", "7003")
-	if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
-		t.Fatal(err)
-	}
+	mustWait(t, ctx, srv, "SHUNT-VM LISTENING")
 	cli := v.boot(2, "client", a1.String()+":7003", "1024")
-	line, err := cli.Wait(ctx, "SHUNT-VM ERROR")
-	if err != nil {
-		t.Fatal(err)
-	}
+	line := mustWait(t, ctx, cli, "SHUNT-VM ERROR")
 	if !strings.Contains(line, "connection refused") {
 		t.Fatalf("client: %s, want connection refused", line)
 	}
@@ -242,18 +229,10 @@ func BenchmarkVM(b *testing.B) {
 					pre = []string{"tcp"}
 				}
 				srv := v.boot(1, append(pre, "pp-server", "7100")...)
-				if _, err := srv.Wait(ctx, "SHUNT-VM LISTENING"); err != nil {
-					b.Fatal(err)
-				}
+				mustWait(b, ctx, srv, "SHUNT-VM LISTENING")
 				cli := v.boot(2, append(pre, "pp-client", a1.String()+":7100", "2000")...)
-				pp, err := cli.Wait(ctx, "SHUNT-VM PINGPONG")
-				if err != nil {
-					b.Fatal(err)
-				}
-				st, err := cli.Wait(ctx, "SHUNT-VM STREAM")
-				if err != nil {
-					b.Fatal(err)
-				}
+				pp := mustWait(b, ctx, cli, "SHUNT-VM PINGPONG")
+				st := mustWait(b, ctx, cli, "SHUNT-VM STREAM")
 				var ns, rate float64
 				fmt.Sscanf(pp, "SHUNT-VM PINGPONG %g", &ns)
 				fmt.Sscanf(st, "SHUNT-VM STREAM %g", &rate)

@@ -57,7 +57,10 @@ type world struct {
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
 
-func newWorld(t *testing.T, spec policy.Spec) *world {
+func newWorld(t *testing.T, spec policy.Spec) *world { return newWorldOpts(t, spec, broker.Options{}) }
+
+// newWorldOpts is newWorld with broker options; timeouts default short.
+func newWorldOpts(t *testing.T, spec policy.Spec, opts broker.Options) *world {
 	r, _ := shmtest.Region(t, region.Geometry{Size: 8 << 20, Slots: 8})
 	pool, _ := region.Adopt(r, nil)
 	grp := &broker.Group{Name: "t", Region: "mem", Pool: pool}
@@ -74,8 +77,8 @@ func newWorld(t *testing.T, spec policy.Spec) *world {
 	if err != nil {
 		t.Fatal(err)
 	}
-	w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2, w.g3},
-		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond, IntentGrace: 30 * time.Millisecond})
+	opts.PairingTimeout, opts.LookupTimeout, opts.IntentGrace = 100*time.Millisecond, 10*time.Millisecond, 30*time.Millisecond
+	w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2, w.g3}, opts)
 	t.Cleanup(w.b.Close)
 	return w
 }
@@ -88,6 +91,25 @@ func (w *world) conn(src, dst string) (ctrack.Tuple, ctrack.Tuple) {
 	return a, a.Reverse()
 }
 
+// sessions attaches a session for g1 and g2, with g2 listening on port 80.
+func (w *world) sessions() (sa, sb *session) {
+	sa, sb = newSession(w.g1), newSession(w.g2)
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	return sa, sb
+}
+
+// connect makes a conntrack entry from g1's port to g2:80 and sends both
+// OPENs (after g1's INTENT); it returns g1's tuple.
+func (w *world) connect(sa, sb *session, port string, req uint32) ctrack.Tuple {
+	ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
+	w.b.Intent(sa, ta)
+	w.b.Open(sa, open(proto.Active, ta, req))
+	w.b.Open(sb, open(proto.Passive, tb, req+1))
+	return ta
+}
+
 func open(role proto.Role, t ctrack.Tuple, req uint32) proto.Msg {
 	return proto.Msg{Type: proto.Open, ReqID: req, Role: role, Local: t.Src, Remote: t.Dst}
 }
@@ -95,10 +117,7 @@ func open(role proto.Role, t ctrack.Tuple, req uint32) proto.Msg {
 func TestPairBothOrders(t *testing.T) {
 	for _, activeFirst := range []bool{true, false} {
 		w := newWorld(t, policy.Spec{})
-		sa, sb := newSession(w.g1), newSession(w.g2)
-		w.b.Attach(sa)
-		w.b.Attach(sb)
-		w.b.Listen(sb, ap("10.0.0.2:80"), true)
+		sa, sb := w.sessions()
 		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
 		w.b.Intent(sa, ta)
 		if activeFirst {
@@ -164,10 +183,7 @@ func TestVerdicts(t *testing.T) {
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {
 			w := newWorld(t, tt.spec)
-			sa, sb := newSession(w.g1), newSession(w.g2)
-			w.b.Attach(sa)
-			w.b.Attach(sb)
-			w.b.Listen(sb, ap("10.0.0.2:80"), true)
+			sa, sb := w.sessions()
 			var ta, tb ctrack.Tuple
 			if tt.prep != nil {
 				ta, tb = tt.prep(w, sa, sb)
@@ -202,10 +218,7 @@ func TestVerdicts(t *testing.T) {
 // connecting guest's INTENT (another session); it waits the grace and pairs.
 func TestPassiveWaitsForQueuedIntent(t *testing.T) {
 	w := newWorld(t, policy.Spec{})
-	sa, sb := newSession(w.g1), newSession(w.g2)
-	w.b.Attach(sa)
-	w.b.Attach(sb)
-	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	sa, sb := w.sessions()
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
 	w.b.Open(sb, open(proto.Passive, tb, 2))
 	sb.none(t)
@@ -218,14 +231,8 @@ func TestPassiveWaitsForQueuedIntent(t *testing.T) {
 
 func TestRevokeAndRelease(t *testing.T) {
 	w := newWorld(t, policy.Spec{})
-	sa, sb := newSession(w.g1), newSession(w.g2)
-	w.b.Attach(sa)
-	w.b.Attach(sb)
-	w.b.Listen(sb, ap("10.0.0.2:80"), true)
-	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-	w.b.Intent(sa, ta)
-	w.b.Open(sa, open(proto.Active, ta, 1))
-	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
 	ready := sa.next(t)
 	sb.next(t)
 	e, _ := w.ct.Lookup(ta)
@@ -256,15 +263,9 @@ func TestRevokeAndRelease(t *testing.T) {
 
 func TestGuestLimit(t *testing.T) {
 	w := newWorld(t, policy.Spec{MaxFlowsPerGuest: 1})
-	sa, sb := newSession(w.g1), newSession(w.g2)
-	w.b.Attach(sa)
-	w.b.Attach(sb)
-	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	sa, sb := w.sessions()
 	for i, port := range []string{"4000", "4001"} {
-		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
-		w.b.Intent(sa, ta)
-		w.b.Open(sa, open(proto.Active, ta, uint32(i)))
-		w.b.Open(sb, open(proto.Passive, tb, uint32(i)))
+		w.connect(sa, sb, port, uint32(2*i))
 		ma, mb := sa.next(t), sb.next(t)
 		want := proto.Ready
 		if i == 1 {
@@ -291,29 +292,12 @@ func TestWitness(t *testing.T) {
 		seen int
 		want proto.Type
 	}{{7, proto.Ready}, {8, proto.TCP}} {
-		w := newWorld(t, policy.Spec{})
+		w := newWorldOpts(t, policy.Spec{}, broker.Options{Witness: fakeWitness{tc.seen}})
 		w.g1.Ifindex = 7
-		w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, mustCompile(t), []*broker.Guest{w.g1, w.g2, w.g3},
-			broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond, Witness: fakeWitness{tc.seen}})
-		t.Cleanup(w.b.Close)
-		sa, sb := newSession(w.g1), newSession(w.g2)
-		w.b.Attach(sa)
-		w.b.Attach(sb)
-		w.b.Listen(sb, ap("10.0.0.2:80"), true)
-		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-		w.b.Intent(sa, ta)
-		w.b.Open(sa, open(proto.Active, ta, 1))
-		w.b.Open(sb, open(proto.Passive, tb, 2))
+		sa, sb := w.sessions()
+		w.connect(sa, sb, "4000", 1)
 		if m := sa.next(t); m.Type != tc.want || (tc.want == proto.TCP && m.Reason != proto.ReasonNotOwner) {
 			t.Fatalf("SYN seen on ifindex %d: active side got %+v, want %s", tc.seen, m, tc.want)
 		}
 	}
-}
-
-func mustCompile(t *testing.T) *policy.Table {
-	tab, err := policy.Compile(policy.Spec{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	return tab
 }

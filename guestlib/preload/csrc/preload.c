@@ -59,7 +59,7 @@ REAL(read); REAL(write); REAL(recv); REAL(send); REAL(recvfrom); REAL(sendto);
 REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
 REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
 REAL(select); REAL(pselect); REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
-REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile);
+REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
 
 static void resolve(void)
 {
@@ -68,7 +68,7 @@ static void resolve(void)
 	R(recv); R(send); R(recvfrom); R(sendto); R(recvmsg); R(sendmsg); R(readv); R(writev);
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll); R(select);
 	R(pselect); R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
-	R(sendfile);
+	R(sendfile); R(execve); R(execvp); R(execvpe);
 #undef R
 }
 
@@ -1531,13 +1531,11 @@ static void before_exec(void)
 		int fl = real_fcntl(fd, F_GETFD, 0);
 		if (fl < 0 || (fl & FD_CLOEXEC))
 			continue;
+		/* Both reset flags first, then the wake-ups (as hostd does). */
 		__atomic_store_n((uint32_t *)(f->w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
 		__atomic_store_n((uint32_t *)(f->r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-		for (int k = 0; k < 2; k++) { /* wake the peer's reader and writer */
-			uint32_t *w = (uint32_t *)((k ? f->w.hdr : f->r.hdr) + (k ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT));
-			__atomic_store_n(w, 0, __ATOMIC_SEQ_CST);
-			syscall(SYS_futex, w, FUTEX_WAKE, 1, NULL, NULL, 0);
-		}
+		shunt_ring_abort(&f->w);
+		shunt_ring_abort(&f->r);
 		real_shutdown(fd, SHUT_RDWR);
 		logf_("shunt: fd %d stays open across exec: flow reset", fd);
 		struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
@@ -1547,9 +1545,6 @@ static void before_exec(void)
 
 int execve(const char *path, char *const argv[], char *const envp[])
 {
-	static __typeof__(execve) *real_execve;
-	if (!real_execve)
-		real_execve = dlsym(RTLD_NEXT, "execve");
 	before_exec();
 	return real_execve(path, argv, envp);
 }
@@ -1624,18 +1619,12 @@ int execlp(const char *file, const char *arg, ...)
 
 int execvpe(const char *file, char *const argv[], char *const envp[])
 {
-	static __typeof__(execvpe) *real_execvpe;
-	if (!real_execvpe)
-		real_execvpe = dlsym(RTLD_NEXT, "execvpe");
 	before_exec();
 	return real_execvpe(file, argv, envp);
 }
 
 int execvp(const char *file, char *const argv[])
 {
-	static __typeof__(execvp) *real_execvp;
-	if (!real_execvp)
-		real_execvp = dlsym(RTLD_NEXT, "execvp");
 	before_exec();
 	return real_execvp(file, argv);
 }

@@ -215,6 +215,15 @@ int shunt_ring_close_write(struct shunt_ring *w)
 	return 0;
 }
 
+void shunt_ring_abort(struct shunt_ring *r)
+{
+	__atomic_store_n(w32(r, SHUNT_OFF_RESET), 1, SC);
+	for (int off = SHUNT_OFF_RWAIT; off <= SHUNT_OFF_WWAIT; off += SHUNT_OFF_WWAIT - SHUNT_OFF_RWAIT) {
+		__atomic_store_n(w32(r, off), 1, SC); /* wake skips flags that say nobody sleeps */
+		wake(w32(r, off));
+	}
+}
+
 int shunt_ring_close_read(struct shunt_ring *r)
 {
 	__atomic_fetch_or(w32(r, SHUNT_OFF_RFLAGS), 1, SC);

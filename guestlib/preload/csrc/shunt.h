@@ -63,6 +63,9 @@ ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n);
 /* Readable bytes now (FIONREAD), or a negative error. */
 ssize_t shunt_ring_buffered(struct shunt_ring *r);
 int shunt_ring_close_write(struct shunt_ring *w);
+/* Resets the ring (as hostd's revoke does) and wakes both its ends: the
+ * peer's pending and later calls fail with SHUNT_ERESET (Go: Ring.Abort). */
+void shunt_ring_abort(struct shunt_ring *r);
 int shunt_ring_close_read(struct shunt_ring *r);
 
 /* Blocking: spin for spin_ns, then sleep on the futex until the ring is
