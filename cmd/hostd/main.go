@@ -30,7 +30,7 @@ const usage = `usage: hostd <command> [flags]
 
 commands:
   agent  -config FILE     run the daemon
-  guests                  list configured guests and their sessions
+  guests                  list guests (configured and libvirt) and their sessions
   flows                   list fast-path flows with byte counters
   status                  summary
   counters                fallback, revocation and flow counters
@@ -126,9 +126,9 @@ func runClient(cmd string, args []string) error {
 		if err := json.Unmarshal(out, &gs); err != nil {
 			return err
 		}
-		fmt.Fprintln(tw, "GUEST\tID\tGROUP\tADDRESSES\tSESSIONS\tLISTENING\tFLOWS")
+		fmt.Fprintln(tw, "GUEST\tID\tGROUP\tSOURCE\tADDRESSES\tSESSIONS\tLISTENING\tFLOWS")
 		for _, g := range gs {
-			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%d\t%s\t%d\n", g.Name, g.ID, g.Group, strings.Join(g.Addresses, ","), g.Sessions, strings.Join(g.Listening, ","), g.Flows)
+			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\n", g.Name, g.ID, g.Group, g.Source, strings.Join(g.Addresses, ","), g.Sessions, strings.Join(g.Listening, ","), g.Flows)
 		}
 	case "flows":
 		var fl []broker.FlowInfo
@@ -149,6 +149,13 @@ func runClient(cmd string, args []string) error {
 			return err
 		}
 		fmt.Fprintf(tw, "uptime\t%s\nguests\t%d\nsessions\t%d\nflows\t%d\ngroups\t%s\n", st.Uptime, st.Guests, st.Sessions, st.Flows, strings.Join(st.Groups, ","))
+		if lv := st.Libvirt; lv != nil {
+			conn := "connected"
+			if !lv.Connected {
+				conn = "disconnected: " + lv.LastError
+			}
+			fmt.Fprintf(tw, "libvirt\t%s\nlibvirt domains\t%s\nlibvirt syncs\t%d\n", conn, strings.Join(lv.Domains, ","), lv.Syncs)
+		}
 	case "counters":
 		var cs map[string]float64
 		if err := json.Unmarshal(out, &cs); err != nil {

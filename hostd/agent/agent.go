@@ -25,6 +25,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/hostd/server"
+	"github.com/shuntnet/shunt/hostd/virt"
 	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
@@ -43,6 +44,14 @@ type Agent struct {
 	regions []*region.Region
 	guests  []*broker.Guest
 	witness *witness.Witness
+	groups  map[string]*broker.Group
+	virt    *virt.Watcher // nil without a libvirt block
+
+	// libvirt guests, registered and unregistered by the watcher
+	vmu      sync.Mutex
+	vguests  map[string]*broker.Guest // by domain name
+	vpending []server.Endpoint        // registered before the server runs
+
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	started time.Time
@@ -51,7 +60,7 @@ type Agent struct {
 // Start brings hostd up from cfg. On failure everything already started is
 // stopped again.
 func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
-	a := &Agent{log: log, cfg: cfg, m: metrics.New(), started: time.Now()}
+	a := &Agent{log: log, cfg: cfg, m: metrics.New(), started: time.Now(), vguests: map[string]*broker.Guest{}}
 	defer func() {
 		if err != nil {
 			a.Close()
@@ -65,6 +74,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 		return nil, err
 	}
 	groups := map[string]*broker.Group{}
+	a.groups = groups
 	for _, g := range cfg.Groups {
 		r, adopted, err := openRegion(g)
 		if err != nil {
@@ -86,7 +96,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	}
 	var eps []server.Endpoint
 	for _, gc := range cfg.Guests {
-		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: groups[gc.Group], CTMark: gc.CTMark}
+		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: groups[gc.Group], CTMark: gc.CTMark, Source: "config"}
 		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
 		if err != nil {
 			return nil, err
@@ -106,13 +116,28 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	}
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.m.NewFlowBytes(a.b.FlowStats)
+	ctx, cancel := context.WithCancel(context.Background())
+	a.cancel = cancel
+	if lv := cfg.Libvirt; lv != nil {
+		// Learn the running VMs before adopting flows, so flows between
+		// libvirt guests survive a hostd restart like any others.
+		a.virt = virt.NewWatcher(log.Named("libvirt"), virt.Dial(lv.Socket, lv.URI), (*registry)(a), virt.Options{})
+		if err := a.virt.Start(ctx, 5*time.Second); err != nil {
+			log.Warn("libvirtd not reachable at start; flows of its VMs from before this hostd cannot be adopted", "error", err)
+		}
+	}
 	for _, g := range groups {
 		if n := a.b.Adopt(g, cfg.ReattachGrace); n > 0 {
 			log.Info("adopted live flows from the region", "group", g.Name, "flows", n, "grace", cfg.ReattachGrace)
 		}
 	}
 	a.b.Resync()
-	if a.srv, err = server.Listen(log.Named("control"), a.b, a.m, eps); err != nil {
+	a.vmu.Lock()
+	eps = append(eps, a.vpending...)
+	a.vpending = nil
+	a.srv, err = server.Listen(log.Named("control"), a.b, a.m, eps)
+	a.vmu.Unlock()
+	if err != nil {
 		return nil, err
 	}
 	if a.adm, err = admin.Listen(cfg.AdminSocket, a.handle); err != nil {
@@ -132,8 +157,6 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 			_ = a.http.Serve(l)
 		}()
 	}
-	ctx, cancel := context.WithCancel(context.Background())
-	a.cancel = cancel
 	a.wg.Add(1)
 	go a.watchConntrack(ctx)
 	log.Info("hostd running", "guests", len(a.guests), "groups", len(groups), "admin", cfg.AdminSocket, "metrics", cfg.MetricsAddress)
@@ -193,11 +216,12 @@ func (a *Agent) Reload() (int, error) {
 
 // Status is the `hostd status` reply.
 type Status struct {
-	Uptime   string   `json:"uptime"`
-	Guests   int      `json:"guests"`
-	Sessions int      `json:"sessions"`
-	Flows    int      `json:"flows"`
-	Groups   []string `json:"groups"`
+	Uptime   string       `json:"uptime"`
+	Guests   int          `json:"guests"`
+	Sessions int          `json:"sessions"`
+	Flows    int          `json:"flows"`
+	Groups   []string     `json:"groups"`
+	Libvirt  *virt.Status `json:"libvirt,omitempty"`
 }
 
 func (a *Agent) handle(r admin.Request) (any, error) {
@@ -207,7 +231,11 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 	case "flows":
 		return a.b.Flows(), nil
 	case "status":
-		st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: len(a.guests), Flows: len(a.b.Flows())}
+		st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: len(a.b.Guests()), Flows: len(a.b.Flows())}
+		if a.virt != nil {
+			vs := a.virt.Status()
+			st.Libvirt = &vs
+		}
 		for _, g := range a.b.Guests() {
 			st.Sessions += g.Sessions
 		}
@@ -232,6 +260,9 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 // Close stops hostd without revoking flows: they keep running and the next
 // hostd adopts them from the regions.
 func (a *Agent) Close() {
+	if a.virt != nil {
+		a.virt.Close()
+	}
 	if a.b != nil {
 		a.b.Close()
 	}

@@ -31,6 +31,7 @@ type Guest struct {
 	Group   *Group
 	CTMark  uint32 // 0: not checked
 	Ifindex int    // host-side interface, for the eBPF witness; 0: none
+	Source  string // where it was declared: "config" or "libvirt"
 
 	addrs atomic.Pointer[Addrs] // what it owns; swapped whole
 }
@@ -196,6 +197,43 @@ func (b *Broker) Close() {
 	}
 	b.mu.Unlock()
 	b.wg.Wait()
+}
+
+// AddGuest registers a guest that appeared while hostd runs (a libvirt
+// domain that started). Its name and ID must be new.
+func (b *Broker) AddGuest(g *Guest) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, o := range b.guests {
+		if o.Name == g.Name || o.ID == g.ID {
+			return fmt.Errorf("guest %s (id %d) clashes with guest %s (id %d)", g.Name, g.ID, o.Name, o.ID)
+		}
+	}
+	b.guests = append(b.guests, g)
+	return nil
+}
+
+// RemoveGuest forgets a guest that went away (its domain stopped): its
+// flows are revoked and released on its side, so the peers see ECONNRESET
+// and the rings go back to the pool once the peers close. Its sessions are
+// the control server's to close.
+func (b *Broker) RemoveGuest(g *Guest) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for i, o := range b.guests {
+		if o == g {
+			b.guests = append(b.guests[:i:i], b.guests[i+1:]...)
+			break
+		}
+	}
+	for _, f := range b.flows {
+		if f.GuestA == g && f.released&region.SideA == 0 {
+			b.goneLocked(f, region.SideA)
+		}
+		if f.GuestB == g && f.released&region.SideB == 0 {
+			b.goneLocked(f, region.SideB)
+		}
+	}
 }
 
 func (b *Broker) guestByAddr(a netip.Addr) *Guest {

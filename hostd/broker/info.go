@@ -72,19 +72,21 @@ type GuestInfo struct {
 	Name      string   `json:"name"`
 	ID        uint32   `json:"id"`
 	Group     string   `json:"group"`
+	Source    string   `json:"source"`
 	Addresses []string `json:"addresses"`
 	Sessions  int      `json:"sessions"`
 	Listening []string `json:"listening"`
 	Flows     int      `json:"flows"`
 }
 
-// Guests lists the configured guests.
+// Guests lists the known guests: configured ones, then those that libvirt
+// brought, in the order they came.
 func (b *Broker) Guests() []GuestInfo {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	var out []GuestInfo
 	for _, g := range b.guests {
-		gi := GuestInfo{Name: g.Name, ID: g.ID, Group: g.Group.Name, Flows: b.flowsOfLocked(g)}
+		gi := GuestInfo{Name: g.Name, ID: g.ID, Group: g.Group.Name, Source: g.Source, Flows: b.flowsOfLocked(g)}
 		for _, p := range g.Prefixes() {
 			gi.Addresses = append(gi.Addresses, p.String())
 		}

@@ -5,6 +5,8 @@ import (
 	"fmt"
 	"net/netip"
 	"os"
+	"path/filepath"
+	"strings"
 	"time"
 
 	"github.com/hashicorp/hcl/v2"
@@ -26,10 +28,18 @@ type Config struct {
 	ConntrackNetns string // path of a netns whose conntrack table to use; "" = hostd's own
 	PairingTimeout time.Duration
 	ReattachGrace  time.Duration
-	Witness        bool // eBPF witness of SYN origin on guest interfaces
+	Witness        bool     // eBPF witness of SYN origin on guest interfaces
+	Libvirt        *Libvirt // nil: no libvirt integration
 	Groups         []Group
 	Guests         []Guest
 	Policy         policy.Spec
+}
+
+// Libvirt is where hostd finds libvirtd, whose running Shunt domains it
+// registers as guests (hostd/virt).
+type Libvirt struct {
+	Socket string
+	URI    string
 }
 
 // Group is a trust group: the guests that share one region.
@@ -51,18 +61,24 @@ type Guest struct {
 }
 
 type file struct {
-	LogLevel       string       `hcl:"log_level,optional"`
-	LogFormat      string       `hcl:"log_format,optional"`
-	AdminSocket    string       `hcl:"admin_socket,optional"`
-	MetricsAddress *string      `hcl:"metrics_address,optional"`
-	ConntrackNetns string       `hcl:"conntrack_netns,optional"`
-	PairingTimeout string       `hcl:"pairing_timeout,optional"`
-	ReattachGrace  string       `hcl:"reattach_grace,optional"`
-	Witness        bool         `hcl:"witness,optional"`
-	Groups         []groupBlock `hcl:"trust_group,block"`
-	Guests         []guestBlock `hcl:"guest,block"`
-	Policy         *policy.Spec `hcl:"policy,block"`
-	PolicyFile     string       `hcl:"policy_file,optional"`
+	LogLevel       string        `hcl:"log_level,optional"`
+	LogFormat      string        `hcl:"log_format,optional"`
+	AdminSocket    string        `hcl:"admin_socket,optional"`
+	MetricsAddress *string       `hcl:"metrics_address,optional"`
+	ConntrackNetns string        `hcl:"conntrack_netns,optional"`
+	PairingTimeout string        `hcl:"pairing_timeout,optional"`
+	ReattachGrace  string        `hcl:"reattach_grace,optional"`
+	Witness        bool          `hcl:"witness,optional"`
+	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
+	Groups         []groupBlock  `hcl:"trust_group,block"`
+	Guests         []guestBlock  `hcl:"guest,block"`
+	Policy         *policy.Spec  `hcl:"policy,block"`
+	PolicyFile     string        `hcl:"policy_file,optional"`
+}
+
+type libvirtBlock struct {
+	Socket string `hcl:"socket,optional"`
+	URI    string `hcl:"uri,optional"`
 }
 
 type groupBlock struct {
@@ -147,6 +163,15 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: %w", where, err)
 		}
 		c.Groups = append(c.Groups, grp)
+	}
+	if l := raw.Libvirt; l != nil {
+		c.Libvirt = &Libvirt{Socket: or(l.Socket, "/run/libvirt/libvirt-sock"), URI: or(l.URI, "qemu:///system")}
+		if !filepath.IsAbs(c.Libvirt.Socket) {
+			return nil, fmt.Errorf("%s", at(fmt.Sprintf("libvirt socket %q: want an absolute path", c.Libvirt.Socket)))
+		}
+		if !strings.Contains(c.Libvirt.URI, "://") {
+			return nil, fmt.Errorf("%s", at(fmt.Sprintf("libvirt uri %q: want a URI such as qemu:///system", c.Libvirt.URI)))
+		}
 	}
 	ids, socks := map[int]string{}, map[string]string{}
 	for _, g := range raw.Guests {

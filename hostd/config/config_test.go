@@ -61,6 +61,26 @@ func TestParseGood(t *testing.T) {
 	if len(c.Policy.Rules) != 1 || c.Policy.Rules[0].Line != 30 {
 		t.Fatalf("policy: %+v", c.Policy)
 	}
+	if c.Libvirt != nil {
+		t.Fatalf("libvirt on without a libvirt block: %+v", c.Libvirt)
+	}
+}
+
+func TestParseLibvirt(t *testing.T) {
+	c, err := config.Parse("hostd.hcl", []byte(good+"libvirt {}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Libvirt == nil || c.Libvirt.Socket != "/run/libvirt/libvirt-sock" || c.Libvirt.URI != "qemu:///system" {
+		t.Fatalf("defaults: %+v", c.Libvirt)
+	}
+	c, err = config.Parse("hostd.hcl", []byte(good+"libvirt {\n  socket = \"/tmp/lv/sock\"\n  uri = \"qemu:///session\"\n}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Libvirt.Socket != "/tmp/lv/sock" || c.Libvirt.URI != "qemu:///session" {
+		t.Fatalf("set: %+v", c.Libvirt)
+	}
 }
 
 func TestParseErrorsNameFileAndLine(t *testing.T) {
@@ -77,6 +97,8 @@ func TestParseErrorsNameFileAndLine(t *testing.T) {
 		{"bad log level", strings.Replace(good, `"debug"`, `"verbose"`, 1), `log_level "verbose"`},
 		{"bad log format", strings.Replace(good, `"json"`, `"yaml"`, 1), `log_format "yaml"`},
 		{"bad duration", strings.Replace(good, `"500ms"`, `"soon"`, 1), "pairing_timeout"},
+		{"relative libvirt socket", good + "libvirt {\n  socket = \"libvirt-sock\"\n}\n", `libvirt socket "libvirt-sock": want an absolute path`},
+		{"libvirt typo", good + "libvirt {\n  sokcet = \"/run/x\"\n}\n", `Unsupported argument`},
 	}
 	for _, tt := range tests {
 		t.Run(tt.name, func(t *testing.T) {

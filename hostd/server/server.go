@@ -32,8 +32,9 @@ type Endpoint struct {
 	Path  string
 }
 
-// Server owns the control sockets and their sessions. Close stops accepting,
-// closes every session and waits for their goroutines.
+// Server owns the control sockets and their sessions. Endpoints can come
+// and go while it runs (libvirt domains starting and stopping). Close stops
+// accepting, closes every session and waits for their goroutines.
 type Server struct {
 	log hclog.Logger
 	b   *broker.Broker
@@ -41,36 +42,75 @@ type Server struct {
 	wg  sync.WaitGroup
 
 	mu        sync.Mutex
-	listeners []net.Listener
+	listeners map[*broker.Guest]*listener
 	sessions  map[*session]bool
 	closed    bool
 }
 
-// Listen creates each endpoint's socket (replacing a stale one) with mode
-// 0600 and starts accepting.
+type listener struct {
+	net.Listener
+	path string
+}
+
+// Listen starts a server with the given endpoints (see Add).
 func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, eps []Endpoint) (*Server, error) {
-	s := &Server{log: log, b: b, m: m, sessions: map[*session]bool{}}
+	s := &Server{log: log, b: b, m: m, listeners: map[*broker.Guest]*listener{}, sessions: map[*session]bool{}}
 	for _, ep := range eps {
-		if err := os.MkdirAll(filepath.Dir(ep.Path), 0o755); err != nil {
+		if err := s.Add(ep); err != nil {
 			s.Close()
-			return nil, fmt.Errorf("control socket dir for %s: %w", ep.Guest.Name, err)
+			return nil, err
 		}
-		_ = os.Remove(ep.Path)
-		l, err := net.Listen("unix", ep.Path)
-		if err != nil {
-			s.Close()
-			return nil, fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
-		}
-		if err := os.Chmod(ep.Path, 0o600); err != nil {
-			l.Close()
-			s.Close()
-			return nil, fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
-		}
-		s.listeners = append(s.listeners, l)
-		s.wg.Add(1)
-		go s.accept(l, ep.Guest)
 	}
 	return s, nil
+}
+
+// Add creates an endpoint's socket (replacing a stale one) with mode 0600
+// and starts accepting on it.
+func (s *Server) Add(ep Endpoint) error {
+	if err := os.MkdirAll(filepath.Dir(ep.Path), 0o755); err != nil {
+		return fmt.Errorf("control socket dir for %s: %w", ep.Guest.Name, err)
+	}
+	_ = os.Remove(ep.Path)
+	l, err := net.Listen("unix", ep.Path)
+	if err != nil {
+		return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
+	}
+	if err := os.Chmod(ep.Path, 0o600); err != nil {
+		l.Close()
+		return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
+	}
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed || s.listeners[ep.Guest] != nil {
+		l.Close()
+		return fmt.Errorf("control socket for guest %s: server closed or guest already served", ep.Guest.Name)
+	}
+	s.listeners[ep.Guest] = &listener{Listener: l, path: ep.Path}
+	s.wg.Add(1)
+	go s.accept(l, ep.Guest)
+	return nil
+}
+
+// Remove stops serving guest g: its socket is closed and removed and its
+// sessions are closed (which detaches them from the broker).
+func (s *Server) Remove(g *broker.Guest) {
+	s.mu.Lock()
+	l := s.listeners[g]
+	delete(s.listeners, g)
+	var ss []*session
+	for x := range s.sessions {
+		if x.g == g {
+			ss = append(ss, x)
+		}
+	}
+	s.mu.Unlock()
+	if l != nil {
+		l.Close()
+		_ = os.Remove(l.path)
+	}
+	for _, x := range ss {
+		x.shutdown()
+	}
 }
 
 func (s *Server) accept(l net.Listener, g *broker.Guest) {
@@ -82,8 +122,8 @@ func (s *Server) accept(l net.Listener, g *broker.Guest) {
 		}
 		ss := &session{srv: s, c: c, g: g, out: make(chan proto.Msg, 256), done: make(chan struct{})}
 		s.mu.Lock()
-		if s.closed {
-			s.mu.Unlock()
+		if cur := s.listeners[g]; s.closed || cur == nil || cur.Listener != l {
+			s.mu.Unlock() // closed, or the guest was removed meanwhile
 			c.Close()
 			return
 		}
@@ -100,7 +140,10 @@ func (s *Server) accept(l net.Listener, g *broker.Guest) {
 func (s *Server) Close() {
 	s.mu.Lock()
 	s.closed = true
-	ls := s.listeners
+	var ls []*listener
+	for _, l := range s.listeners {
+		ls = append(ls, l)
+	}
 	var ss []*session
 	for x := range s.sessions {
 		ss = append(ss, x)

@@ -105,6 +105,17 @@ func (w *Witness) Attach(ifindex int) error {
 	return nil
 }
 
+// Detach takes the program off interface ifindex (a stopped VM's tap; the
+// kernel already detached it if the tap is gone).
+func (w *Witness) Detach(ifindex int) {
+	w.mu.Lock()
+	defer w.mu.Unlock()
+	if l, ok := w.links[ifindex]; ok {
+		l.Close()
+		delete(w.links, ifindex)
+	}
+}
+
 // ErrNoSYN means no SYN with that tuple was seen.
 var ErrNoSYN = errors.New("witness: no SYN seen for this tuple")
 

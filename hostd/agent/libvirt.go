@@ -1,0 +1,106 @@
+package agent
+
+import (
+	"fmt"
+	"strings"
+
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/server"
+	"github.com/shuntnet/shunt/hostd/virt"
+)
+
+// registry is the agent as the libvirt watcher's virt.Registry: a running
+// Shunt domain becomes a guest with its own control socket; a stopped one
+// is removed, its flows revoked.
+type registry Agent
+
+// Register adds domain d as a guest.
+func (r *registry) Register(d virt.Domain) error {
+	a := (*Agent)(r)
+	grp, err := a.groupOf(d)
+	if err != nil {
+		return err
+	}
+	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: "libvirt"}
+	addrs, err := guestAddrs(a.cfg.ConntrackNetns, config.Guest{Name: d.Name, Addresses: d.Addresses, Interface: d.Tap})
+	if err != nil {
+		return err
+	}
+	if len(addrs.Prefixes) == 0 {
+		return fmt.Errorf("domain %s owns no addresses: name them in its Shunt metadata (<shunt:address>) or route them to its tap", d.Name)
+	}
+	g.SetAddrs(addrs)
+	if a.witness != nil && d.Tap != "" {
+		if g.Ifindex, err = attachWitness(a.witness, a.cfg.ConntrackNetns, d.Tap); err != nil {
+			return fmt.Errorf("domain %s: %w", d.Name, err)
+		}
+	}
+	if err := a.b.AddGuest(g); err != nil {
+		a.detachWitness(g)
+		return fmt.Errorf("domain %s: %w", d.Name, err)
+	}
+	ep := server.Endpoint{Guest: g, Path: d.Control}
+	a.vmu.Lock()
+	defer a.vmu.Unlock()
+	if a.srv == nil {
+		a.vpending = append(a.vpending, ep)
+	} else if err := a.srv.Add(ep); err != nil {
+		a.b.RemoveGuest(g)
+		a.detachWitness(g)
+		return err
+	}
+	a.vguests[d.Name] = g
+	return nil
+}
+
+// Unregister removes domain d's guest: its control socket goes, its
+// sessions close and its flows are revoked.
+func (r *registry) Unregister(d virt.Domain) {
+	a := (*Agent)(r)
+	a.vmu.Lock()
+	g := a.vguests[d.Name]
+	delete(a.vguests, d.Name)
+	for i, ep := range a.vpending {
+		if ep.Guest == g {
+			a.vpending = append(a.vpending[:i:i], a.vpending[i+1:]...)
+			break
+		}
+	}
+	srv := a.srv
+	a.vmu.Unlock()
+	if g == nil {
+		return
+	}
+	if srv != nil {
+		srv.Remove(g)
+	}
+	a.b.RemoveGuest(g)
+	a.detachWitness(g)
+}
+
+func (a *Agent) detachWitness(g *broker.Guest) {
+	if a.witness != nil && g.Ifindex != 0 {
+		a.witness.Detach(g.Ifindex)
+	}
+}
+
+// groupOf finds the trust group whose region backs one of d's shmem
+// devices; metadata naming a group must agree with it.
+func (a *Agent) groupOf(d virt.Domain) (*broker.Group, error) {
+	var regions []string
+	for _, g := range a.cfg.Groups {
+		regions = append(regions, g.Region)
+		for _, s := range d.Shmem {
+			if g.Region != "/dev/shm/"+s {
+				continue
+			}
+			if d.Group != "" && d.Group != g.Name {
+				return nil, fmt.Errorf("domain %s: metadata says trust group %q, but its shmem %q is group %q's region", d.Name, d.Group, s, g.Name)
+			}
+			return a.groups[g.Name], nil
+		}
+	}
+	return nil, fmt.Errorf("domain %s: none of its shmem devices (%s) is a trust group's region (%s): name the <shmem> after the region file in /dev/shm",
+		d.Name, strings.Join(d.Shmem, ", "), strings.Join(regions, ", "))
+}
