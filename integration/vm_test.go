@@ -33,7 +33,9 @@ func vmAddr(i int) (netip.Addr, netip.Addr) {
 	return netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 2}), netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 1})
 }
 
-func newVMEnv(t testing.TB, n int) *vmEnv {
+// newVMEnv starts a stack for n VMs configured in hostd.hcl; extra goes
+// into the configuration too.
+func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
 	testenv.NeedTool(t, "busybox", "busybox-static")
@@ -56,14 +58,17 @@ func newVMEnv(t testing.TB, n int) *vmEnv {
 	if err := vm.BuildInitramfs(initrd, k, agent); err != nil {
 		t.Fatal(err)
 	}
-	var extra strings.Builder
+	var conf strings.Builder
+	for _, x := range extra {
+		conf.WriteString(x)
+	}
 	for i := 1; i <= n; i++ {
 		a, _ := vmAddr(i)
-		fmt.Fprintf(&extra, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n}\n", i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), a)
+		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n}\n", i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), a)
 	}
 	rigSeq++
 	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("v%d%d", os.Getpid()%1000, rigSeq), Guests: 1, HostdBin: hostdBin,
-		Dir: dir, Extra: extra.String(), Logf: t.Logf})
+		Dir: dir, Extra: conf.String(), Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}

@@ -12,7 +12,7 @@
 // of the ivshmem device is the region file) and the same control protocol
 // (over the port instead of a Unix socket), so guestlib runs unchanged
 // above the mapping (docs/vm.md). doorbell is an ivshmem-doorbell server.
-// libvirt integration is not written yet.
+// hostd/virt registers libvirt domains that carry these devices.
 package vhost
 
 import (

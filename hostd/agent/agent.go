@@ -12,6 +12,8 @@ import (
 	"net"
 	"net/http"
 	"os"
+	"os/user"
+	"strconv"
 	"strings"
 	"sync"
 	"time"
@@ -81,6 +83,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 			return nil, err
 		}
 		a.regions = append(a.regions, r)
+		if err := shareRegion(g); err != nil {
+			return nil, err
+		}
 		gen := r.BumpGeneration()
 		pool, problems := region.Adopt(r, nil)
 		for _, p := range problems {
@@ -177,6 +182,26 @@ func openRegion(g config.Group) (*region.Region, bool, error) {
 	}
 	r, err := region.Create(g.Region, g.Geometry, 0o600)
 	return r, false, err
+}
+
+// shareRegion gives a group's region file to its region_group, mode 0660,
+// so QEMUs running as that group can map it.
+func shareRegion(g config.Group) error {
+	if g.RegionGroup == "" {
+		return nil
+	}
+	grp, err := user.LookupGroup(g.RegionGroup)
+	if err != nil {
+		return fmt.Errorf("trust group %s: region_group: %w", g.Name, err)
+	}
+	gid, err := strconv.Atoi(grp.Gid)
+	if err != nil {
+		return fmt.Errorf("trust group %s: region_group %s has gid %q", g.Name, g.RegionGroup, grp.Gid)
+	}
+	if err := os.Chown(g.Region, -1, gid); err != nil {
+		return fmt.Errorf("trust group %s: give region to group %s: %w", g.Name, g.RegionGroup, err)
+	}
+	return os.Chmod(g.Region, 0o660)
 }
 
 // watchConntrack revokes flows whose conntrack entry is destroyed; when the

@@ -47,6 +47,10 @@ type Group struct {
 	Name     string
 	Region   string // file path, usually under /dev/shm
 	Geometry region.Geometry
+	// RegionGroup, if set, owns the region file, which is then mode 0660:
+	// for QEMUs that libvirt runs as an unprivileged user (Debian:
+	// libvirt-qemu in group kvm).
+	RegionGroup string
 }
 
 // Guest is one guest (a VM or a process guest) and its control channel.
@@ -86,6 +90,7 @@ type groupBlock struct {
 	Region     string `hcl:"region,optional"`
 	RegionSize string `hcl:"region_size,optional"`
 	Slots      int    `hcl:"slots,optional"`
+	Owner      string `hcl:"region_group,optional"`
 }
 
 type guestBlock struct {
@@ -155,7 +160,7 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: region_size: %w", where, err)
 		}
 		grp := Group{Name: g.Name, Region: or(g.Region, "/dev/shm/shunt-"+g.Name),
-			Geometry: region.Geometry{Size: size, Slots: g.Slots}}
+			Geometry: region.Geometry{Size: size, Slots: g.Slots}, RegionGroup: g.Owner}
 		if grp.Geometry.Slots == 0 {
 			grp.Geometry.Slots = 256
 		}

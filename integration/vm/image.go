@@ -81,7 +81,7 @@ ip route add default via $(arg gw)
 echo "SHUNT-VM READY"
 /agent $(arg args | tr , ' ')
 echo "SHUNT-VM AGENT-EXIT $?"
-poweroff -f
+reboot -f  # QEMU runs with -no-reboot, libvirt domains with on_reboot=destroy: both end
 `
 
 // BuildInitramfs writes a gzip-less newc cpio archive with busybox, the
@@ -98,7 +98,7 @@ func BuildInitramfs(path string, k Kernel, agent string) error {
 	if err := w.file("bin/busybox", busybox, 0o755); err != nil {
 		return err
 	}
-	for _, l := range []string{"sh", "mount", "insmod", "ip", "sed", "tr", "echo", "poweroff", "cat", "ls", "sleep"} {
+	for _, l := range []string{"sh", "mount", "insmod", "ip", "sed", "tr", "echo", "reboot", "cat", "ls", "sleep"} {
 		w.symlink("bin/"+l, "busybox")
 	}
 	for _, m := range modules {

@@ -4,11 +4,13 @@ package vm
 
 import (
 	"bufio"
+	"bytes"
 	"context"
 	"fmt"
 	"io"
 	"net"
 	"net/netip"
+	"os"
 	"os/exec"
 	"strings"
 	"sync"
@@ -33,11 +35,91 @@ type Options struct {
 	MemMB      int
 }
 
+func (o Options) cmdline() string {
+	return fmt.Sprintf("console=ttyS0 quiet panic=-1 shunt.ip=%s/24 shunt.gw=%s shunt.args=%s", o.Addr, o.Host, strings.Join(o.Args, ","))
+}
+
+// DomainXML returns a libvirt domain that boots o like Boot does: TCG,
+// direct kernel boot, a tap named o.Tap that libvirt creates, Shunt's
+// devices from o.Attach, the console into the file console, and metadata
+// (Shunt's, from hostd/virt) in <metadata>.
+func DomainXML(o Options, console, metadata string) (string, error) {
+	devs, err := o.Attach.LibvirtXML()
+	if err != nil {
+		return "", err
+	}
+	if o.MemMB == 0 {
+		o.MemMB = 256
+	}
+	var b strings.Builder
+	fmt.Fprintf(&b, "<domain type='qemu'>\n<name>%s</name>\n<memory unit='MiB'>%d</memory>\n<vcpu>1</vcpu>\n", o.Name, o.MemMB)
+	fmt.Fprintf(&b, "<metadata>\n%s\n</metadata>\n", metadata)
+	fmt.Fprintf(&b, "<os>\n<type arch='x86_64' machine='pc'>hvm</type>\n<kernel>%s</kernel>\n<initrd>%s</initrd>\n<cmdline>%s</cmdline>\n</os>\n", o.Kernel.Vmlinux, o.Initramfs, o.cmdline())
+	b.WriteString("<on_reboot>destroy</on_reboot>\n<devices>\n<emulator>/usr/bin/qemu-system-x86_64</emulator>\n")
+	fmt.Fprintf(&b, "<interface type='ethernet'>\n<target dev='%s'/>\n<model type='virtio'/>\n</interface>\n", o.Tap)
+	fmt.Fprintf(&b, "<serial type='file'>\n<source path='%s'/>\n</serial>\n", console)
+	b.WriteString(devs)
+	b.WriteString("\n</devices>\n</domain>\n")
+	return b.String(), nil
+}
+
+// Follow returns a VM whose console is the file at path, written by a QEMU
+// that someone else runs (libvirt). Stop stops following; it does not
+// touch the QEMU.
+func Follow(name, path string) *VM {
+	v := &VM{Name: name, stop: make(chan struct{})}
+	v.cond = sync.NewCond(&v.mu)
+	go v.follow(path)
+	return v
+}
+
+func (v *VM) follow(path string) {
+	var partial []byte
+	var off int64
+	buf := make([]byte, 64<<10)
+	defer func() {
+		v.mu.Lock()
+		v.done = true
+		v.cond.Broadcast()
+		v.mu.Unlock()
+	}()
+	for {
+		if f, err := os.Open(path); err == nil {
+			for {
+				n, _ := f.ReadAt(buf, off)
+				if n == 0 {
+					break
+				}
+				off += int64(n)
+				partial = append(partial, buf[:n]...)
+			}
+			f.Close()
+			for {
+				i := bytes.IndexByte(partial, '\n')
+				if i < 0 {
+					break
+				}
+				v.mu.Lock()
+				v.lines = append(v.lines, strings.TrimRight(string(partial[:i]), "\r"))
+				v.cond.Broadcast()
+				v.mu.Unlock()
+				partial = partial[i+1:]
+			}
+		}
+		select {
+		case <-v.stop:
+			return
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
 // VM is a running QEMU guest. Wait and Console are safe for concurrent
 // use; Stop is for the owner.
 type VM struct {
 	Name string
 	cmd  *exec.Cmd
+	stop chan struct{} // Follow's: closed by Stop
 
 	mu    sync.Mutex
 	lines []string
@@ -55,7 +137,7 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 	if o.MemMB == 0 {
 		o.MemMB = 256
 	}
-	cmdline := fmt.Sprintf("console=ttyS0 quiet panic=-1 shunt.ip=%s/24 shunt.gw=%s shunt.args=%s", o.Addr, o.Host, strings.Join(o.Args, ","))
+	cmdline := o.cmdline()
 	args := append([]string{"-machine", "pc,accel=tcg", "-m", fmt.Sprint(o.MemMB), "-nodefaults", "-no-reboot",
 		"-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
 		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"}, att...)
@@ -70,15 +152,16 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	go v.read(out)
-	if err := hostSide(o); err != nil {
+	if err := HostSide(o); err != nil {
 		v.Stop()
 		return nil, err
 	}
 	return v, nil
 }
 
-// hostSide gives the tap its host address once QEMU has created it.
-func hostSide(o Options) error {
+// HostSide gives the tap its host address once QEMU (or libvirt) has
+// created it.
+func HostSide(o Options) error {
 	ns, err := netns.GetFromPath(o.HostNS)
 	if err != nil {
 		return err
@@ -149,6 +232,14 @@ func (v *VM) Console() string {
 // Stop kills QEMU (a power-off, as far as the guest's peers can tell) and
 // waits for it.
 func (v *VM) Stop() {
+	if v.stop != nil {
+		select {
+		case <-v.stop:
+		default:
+			close(v.stop)
+		}
+		return
+	}
 	if v.cmd.Process != nil {
 		v.cmd.Process.Kill()
 		v.cmd.Wait()

@@ -1,0 +1,219 @@
+package integration
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/user"
+	"path/filepath"
+	"slices"
+	"syscall"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/agent"
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/integration/libvirtd"
+	"github.com/shuntnet/shunt/integration/vm"
+	"github.com/shuntnet/shunt/internal/testenv"
+	"github.com/shuntnet/shunt/vhost"
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+	"github.com/shuntnet/shunt/vhost/vserial"
+)
+
+// TestLibvirtDomains: hostd follows a real libvirtd (started by the test,
+// with virtlogd). Two TCG domains defined with Shunt's devices and metadata
+// are registered as guests when they start and get the fast path between
+// them; after libvirtd restarts (one domain's QEMU died meanwhile) hostd
+// resyncs and releases that one; a stopped domain is released.
+func TestLibvirtDomains(t *testing.T) {
+	testenv.NeedTool(t, "libvirtd", "libvirt-daemon-system")
+	testenv.NeedTool(t, "virtlogd", "libvirt-daemon-system")
+	testenv.NeedTool(t, "virsh", "libvirt-clients")
+	if _, err := user.Lookup("libvirt-qemu"); err != nil {
+		// libvirtd's QEMU driver resolves its default user before it
+		// reads qemu.conf, so the user must exist even though the test
+		// runs QEMU as root.
+		testenv.Missing(t, "no libvirt-qemu user", "apt-get install libvirt-daemon-system")
+	}
+	dir, err := os.MkdirTemp("", "shunt-lv")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { os.RemoveAll(dir) })
+	sock := filepath.Join(dir, "run", "libvirt-sock")
+	v := newVMEnv(t, 0, fmt.Sprintf("libvirt {\n  socket = %q\n}\n", sock))
+	d, err := libvirtd.Start(dir, v.rig.HostNSPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() {
+		if t.Failed() {
+			t.Logf("libvirt daemons:\n%s", d.Log())
+		}
+		d.Close()
+	})
+	ctx, cancel := context.WithTimeout(context.Background(), 5*time.Minute)
+	defer cancel()
+
+	a1, _ := vmAddr(1)
+	srv := v.define(d, 1, "serve-hold", "7000")
+	v.waitGuests(d, "lv1")
+	mustWait(t, ctx, srv, "SHUNT-VM LISTENING")
+	cli := v.define(d, 2, "hold", a1.String()+":7000")
+	v.waitGuests(d, "lv1", "lv2")
+	for _, m := range []*vm.VM{srv, cli} {
+		if line := mustWait(t, ctx, m, "SHUNT-VM PATH"); line != "SHUNT-VM PATH shunt" {
+			t.Fatalf("%s: %s, want the fast path", m.Name, line)
+		}
+	}
+	for _, g := range v.libvirtGuests() {
+		if g.Group != "t" || g.ID != map[string]uint32{"lv1": 201, "lv2": 202}[g.Name] || g.Flows != 1 {
+			t.Fatalf("guest %+v: want group t, the metadata's id and one flow", g)
+		}
+	}
+
+	// A stopped domain is released: its guest and control socket go, and
+	// its peer gets ECONNRESET (then lv1's agent exits and lv1 stops too).
+	if _, err := d.Virsh("destroy", "lv2"); err != nil {
+		t.Fatal(err)
+	}
+	expectVMReset(t, ctx, srv)
+	v.waitGuests(d)
+	for _, n := range []string{"lv1", "lv2"} {
+		if _, err := os.Stat(filepath.Join(v.Dir, n+".sock")); !os.IsNotExist(err) {
+			t.Fatalf("%s's control socket still exists (%v)", n, err)
+		}
+	}
+
+	// libvirtd crashes; meanwhile lv4's QEMU dies. hostd keeps both
+	// guests while libvirtd is away, and resyncs when it is back.
+	l3, l4 := v.define(d, 3, "serve-hold", "7001"), v.define(d, 4, "serve-hold", "7002")
+	mustWait(t, ctx, l3, "SHUNT-VM LISTENING")
+	mustWait(t, ctx, l4, "SHUNT-VM LISTENING")
+	v.waitGuests(d, "lv3", "lv4")
+	syncs := v.libvirtStatus().Syncs
+	d.StopLibvirtd()
+	eventually(t, 10*time.Second, "hostd sees libvirtd gone", func() bool { return !v.libvirtStatus().Connected })
+	if got := guestNames(v.libvirtGuests()); !slices.Equal(got, []string{"lv3", "lv4"}) {
+		t.Fatalf("while libvirtd is down hostd has %v, want both guests kept", got)
+	}
+	pid, err := d.QEMUPid("lv4")
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := syscall.Kill(pid, syscall.SIGKILL); err != nil {
+		t.Fatal(err)
+	}
+	if err := d.StartLibvirtd(); err != nil {
+		t.Fatal(err)
+	}
+	v.waitGuests(d, "lv3")
+	if st := v.libvirtStatus(); !st.Connected || st.Syncs <= syncs || !slices.Equal(st.Domains, []string{"lv3"}) {
+		t.Fatalf("libvirt status %+v: want connected and resynced to lv3", st)
+	}
+	// Events flow again after the reconnect.
+	if _, err := d.Virsh("destroy", "lv3"); err != nil {
+		t.Fatal(err)
+	}
+	v.waitGuests(d)
+}
+
+// define defines and starts libvirt domain lv<i> running the VM agent with
+// args, and follows its console.
+func (v *vmEnv) define(d *libvirtd.Daemon, i int, args ...string) *vm.VM {
+	v.tb.Helper()
+	name := fmt.Sprintf("lv%d", i)
+	a, h := vmAddr(i)
+	o := vm.Options{
+		Name: name, Kernel: v.kernel, Initramfs: v.initrd, Tap: fmt.Sprintf("shlv%d-%d", rigSeq, i), Addr: a, Host: h, Args: args,
+		HostNS: v.rig.HostNSPath(),
+		Attach: vhost.Attachment{
+			Region:  ivshmem.Device{ID: "shunt0", Path: v.RegionPath(), Size: 32 << 20},
+			Control: vserial.Port{ID: "shunt0", Socket: filepath.Join(v.Dir, name+".sock")},
+		},
+	}
+	id := uint32(200 + i)
+	console := filepath.Join(d.Dir, name+".console")
+	x, err := vm.DomainXML(o, console, virt.Metadata{ID: &id, Group: "t", Addresses: []string{a.String()}}.XML())
+	if err != nil {
+		v.tb.Fatal(err)
+	}
+	file := filepath.Join(d.Dir, name+".xml")
+	if err := os.WriteFile(file, []byte(x), 0o600); err != nil {
+		v.tb.Fatal(err)
+	}
+	if _, err := d.Virsh("define", file); err != nil {
+		v.tb.Fatal(err)
+	}
+	if _, err := d.Virsh("start", name); err != nil {
+		v.tb.Fatal(err)
+	}
+	if err := vm.HostSide(o); err != nil {
+		v.tb.Fatal(err)
+	}
+	m := vm.Follow(name, console)
+	v.tb.Cleanup(func() {
+		if v.tb.Failed() {
+			v.tb.Logf("console of %s:\n%s", name, m.Console())
+		}
+		m.Stop()
+	})
+	return m
+}
+
+// libvirtGuests returns hostd's guests that came from libvirt.
+func (v *vmEnv) libvirtGuests() []broker.GuestInfo {
+	v.tb.Helper()
+	var gs, out []broker.GuestInfo
+	if err := admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs); err != nil {
+		v.tb.Fatalf("hostd guests: %v", err)
+	}
+	for _, g := range gs {
+		if g.Source == "libvirt" {
+			out = append(out, g)
+		}
+	}
+	return out
+}
+
+func (v *vmEnv) libvirtStatus() virt.Status {
+	v.tb.Helper()
+	var st agent.Status
+	if err := admin.Call(v.Admin, admin.Request{Cmd: "status"}, &st); err != nil {
+		v.tb.Fatalf("hostd status: %v", err)
+	}
+	if st.Libvirt == nil {
+		v.tb.Fatal("hostd status has no libvirt part")
+	}
+	return *st.Libvirt
+}
+
+// waitGuests waits until hostd's libvirt guests are exactly names (the
+// rig's own namespace guests aside).
+func (v *vmEnv) waitGuests(d *libvirtd.Daemon, names ...string) {
+	v.tb.Helper()
+	var got []string
+	for deadline := time.Now().Add(30 * time.Second); ; {
+		if got = guestNames(v.libvirtGuests()); slices.Equal(got, names) {
+			return
+		}
+		if time.Now().After(deadline) {
+			out, _ := d.Virsh("list", "--all")
+			v.tb.Fatalf("hostd's libvirt guests are %v, want %v; libvirt says:\n%s\nhostd log:\n%s", got, names, out, v.Log())
+		}
+		time.Sleep(50 * time.Millisecond)
+	}
+}
+
+func guestNames(gs []broker.GuestInfo) []string {
+	var out []string
+	for _, g := range gs {
+		out = append(out, g.Name)
+	}
+	slices.Sort(out)
+	return out
+}
+
