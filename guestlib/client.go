@@ -218,6 +218,13 @@ func hello(conn net.Conn) (proto.Msg, error) {
 		}
 		_ = conn.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
 		m, _, err := proto.Read(conn, nil)
+		// A VM's port may still hold what hostd sent to the guest's
+		// previous boot (QEMU keeps the channel across a reboot in
+		// place): PONG, REVOKED, KICK... Everything before WELCOME is
+		// that, and is skipped.
+		for err == nil && stale(m) {
+			m, _, err = proto.Read(conn, nil)
+		}
 		if errors.Is(err, os.ErrDeadlineExceeded) {
 			continue
 		}
@@ -231,6 +238,18 @@ func hello(conn net.Conn) (proto.Msg, error) {
 		return m, nil
 	}
 	return proto.Msg{}, errors.New("welcome: no answer to HELLO in 5s")
+}
+
+// stale reports whether m, read before WELCOME, is left over from an
+// earlier session on the same channel.
+func stale(m proto.Msg) bool {
+	switch m.Type {
+	case proto.Welcome:
+		return false
+	case proto.Error:
+		return m.Reason == proto.ReasonNoHostd
+	}
+	return true
 }
 
 // portConn is a character device used as the control connection.

@@ -14,6 +14,8 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/testenv"
@@ -210,5 +212,40 @@ func TestMetricsEndpoint(t *testing.T) {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("metrics lack %q", want)
 		}
+	}
+}
+
+// TestHelloAgainStartsOver: a HELLO after a guest has acted on its channel
+// is a new guest behind the same channel (a VM rebooted in place), so what
+// the old one set up goes; retried HELLOs before it acts change nothing.
+func TestHelloAgainStartsOver(t *testing.T) {
+	e := newEnv(t, 1, "")
+	raw := rawSession(t, e.control(e.rig.Guests[0]))
+	listening := func() []string {
+		var gs []broker.GuestInfo
+		if err := admin.Call(e.Admin, admin.Request{Cmd: "guests"}, &gs); err != nil {
+			t.Fatal(err)
+		}
+		return gs[0].Listening
+	}
+	hello := func() {
+		t.Helper()
+		proto.Write(raw, &proto.Msg{Type: proto.Hello, PID: 2})
+		if m, _, err := proto.Read(raw, nil); err != nil || m.Type != proto.Welcome {
+			t.Fatalf("welcome: %+v, %v", m, err)
+		}
+	}
+	hello() // a retried HELLO before acting: nothing to drop
+	proto.Write(raw, &proto.Msg{Type: proto.Listen, Local: netip.MustParseAddrPort("0.0.0.0:7100")})
+	proto.Write(raw, &proto.Msg{Type: proto.Ping, Nonce: 1})
+	if m, _, err := proto.Read(raw, nil); err != nil || m.Type != proto.Pong {
+		t.Fatalf("pong: %+v, %v", m, err)
+	}
+	if got := listening(); len(got) != 1 {
+		t.Fatalf("listening %v after LISTEN, want one", got)
+	}
+	hello()
+	if got := listening(); len(got) != 0 {
+		t.Fatalf("listening %v after a new HELLO, want none", got)
 	}
 }

@@ -11,6 +11,8 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/integration/vm"
@@ -88,10 +90,16 @@ func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 // boot starts VM i with the agent's arguments; it is stopped with the test.
 func (v *vmEnv) boot(i int, args ...string) *vm.VM {
 	v.tb.Helper()
+	return v.bootVM(i, false, args...)
+}
+
+// bootVM is boot, optionally of a VM that can be reset (rebooted in place).
+func (v *vmEnv) bootVM(i int, resettable bool, args ...string) *vm.VM {
+	v.tb.Helper()
 	a, h := vmAddr(i)
 	m, err := vm.Boot(vm.Options{
 		Name: fmt.Sprintf("vm%d", i), Kernel: v.kernel, Initramfs: v.initrd, HostNS: v.rig.HostNSPath(),
-		Tap: fmt.Sprintf("shvm%d-%d", rigSeq, i), Addr: a, Host: h, Args: args,
+		Tap: fmt.Sprintf("shvm%d-%d", rigSeq, i), Addr: a, Host: h, Args: args, Resettable: resettable,
 		Attach: vhost.Attachment{
 			Region:  ivshmem.Device{ID: "shunt0", Path: v.RegionPath(), Size: 32 << 20},
 			Control: vserial.Port{ID: "shunt0", Socket: filepath.Join(v.Dir, fmt.Sprintf("vm%d.sock", i))},
@@ -269,4 +277,48 @@ func TestVMHostdRestart(t *testing.T) {
 	v.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "7004")
 	expectVMReset(t, ctx, srv)
 	expectVMReset(t, ctx, cli)
+}
+
+// TestVMRebootInPlace: a VM that reboots in place keeps its QEMU and so its
+// control channel. hostd must see the new guest behind the channel: the
+// old boot's flow is revoked (the peer gets ECONNRESET), the new boot's
+// listener counts, and it gets the fast path again.
+func TestVMRebootInPlace(t *testing.T) {
+	v := newVMEnv(t, 3)
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a1, _ := vmAddr(1)
+	srv := v.bootVM(1, true, "serve-hold", "7003")
+	mustWait(t, ctx, srv, "SHUNT-VM LISTENING")
+	cli := v.boot(2, "hold", a1.String()+":7003")
+	for _, m := range []*vm.VM{srv, cli} {
+		if line := mustWait(t, ctx, m, "SHUNT-VM PATH"); line != "SHUNT-VM PATH shunt" {
+			t.Fatalf("%s: %s, want the fast path", m.Name, line)
+		}
+	}
+	mark := srv.Lines()
+	if err := srv.Reset(); err != nil {
+		t.Fatal(err)
+	}
+	expectVMReset(t, ctx, cli)
+	if _, err := srv.WaitFrom(ctx, mark, "SHUNT-VM LISTENING"); err != nil {
+		t.Fatal(err)
+	}
+	eventually(t, 30*time.Second, "the old boot's flow released", func() bool { return len(v.flows()) == 0 })
+	var gs []broker.GuestInfo
+	if err := admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs); err != nil {
+		t.Fatal(err)
+	}
+	for _, g := range gs {
+		if g.Name == "vm1" && (g.Sessions != 1 || len(g.Listening) != 1 || !strings.HasSuffix(g.Listening[0], ":7003")) {
+			t.Fatalf("vm1 after its reboot: %+v, want one session listening on 7003", g)
+		}
+	}
+	cli2 := v.boot(3, "hold", a1.String()+":7003")
+	if line := mustWait(t, ctx, cli2, "SHUNT-VM PATH"); line != "SHUNT-VM PATH shunt" {
+		t.Fatalf("vm3: %s, want the fast path", line)
+	}
+	if line, err := srv.WaitFrom(ctx, mark, "SHUNT-VM PATH"); err != nil || line != "SHUNT-VM PATH shunt" {
+		t.Fatalf("vm1 after its reboot: %q %v, want the fast path", line, err)
+	}
 }

@@ -245,6 +245,10 @@ func (ss *session) readLoop() {
 	welcome := proto.Msg{Type: proto.Welcome, GuestID: ss.g.ID, Gen: st.Generation(), RegionSize: uint64(st.Layout().Size), Region: g.Region}
 	ss.Send(welcome)
 	log.Debug("guest connected", "pid", m.PID)
+	// spoke: the guest has acted since WELCOME (anything but HELLO and
+	// the keepalive PING/PONG). Every retried HELLO of one guest comes
+	// before it acts, since it acts only once WELCOME arrived.
+	spoke := false
 	for {
 		m, buf, err = proto.Read(ss.c, buf)
 		if err != nil {
@@ -268,8 +272,20 @@ func (ss *session) readLoop() {
 			ss.srv.b.Reattach(ss, m)
 		case proto.Hello:
 			// A VM repeats HELLO until answered (its port drops data
-			// until both ends are open), so a late one may arrive.
+			// until both ends are open), so a late one may arrive; it
+			// comes before anything else the guest says. A HELLO after
+			// other messages is a new guest on the same channel: the VM
+			// rebooted in place (QEMU, and so the channel, stayed) or
+			// its program restarted. The old one's flows and listeners
+			// are gone with it.
+			if spoke {
+				log.Info("guest started again on its channel (VM reboot?); its flows are revoked", "pid", m.PID)
+				ss.srv.b.Detach(ss)
+				ss.srv.b.Attach(ss)
+				spoke = false
+			}
 			ss.Send(welcome)
+			continue
 		case proto.Ping:
 			ss.Send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 		case proto.Kick:
@@ -278,6 +294,9 @@ func (ss *session) readLoop() {
 		default:
 			ss.malformed(log, fmt.Errorf("%s is not a guest message: %w", m.Type, proto.ErrMalformed), m.Type)
 			return
+		}
+		if m.Type != proto.Ping && m.Type != proto.Pong {
+			spoke = true
 		}
 	}
 }

@@ -33,6 +33,9 @@ type Options struct {
 	Attach     vhost.Attachment
 	Args       []string // the agent's arguments
 	MemMB      int
+	// Resettable keeps QEMU running when the guest reboots (no
+	// -no-reboot) and gives it a monitor socket, for Reset.
+	Resettable bool
 }
 
 func (o Options) cmdline() string {
@@ -117,9 +120,10 @@ func (v *VM) follow(path string) {
 // VM is a running QEMU guest. Wait and Console are safe for concurrent
 // use; Stop is for the owner.
 type VM struct {
-	Name string
-	cmd  *exec.Cmd
-	stop chan struct{} // Follow's: closed by Stop
+	Name    string
+	cmd     *exec.Cmd
+	stop    chan struct{} // Follow's: closed by Stop
+	monitor string        // HMP socket of a Resettable VM
 
 	mu    sync.Mutex
 	lines []string
@@ -138,10 +142,23 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		o.MemMB = 256
 	}
 	cmdline := o.cmdline()
-	args := append([]string{"-machine", "pc,accel=tcg", "-m", fmt.Sprint(o.MemMB), "-nodefaults", "-no-reboot",
-		"-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
-		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"}, att...)
-	v := &VM{Name: o.Name, cmd: exec.Command("qemu-system-x86_64", args...)}
+	args := []string{"-machine", "pc,accel=tcg", "-m", fmt.Sprint(o.MemMB), "-nodefaults"}
+	var monitor string
+	if o.Resettable {
+		f, err := os.CreateTemp("", "shunt-mon-*.sock")
+		if err != nil {
+			return nil, err
+		}
+		monitor = f.Name()
+		f.Close()
+		os.Remove(monitor)
+		args = append(args, "-monitor", fmt.Sprintf("unix:%s,server=on,wait=off", monitor))
+	} else {
+		args = append(args, "-no-reboot")
+	}
+	args = append(append(args, "-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
+		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"), att...)
+	v := &VM{Name: o.Name, cmd: exec.Command("qemu-system-x86_64", args...), monitor: monitor}
 	v.cond = sync.NewCond(&v.mu)
 	out, err := v.cmd.StdoutPipe()
 	if err != nil {
@@ -205,21 +222,48 @@ func (v *VM) read(r io.Reader) {
 
 // Wait waits for a console line starting with prefix and returns it.
 func (v *VM) Wait(ctx context.Context, prefix string) (string, error) {
+	return v.WaitFrom(ctx, 0, prefix)
+}
+
+// Lines returns how many console lines the VM printed so far, for WaitFrom.
+func (v *VM) Lines() int {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	return len(v.lines)
+}
+
+// WaitFrom is Wait ignoring the first from lines (those of an earlier
+// boot, say).
+func (v *VM) WaitFrom(ctx context.Context, from int, prefix string) (string, error) {
 	stop := context.AfterFunc(ctx, func() { v.mu.Lock(); v.cond.Broadcast(); v.mu.Unlock() })
 	defer stop()
 	v.mu.Lock()
 	defer v.mu.Unlock()
-	for seen := 0; ; {
+	for seen := from; ; {
 		for ; seen < len(v.lines); seen++ {
 			if strings.HasPrefix(v.lines[seen], prefix) {
 				return v.lines[seen], nil
 			}
 		}
 		if v.done || ctx.Err() != nil {
-			return "", fmt.Errorf("vm %s: no %q on the console (%v); console:\n%s", v.Name, prefix, ctx.Err(), strings.Join(v.lines, "\n"))
+			return "", fmt.Errorf("vm %s: no %q on the console after line %d (%v); console:\n%s", v.Name, prefix, from, ctx.Err(), strings.Join(v.lines, "\n"))
 		}
 		v.cond.Wait()
 	}
+}
+
+// Reset presses a Resettable VM's reset button: the guest reboots in place,
+// in the same QEMU, so its devices' host ends (the control port's socket)
+// stay connected.
+func (v *VM) Reset() error {
+	c, err := net.Dial("unix", v.monitor)
+	if err != nil {
+		return fmt.Errorf("monitor of %s: %w", v.Name, err)
+	}
+	defer c.Close()
+	_, err = c.Write([]byte("system_reset\n"))
+	time.Sleep(100 * time.Millisecond) // let QEMU read it before the close
+	return err
 }
 
 // Console returns what the VM printed so far.
@@ -243,5 +287,8 @@ func (v *VM) Stop() {
 	if v.cmd.Process != nil {
 		v.cmd.Process.Kill()
 		v.cmd.Wait()
+	}
+	if v.monitor != "" {
+		os.Remove(v.monitor)
 	}
 }
