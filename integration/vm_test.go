@@ -29,6 +29,7 @@ type vmEnv struct {
 	tb     testing.TB
 	kernel vm.Kernel
 	initrd string
+	agent  string // the static guest agent
 }
 
 func vmAddr(i int) (netip.Addr, netip.Addr) {
@@ -84,7 +85,7 @@ func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 		}
 		s.Close()
 	})
-	return &vmEnv{env: e, tb: t, kernel: k, initrd: initrd}
+	return &vmEnv{env: e, tb: t, kernel: k, initrd: initrd, agent: agent}
 }
 
 // boot starts VM i with the agent's arguments; it is stopped with the test.
@@ -320,5 +321,58 @@ func TestVMRebootInPlace(t *testing.T) {
 	}
 	if line, err := srv.WaitFrom(ctx, mark, "SHUNT-VM PATH"); err != nil || line != "SHUNT-VM PATH shunt" {
 		t.Fatalf("vm1 after its reboot: %q %v, want the fast path", line, err)
+	}
+}
+
+// TestVMPreloadIperf3: an unmodified, dynamically linked program (iperf3)
+// under the C preload library in two VMs. The library finds the control
+// port and the ivshmem BAR on its own, and both of iperf3's connections
+// take the fast path, waking across VMs through hostd.
+func TestVMPreloadIperf3(t *testing.T) {
+	testenv.NeedTool(t, "iperf3", "iperf3")
+	if preloadLib == "" {
+		t.Fatal("libshunt-preload.so did not build (see TestMain's output)")
+	}
+	v := newVMEnv(t, 2)
+	iperf3, _ := exec.LookPath("iperf3")
+	initrd := filepath.Join(t.TempDir(), "initramfs-preload")
+	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3); err != nil {
+		t.Fatal(err)
+	}
+	v.initrd = initrd
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a1, _ := vmAddr(1)
+	srv := v.boot(1, "run", preloadLib, iperf3, "-s", "-1", "-p", "5201", "--forceflush")
+	// iperf3's listen() reaches hostd through the library: LISTEN.
+	eventually(t, time.Minute, "vm1's iperf3 listening in hostd", func() bool {
+		var gs []broker.GuestInfo
+		_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
+		for _, g := range gs {
+			if g.Name == "vm1" && len(g.Listening) == 1 && strings.HasSuffix(g.Listening[0], ":5201") {
+				return true
+			}
+		}
+		return false
+	})
+	cli := v.boot(2, "run", preloadLib, iperf3, "-c", a1.String(), "-p", "5201", "-n", "8M", "-f", "m", "--forceflush")
+	for _, m := range []*vm.VM{cli, srv} {
+		if line := mustWait(t, ctx, m, "SHUNT-VM EXIT"); line != "SHUNT-VM EXIT 0" {
+			t.Fatalf("%s: iperf3 %s", m.Name, line)
+		}
+	}
+	console := cli.Console()
+	if !strings.Contains(console, "receiver") {
+		t.Fatalf("the iperf3 client reported no receiver line:\n%s", console)
+	}
+	for _, m := range []*vm.VM{cli, srv} {
+		if n := strings.Count(m.Console(), ": shunt (slot"); n != 2 {
+			t.Fatalf("%s: %d connections on the fast path, want iperf3's 2 (control and data):\n%s", m.Name, n, m.Console())
+		}
+	}
+	for _, l := range strings.Split(console, "\n") {
+		if strings.Contains(l, "receiver") || strings.Contains(l, "sender") {
+			t.Log(l)
+		}
 	}
 }

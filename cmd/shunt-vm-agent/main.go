@@ -10,18 +10,23 @@
 //	shunt-vm-agent serve-hold PORT    accept one connection and block in Read likewise
 //	shunt-vm-agent pp-server PORT     echo 8-byte messages, then sink a stream
 //	shunt-vm-agent pp-client ADDR N   N ping-pongs, then a 64 MiB stream; report both
+//	shunt-vm-agent run LIB PROG ARGS  run an unmodified program with LD_PRELOAD=LIB
+//	                                  (the C library finds the port and the BAR itself);
+//	                                  its output comes as "OUT" lines, then "EXIT code"
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
 package main
 
 import (
+	"bufio"
 	"context"
 	"fmt"
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
 	"os"
+	"os/exec"
 	"strconv"
 	"time"
 
@@ -64,6 +69,9 @@ func main() {
 }
 
 func run(args []string) error {
+	if len(args) >= 3 && args[0] == "run" {
+		return runPreloaded(args[1], args[2:])
+	}
 	disable := len(args) > 0 && args[0] == "tcp"
 	if disable {
 		args = args[1:]
@@ -191,4 +199,27 @@ func run(args []string) error {
 		return conn.Close()
 	}
 	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
+}
+
+// runPreloaded runs prog under the preload library and reports its output
+// and exit status. The agent does not open the control port itself: a port
+// has one user at a time.
+func runPreloaded(lib string, prog []string) error {
+	cmd := exec.Command(prog[0], prog[1:]...)
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_VERBOSE=1")
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		say("OUT %s", sc.Text())
+	}
+	err = cmd.Wait()
+	say("EXIT %d", cmd.ProcessState.ExitCode())
+	return err
 }

@@ -86,7 +86,9 @@ reboot -f  # QEMU runs with -no-reboot, libvirt domains with on_reboot=destroy: 
 
 // BuildInitramfs writes a gzip-less newc cpio archive with busybox, the
 // virtio modules, the init script and agent (a static binary) to path.
-func BuildInitramfs(path string, k Kernel, agent string) error {
+// Each of extra (dynamically linked programs and libraries) goes in at its
+// own absolute path, with the shared libraries and loader ldd names for it.
+func BuildInitramfs(path string, k Kernel, agent string, extra ...string) error {
 	busybox, err := exec.LookPath("busybox")
 	if err != nil {
 		return errors.New("busybox not found: apt-get install busybox-static")
@@ -116,7 +118,61 @@ func BuildInitramfs(path string, k Kernel, agent string) error {
 	if err := w.file("agent", agent, 0o755); err != nil {
 		return err
 	}
+	have := map[string]bool{"bin": true, "sbin": true, "proc": true, "sys": true, "dev": true, "lib": true, "lib/modules": true, "tmp": true}
+	for _, e := range extra {
+		files, err := withLibraries(e)
+		if err != nil {
+			return err
+		}
+		for _, f := range files {
+			name := strings.TrimPrefix(f, "/")
+			if have[name] {
+				continue
+			}
+			have[name] = true
+			for _, d := range parents(name) {
+				if !have[d] {
+					have[d] = true
+					w.dir(d)
+				}
+			}
+			if err := w.file(name, f, 0o755); err != nil {
+				return err
+			}
+		}
+	}
 	return os.WriteFile(path, w.close(), 0o644)
+}
+
+// withLibraries returns path and what ldd says it loads.
+func withLibraries(path string) ([]string, error) {
+	out, err := exec.Command("ldd", path).Output()
+	if err != nil {
+		return nil, fmt.Errorf("ldd %s: %w", path, err)
+	}
+	files := []string{path}
+	for _, line := range strings.Split(string(out), "\n") {
+		f := strings.Fields(line)
+		switch {
+		case len(f) >= 3 && f[1] == "=>" && strings.HasPrefix(f[2], "/"):
+			files = append(files, f[2])
+		case len(f) >= 1 && strings.HasPrefix(f[0], "/"):
+			files = append(files, f[0]) // the loader
+		}
+	}
+	return files, nil
+}
+
+// parents returns the directories above name, outermost first ("a/b/c"
+// gives "a", "a/b"); the kernel creates no directories for cpio entries.
+func parents(name string) []string {
+	var out []string
+	for i := 0; i < len(name); i++ {
+		if name[i] == '/' {
+			out = append(out, name[:i])
+		}
+	}
+	return out
 }
 
 // cpio writes the "newc" format the kernel unpacks into its rootfs.

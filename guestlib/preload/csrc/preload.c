@@ -155,6 +155,11 @@ static struct {
 	pid_t pid;
 } ctl = {.mu = PTHREAD_MUTEX_INITIALIZER, .cv = PTHREAD_COND_INITIALIZER, .fd = -1};
 
+static int vm_mode;       /* see "VM mode" below */
+static uint32_t kick_seq; /* bumped per KICK; shared futex ops (futex_waitv uses them) */
+static void vm_kicked(void);
+static int ctl_send(const struct shunt_msg *m);
+
 static int read_full(int fd, void *buf, size_t n)
 {
 	uint8_t *p = buf;
@@ -188,6 +193,8 @@ static int ctl_write_locked(const struct shunt_msg *m)
 	ssize_t n = shunt_msg_encode(m, buf, sizeof buf);
 	if (ctl.fd < 0 || n < 0)
 		return -1;
+	if (vm_mode)
+		return real_write(ctl.fd, buf, n) == n ? 0 : -1;
 	return real_send(ctl.fd, buf, n, MSG_NOSIGNAL) == n ? 0 : -1;
 }
 
@@ -218,6 +225,8 @@ static void *ctl_reader(void *arg)
 				}
 		} else if (m.type == SHUNT_PONG) {
 			ctl.pong = m.nonce;
+		} else if (m.type == SHUNT_KICK) {
+			vm_kicked();
 		} else if (m.type == SHUNT_ERROR) {
 			logf_("shunt: hostd closed the control channel: %s", m.text);
 		}
@@ -240,6 +249,175 @@ static void *ctl_reader(void *arg)
 	pthread_cond_broadcast(&ctl.cv);
 	pthread_mutex_unlock(&ctl.mu);
 	return NULL;
+}
+
+/* ---- VM mode: the control channel is a virtio-serial port, the region a
+ * PCI BAR (docs/vm.md). No futex works on a BAR, and none would reach
+ * another VM: a waker sends KICK through hostd, and a sleeper sleeps on a
+ * process-local word that the control reader bumps for every KICK, never
+ * longer than 20 ms (a lost kick costs latency, not a hang). ---- */
+
+#define VM_FALLBACK_NS 20000000LL
+
+static void vm_wake(struct shunt_ring *r)
+{
+	struct flow *f = r->owner;
+	if (f) {
+		struct shunt_msg k = {.type = SHUNT_KICK, .slot = f->slot, .gen = f->gen, .side = f->side};
+		ctl_send(&k);
+	}
+}
+
+static uint32_t vm_seq(void) { return __atomic_load_n(&kick_seq, __ATOMIC_SEQ_CST); }
+
+static void vm_sleep(uint32_t seq, int64_t max_ns)
+{
+	int64_t d = max_ns >= 0 && max_ns < VM_FALLBACK_NS ? max_ns : VM_FALLBACK_NS;
+	struct timespec ts = {d / 1000000000, d % 1000000000};
+	syscall(SYS_futex, &kick_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+}
+
+static void vm_kicked(void)
+{
+	__atomic_add_fetch(&kick_seq, 1, __ATOMIC_SEQ_CST);
+	syscall(SYS_futex, &kick_seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+}
+
+/* find_port finds the control port by its name, as vhost/vserial.Find
+ * does: the udev link, else sysfs (guests without udev). */
+static int find_port(char *out, size_t n)
+{
+	struct stat st;
+	if (stat("/dev/virtio-ports/org.shunt.ctl", &st) == 0) {
+		snprintf(out, n, "/dev/virtio-ports/org.shunt.ctl");
+		return 0;
+	}
+	for (int i = 0; i < 8; i++)
+		for (int j = 0; j < 32; j++) {
+			char p[96], name[64] = {0};
+			snprintf(p, sizeof p, "/sys/class/virtio-ports/vport%dp%d/name", i, j);
+			int fd = open(p, O_RDONLY | O_CLOEXEC);
+			if (fd < 0)
+				continue;
+			ssize_t k = real_read(fd, name, sizeof name - 1);
+			real_close(fd);
+			if (k > 0 && !strncmp(name, "org.shunt.ctl", 13) && (name[13] == '\n' || name[13] == 0)) {
+				snprintf(out, n, "/dev/vport%dp%d", i, j);
+				return 0;
+			}
+		}
+	return -1;
+}
+
+/* find_bar finds the ivshmem device (1af4:1110), enables it and names its
+ * memory BAR, as vhost/ivshmem.Find does. */
+static int find_bar(char *out, size_t n)
+{
+	for (int bus = 0; bus < 4; bus++)
+		for (int dev = 0; dev < 32; dev++) {
+			char base[64], p[96], v[16] = {0}, d[16] = {0};
+			snprintf(base, sizeof base, "/sys/bus/pci/devices/0000:%02x:%02x.0", bus, dev);
+			snprintf(p, sizeof p, "%s/vendor", base);
+			int fd = open(p, O_RDONLY | O_CLOEXEC);
+			if (fd < 0)
+				continue;
+			real_read(fd, v, sizeof v - 1);
+			real_close(fd);
+			snprintf(p, sizeof p, "%s/device", base);
+			if ((fd = open(p, O_RDONLY | O_CLOEXEC)) < 0)
+				continue;
+			real_read(fd, d, sizeof d - 1);
+			real_close(fd);
+			if (strncmp(v, "0x1af4", 6) || strncmp(d, "0x1110", 6))
+				continue;
+			snprintf(p, sizeof p, "%s/enable", base);
+			if ((fd = open(p, O_WRONLY | O_CLOEXEC)) >= 0) {
+				real_write(fd, "1", 1);
+				real_close(fd);
+			}
+			snprintf(out, n, "%s/resource2", base);
+			return 0;
+		}
+	return -1;
+}
+
+/* port_hello says HELLO on a port until WELCOME comes: the port drops what
+ * is written before both ends are open, and it may still hold what hostd
+ * sent to an earlier user of the port, which is skipped. */
+static int port_hello(int fd, struct shunt_msg *m)
+{
+	for (int try = 0; try < 25; try++) {
+		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+		uint8_t buf[64];
+		ssize_t n = shunt_msg_encode(&h, buf, sizeof buf);
+		if (n < 0 || real_write(fd, buf, n) != n)
+			return -1;
+		int64_t until = now_ns() + 200000000;
+		for (;;) {
+			int64_t left = until - now_ns();
+			struct pollfd p = {.fd = fd, .events = POLLIN};
+			if (left <= 0 || real_poll(&p, 1, (int)(left / 1000000) + 1) <= 0)
+				break;
+			if (ctl_read(fd, m))
+				return -1;
+			if (m->type == SHUNT_WELCOME)
+				return 0;
+			if (m->type == SHUNT_ERROR && m->reason != 19 /* no-hostd */)
+				return -1;
+		}
+	}
+	errno = ETIMEDOUT;
+	return -1;
+}
+
+/* ctl_open opens the control channel and gets WELCOME. A character device
+ * (or no socket but a port named org.shunt.ctl) means a VM: VM mode. */
+static int ctl_open(struct shunt_msg *m)
+{
+	struct stat st;
+	static char port[96];
+	const char *path = control_path;
+	if (stat(path, &st) < 0 && !getenv("SHUNT_CONTROL") && find_port(port, sizeof port) == 0)
+		path = port;
+	if (stat(path, &st) == 0 && S_ISCHR(st.st_mode)) {
+		int fd = open(path, O_RDWR | O_CLOEXEC);
+		if (fd < 0) {
+			if (errno == EBUSY)
+				logf_("shunt: control port %s is in use by another process (one per VM)", path);
+			return -1;
+		}
+		if (port_hello(fd, m)) {
+			real_close(fd);
+			return -1;
+		}
+		if (!region_override) {
+			static char bar[128];
+			if (find_bar(bar, sizeof bar) == 0)
+				region_override = bar;
+		}
+		vm_mode = 1;
+		shunt_remote_wake = vm_wake;
+		shunt_remote_seq = vm_seq;
+		shunt_remote_sleep = vm_sleep;
+		return fd;
+	}
+	int fd = real_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	strncpy(sa.sun_path, path, sizeof sa.sun_path - 1);
+	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+	uint8_t buf[64];
+	ssize_t n = shunt_msg_encode(&h, buf, sizeof buf);
+	struct timeval tv = {.tv_sec = 5};
+	if (fd < 0 || real_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+	    real_send(fd, buf, n, MSG_NOSIGNAL) != n || ctl_read(fd, m) || m->type != SHUNT_WELCOME) {
+		if (fd >= 0)
+			real_close(fd);
+		return -1;
+	}
+	tv.tv_sec = 0;
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	return fd;
 }
 
 static int map_region(const char *path)
@@ -283,24 +461,13 @@ static int ctl_ensure(void)
 		return -1;
 	}
 	ctl.tried = now;
-	int fd = real_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	strncpy(sa.sun_path, control_path, sizeof sa.sun_path - 1);
-	struct shunt_msg m = {.type = SHUNT_HELLO, .pid = getpid()};
-	uint8_t buf[64];
-	ssize_t n = shunt_msg_encode(&m, buf, sizeof buf);
-	struct timeval tv = {.tv_sec = 5};
-	if (fd < 0 || real_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
-	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
-	    real_send(fd, buf, n, MSG_NOSIGNAL) != n || ctl_read(fd, &m) || m.type != SHUNT_WELCOME) {
+	struct shunt_msg m;
+	int fd = ctl_open(&m);
+	if (fd < 0) {
 		logf_("shunt: hostd unreachable at %s: %s", control_path, strerror(errno));
-		if (fd >= 0)
-			real_close(fd);
 		pthread_mutex_unlock(&ctl.mu);
 		return -1;
 	}
-	tv.tv_sec = 0;
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 	if (!ctl.region && map_region(region_override ? region_override : m.region)) {
 		logf_("shunt: cannot map the region %s", region_override ? region_override : m.region);
 		real_close(fd);
@@ -467,6 +634,7 @@ static void adopt(int fd, const struct shunt_msg *v, const char *who)
 	f->refs = 1;
 	f->owner = my_pid;
 	f->nonblock = nonblk[fd];
+	f->w.owner = f->r.owner = f;
 	pthread_mutex_init(&f->rmu, NULL);
 	pthread_mutex_init(&f->wmu, NULL);
 	int one = 1;
@@ -1030,7 +1198,15 @@ static void *helper_loop(void *arg)
 			pthread_cond_wait(&h->cv, &h->mu);
 		int n = h->n;
 		pthread_mutex_unlock(&h->mu);
-		long r = syscall(SYS_futex_waitv, h->w, n, 0, NULL, CLOCK_MONOTONIC);
+		struct timespec until, *up = NULL;
+		if (vm_mode) { /* kicks can be lost: wake at least every 20 ms */
+			clock_gettime(CLOCK_MONOTONIC, &until);
+			until.tv_nsec += VM_FALLBACK_NS;
+			until.tv_sec += until.tv_nsec / 1000000000;
+			until.tv_nsec %= 1000000000;
+			up = &until;
+		}
+		long r = syscall(SYS_futex_waitv, h->w, n, 0, up, CLOCK_MONOTONIC);
 		(void)r;
 		if (!__atomic_load_n(&h->cancel, __ATOMIC_SEQ_CST)) {
 			uint64_t one = 1;
@@ -1066,8 +1242,9 @@ static struct helper *helper(void)
 	return me->ok ? me : NULL;
 }
 
-/* A set of futex words to sleep on (the rings' waiting flags). */
-struct arm { uint32_t *flag[64]; int n; };
+/* A set of futex words to sleep on (the rings' waiting flags); seq is the
+ * kick count from before they were set (VM mode). */
+struct arm { uint32_t *flag[64]; int n; uint32_t seq; };
 
 static void arm_add(struct arm *a, struct flow *f, int reader)
 {
@@ -1077,6 +1254,8 @@ static void arm_add(struct arm *a, struct flow *f, int reader)
 
 static void arm_set(struct arm *a, uint32_t v)
 {
+	if (v)
+		a->seq = vm_seq();
 	for (int i = 0; i < a->n; i++)
 		__atomic_store_n(a->flag[i], v, __ATOMIC_SEQ_CST);
 }
@@ -1086,9 +1265,14 @@ static void helper_start(struct helper *h, struct arm *a)
 	pthread_mutex_lock(&h->mu);
 	__atomic_store_n(&h->cancel, 0, __ATOMIC_SEQ_CST);
 	h->w[0] = (struct waitv){.val = 0, .uaddr = (uintptr_t)&h->cancel, .flags = FUTEX_32};
-	for (int i = 0; i < a->n; i++)
-		h->w[i + 1] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[i], .flags = FUTEX_32};
-	h->n = a->n + 1;
+	if (vm_mode) { /* the flags sit in a BAR: sleep on the kick count instead */
+		h->w[1] = (struct waitv){.val = a->seq, .uaddr = (uintptr_t)&kick_seq, .flags = FUTEX_32};
+		h->n = 2;
+	} else {
+		for (int i = 0; i < a->n; i++)
+			h->w[i + 1] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[i], .flags = FUTEX_32};
+		h->n = a->n + 1;
+	}
 	h->req = 1;
 	pthread_cond_broadcast(&h->cv);
 	pthread_mutex_unlock(&h->mu);

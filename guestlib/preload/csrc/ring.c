@@ -69,13 +69,22 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
 	return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
 }
 
-/* wake: the waker's half of the protocol (shm/wait Policy.Wake). */
-static void wake(uint32_t *flag)
+void (*shunt_remote_wake)(struct shunt_ring *r);
+uint32_t (*shunt_remote_seq)(void);
+void (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
+
+/* wake: the waker's half of the protocol (shm/wait Policy.Wake). r is the
+ * ring whose flag it is, for the remote hook. */
+static void wake(struct shunt_ring *r, uint32_t *flag)
 {
 	uint32_t one = 1;
 	if (__atomic_load_n(flag, SC) != 0 &&
-	    __atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC))
-		futex(flag, FUTEX_WAKE, 1, NULL);
+	    __atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC)) {
+		if (shunt_remote_wake)
+			shunt_remote_wake(r);
+		else
+			futex(flag, FUTEX_WAKE, 1, NULL);
+	}
 }
 
 /* free space, refreshing the reader's head when the cache has less than want. */
@@ -120,7 +129,7 @@ ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n)
 		w->msgs++;
 		__atomic_store_n(w64(w, SHUNT_OFF_TAIL), w->own, SC);
 		__atomic_store_n(w64(w, SHUNT_OFF_WMSGS), w->msgs, SC);
-		wake(w32(w, SHUNT_OFF_RWAIT));
+		wake(w, w32(w, SHUNT_OFF_RWAIT));
 	}
 	return done ? (ssize_t)done : (n ? SHUNT_EAGAIN : 0);
 }
@@ -172,7 +181,7 @@ ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
 		r->msgs++;
 		__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, SC);
 		__atomic_store_n(w64(r, SHUNT_OFF_RMSGS), r->msgs, SC);
-		wake(w32(r, SHUNT_OFF_WWAIT));
+		wake(r, w32(r, SHUNT_OFF_WWAIT));
 		if ((a = avail(r, n - done)) < 0)
 			return done;
 	}
@@ -211,7 +220,7 @@ int shunt_ring_close_write(struct shunt_ring *w)
 		return 0;
 	w->fin = 1;
 	__atomic_fetch_or(w32(w, SHUNT_OFF_WFLAGS), 1, SC);
-	wake(w32(w, SHUNT_OFF_RWAIT));
+	wake(w, w32(w, SHUNT_OFF_RWAIT));
 	return 0;
 }
 
@@ -220,14 +229,14 @@ void shunt_ring_abort(struct shunt_ring *r)
 	__atomic_store_n(w32(r, SHUNT_OFF_RESET), 1, SC);
 	for (int off = SHUNT_OFF_RWAIT; off <= SHUNT_OFF_WWAIT; off += SHUNT_OFF_WWAIT - SHUNT_OFF_RWAIT) {
 		__atomic_store_n(w32(r, off), 1, SC); /* wake skips flags that say nobody sleeps */
-		wake(w32(r, off));
+		wake(r, w32(r, off));
 	}
 }
 
 int shunt_ring_close_read(struct shunt_ring *r)
 {
 	__atomic_fetch_or(w32(r, SHUNT_OFF_RFLAGS), 1, SC);
-	wake(w32(r, SHUNT_OFF_WWAIT));
+	wake(r, w32(r, SHUNT_OFF_WWAIT));
 	return 0;
 }
 
@@ -269,6 +278,7 @@ int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t t
 	}
 	uint32_t *flag = w32(r, reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT);
 	for (;;) {
+		uint32_t seq = shunt_remote_seq ? shunt_remote_seq() : 0;
 		__atomic_store_n(flag, 1, SC);
 		if (shunt_ring_ready(r, reader)) {
 			__atomic_store_n(flag, 0, SC);
@@ -285,6 +295,9 @@ int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t t
 			ts.tv_nsec = left % 1000000000;
 			tsp = &ts;
 		}
-		futex(flag, FUTEX_WAIT, 1, tsp);
+		if (shunt_remote_sleep)
+			shunt_remote_sleep(seq, tsp ? ts.tv_sec * 1000000000 + ts.tv_nsec : -1);
+		else
+			futex(flag, FUTEX_WAIT, 1, tsp);
 	}
 }

@@ -46,7 +46,18 @@ struct shunt_ring {
 	uint64_t peer;  /* last validated peer index */
 	uint64_t msgs;
 	int fin;        /* writer: FIN published */
+	void *owner;    /* the library's flow, for the remote hooks */
 };
+
+/* Remote waking, for rings in a PCI BAR (a VM's ivshmem mapping): no futex
+ * works there, and none would reach another VM's kernel anyway. When set,
+ * a waker calls shunt_remote_wake instead of FUTEX_WAKE (the library sends
+ * KICK through hostd), and a sleeper calls shunt_remote_sleep instead of
+ * FUTEX_WAIT, with the value shunt_remote_seq gave before it announced
+ * itself (so a kick in between is not lost). Sleeps must be bounded. */
+extern void (*shunt_remote_wake)(struct shunt_ring *r);
+extern uint32_t (*shunt_remote_seq)(void);
+extern void (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
 
 /* Attaches to the ring at mem (len bytes: header + data). want (if non-zero)
  * is the capacity the directory says. Returns 0 or SHUNT_ECORRUPT. */
