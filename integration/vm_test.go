@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
+	"slices"
 	"strings"
 	"testing"
 	"time"
@@ -31,6 +32,10 @@ type vmEnv struct {
 	initrd string
 	agent  string // the static guest agent
 }
+
+// vmPorts is how many control ports each test VM has: two processes in a
+// VM can use Shunt at once.
+const vmPorts = 2
 
 func vmAddr(i int) (netip.Addr, netip.Addr) {
 	return netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 2}), netip.AddrFrom4([4]byte{10, 77, byte(100 + i), 1})
@@ -67,7 +72,8 @@ func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 	}
 	for i := 1; i <= n; i++ {
 		a, _ := vmAddr(i)
-		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n}\n", i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), a)
+		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  control_ports = %d\n  addresses = [%q]\n}\n",
+			i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), vmPorts, a)
 	}
 	rigSeq++
 	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("v%d%d", os.Getpid()%1000, rigSeq), Guests: 1, HostdBin: hostdBin,
@@ -103,7 +109,7 @@ func (v *vmEnv) bootVM(i int, resettable bool, args ...string) *vm.VM {
 		Tap: fmt.Sprintf("shvm%d-%d", rigSeq, i), Addr: a, Host: h, Args: args, Resettable: resettable,
 		Attach: vhost.Attachment{
 			Region:  ivshmem.Device{ID: "shunt0", Path: v.RegionPath(), Size: 32 << 20},
-			Control: vserial.Port{ID: "shunt0", Socket: filepath.Join(v.Dir, fmt.Sprintf("vm%d.sock", i))},
+			Control: vserial.Port{ID: "shunt0", Socket: filepath.Join(v.Dir, fmt.Sprintf("vm%d.sock", i)), Ports: vmPorts},
 		},
 	}, func(c *exec.Cmd) error { return nsrig.Start(v.rig.HostNSPath(), c) })
 	if err != nil {
@@ -324,10 +330,11 @@ func TestVMRebootInPlace(t *testing.T) {
 	}
 }
 
-// TestVMPreloadIperf3: an unmodified, dynamically linked program (iperf3)
-// under the C preload library in two VMs. The library finds the control
-// port and the ivshmem BAR on its own, and both of iperf3's connections
-// take the fast path, waking across VMs through hostd.
+// TestVMPreloadIperf3: unmodified, dynamically linked programs (iperf3)
+// under the C preload library in two VMs, two at once in each VM. The
+// library finds a free control port and the ivshmem BAR on its own, and all
+// of iperf3's connections take the fast path, waking across VMs through
+// hostd.
 func TestVMPreloadIperf3(t *testing.T) {
 	testenv.NeedTool(t, "iperf3", "iperf3")
 	if preloadLib == "" {
@@ -343,35 +350,44 @@ func TestVMPreloadIperf3(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a1, _ := vmAddr(1)
-	srv := v.boot(1, "run", preloadLib, iperf3, "-s", "-1", "-p", "5201", "--forceflush")
-	// iperf3's listen() reaches hostd through the library: LISTEN.
-	eventually(t, time.Minute, "vm1's iperf3 listening in hostd", func() bool {
+	server := func(port string) []string { return []string{iperf3, "-s", "-1", "-p", port, "--forceflush"} }
+	client := func(port string) []string {
+		return []string{iperf3, "-c", a1.String(), "-p", port, "-n", "8M", "-f", "m", "--forceflush"}
+	}
+	srv := v.boot(1, slices.Concat([]string{"run", preloadLib}, server("5201"), []string{"+"}, server("5202"))...)
+	// Each iperf3's listen() reaches hostd through the library, on its
+	// own control port.
+	eventually(t, time.Minute, "both of vm1's iperf3s listening in hostd", func() bool {
 		var gs []broker.GuestInfo
 		_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
 		for _, g := range gs {
-			if g.Name == "vm1" && len(g.Listening) == 1 && strings.HasSuffix(g.Listening[0], ":5201") {
+			if g.Name == "vm1" && g.Sessions == 2 && len(g.Listening) == 2 {
 				return true
 			}
 		}
 		return false
 	})
-	cli := v.boot(2, "run", preloadLib, iperf3, "-c", a1.String(), "-p", "5201", "-n", "8M", "-f", "m", "--forceflush")
+	cli := v.boot(2, slices.Concat([]string{"run", preloadLib}, client("5201"), []string{"+"}, client("5202"))...)
 	for _, m := range []*vm.VM{cli, srv} {
-		if line := mustWait(t, ctx, m, "SHUNT-VM EXIT"); line != "SHUNT-VM EXIT 0" {
-			t.Fatalf("%s: iperf3 %s", m.Name, line)
+		for i := range 2 {
+			if line := mustWait(t, ctx, m, fmt.Sprintf("SHUNT-VM EXIT%d", i)); line != fmt.Sprintf("SHUNT-VM EXIT%d 0", i) {
+				t.Fatalf("%s: iperf3 %s", m.Name, line)
+			}
 		}
 	}
 	console := cli.Console()
-	if !strings.Contains(console, "receiver") {
-		t.Fatalf("the iperf3 client reported no receiver line:\n%s", console)
+	for i := range 2 {
+		if !strings.Contains(console, fmt.Sprintf("SHUNT-VM OUT%d [", i)) || strings.Count(console, "receiver") != 2 {
+			t.Fatalf("the iperf3 clients did not both report:\n%s", console)
+		}
 	}
 	for _, m := range []*vm.VM{cli, srv} {
-		if n := strings.Count(m.Console(), ": shunt (slot"); n != 2 {
-			t.Fatalf("%s: %d connections on the fast path, want iperf3's 2 (control and data):\n%s", m.Name, n, m.Console())
+		if n := strings.Count(m.Console(), ": shunt (slot"); n != 4 {
+			t.Fatalf("%s: %d connections on the fast path, want 4 (control and data of both iperf3s):\n%s", m.Name, n, m.Console())
 		}
 	}
 	for _, l := range strings.Split(console, "\n") {
-		if strings.Contains(l, "receiver") || strings.Contains(l, "sender") {
+		if strings.Contains(l, "receiver") {
 			t.Log(l)
 		}
 	}

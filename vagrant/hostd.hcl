@@ -11,7 +11,8 @@ trust_group "tenant" {
 guest "g1" {
   id        = 1
   group     = "tenant"
-  control   = "/run/shunt/g1.sock"
+  control   = "/run/shunt/g1.sock"   # and g1.sock.1: two ports
+  control_ports = 2
   addresses = ["192.168.121.11"]
 }
 
@@ -19,5 +20,6 @@ guest "g2" {
   id        = 2
   group     = "tenant"
   control   = "/run/shunt/g2.sock"
+  control_ports = 2
   addresses = ["192.168.121.12"]
 }

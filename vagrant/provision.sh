@@ -16,21 +16,18 @@ install -m 0644 /shunt/bin/libshunt-preload.so /usr/local/lib/libshunt-preload.s
 getent group shunt >/dev/null || groupadd --system shunt
 usermod -a -G shunt vagrant 2>/dev/null || true
 cat > /etc/udev/rules.d/70-shunt.rules <<'RULES'
-SUBSYSTEM=="virtio-ports", ATTR{name}=="org.shunt.ctl", GROUP="shunt", MODE="0660"
+SUBSYSTEM=="virtio-ports", ATTR{name}=="org.shunt.ctl*", GROUP="shunt", MODE="0660"
 SUBSYSTEM=="pci", ATTR{vendor}=="0x1af4", ATTR{device}=="0x1110", RUN+="/bin/sh -c 'echo 1 > /sys%p/enable; chgrp shunt /sys%p/resource2; chmod 0660 /sys%p/resource2'"
 RULES
 udevadm control --reload && udevadm trigger --subsystem-match=virtio-ports --subsystem-match=pci || true
-# The control port and the region, found by name and by PCI ids (the
-# library finds them itself too; these make the choice visible).
-port=$(grep -l org.shunt.ctl /sys/class/virtio-ports/*/name | head -n 1 | xargs dirname | xargs basename)
+# The library finds the ports (org.shunt.ctl, org.shunt.ctl.1) and the BAR
+# itself, taking the first port no other process holds; this only shows
+# what it will find.
+ports=$(grep -l '^org.shunt.ctl' /sys/class/virtio-ports/*/name | xargs -n1 dirname | xargs -n1 basename | tr '\n' ' ')
 bar=$(grep -l 0x1110 /sys/bus/pci/devices/*/device | head -n 1 | xargs dirname)
 echo 1 > "$bar/enable"
-cat > /etc/profile.d/shunt.sh <<ENV
-export SHUNT_CONTROL=/dev/$port
-export SHUNT_REGION=$bar/resource2
-ENV
 mpicc -O2 -o /usr/local/bin/shunt-mpi-pingpong /shunt/integration/mpi/pingpong.c
-echo "$name provisioned: control /dev/$port, region $bar/resource2"
-# One process per VM holds the port: give the library to the ranks only
-# (-x LD_PRELOAD), not to orted.
-echo "run the benchmark from g1: mpirun -np 2 --host ${hosts%,*}:1,${hosts#*,}:1 -x SHUNT_CONTROL -x SHUNT_REGION -x LD_PRELOAD=/usr/local/lib/libshunt-preload.so --mca pml ob1 --mca btl self,tcp shunt-mpi-pingpong"
+echo "$name provisioned: control ports $ports, region $bar/resource2"
+# Each process holds one port while it runs: give the library to the ranks
+# only (-x LD_PRELOAD), not to orted; up to two ranks per guest.
+echo "run the benchmark from g1: mpirun -np 2 --host ${hosts%,*}:1,${hosts#*,}:1 -x LD_PRELOAD=/usr/local/lib/libshunt-preload.so --mca pml ob1 --mca btl self,tcp shunt-mpi-pingpong"

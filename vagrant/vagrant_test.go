@@ -32,7 +32,7 @@ func TestDeviceArgsMatchVhost(t *testing.T) {
 	}
 	want, err := vhost.Attachment{
 		Region:  ivshmem.Device{ID: "shunt0", Path: "/dev/shm/shunt-tenant", Size: 64 << 20},
-		Control: vserial.Port{ID: "shunt0", Socket: "/run/shunt/g1.sock"},
+		Control: vserial.Port{ID: "shunt0", Socket: "/run/shunt/g1.sock", Ports: 2},
 	}.QEMUArgs()
 	if err != nil {
 		t.Fatal(err)
@@ -47,7 +47,7 @@ func TestHostdConfigParses(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if len(c.Guests) != 2 || c.Groups[0].Region != "/dev/shm/shunt-tenant" || c.Groups[0].Geometry.Size != 64<<20 {
+	if len(c.Guests) != 2 || c.Guests[0].Ports != 2 || c.Guests[1].Ports != 2 || c.Groups[0].Region != "/dev/shm/shunt-tenant" || c.Groups[0].Geometry.Size != 64<<20 {
 		t.Fatalf("hostd.hcl does not match the Vagrantfile: %+v", c)
 	}
 }

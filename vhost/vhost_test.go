@@ -27,30 +27,35 @@ func TestQEMUAcceptsAttachment(t *testing.T) {
 	}
 	r.Close()
 	sock := filepath.Join(dir, "vm1.sock")
-	l, err := net.Listen("unix", sock)
-	if err != nil {
-		t.Fatal(err)
+	port := vserial.Port{ID: "shunt0", Socket: sock, Ports: 3}
+	accepted := make(chan string, port.Count())
+	for i := range port.Count() {
+		l, err := net.Listen("unix", vserial.SocketOf(sock, i))
+		if err != nil {
+			t.Fatal(err)
+		}
+		defer l.Close()
+		go func() {
+			if c, err := l.Accept(); err == nil {
+				c.Close()
+				accepted <- l.Addr().String()
+			}
+		}()
 	}
-	defer l.Close()
 	args, err := vhost.Attachment{
 		Region:  ivshmem.Device{ID: "shunt0", Path: path, Size: 1 << 20},
-		Control: vserial.Port{ID: "shunt0", Socket: sock},
+		Control: port,
 	}.QEMUArgs()
 	if err != nil {
 		t.Fatal(err)
 	}
 	cmd, out := vhosttest.QEMU(t, args...)
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		if c, err := l.Accept(); err == nil {
-			accepted <- c
+	for range port.Count() {
+		select {
+		case <-accepted:
+		case <-time.After(20 * time.Second):
+			t.Fatalf("QEMU did not connect all %d control ports in 20s:\n%s", port.Count(), out.String())
 		}
-	}()
-	select {
-	case c := <-accepted:
-		c.Close()
-	case <-time.After(20 * time.Second):
-		t.Fatalf("QEMU did not connect its control port to %s in 20s:\n%s", sock, out.String())
 	}
 	vhosttest.WaitMapped(t, cmd, out, path)
 }

@@ -12,7 +12,9 @@
 //	shunt-vm-agent pp-client ADDR N   N ping-pongs, then a 64 MiB stream; report both
 //	shunt-vm-agent run LIB PROG ARGS  run an unmodified program with LD_PRELOAD=LIB
 //	                                  (the C library finds the port and the BAR itself);
-//	                                  its output comes as "OUT" lines, then "EXIT code"
+//	                                  its output comes as "OUT" lines, then "EXIT code";
+//	                                  "PROG ARGS + PROG ARGS" runs several at once, with
+//	                                  "OUT<i>" and "EXIT<i>" lines
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
@@ -21,13 +23,16 @@ package main
 import (
 	"bufio"
 	"context"
+	"errors"
 	"fmt"
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
+	"slices"
 	"strconv"
+	"sync"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
@@ -201,25 +206,52 @@ func run(args []string) error {
 	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
 }
 
-// runPreloaded runs prog under the preload library and reports its output
-// and exit status. The agent does not open the control port itself: a port
-// has one user at a time.
-func runPreloaded(lib string, prog []string) error {
-	cmd := exec.Command(prog[0], prog[1:]...)
-	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_VERBOSE=1")
-	out, err := cmd.StdoutPipe()
-	if err != nil {
-		return err
+// runPreloaded runs the programs (separated by "+") at once under the
+// preload library and reports their output and exit status. The agent does
+// not open a control port itself: a port has one user at a time.
+func runPreloaded(lib string, args []string) error {
+	var progs [][]string
+	for start := 0; start <= len(args); {
+		end := slices.Index(args[start:], "+")
+		if end < 0 {
+			end = len(args) - start
+		}
+		progs = append(progs, args[start:start+end])
+		start += end + 1
 	}
-	cmd.Stderr = cmd.Stdout
-	if err := cmd.Start(); err != nil {
-		return err
+	tag := func(i int) string {
+		if len(progs) == 1 {
+			return ""
+		}
+		return strconv.Itoa(i)
 	}
-	sc := bufio.NewScanner(out)
-	for sc.Scan() {
-		say("OUT %s", sc.Text())
+	var wg sync.WaitGroup
+	errs := make([]error, len(progs))
+	for i, prog := range progs {
+		if len(prog) == 0 {
+			return fmt.Errorf("run: empty program %d", i)
+		}
+		cmd := exec.Command(prog[0], prog[1:]...)
+		cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_VERBOSE=1")
+		out, err := cmd.StdoutPipe()
+		if err != nil {
+			return err
+		}
+		cmd.Stderr = cmd.Stdout
+		if err := cmd.Start(); err != nil {
+			return err
+		}
+		wg.Add(1)
+		go func() {
+			defer wg.Done()
+			sc := bufio.NewScanner(out)
+			for sc.Scan() {
+				say("OUT%s %s", tag(i), sc.Text())
+			}
+			errs[i] = cmd.Wait()
+			say("EXIT%s %d", tag(i), cmd.ProcessState.ExitCode())
+		}()
 	}
-	err = cmd.Wait()
-	say("EXIT %d", cmd.ProcessState.ExitCode())
-	return err
+	wg.Wait()
+	return errors.Join(errs...)
 }

@@ -31,6 +31,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
 // Agent is a running hostd.
@@ -113,7 +114,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 			}
 		}
 		a.guests = append(a.guests, g)
-		eps = append(eps, server.Endpoint{Guest: g, Path: gc.Control})
+		for i := range gc.Ports {
+			eps = append(eps, server.Endpoint{Guest: g, Path: vserial.SocketOf(gc.Control, i)})
+		}
 	}
 	opts := broker.Options{PairingTimeout: cfg.PairingTimeout}
 	if a.witness != nil {

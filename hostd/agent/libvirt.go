@@ -2,6 +2,7 @@ package agent
 
 import (
 	"fmt"
+	"slices"
 	"strings"
 
 	"github.com/shuntnet/shunt/hostd/broker"
@@ -40,15 +41,18 @@ func (r *registry) Register(d virt.Domain) error {
 		a.detachWitness(g)
 		return fmt.Errorf("domain %s: %w", d.Name, err)
 	}
-	ep := server.Endpoint{Guest: g, Path: d.Control}
 	a.vmu.Lock()
 	defer a.vmu.Unlock()
-	if a.srv == nil {
-		a.vpending = append(a.vpending, ep)
-	} else if err := a.srv.Add(ep); err != nil {
-		a.b.RemoveGuest(g)
-		a.detachWitness(g)
-		return err
+	for _, path := range d.Controls {
+		ep := server.Endpoint{Guest: g, Path: path}
+		if a.srv == nil {
+			a.vpending = append(a.vpending, ep)
+		} else if err := a.srv.Add(ep); err != nil {
+			a.srv.Remove(g)
+			a.b.RemoveGuest(g)
+			a.detachWitness(g)
+			return err
+		}
 	}
 	a.vguests[d.Name] = g
 	return nil
@@ -61,12 +65,7 @@ func (r *registry) Unregister(d virt.Domain) {
 	a.vmu.Lock()
 	g := a.vguests[d.Name]
 	delete(a.vguests, d.Name)
-	for i, ep := range a.vpending {
-		if ep.Guest == g {
-			a.vpending = append(a.vpending[:i:i], a.vpending[i+1:]...)
-			break
-		}
-	}
+	a.vpending = slices.DeleteFunc(a.vpending, func(ep server.Endpoint) bool { return ep.Guest == g })
 	srv := a.srv
 	a.vmu.Unlock()
 	if g == nil {

@@ -59,6 +59,7 @@ type Guest struct {
 	ID        uint32
 	Group     string
 	Control   string       // Unix socket path hostd listens on for this guest
+	Ports     int          // control sockets: Control, Control.1, ... (one per VM port)
 	Addresses []netip.Addr // addresses the guest owns
 	Interface string       // host-side interface; its addresses' peers are learned with netlink
 	CTMark    uint32       // if non-zero, conntrack entries from this guest carry this mark
@@ -98,6 +99,7 @@ type guestBlock struct {
 	ID        int      `hcl:"id"`
 	Group     string   `hcl:"group"`
 	Control   string   `hcl:"control"`
+	Ports     int      `hcl:"control_ports,optional"`
 	Addresses []string `hcl:"addresses,optional"`
 	Interface string   `hcl:"interface,optional"`
 	CTMark    int      `hcl:"ct_mark,optional"`
@@ -195,7 +197,10 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: control socket %s is already guest %q's", where, g.Control, other)
 		}
 		socks[g.Control] = g.Name
-		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Interface: g.Interface, CTMark: uint32(g.CTMark)}
+		if g.Ports < 0 || g.Ports > 30 {
+			return nil, fmt.Errorf("%s: control_ports %d: want 1 to 30", where, g.Ports)
+		}
+		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Ports: max(g.Ports, 1), Interface: g.Interface, CTMark: uint32(g.CTMark)}
 		for _, s := range g.Addresses {
 			a, err := netip.ParseAddr(s)
 			if err != nil {

@@ -16,6 +16,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 
 	"github.com/hashicorp/go-hclog"
@@ -42,7 +43,7 @@ type Server struct {
 	wg  sync.WaitGroup
 
 	mu        sync.Mutex
-	listeners map[*broker.Guest]*listener
+	listeners map[*broker.Guest][]*listener // a VM has one per control port
 	sessions  map[*session]bool
 	closed    bool
 }
@@ -54,7 +55,7 @@ type listener struct {
 
 // Listen starts a server with the given endpoints (see Add).
 func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, eps []Endpoint) (*Server, error) {
-	s := &Server{log: log, b: b, m: m, listeners: map[*broker.Guest]*listener{}, sessions: map[*session]bool{}}
+	s := &Server{log: log, b: b, m: m, listeners: map[*broker.Guest][]*listener{}, sessions: map[*session]bool{}}
 	for _, ep := range eps {
 		if err := s.Add(ep); err != nil {
 			s.Close()
@@ -65,7 +66,7 @@ func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, eps []Endpoint) 
 }
 
 // Add creates an endpoint's socket (replacing a stale one) with mode 0600
-// and starts accepting on it.
+// and starts accepting on it. A guest may have several endpoints.
 func (s *Server) Add(ep Endpoint) error {
 	if err := os.MkdirAll(filepath.Dir(ep.Path), 0o755); err != nil {
 		return fmt.Errorf("control socket dir for %s: %w", ep.Guest.Name, err)
@@ -81,11 +82,11 @@ func (s *Server) Add(ep Endpoint) error {
 	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
-	if s.closed || s.listeners[ep.Guest] != nil {
+	if s.closed {
 		l.Close()
-		return fmt.Errorf("control socket for guest %s: server closed or guest already served", ep.Guest.Name)
+		return fmt.Errorf("control socket for guest %s: server closed", ep.Guest.Name)
 	}
-	s.listeners[ep.Guest] = &listener{Listener: l, path: ep.Path}
+	s.listeners[ep.Guest] = append(s.listeners[ep.Guest], &listener{Listener: l, path: ep.Path})
 	s.wg.Add(1)
 	go s.accept(l, ep.Guest)
 	return nil
@@ -95,7 +96,7 @@ func (s *Server) Add(ep Endpoint) error {
 // sessions are closed (which detaches them from the broker).
 func (s *Server) Remove(g *broker.Guest) {
 	s.mu.Lock()
-	l := s.listeners[g]
+	ls := s.listeners[g]
 	delete(s.listeners, g)
 	var ss []*session
 	for x := range s.sessions {
@@ -104,7 +105,7 @@ func (s *Server) Remove(g *broker.Guest) {
 		}
 	}
 	s.mu.Unlock()
-	if l != nil {
+	for _, l := range ls {
 		l.Close()
 		_ = os.Remove(l.path)
 	}
@@ -122,7 +123,7 @@ func (s *Server) accept(l net.Listener, g *broker.Guest) {
 		}
 		ss := &session{srv: s, c: c, g: g, out: make(chan proto.Msg, 256), done: make(chan struct{})}
 		s.mu.Lock()
-		if cur := s.listeners[g]; s.closed || cur == nil || cur.Listener != l {
+		if s.closed || !slices.ContainsFunc(s.listeners[g], func(x *listener) bool { return x.Listener == l }) {
 			s.mu.Unlock() // closed, or the guest was removed meanwhile
 			c.Close()
 			return
@@ -141,8 +142,8 @@ func (s *Server) Close() {
 	s.mu.Lock()
 	s.closed = true
 	var ls []*listener
-	for _, l := range s.listeners {
-		ls = append(ls, l)
+	for _, gl := range s.listeners {
+		ls = append(ls, gl...)
 	}
 	var ss []*session
 	for x := range s.sessions {

@@ -28,7 +28,7 @@ type Domain struct {
 	ID        uint32       // guest id: from metadata, else derived from the UUID
 	Group     string       // trust group named in metadata; "" to go by Shmem
 	Shmem     []string     // names of its ivshmem devices (/dev/shm/<name>)
-	Control   string       // the org.shunt.ctl channel's socket path
+	Controls  []string     // the sockets of its org.shunt.ctl[.N] channels, port 0 first
 	Tap       string       // host-side device of its first interface ("" before it runs)
 	Addresses []netip.Addr // addresses named in metadata
 	CTMark    uint32
@@ -37,7 +37,7 @@ type Domain struct {
 // Equal reports whether two descriptions are the same.
 func (d Domain) Equal(o Domain) bool {
 	return d.Name == o.Name && d.UUID == o.UUID && d.ID == o.ID && d.Group == o.Group &&
-		slices.Equal(d.Shmem, o.Shmem) && d.Control == o.Control && d.Tap == o.Tap &&
+		slices.Equal(d.Shmem, o.Shmem) && slices.Equal(d.Controls, o.Controls) && d.Tap == o.Tap &&
 		slices.Equal(d.Addresses, o.Addresses) && d.CTMark == o.CTMark
 }
 
@@ -118,20 +118,25 @@ func ParseDomain(src []byte) (Domain, error) {
 		return Domain{}, fmt.Errorf("parse domain XML: %w", err)
 	}
 	d := Domain{Name: x.Name, UUID: strings.ToLower(x.UUID)}
-	var ctl []string
+	ctl := map[int]string{}
 	for _, c := range x.Devices.Channels {
-		if c.Target.Name != vserial.Name {
+		i, ok := vserial.IndexOf(c.Target.Name)
+		if !ok {
 			continue
 		}
+		name := c.Target.Name
 		switch {
 		case c.Type != "unix" || c.Target.Type != "virtio":
-			return d, fmt.Errorf("domain %s: channel %s is type %q target %q, want type='unix' with target type='virtio'", d.Name, vserial.Name, c.Type, c.Target.Type)
+			return d, fmt.Errorf("domain %s: channel %s is type %q target %q, want type='unix' with target type='virtio'", d.Name, name, c.Type, c.Target.Type)
 		case c.Source.Mode != "connect":
-			return d, fmt.Errorf("domain %s: channel %s has source mode %q, want mode='connect' (hostd listens, QEMU connects and reconnects)", d.Name, vserial.Name, c.Source.Mode)
+			return d, fmt.Errorf("domain %s: channel %s has source mode %q, want mode='connect' (hostd listens, QEMU connects and reconnects)", d.Name, name, c.Source.Mode)
 		case !filepath.IsAbs(c.Source.Path):
-			return d, fmt.Errorf("domain %s: channel %s path %q is not absolute", d.Name, vserial.Name, c.Source.Path)
+			return d, fmt.Errorf("domain %s: channel %s path %q is not absolute", d.Name, name, c.Source.Path)
 		}
-		ctl = append(ctl, filepath.Clean(c.Source.Path))
+		if _, dup := ctl[i]; dup {
+			return d, fmt.Errorf("domain %s has two channels named %s, want one", d.Name, name)
+		}
+		ctl[i] = filepath.Clean(c.Source.Path)
 	}
 	metas := x.Metadata.Guest
 	if len(ctl) == 0 && len(metas) == 0 {
@@ -143,12 +148,19 @@ func ParseDomain(src []byte) (Domain, error) {
 	switch {
 	case len(ctl) == 0:
 		return d, fmt.Errorf("domain %s has Shunt metadata but no <channel> with target name %s", d.Name, vserial.Name)
-	case len(ctl) > 1:
-		return d, fmt.Errorf("domain %s has %d channels named %s, want one", d.Name, len(ctl), vserial.Name)
 	case len(metas) > 1:
 		return d, fmt.Errorf("domain %s has %d Shunt metadata elements, want at most one", d.Name, len(metas))
 	}
-	d.Control = ctl[0]
+	for i := range len(ctl) {
+		p, ok := ctl[i]
+		if !ok {
+			return d, fmt.Errorf("domain %s has %d Shunt channels but none named %s: number them from %s up", d.Name, len(ctl), vserial.PortName(i), vserial.Name)
+		}
+		d.Controls = append(d.Controls, p)
+	}
+	if len(slices.Compact(slices.Sorted(slices.Values(d.Controls)))) != len(d.Controls) {
+		return d, fmt.Errorf("domain %s: two Shunt channels share a socket path", d.Name)
+	}
 	for _, s := range x.Devices.Shmems {
 		if s.Model.Type == "ivshmem-plain" || s.Model.Type == "ivshmem-doorbell" {
 			d.Shmem = append(d.Shmem, s.Name)

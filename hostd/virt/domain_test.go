@@ -44,7 +44,7 @@ func TestParseDomain(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := virt.Domain{Name: "vm1", UUID: "6f1c2b0a-0c9e-4e3c-9c44-0d1b2e3f4a5b", ID: 101, Group: "t", Shmem: []string{"shunt-t"},
-		Control: "/run/shunt/vm1.sock", Tap: "shlv1", CTMark: 7,
+		Controls: []string{"/run/shunt/vm1.sock"}, Tap: "shlv1", CTMark: 7,
 		Addresses: []netip.Addr{netip.MustParseAddr("10.77.101.2"), netip.MustParseAddr("fd00::2")}}
 	if !d.Equal(want) {
 		t.Fatalf("got %+v\nwant %+v", d, want)
@@ -79,7 +79,7 @@ func TestParseDomainErrorsSayWhatToFix(t *testing.T) {
 		{"bind mode", domainXML("vm1", "", strings.Replace(channel, "mode='connect'", "mode='bind'", 1)), "want mode='connect'"},
 		{"relative path", domainXML("vm1", "", strings.Replace(channel, "/run/shunt/vm1.sock", "vm1.sock", 1)), "is not absolute"},
 		{"pty channel", domainXML("vm1", "", strings.Replace(channel, "type='unix'", "type='pty'", 1)), "want type='unix'"},
-		{"two channels", domainXML("vm1", "", channel+channel), "2 channels named"},
+		{"two channels", domainXML("vm1", "", channel+channel), "two channels named org.shunt.ctl"},
 		{"bad address", domainXML("vm1", virt.Metadata{Addresses: []string{"10.1"}}.XML(), channel), "metadata address"},
 		{"id zero", domainXML("vm1", virt.Metadata{ID: &zero}.XML(), channel), "id 0"},
 		{"no shmem", strings.Replace(domainXML("vm1", "", channel), "ivshmem-plain", "none", 1), "no ivshmem <shmem> device"},
@@ -119,8 +119,31 @@ func FuzzParseDomain(f *testing.F) {
 		if err != nil {
 			return
 		}
-		if d.Name == "" || d.ID == 0 || !strings.HasPrefix(d.Control, "/") || len(d.Shmem) == 0 {
+		if d.Name == "" || d.ID == 0 || len(d.Controls) == 0 || !strings.HasPrefix(d.Controls[0], "/") || len(d.Shmem) == 0 {
 			t.Fatalf("accepted an incomplete domain: %+v", d)
 		}
 	})
+}
+
+func TestParseDomainSeveralPorts(t *testing.T) {
+	port := func(name, path string) string {
+		return fmt.Sprintf("<channel type='unix'><source mode='connect' path='%s'/><target type='virtio' name='%s'/></channel>", path, name)
+	}
+	x := domainXML("vm1", "", port("org.shunt.ctl.1", "/run/shunt/vm1.sock.1")+port("org.shunt.ctl", "/run/shunt/vm1.sock")+
+		port("org.qemu.guest_agent.0", "/run/qga.sock"))
+	d, err := virt.ParseDomain([]byte(x))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if strings.Join(d.Controls, " ") != "/run/shunt/vm1.sock /run/shunt/vm1.sock.1" {
+		t.Fatalf("controls %v, want port 0 then port 1", d.Controls)
+	}
+	gap := domainXML("vm1", "", port("org.shunt.ctl", "/a")+port("org.shunt.ctl.2", "/b"))
+	if _, err := virt.ParseDomain([]byte(gap)); err == nil || !strings.Contains(err.Error(), "none named org.shunt.ctl.1") {
+		t.Fatalf("a gap in the port numbers: %v", err)
+	}
+	shared := domainXML("vm1", "", port("org.shunt.ctl", "/a")+port("org.shunt.ctl.1", "/a"))
+	if _, err := virt.ParseDomain([]byte(shared)); err == nil || !strings.Contains(err.Error(), "share a socket path") {
+		t.Fatalf("two ports on one socket: %v", err)
+	}
 }

@@ -240,7 +240,7 @@ func (w *Watcher) reconcile(src Source) error {
 		}
 		delete(w.complaint, name)
 		w.known[name] = d
-		w.log.Info("domain registered", "domain", name, "id", d.ID, "control", d.Control, "tap", d.Tap)
+		w.log.Info("domain registered", "domain", name, "id", d.ID, "control", d.Controls, "tap", d.Tap)
 	}
 	for name := range w.complaint {
 		if _, ok := xmls[name]; !ok {

@@ -171,7 +171,7 @@ func TestWatcherFollowsLibvirt(t *testing.T) {
 	eventually(t, "vm2 re-registered", func() bool {
 		reg.mu.Lock()
 		defer reg.mu.Unlock()
-		return reg.guests["vm2"].Control == "/run/shunt/vm2-new.sock"
+		return slices.Equal(reg.guests["vm2"].Controls, []string{"/run/shunt/vm2-new.sock"})
 	})
 
 	// libvirtd restarts; meanwhile vm2 stops and vm3 starts. The

@@ -13,16 +13,65 @@ import (
 	"fmt"
 	"os"
 	"path/filepath"
+	"sort"
+	"strconv"
 	"strings"
 )
 
 // Name is the port name guests look for.
 const Name = "org.shunt.ctl"
 
-// Port describes a VM's control port.
+// Port describes a VM's control ports.
 type Port struct {
 	ID     string // QEMU id suffix, e.g. "shunt0"
 	Socket string // hostd's Unix socket for this VM (the guest's control in hostd.hcl)
+	// Ports is how many ports the VM gets (0 means 1): a port has one
+	// user at a time, so a VM gets one per process that uses Shunt at
+	// once (MPI ranks). Port i is named PortName(i) and connects to
+	// SocketOf(i).
+	Ports int
+}
+
+// Count returns the number of ports.
+func (p Port) Count() int { return max(p.Ports, 1) }
+
+// PortName is the name of port i: Name, then Name.1, Name.2, ...
+func PortName(i int) string {
+	if i == 0 {
+		return Name
+	}
+	return fmt.Sprintf("%s.%d", Name, i)
+}
+
+// IndexOf is PortName's inverse; ok is false for other names.
+func IndexOf(name string) (int, bool) {
+	if name == Name {
+		return 0, true
+	}
+	rest, ok := strings.CutPrefix(name, Name+".")
+	if !ok {
+		return 0, false
+	}
+	i, err := strconv.Atoi(rest)
+	if err != nil || i < 1 || strconv.Itoa(i) != rest {
+		return 0, false
+	}
+	return i, true
+}
+
+// SocketOf returns hostd's socket for port i: Socket, then Socket.1, ...
+func SocketOf(socket string, i int) string {
+	if i == 0 {
+		return socket
+	}
+	return fmt.Sprintf("%s.%d", socket, i)
+}
+
+func (p Port) chardev(i int) string {
+	if i == 0 {
+		return "chr-" + p.ID
+	}
+	return fmt.Sprintf("chr-%s-%d", p.ID, i)
 }
 
 func (p Port) check() error {
@@ -32,28 +81,75 @@ func (p Port) check() error {
 	if !filepath.IsAbs(p.Socket) || strings.ContainsAny(p.Socket, ",") {
 		return fmt.Errorf("port socket %q: want an absolute path without commas", p.Socket)
 	}
+	if p.Ports < 0 || p.Ports > 30 {
+		return fmt.Errorf("ports %d: want 1 to 30 (a virtio-serial device has 31)", p.Ports)
+	}
 	return nil
 }
 
-// QEMUArgs returns the arguments for the port: QEMU connects to hostd's
-// socket and reconnects every second while hostd is away.
+// QEMUArgs returns the arguments for the ports: QEMU connects to hostd's
+// sockets and reconnects every second while hostd is away.
 func (p Port) QEMUArgs() ([]string, error) {
 	if err := p.check(); err != nil {
 		return nil, err
 	}
-	return []string{
-		"-chardev", fmt.Sprintf("socket,id=chr-%s,path=%s,reconnect=1", p.ID, p.Socket),
-		"-device", fmt.Sprintf("virtio-serial-pci,id=vser-%s", p.ID),
-		"-device", fmt.Sprintf("virtserialport,bus=vser-%s.0,chardev=chr-%s,name=%s", p.ID, p.ID, Name),
-	}, nil
+	var args []string
+	for i := range p.Count() {
+		args = append(args, "-chardev", fmt.Sprintf("socket,id=%s,path=%s,reconnect=1", p.chardev(i), SocketOf(p.Socket, i)))
+	}
+	args = append(args, "-device", fmt.Sprintf("virtio-serial-pci,id=vser-%s", p.ID))
+	for i := range p.Count() {
+		args = append(args, "-device", fmt.Sprintf("virtserialport,bus=vser-%s.0,chardev=%s,name=%s", p.ID, p.chardev(i), PortName(i)))
+	}
+	return args, nil
 }
 
-// LibvirtXML returns the domain's <channel> element.
+// LibvirtXML returns the domain's <channel> elements.
 func (p Port) LibvirtXML() (string, error) {
 	if err := p.check(); err != nil {
 		return "", err
 	}
-	return fmt.Sprintf("<channel type='unix'>\n  <source mode='connect' path='%s'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  <target type='virtio' name='%s'/>\n</channel>", p.Socket, Name), nil
+	var chans []string
+	for i := range p.Count() {
+		chans = append(chans, fmt.Sprintf("<channel type='unix'>\n  <source mode='connect' path='%s'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  <target type='virtio' name='%s'/>\n</channel>", SocketOf(p.Socket, i), PortName(i)))
+	}
+	return strings.Join(chans, "\n"), nil
+}
+
+// FindAll returns the character devices of all Shunt ports, port 0 first
+// (each by its udev link if there is one).
+func FindAll(sysfs, dev string) ([]string, error) {
+	byIndex := map[int]string{}
+	ports, _ := filepath.Glob(filepath.Join(sysfs, "class/virtio-ports/vport*"))
+	for _, p := range ports {
+		b, err := os.ReadFile(filepath.Join(p, "name"))
+		if err != nil {
+			continue
+		}
+		name := strings.TrimSpace(string(b))
+		if i, ok := IndexOf(name); ok {
+			byIndex[i] = filepath.Join(dev, filepath.Base(p))
+			if _, err := os.Stat(filepath.Join(dev, "virtio-ports", name)); err == nil {
+				byIndex[i] = filepath.Join(dev, "virtio-ports", name)
+			}
+		}
+	}
+	if len(byIndex) == 0 {
+		if p, err := Find(sysfs, dev); err == nil {
+			return []string{p}, nil
+		}
+		return nil, ErrNotFound
+	}
+	idx := make([]int, 0, len(byIndex))
+	for i := range byIndex {
+		idx = append(idx, i)
+	}
+	sort.Ints(idx)
+	out := make([]string, 0, len(idx))
+	for _, i := range idx {
+		out = append(out, byIndex[i])
+	}
+	return out, nil
 }
 
 // ErrNotFound means the guest has no Shunt control port.

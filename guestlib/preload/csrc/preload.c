@@ -283,15 +283,14 @@ static void vm_kicked(void)
 	syscall(SYS_futex, &kick_seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
-/* find_port finds the control port by its name, as vhost/vserial.Find
- * does: the udev link, else sysfs (guests without udev). */
-static int find_port(char *out, size_t n)
+/* find_ports lists the Shunt control ports (org.shunt.ctl, then
+ * org.shunt.ctl.1, ...) as vhost/vserial.FindAll does: by the udev link,
+ * else by name under sysfs (guests without udev). A VM has one port per
+ * process that may use Shunt at once. Returns how many it found. */
+#define MAX_PORTS 31
+static int find_ports(char out[][96], int max)
 {
-	struct stat st;
-	if (stat("/dev/virtio-ports/org.shunt.ctl", &st) == 0) {
-		snprintf(out, n, "/dev/virtio-ports/org.shunt.ctl");
-		return 0;
-	}
+	char byidx[MAX_PORTS][96] = {{0}};
 	for (int i = 0; i < 8; i++)
 		for (int j = 0; j < 32; j++) {
 			char p[96], name[64] = {0};
@@ -301,12 +300,32 @@ static int find_port(char *out, size_t n)
 				continue;
 			ssize_t k = real_read(fd, name, sizeof name - 1);
 			real_close(fd);
-			if (k > 0 && !strncmp(name, "org.shunt.ctl", 13) && (name[13] == '\n' || name[13] == 0)) {
-				snprintf(out, n, "/dev/vport%dp%d", i, j);
-				return 0;
-			}
+			if (k <= 0)
+				continue;
+			name[strcspn(name, "\n")] = 0;
+			int idx = -1;
+			if (!strcmp(name, "org.shunt.ctl"))
+				idx = 0;
+			else if (!strncmp(name, "org.shunt.ctl.", 14) && name[14] >= '1' && name[14] <= '9')
+				idx = atoi(name + 14);
+			if (idx >= 0 && idx < MAX_PORTS)
+				snprintf(byidx[idx], sizeof byidx[idx], "/dev/vport%dp%d", i, j);
 		}
-	return -1;
+	int n = 0;
+	for (int i = 0; i < MAX_PORTS && n < max; i++) {
+		char link[96];
+		struct stat st;
+		if (i == 0)
+			snprintf(link, sizeof link, "/dev/virtio-ports/org.shunt.ctl");
+		else
+			snprintf(link, sizeof link, "/dev/virtio-ports/org.shunt.ctl.%d", i);
+		const char *p = stat(link, &st) == 0 ? link : byidx[i][0] ? byidx[i] : NULL;
+		if (p) {
+			memcpy(out[n], p, 96);
+			out[n++][95] = 0;
+		}
+	}
+	return n;
 }
 
 /* find_bar finds the ivshmem device (1af4:1110), enables it and names its
@@ -370,36 +389,54 @@ static int port_hello(int fd, struct shunt_msg *m)
 	return -1;
 }
 
-/* ctl_open opens the control channel and gets WELCOME. A character device
- * (or no socket but a port named org.shunt.ctl) means a VM: VM mode. */
+/* open_port opens one control port and gets WELCOME on it; VM mode from
+ * then on. -1 with errno EBUSY if another process has the port. */
+static int open_port(const char *path, struct shunt_msg *m)
+{
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	if (port_hello(fd, m)) {
+		int e = errno;
+		real_close(fd);
+		errno = e;
+		return -1;
+	}
+	if (!region_override) {
+		static char bar[128];
+		if (find_bar(bar, sizeof bar) == 0)
+			region_override = bar;
+	}
+	vm_mode = 1;
+	shunt_remote_wake = vm_wake;
+	shunt_remote_seq = vm_seq;
+	shunt_remote_sleep = vm_sleep;
+	logf_("shunt: control port %s", path);
+	return fd;
+}
+
+/* ctl_open opens the control channel and gets WELCOME. A character device,
+ * or no socket but ports named org.shunt.ctl[.N], means a VM: the first
+ * port no other process holds. */
 static int ctl_open(struct shunt_msg *m)
 {
 	struct stat st;
-	static char port[96];
 	const char *path = control_path;
-	if (stat(path, &st) < 0 && !getenv("SHUNT_CONTROL") && find_port(port, sizeof port) == 0)
-		path = port;
-	if (stat(path, &st) == 0 && S_ISCHR(st.st_mode)) {
-		int fd = open(path, O_RDWR | O_CLOEXEC);
-		if (fd < 0) {
-			if (errno == EBUSY)
-				logf_("shunt: control port %s is in use by another process (one per VM)", path);
+	if (stat(path, &st) == 0 && S_ISCHR(st.st_mode))
+		return open_port(path, m);
+	if (stat(path, &st) < 0 && !getenv("SHUNT_CONTROL")) {
+		char ports[MAX_PORTS][96];
+		int n = find_ports(ports, MAX_PORTS);
+		for (int i = 0; i < n; i++) {
+			int fd = open_port(ports[i], m);
+			if (fd >= 0 || errno != EBUSY)
+				return fd;
+		}
+		if (n > 0) {
+			logf_("shunt: all %d control ports are in use by other processes (a VM needs one per process)", n);
+			errno = EBUSY;
 			return -1;
 		}
-		if (port_hello(fd, m)) {
-			real_close(fd);
-			return -1;
-		}
-		if (!region_override) {
-			static char bar[128];
-			if (find_bar(bar, sizeof bar) == 0)
-				region_override = bar;
-		}
-		vm_mode = 1;
-		shunt_remote_wake = vm_wake;
-		shunt_remote_seq = vm_seq;
-		shunt_remote_sleep = vm_sleep;
-		return fd;
 	}
 	int fd = real_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
