@@ -216,4 +216,3 @@ func guestNames(gs []broker.GuestInfo) []string {
 	slices.Sort(out)
 	return out
 }
-
