@@ -188,6 +188,57 @@ func TestPreloadIperf3(t *testing.T) {
 	t.Logf("iperf3: %.1f Gbit/s over the fast path", res.End.SumReceived.BitsPerSecond/1e9)
 }
 
+// TestPreloadHostdRestart: hostd is killed and restarted while an iperf3
+// pair (under the library) streams over the fast path, and while another
+// iperf3 server idles in accept. The libraries see their control sockets
+// close, reconnect, REATTACH the live flows (so the stream finishes instead
+// of being revoked when the new hostd's grace ends) and announce the
+// listener again, so a client started afterwards gets the fast path too.
+func TestPreloadHostdRestart(t *testing.T) {
+	e := newEnv(t, 2, "")
+	g2 := e.rig.Guests[1].Addr.String()
+	srv := e.start(2, e.guestCmd(2, "iperf3", "-s", "-B", g2, "-p", "5302"))
+	e.start(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5303"))
+	e.waitListening(2, 5303)
+	var live bytes.Buffer
+	stream := e.guestCmd(1, "iperf3", "-c", g2, "-p", "5303", "-t", "6")
+	stream.Stdout, stream.Stderr = &live, &live
+	if err := nsrig.Start(e.rig.Guests[0].NSPath(), stream); err != nil {
+		t.Fatal(err)
+	}
+	streamDone := make(chan error, 1)
+	go func() { streamDone <- stream.Wait() }()
+	eventually(t, 10*time.Second, "the stream's flows", func() bool { return len(e.flows()) == 2 })
+	listening := func() bool {
+		var gs []broker.GuestInfo
+		_ = admin.Call(e.Admin, admin.Request{Cmd: "guests"}, &gs)
+		return len(gs) == 2 && len(gs[1].Listening) == 2
+	}
+	eventually(t, 10*time.Second, "iperf3's listener in hostd", listening)
+	e.killHostd()
+	e.startHostd()
+	eventually(t, 10*time.Second, "iperf3's listener announced to the new hostd", listening)
+	// The stream outlives the new hostd's reattach grace (3s) only if its
+	// flows were reattached.
+	select {
+	case err := <-streamDone:
+		if err != nil || fastLines(live.String()) != 2 {
+			t.Fatalf("the stream across the restart: %v\n%s", err, live.String())
+		}
+	case <-time.After(30 * time.Second):
+		stream.Process.Kill()
+		t.Fatalf("the stream across the restart did not end\n%s", live.String())
+	}
+	var out string
+	flows := e.maxFlows(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5302", "-t", "1")) })
+	if flows < 2 || fastLines(out) != 2 {
+		t.Fatalf("after the restart: hostd listed %d flows, the client took the fast path %d times; want 2 and 2\n%s", flows, fastLines(out), out)
+	}
+	if !strings.Contains(srv.String(), "shunt: reconnected to hostd") {
+		t.Fatalf("the server's library did not reconnect:\n%s", srv.String())
+	}
+}
+
 func TestPreloadRedis(t *testing.T) {
 	e := newEnv(t, 2, "")
 	g2 := e.rig.Guests[1].Addr.String()

@@ -392,3 +392,50 @@ func TestVMPreloadIperf3(t *testing.T) {
 		}
 	}
 }
+
+// TestVMPreloadHostdRestart: hostd is killed and restarted under a VM whose
+// iperf3 server (under the C library) idles in accept. The port reads EOF
+// when QEMU loses hostd; the library reopens it, says HELLO to the new
+// hostd and announces its listener, so a client started afterwards gets the
+// fast path.
+func TestVMPreloadHostdRestart(t *testing.T) {
+	testenv.NeedTool(t, "iperf3", "iperf3")
+	if preloadLib == "" {
+		t.Fatal("libshunt-preload.so did not build (see TestMain's output)")
+	}
+	v := newVMEnv(t, 2)
+	iperf3, _ := exec.LookPath("iperf3")
+	initrd := filepath.Join(t.TempDir(), "initramfs-preload")
+	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3); err != nil {
+		t.Fatal(err)
+	}
+	v.initrd = initrd
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a1, _ := vmAddr(1)
+	listening := func() bool {
+		var gs []broker.GuestInfo
+		_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
+		for _, g := range gs {
+			if g.Name == "vm1" && len(g.Listening) == 1 && strings.HasSuffix(g.Listening[0], ":5201") {
+				return true
+			}
+		}
+		return false
+	}
+	srv := v.boot(1, "run", preloadLib, iperf3, "-s", "-p", "5201", "--forceflush")
+	eventually(t, time.Minute, "vm1's iperf3 listening in hostd", listening)
+	v.killHostd()
+	v.startHostd()
+	eventually(t, 30*time.Second, "vm1's iperf3 listening in the new hostd", listening)
+	cli := v.boot(2, "run", preloadLib, iperf3, "-c", a1.String(), "-p", "5201", "-n", "8M", "--forceflush")
+	if line := mustWait(t, ctx, cli, "SHUNT-VM EXIT"); line != "SHUNT-VM EXIT 0" {
+		t.Fatalf("iperf3 client: %s", line)
+	}
+	if n := strings.Count(cli.Console(), ": shunt (slot"); n != 2 {
+		t.Fatalf("client: %d connections on the fast path after the restart, want 2:\n%s", n, cli.Console())
+	}
+	if !strings.Contains(srv.Console(), "shunt: reconnected to hostd") {
+		t.Fatalf("vm1's library did not notice the new hostd:\n%s", srv.Console())
+	}
+}

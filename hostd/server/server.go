@@ -227,10 +227,11 @@ func (ss *session) readLoop() {
 	var buf []byte
 	m, buf, err := proto.Read(ss.c, buf)
 	// A VM's port stays open across a hostd restart, so its guest may
-	// still be talking to the hostd before; a PING tells us so. Answer
-	// ERROR (not PONG) so it says HELLO again, and keep the channel.
-	for err == nil && m.Type == proto.Ping {
-		log.Debug("guest talks before HELLO (hostd restarted?); asking for HELLO")
+	// still be talking to the hostd before: a guest message other than
+	// HELLO tells us so (a keepalive PING, or an OPEN). Answer ERROR so it
+	// says HELLO again, and keep the channel; what it asked is dropped.
+	for err == nil && m.Type != proto.Hello && fromGuest[m.Type] {
+		log.Debug("guest talks before HELLO (hostd restarted?); asking for HELLO", "type", m.Type)
 		b, _ := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonNoHostd, Text: "say HELLO: hostd restarted"}).Append(nil)
 		if _, err = ss.c.Write(b); err == nil {
 			m, buf, err = proto.Read(ss.c, buf)
@@ -300,6 +301,12 @@ func (ss *session) readLoop() {
 			spoke = true
 		}
 	}
+}
+
+// fromGuest is what a guest may send.
+var fromGuest = map[proto.Type]bool{
+	proto.Hello: true, proto.Listen: true, proto.Unlisten: true, proto.Intent: true, proto.Open: true,
+	proto.Close: true, proto.Reattach: true, proto.Ping: true, proto.Pong: true, proto.Kick: true,
 }
 
 // malformed logs why the session is closed, counts it, and tells the guest.

@@ -159,12 +159,20 @@ static int vm_mode;       /* see "VM mode" below */
 static uint32_t kick_seq; /* bumped per KICK; shared futex ops (futex_waitv uses them) */
 static void vm_kicked(void);
 static int ctl_send(const struct shunt_msg *m);
+static int ctl_open(struct shunt_msg *m);
+static int local_of(int fd, struct shunt_addr *a);
+static int remote_of(int fd, struct shunt_addr *a);
 
 static int read_full(int fd, void *buf, size_t n)
 {
 	uint8_t *p = buf;
 	while (n) {
 		ssize_t k = real_read(fd, p, n);
+		if (k < 0 && errno == EAGAIN) { /* a port: non-blocking, see open_port */
+			struct pollfd pf = {.fd = fd, .events = POLLIN};
+			real_poll(&pf, 1, -1);
+			continue;
+		}
 		if (k <= 0) {
 			if (k < 0 && errno == EINTR)
 				continue;
@@ -187,6 +195,30 @@ static int ctl_read(int fd, struct shunt_msg *m)
 	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
 }
 
+/* port_write writes all of buf to a (non-blocking) port, waiting at most
+ * 2 s for room: a port whose host end is gone does not take data. */
+static int port_write(int fd, const uint8_t *buf, size_t n)
+{
+	int64_t until = now_ns() + 2000000000LL;
+	while (n) {
+		ssize_t k = real_write(fd, buf, n);
+		if (k > 0) {
+			buf += k;
+			n -= k;
+			continue;
+		}
+		if (k < 0 && errno != EAGAIN && errno != EINTR)
+			return -1;
+		int64_t left = until - now_ns();
+		struct pollfd pf = {.fd = fd, .events = POLLOUT};
+		if (left <= 0 || real_poll(&pf, 1, (int)(left / 1000000) + 1) < 0) {
+			errno = ETIMEDOUT;
+			return -1;
+		}
+	}
+	return 0;
+}
+
 static int ctl_write_locked(const struct shunt_msg *m)
 {
 	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
@@ -194,7 +226,7 @@ static int ctl_write_locked(const struct shunt_msg *m)
 	if (ctl.fd < 0 || n < 0)
 		return -1;
 	if (vm_mode)
-		return real_write(ctl.fd, buf, n) == n ? 0 : -1;
+		return port_write(ctl.fd, buf, n);
 	return real_send(ctl.fd, buf, n, MSG_NOSIGNAL) == n ? 0 : -1;
 }
 
@@ -211,44 +243,172 @@ static void on_revoke(const struct shunt_msg *m)
 	pthread_mutex_unlock(&tab_mu);
 }
 
+/* announce tells a new hostd what this process holds: LISTEN for each
+ * listener and REATTACH for each live flow (the new hostd adopted the flows
+ * from the region and waits a grace for their owners). Called without
+ * ctl.mu: it takes tab_mu first, as close() does. */
+static void announce(void)
+{
+	int cap = 16, n = 0;
+	struct shunt_msg *ms = malloc(cap * sizeof *ms);
+	if (!ms)
+		return;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct shunt_msg m = {0};
+		struct flow *f = fds[fd];
+		if (kind[fd] == 2) {
+			m.type = SHUNT_LISTEN;
+			if (local_of(fd, &m.local))
+				continue;
+		} else if (f && f->owner == my_pid && !f->revoked) {
+			int dup = 0;
+			for (int i = 0; i < n && !dup; i++)
+				dup = ms[i].type == SHUNT_REATTACH && ms[i].slot == f->slot && ms[i].gen == f->gen;
+			if (dup)
+				continue;
+			m = (struct shunt_msg){.type = SHUNT_REATTACH, .slot = f->slot, .gen = f->gen, .side = f->side};
+			if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
+				continue;
+		} else {
+			continue;
+		}
+		if (n == cap) {
+			struct shunt_msg *more = realloc(ms, 2 * cap * sizeof *ms);
+			if (!more)
+				break;
+			ms = more;
+			cap *= 2;
+		}
+		ms[n++] = m;
+	}
+	pthread_mutex_unlock(&tab_mu);
+	for (int i = 0; i < n; i++)
+		ctl_send(&ms[i]);
+	if (n)
+		logf_("shunt: told hostd of %d listeners and flows", n);
+	free(ms);
+}
+
+/* holds reports whether this process has listeners or flows that a new
+ * hostd must hear of. */
+static int holds(void)
+{
+	for (int fd = 0; fd < FD_MAX; fd++)
+		if (kind[fd] == 2 || (fds[fd] && fds[fd]->owner == my_pid))
+			return 1;
+	return 0;
+}
+
+static void *keepalive(void *arg);
+
+/* reconnect reopens the control channel after hostd went away, for a
+ * process that holds something (an idle one reconnects at its next
+ * connection instead), and returns the new fd, or -1 to end the reader:
+ * another thread reconnected first (announce is then done here too), the
+ * process forked, or it holds nothing. */
+static int reconnect(void)
+{
+	pid_t pid = getpid();
+	for (int delay = 50;; delay = delay < 1000 ? 2 * delay : 1000) {
+		if (!holds())
+			return -1;
+		struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
+		nanosleep(&ts, NULL);
+		pthread_mutex_lock(&ctl.mu);
+		if (ctl.pid != pid) {
+			pthread_mutex_unlock(&ctl.mu);
+			return -1;
+		}
+		if (ctl.fd >= 0) {
+			pthread_mutex_unlock(&ctl.mu);
+			announce();
+			return -1;
+		}
+		struct shunt_msg w;
+		int fd = ctl_open(&w);
+		if (fd >= 0) {
+			ctl.fd = fd;
+			if (vm_mode) {
+				pthread_t th;
+				pthread_attr_t at;
+				pthread_attr_init(&at);
+				pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+				pthread_create(&th, &at, keepalive, (void *)(intptr_t)fd);
+			}
+		}
+		pthread_mutex_unlock(&ctl.mu);
+		if (fd >= 0) {
+			logf_("shunt: reconnected to hostd");
+			announce();
+			return fd;
+		}
+	}
+}
+
 static void *ctl_reader(void *arg)
 {
 	int fd = (int)(intptr_t)arg;
 	struct shunt_msg m;
-	while (ctl_read(fd, &m) == 0) {
-		pthread_mutex_lock(&ctl.mu);
-		if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
-			for (int i = 0; i < 64; i++)
-				if (ctl.pend[i].id == m.req_id && !ctl.pend[i].done) {
-					ctl.pend[i].m = m;
-					ctl.pend[i].done = 1;
-				}
-		} else if (m.type == SHUNT_PONG) {
-			ctl.pong = m.nonce;
-		} else if (m.type == SHUNT_KICK) {
-			vm_kicked();
-		} else if (m.type == SHUNT_ERROR) {
-			logf_("shunt: hostd closed the control channel: %s", m.text);
+	for (;;) {
+		int rehello = 0;
+		while (ctl_read(fd, &m) == 0) {
+			int welcomed = 0;
+			pthread_mutex_lock(&ctl.mu);
+			if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
+				for (int i = 0; i < 64; i++)
+					if (ctl.pend[i].id == m.req_id && !ctl.pend[i].done) {
+						ctl.pend[i].m = m;
+						ctl.pend[i].done = 1;
+					}
+			} else if (m.type == SHUNT_PONG) {
+				ctl.pong = m.nonce;
+			} else if (m.type == SHUNT_KICK) {
+				vm_kicked();
+			} else if (m.type == SHUNT_ERROR && m.reason == 19 /* no-hostd */) {
+				/* A new hostd behind a port that QEMU reconnected
+				 * before we saw EOF: it dropped what it was asked before
+				 * HELLO, so those requests go to TCP now. */
+				logf_("shunt: hostd restarted; saying HELLO again");
+				for (int i = 0; i < 64; i++)
+					if (ctl.pend[i].id && !ctl.pend[i].done) {
+						ctl.pend[i].m.type = SHUNT_TCP;
+						ctl.pend[i].m.reason = 19;
+						ctl.pend[i].done = 1;
+					}
+				struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+				ctl_write_locked(&h);
+				rehello = 1;
+			} else if (m.type == SHUNT_WELCOME && rehello) {
+				rehello = 0;
+				welcomed = 1;
+			} else if (m.type == SHUNT_ERROR) {
+				logf_("shunt: hostd closed the control channel: %s", m.text);
+			}
+			pthread_cond_broadcast(&ctl.cv);
+			pthread_mutex_unlock(&ctl.mu);
+			if (m.type == SHUNT_REVOKE)
+				on_revoke(&m);
+			if (welcomed)
+				announce();
 		}
+		pthread_mutex_lock(&ctl.mu);
+		if (ctl.fd == fd) {
+			real_close(fd);
+			ctl.fd = -1;
+		}
+		for (int i = 0; i < 64; i++)
+			if (ctl.pend[i].id && !ctl.pend[i].done) {
+				ctl.pend[i].m.type = SHUNT_TCP;
+				ctl.pend[i].m.reason = 19; /* no-hostd */
+				ctl.pend[i].done = 1;
+			}
 		pthread_cond_broadcast(&ctl.cv);
 		pthread_mutex_unlock(&ctl.mu);
-		if (m.type == SHUNT_REVOKE)
-			on_revoke(&m);
+		logf_("shunt: lost hostd");
+		if ((fd = reconnect()) < 0)
+			return NULL;
 	}
-	pthread_mutex_lock(&ctl.mu);
-	if (ctl.fd == fd) {
-		real_close(fd);
-		ctl.fd = -1;
-	}
-	for (int i = 0; i < 64; i++)
-		if (ctl.pend[i].id && !ctl.pend[i].done) {
-			ctl.pend[i].m.type = SHUNT_TCP;
-			ctl.pend[i].m.reason = 19; /* no-hostd */
-			ctl.pend[i].done = 1;
-		}
-	pthread_cond_broadcast(&ctl.cv);
-	pthread_mutex_unlock(&ctl.mu);
-	return NULL;
 }
 
 /* ---- VM mode: the control channel is a virtio-serial port, the region a
@@ -369,7 +529,7 @@ static int port_hello(int fd, struct shunt_msg *m)
 		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
 		uint8_t buf[64];
 		ssize_t n = shunt_msg_encode(&h, buf, sizeof buf);
-		if (n < 0 || real_write(fd, buf, n) != n)
+		if (n < 0 || port_write(fd, buf, n))
 			return -1;
 		int64_t until = now_ns() + 200000000;
 		for (;;) {
@@ -389,11 +549,36 @@ static int port_hello(int fd, struct shunt_msg *m)
 	return -1;
 }
 
+/* keepalive PINGs hostd every 500 ms on a port, as the Go library does: a
+ * restarted hostd gets no EOF through QEMU, and answers the first PING
+ * before HELLO with ERROR(no-hostd), which makes the reader say HELLO and
+ * announce the listeners again. It ends with the session (or a fork). */
+static void *keepalive(void *arg)
+{
+	int fd = (int)(intptr_t)arg;
+	pid_t pid = getpid();
+	for (;;) {
+		struct timespec ts = {0, 500000000};
+		nanosleep(&ts, NULL);
+		pthread_mutex_lock(&ctl.mu);
+		if (ctl.fd != fd || ctl.pid != pid) {
+			pthread_mutex_unlock(&ctl.mu);
+			return NULL;
+		}
+		struct shunt_msg p = {.type = SHUNT_PING, .nonce = ++ctl.nonce};
+		ctl_write_locked(&p);
+		pthread_mutex_unlock(&ctl.mu);
+	}
+}
+
 /* open_port opens one control port and gets WELCOME on it; VM mode from
  * then on. -1 with errno EBUSY if another process has the port. */
 static int open_port(const char *path, struct shunt_msg *m)
 {
-	int fd = open(path, O_RDWR | O_CLOEXEC);
+	/* Non-blocking, as the Go library uses it: a blocking write on a
+	 * virtio port waits for the host to take the data while another
+	 * thread's blocking read is pending, and here one always is. */
+	int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0)
 		return -1;
 	if (port_hello(fd, m)) {
@@ -520,6 +705,8 @@ static int ctl_ensure(void)
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &old); /* the reader takes no signals */
 	pthread_create(&th, &at, ctl_reader, (void *)(intptr_t)fd);
+	if (vm_mode)
+		pthread_create(&th, &at, keepalive, (void *)(intptr_t)fd);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	pthread_mutex_unlock(&ctl.mu);
 	return 0;
