@@ -575,9 +575,9 @@ static void *keepalive(void *arg)
  * then on. -1 with errno EBUSY if another process has the port. */
 static int open_port(const char *path, struct shunt_msg *m)
 {
-	/* Non-blocking, as the Go library uses it: a blocking write on a
-	 * virtio port waits for the host to take the data while another
-	 * thread's blocking read is pending, and here one always is. */
+	/* Non-blocking, as the Go library uses it (through the poller): with
+	 * blocking I/O, a write from the keepalive thread never returned while
+	 * the reader thread sat in read() (seen in TestVMPreloadHostdRestart). */
 	int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0)
 		return -1;
