@@ -77,6 +77,7 @@ fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzHeader FuzzEntry; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/region || exit 1; done
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $${FUZZTIME:-30s} ./internal/proto
 	$(GO) test -run '^$$' -fuzz '^FuzzParseMessages$$' -fuzztime $${FUZZTIME:-30s} ./hostd/ctrack
+	$(GO) test -run '^$$' -fuzz '^FuzzParseDomain$$' -fuzztime $${FUZZTIME:-30s} ./hostd/virt
 
 clean: ## remove build outputs
 	rm -rf $(BIN)

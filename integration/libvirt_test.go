@@ -114,6 +114,9 @@ func TestLibvirtDomains(t *testing.T) {
 	if st := v.libvirtStatus(); !st.Connected || st.Syncs <= syncs || !slices.Equal(st.Domains, []string{"lv3"}) {
 		t.Fatalf("libvirt status %+v: want connected and resynced to lv3", st)
 	}
+	if c, d := v.counter("shunt_libvirt_connected"), v.counter("shunt_libvirt_domains"); c != 1 || d != 1 {
+		t.Fatalf("metrics: shunt_libvirt_connected %v, shunt_libvirt_domains %v; want 1 and 1", c, d)
+	}
 	// Events flow again after the reconnect.
 	if _, err := d.Virsh("destroy", "lv3"); err != nil {
 		t.Fatal(err)

@@ -130,6 +130,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 		// Learn the running VMs before adopting flows, so flows between
 		// libvirt guests survive a hostd restart like any others.
 		a.virt = virt.NewWatcher(log.Named("libvirt"), virt.Dial(lv.Socket, lv.URI), (*registry)(a), virt.Options{})
+		a.m.NewLibvirt(func() bool { return a.virt.Status().Connected },
+			func() int { return len(a.virt.Status().Domains) },
+			func() uint64 { return a.virt.Status().Syncs })
 		if err := a.virt.Start(ctx, 5*time.Second); err != nil {
 			log.Warn("libvirtd not reachable at start; flows of its VMs from before this hostd cannot be adopted", "error", err)
 		}

@@ -10,7 +10,16 @@ trust_group "tenant-a" {
   region      = "/dev/shm/shunt-tenant-a"
   region_size = "64MiB"
   slots       = 256
+  # region_group = "kvm"   # when libvirt runs QEMU as libvirt-qemu:kvm
 }
+
+# Register running libvirt domains that carry Shunt's devices and metadata
+# as guests (docs/vm.md, "libvirt"); their channel sockets belong under
+# /run/shunt, which the systemd unit lets hostd write.
+# libvirt {
+#   socket = "/run/libvirt/libvirt-sock"
+#   uri    = "qemu:///system"
+# }
 
 guest "vm1" {
   id        = 1

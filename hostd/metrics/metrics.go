@@ -58,6 +58,28 @@ func New() *Set {
 	return s
 }
 
+// NewLibvirt exports the libvirt watcher's state, read at scrape time:
+// whether hostd is connected to libvirtd, how many domains it registered,
+// and how many times it reconciled with libvirtd.
+func (s *Set) NewLibvirt(connected func() bool, domains func() int, syncs func() uint64) {
+	s.Registry.MustRegister(
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "shunt_libvirt_connected", Help: "1 while hostd is connected to libvirtd.",
+		}, func() float64 {
+			if connected() {
+				return 1
+			}
+			return 0
+		}),
+		prometheus.NewGaugeFunc(prometheus.GaugeOpts{
+			Name: "shunt_libvirt_domains", Help: "libvirt domains registered as guests.",
+		}, func() float64 { return float64(domains()) }),
+		prometheus.NewCounterFunc(prometheus.CounterOpts{
+			Name: "shunt_libvirt_syncs_total", Help: "Reconciliations with libvirtd's running domains.",
+		}, func() float64 { return float64(syncs()) }),
+	)
+}
+
 // FlowStat is one flow's counters for the byte collector.
 type FlowStat struct {
 	Flow, GuestA, GuestB string
