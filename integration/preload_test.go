@@ -317,7 +317,8 @@ func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...strin
 // TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):
 // MSG_PEEK and MSG_DONTWAIT, MSG_WAITALL, half-close, dup/dup2/F_DUPFD,
 // non-blocking connect, epoll with fast-path and kernel fds in one set,
-// nested epoll, fork, exec with the fd open, a blocked read ending in
+// nested epoll, fork, exec with the fd open, exit with the fd open (the
+// peer reads EOF, as with kernel TCP), a blocked read ending in
 // ECONNRESET on revocation,
 // and a program without hostd running on plain TCP and saying why.
 func TestPreloadEdgeCases(t *testing.T) {
@@ -339,7 +340,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	}
 	srv := exec.Command(shuntRun, "-v", edge, "server", g2, "7700")
 	srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
-	e.start(2, srv)
+	srvOut := e.start(2, srv)
 	e.waitListening(2, 7700)
 	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork", "exec"} {
 		t.Run(test, func(t *testing.T) {
@@ -349,6 +350,16 @@ func TestPreloadEdgeCases(t *testing.T) {
 			}
 		})
 	}
+	t.Run("exitopen", func(t *testing.T) {
+		out := e.runT(t, 1, client("exitopen"))
+		if !strings.Contains(out, "PASS exitopen") || fastLines(out) != 1 {
+			t.Fatalf("client:\n%s", out)
+		}
+		eventually(t, 5*time.Second, "the server's verdict", func() bool { return strings.Contains(srvOut.String(), "exitopen-server") })
+		if !strings.Contains(srvOut.String(), "PASS exitopen-server") {
+			t.Fatalf("server, after the client exited with the connection open:\n%s", srvOut.String())
+		}
+	})
 	t.Run("revoke", func(t *testing.T) {
 		cmd := client("revoke")
 		stdout, _ := cmd.StdoutPipe()

@@ -4,7 +4,8 @@
  *   edge server IP PORT         serve every test's server side
  *   edge client IP PORT TEST    run one test's client side; prints PASS/FAIL
  *
- * Tests: peek waitall halfclose dup nonblock epoll nested fork exec revoke plain */
+ * Tests: peek waitall halfclose dup nonblock epoll nested fork exec revoke plain
+ * exitopen (the server prints "PASS exitopen-server" or FAIL for that one) */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -79,6 +80,16 @@ static void serve(int c)
 		drain(c);
 	} else if (!strcmp(name, "revoke")) {
 		drain(c);
+	} else if (!strcmp(name, "exitopen")) {
+		/* The client exits without close(): as with kernel TCP, we must
+		 * read its bytes and then EOF, not ECONNRESET. */
+		int got = full(c, buf, 4);
+		int eof = got == 4 ? read(c, buf + 4, 1) : -2;
+		if (got == 4 && !memcmp(buf, "bye!", 4) && eof == 0)
+			printf("PASS exitopen-server\n");
+		else
+			printf("FAIL exitopen-server: got %d bytes, then %d (errno %d %s)\n", got, eof, errno, strerror(errno));
+		fflush(stdout);
 	} else { /* dup nonblock fork plain: echo */
 		int k;
 		while ((k = read(c, buf, sizeof buf)) > 0)
@@ -234,6 +245,12 @@ static int client(const char *ip, int port, const char *t)
 		int n = read(fd, b, 1);
 		if (n != -1 || errno != ECONNRESET)
 			return fail(t, "a blocked read did not end with ECONNRESET");
+	} else if (!strcmp(t, "exitopen")) {
+		if (write(fd, "bye!", 4) != 4)
+			return fail(t, "write");
+		printf("PASS %s\n", t);
+		fflush(stdout);
+		exit(0); /* fd still open: the library's exit path sends FIN */
 	} else if (!strcmp(t, "plain")) {
 		if (!echo_ok(fd, "plain tcp"))
 			return fail(t, "echo");

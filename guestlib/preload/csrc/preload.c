@@ -123,6 +123,7 @@ struct flow {
 	uint64_t gen;
 	uint8_t side;
 	int revoked, closed_wr;
+	int finished; /* FIN and CLOSE sent at exit (fini) */
 	pthread_mutex_t rmu, wmu;
 };
 
@@ -909,6 +910,32 @@ __attribute__((constructor)) static void init(void)
 		spin_ns = INT64_MAX;
 	ctl.pid = my_pid = getpid();
 	pthread_atfork(NULL, NULL, after_fork);
+}
+
+/* At exit() the kernel sends FIN on every socket the program left open.
+ * Do the same for fast-path flows: FIN on the ring and CLOSE to hostd, so
+ * the peer reads what was sent and then EOF, instead of ECONNRESET when the
+ * session ends (or nothing, on a VM port that gives hostd no sign). The
+ * flows are not freed: other threads may still be inside them. A process
+ * killed by a signal gets no such exit; its peers see ECONNRESET. */
+static int flow_reset(struct flow *f);
+
+__attribute__((destructor)) static void fini(void)
+{
+	if (!real_write || ctl.fd < 0)
+		return;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = fds[fd];
+		if (!f || f->owner != getpid() || f->finished)
+			continue;
+		f->finished = 1; /* once per flow, though dup'd fds share it */
+		if (!f->revoked && !flow_reset(f))
+			shunt_ring_close_write(&f->w);
+		struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
+		ctl_send(&m);
+	}
+	pthread_mutex_unlock(&tab_mu);
 }
 
 int socket(int domain, int type, int protocol)
