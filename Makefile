@@ -63,13 +63,13 @@ bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds
 bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and vader (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-preload.txt
-	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Preload -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
+	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkPreload' -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-preload.txt
 
-bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream over virtio-net TCP and over Shunt (root)
+bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodified programs, virtio-net TCP vs Shunt (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-vm.txt
-	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkVM$$' -test.benchtime 1x >> ../$(BIN)/bench-vm.txt || exit 1; done
+	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkVM' -test.benchtime 1x >> ../$(BIN)/bench-vm.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-vm.txt
 
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)

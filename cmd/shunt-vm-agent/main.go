@@ -11,10 +11,11 @@
 //	shunt-vm-agent pp-server PORT     echo 8-byte messages, then sink a stream
 //	shunt-vm-agent pp-client ADDR N   N ping-pongs, then a 64 MiB stream; report both
 //	shunt-vm-agent run LIB PROG ARGS  run an unmodified program with LD_PRELOAD=LIB
-//	                                  (the C library finds the port and the BAR itself);
-//	                                  its output comes as "OUT" lines, then "EXIT code";
-//	                                  "PROG ARGS + PROG ARGS" runs several at once, with
-//	                                  "OUT<i>" and "EXIT<i>" lines
+//	                                  (LIB "none": without; the C library finds the
+//	                                  port and the BAR itself); its output comes as
+//	                                  "OUT" lines, then "EXIT code". "A + B" runs A and
+//	                                  B at once, "A then B" one after the other; with
+//	                                  several programs the lines are "OUT<i>", "EXIT<i>"
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
@@ -206,52 +207,72 @@ func run(args []string) error {
 	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
 }
 
-// runPreloaded runs the programs (separated by "+") at once under the
-// preload library and reports their output and exit status. The agent does
-// not open a control port itself: a port has one user at a time.
+// runPreloaded runs programs under the preload library and reports their
+// output and exit status: stages separated by "then" one after the other,
+// programs in a stage separated by "+" at once. The agent does not open a
+// control port itself: a port has one user at a time.
 func runPreloaded(lib string, args []string) error {
-	var progs [][]string
-	for start := 0; start <= len(args); {
-		end := slices.Index(args[start:], "+")
-		if end < 0 {
-			end = len(args) - start
-		}
-		progs = append(progs, args[start:start+end])
-		start += end + 1
+	var stages [][][]string
+	for _, stage := range split(args, "then") {
+		stages = append(stages, split(stage, "+"))
 	}
-	tag := func(i int) string {
-		if len(progs) == 1 {
-			return ""
-		}
-		return strconv.Itoa(i)
+	total := 0
+	for _, st := range stages {
+		total += len(st)
 	}
-	var wg sync.WaitGroup
-	errs := make([]error, len(progs))
-	for i, prog := range progs {
-		if len(prog) == 0 {
-			return fmt.Errorf("run: empty program %d", i)
-		}
-		cmd := exec.Command(prog[0], prog[1:]...)
-		cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_VERBOSE=1")
-		out, err := cmd.StdoutPipe()
-		if err != nil {
-			return err
-		}
-		cmd.Stderr = cmd.Stdout
-		if err := cmd.Start(); err != nil {
-			return err
-		}
-		wg.Add(1)
-		go func() {
-			defer wg.Done()
-			sc := bufio.NewScanner(out)
-			for sc.Scan() {
-				say("OUT%s %s", tag(i), sc.Text())
+	var errs []error
+	n := 0
+	for _, st := range stages {
+		var wg sync.WaitGroup
+		stageErrs := make([]error, len(st))
+		for j, prog := range st {
+			tag := ""
+			if total > 1 {
+				tag = strconv.Itoa(n)
 			}
-			errs[i] = cmd.Wait()
-			say("EXIT%s %d", tag(i), cmd.ProcessState.ExitCode())
-		}()
+			n++
+			if len(prog) == 0 {
+				return fmt.Errorf("run: an empty program")
+			}
+			cmd := exec.Command(prog[0], prog[1:]...)
+			cmd.Env = os.Environ()
+			if lib != "none" {
+				cmd.Env = append(cmd.Env, "LD_PRELOAD="+lib, "SHUNT_VERBOSE=1")
+			}
+			out, err := cmd.StdoutPipe()
+			if err != nil {
+				return err
+			}
+			cmd.Stderr = cmd.Stdout
+			if err := cmd.Start(); err != nil {
+				return err
+			}
+			wg.Add(1)
+			go func() {
+				defer wg.Done()
+				sc := bufio.NewScanner(out)
+				for sc.Scan() {
+					say("OUT%s %s", tag, sc.Text())
+				}
+				stageErrs[j] = cmd.Wait()
+				say("EXIT%s %d", tag, cmd.ProcessState.ExitCode())
+			}()
+		}
+		wg.Wait()
+		errs = append(errs, stageErrs...)
 	}
-	wg.Wait()
 	return errors.Join(errs...)
+}
+
+// split cuts args at each sep.
+func split(args []string, sep string) [][]string {
+	var out [][]string
+	for {
+		i := slices.Index(args, sep)
+		if i < 0 {
+			return append(out, args)
+		}
+		out = append(out, args[:i])
+		args = args[i+1:]
+	}
 }
