@@ -268,28 +268,52 @@ func BenchmarkVM(b *testing.B) {
 	}
 }
 
+// newPreloadVMEnv is newVMEnv with an initramfs that also carries the
+// preload library and the given dynamically linked programs (found on
+// PATH), whose paths it returns in order.
+func newPreloadVMEnv(tb testing.TB, progs ...string) (*vmEnv, []string) {
+	tb.Helper()
+	var paths []string
+	for _, p := range progs {
+		testenv.NeedTool(tb, p, p)
+		path, _ := exec.LookPath(p)
+		paths = append(paths, path)
+	}
+	if preloadLib == "" {
+		tb.Fatal("libshunt-preload.so did not build (see TestMain's output)")
+	}
+	v := newVMEnv(tb, 2)
+	initrd := filepath.Join(tb.TempDir(), "initramfs-preload")
+	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, append([]string{preloadLib}, paths...)...); err != nil {
+		tb.Fatal(err)
+	}
+	v.initrd = initrd
+	return v, paths
+}
+
+// guest returns what hostd says of guest name (zero if it has none).
+func (v *vmEnv) guest(name string) broker.GuestInfo {
+	var gs []broker.GuestInfo
+	_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
+	for _, g := range gs {
+		if g.Name == name {
+			return g
+		}
+	}
+	return broker.GuestInfo{}
+}
+
 // BenchmarkVMPreload: unmodified programs in two TCG VMs, plain (the VMs'
 // virtio-net TCP) and under the preload library (Shunt): sockperf
 // ping-pong (14 B, one-way p50) and then an iperf3 stream of 64 MiB.
 func BenchmarkVMPreload(b *testing.B) {
-	testenv.NeedTool(b, "iperf3", "iperf3")
-	testenv.NeedTool(b, "sockperf", "sockperf")
-	if preloadLib == "" {
-		b.Fatal("libshunt-preload.so did not build (see TestMain's output)")
-	}
-	iperf3, _ := exec.LookPath("iperf3")
-	sockperf, _ := exec.LookPath("sockperf")
 	for _, stack := range []string{"virtio-net", "shunt"} {
 		b.Run(stack, func(b *testing.B) {
 			var oneway, mbps []float64
 			for b.Loop() {
 				b.StopTimer()
-				v := newVMEnv(b, 2)
-				initrd := filepath.Join(b.TempDir(), "initramfs-preload")
-				if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3, sockperf); err != nil {
-					b.Fatal(err)
-				}
-				v.initrd = initrd
+				v, progs := newPreloadVMEnv(b, "sockperf", "iperf3")
+				sockperf, iperf3 := progs[0], progs[1]
 				lib := preloadLib
 				if stack == "virtio-net" {
 					lib = "none"
@@ -400,17 +424,8 @@ func TestVMRebootInPlace(t *testing.T) {
 // of iperf3's connections take the fast path, waking across VMs through
 // hostd.
 func TestVMPreloadIperf3(t *testing.T) {
-	testenv.NeedTool(t, "iperf3", "iperf3")
-	if preloadLib == "" {
-		t.Fatal("libshunt-preload.so did not build (see TestMain's output)")
-	}
-	v := newVMEnv(t, 2)
-	iperf3, _ := exec.LookPath("iperf3")
-	initrd := filepath.Join(t.TempDir(), "initramfs-preload")
-	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3); err != nil {
-		t.Fatal(err)
-	}
-	v.initrd = initrd
+	v, progs := newPreloadVMEnv(t, "iperf3")
+	iperf3 := progs[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a1, _ := vmAddr(1)
@@ -422,14 +437,8 @@ func TestVMPreloadIperf3(t *testing.T) {
 	// Each iperf3's listen() reaches hostd through the library, on its
 	// own control port.
 	eventually(t, time.Minute, "both of vm1's iperf3s listening in hostd", func() bool {
-		var gs []broker.GuestInfo
-		_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
-		for _, g := range gs {
-			if g.Name == "vm1" && g.Sessions == 2 && len(g.Listening) == 2 {
-				return true
-			}
-		}
-		return false
+		g := v.guest("vm1")
+		return g.Sessions == 2 && len(g.Listening) == 2
 	})
 	cli := v.boot(2, slices.Concat([]string{"run", preloadLib}, client("5201"), []string{"+"}, client("5202"))...)
 	for _, m := range []*vm.VM{cli, srv} {
@@ -463,29 +472,14 @@ func TestVMPreloadIperf3(t *testing.T) {
 // hostd and announces its listener, so a client started afterwards gets the
 // fast path.
 func TestVMPreloadHostdRestart(t *testing.T) {
-	testenv.NeedTool(t, "iperf3", "iperf3")
-	if preloadLib == "" {
-		t.Fatal("libshunt-preload.so did not build (see TestMain's output)")
-	}
-	v := newVMEnv(t, 2)
-	iperf3, _ := exec.LookPath("iperf3")
-	initrd := filepath.Join(t.TempDir(), "initramfs-preload")
-	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3); err != nil {
-		t.Fatal(err)
-	}
-	v.initrd = initrd
+	v, progs := newPreloadVMEnv(t, "iperf3")
+	iperf3 := progs[0]
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a1, _ := vmAddr(1)
 	listening := func() bool {
-		var gs []broker.GuestInfo
-		_ = admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs)
-		for _, g := range gs {
-			if g.Name == "vm1" && len(g.Listening) == 1 && strings.HasSuffix(g.Listening[0], ":5201") {
-				return true
-			}
-		}
-		return false
+		g := v.guest("vm1")
+		return len(g.Listening) == 1 && strings.HasSuffix(g.Listening[0], ":5201")
 	}
 	srv := v.boot(1, "run", preloadLib, iperf3, "-s", "-p", "5201", "--forceflush")
 	eventually(t, time.Minute, "vm1's iperf3 listening in hostd", listening)
