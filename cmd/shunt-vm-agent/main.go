@@ -16,6 +16,10 @@
 //	                                  "OUT" lines, then "EXIT code". "A + B" runs A and
 //	                                  B at once, "A then B" one after the other; with
 //	                                  several programs the lines are "OUT<i>", "EXIT<i>"
+//	shunt-vm-agent exec-server PORT   run the shell command each connection sends
+//	                                  (one line), output back on the connection: the
+//	                                  VM end of an rsh for mpirun, over kernel TCP
+//	shunt-vm-agent rsh PORT HOST CMD  the host end: run CMD in the VM at HOST
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
@@ -29,10 +33,12 @@ import (
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
 	"os/exec"
 	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -77,6 +83,12 @@ func main() {
 func run(args []string) error {
 	if len(args) >= 3 && args[0] == "run" {
 		return runPreloaded(args[1], args[2:])
+	}
+	if len(args) == 2 && args[0] == "exec-server" {
+		return execServer(args[1])
+	}
+	if len(args) >= 4 && args[0] == "rsh" {
+		return rsh(args[1], args[2], args[3:])
 	}
 	disable := len(args) > 0 && args[0] == "tcp"
 	if disable {
@@ -275,4 +287,49 @@ func split(args []string, sep string) [][]string {
 		out = append(out, args[:i])
 		args = args[i+1:]
 	}
+}
+
+// execServer runs, for each connection, the shell command on its first
+// line, with the command's output going back on the connection. It is what
+// mpirun's rsh agent talks to: the test has no ssh in its VMs. Kernel TCP
+// only; nothing here uses Shunt.
+func execServer(port string) error {
+	l, err := net.Listen("tcp", ":"+port)
+	if err != nil {
+		return err
+	}
+	say("LISTENING")
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return err
+		}
+		go func() {
+			defer c.Close()
+			line, err := bufio.NewReader(c).ReadString('\n')
+			if err != nil {
+				return
+			}
+			say("EXEC %s", strings.TrimSpace(line))
+			cmd := exec.Command("/bin/sh", "-c", line)
+			cmd.Stdout, cmd.Stderr = c, c
+			err = cmd.Run()
+			say("EXEC-EXIT %v", err)
+		}()
+	}
+}
+
+// rsh runs cmd in the VM at host through its exec server, copying the
+// output to stdout.
+func rsh(port, host string, cmd []string) error {
+	c, err := net.Dial("tcp", net.JoinHostPort(host, port))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if _, err := fmt.Fprintln(c, strings.Join(cmd, " ")); err != nil {
+		return err
+	}
+	_, err = io.Copy(os.Stdout, c)
+	return err
 }

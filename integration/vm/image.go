@@ -66,7 +66,7 @@ func FindKernel(cache string) (Kernel, error) {
 
 // modules the guest loads, in dependency order.
 var modules = []string{"virtio_ring", "virtio", "virtio_pci_legacy_dev", "virtio_pci_modern_dev", "virtio_pci",
-	"virtio_console", "failover", "net_failover", "virtio_net"}
+	"virtio_console", "failover", "net_failover", "virtio_net", "netfs", "fscache", "9pnet", "9pnet_virtio", "9p"}
 
 const initScript = `#!/bin/sh
 mount -t proc proc /proc
@@ -74,6 +74,16 @@ mount -t sysfs sys /sys
 mount -t devtmpfs dev /dev
 for m in %s; do insmod /lib/modules/$m.ko; done
 arg() { sed -n "s/.*shunt\.$1=\([^ ]*\).*/\1/p" /proc/cmdline; }
+hostname $(arg ip | sed 's|/.*||')
+mkdir -p /dev/shm && mount -t tmpfs shm /dev/shm
+# With Options.ShareUsr the host's /usr comes over 9p (read-only): its
+# programs and libraries run here unchanged (merged /usr: /lib64 and the
+# multiarch libraries live under it).
+if mount -t 9p -o trans=virtio,version=9p2000.L,ro hostusr /usr 2>/dev/null; then
+  [ -e /lib64 ] || ln -s /usr/lib64 /lib64
+  [ -e /lib/x86_64-linux-gnu ] || ln -s /usr/lib/x86_64-linux-gnu /lib/x86_64-linux-gnu
+  export PATH=/bin:/sbin:/usr/bin:/usr/sbin
+fi
 ip link set lo up
 ip addr add $(arg ip) dev eth0
 ip link set eth0 up
@@ -94,13 +104,17 @@ func BuildInitramfs(path string, k Kernel, agent string, extra ...string) error 
 		return errors.New("busybox not found: apt-get install busybox-static")
 	}
 	w := newCpio()
-	for _, d := range []string{"bin", "sbin", "proc", "sys", "dev", "lib", "lib/modules", "tmp"} {
+	for _, d := range []string{"bin", "sbin", "proc", "sys", "dev", "lib", "lib/modules", "tmp", "usr", "etc"} {
 		w.dir(d)
 	}
+	// Who root is, for programs that ask (Open MPI names its session
+	// directory after the user).
+	w.data("etc/passwd", []byte("root:x:0:0:root:/tmp:/bin/sh\n"), 0o644)
+	w.data("etc/group", []byte("root:x:0:\n"), 0o644)
 	if err := w.file("bin/busybox", busybox, 0o755); err != nil {
 		return err
 	}
-	for _, l := range []string{"sh", "mount", "insmod", "ip", "sed", "tr", "echo", "reboot", "cat", "ls", "sleep"} {
+	for _, l := range []string{"sh", "mount", "insmod", "ip", "sed", "tr", "echo", "reboot", "cat", "ls", "sleep", "hostname", "mkdir", "ln"} {
 		w.symlink("bin/"+l, "busybox")
 	}
 	for _, m := range modules {
@@ -118,7 +132,7 @@ func BuildInitramfs(path string, k Kernel, agent string, extra ...string) error 
 	if err := w.file("agent", agent, 0o755); err != nil {
 		return err
 	}
-	have := map[string]bool{"bin": true, "sbin": true, "proc": true, "sys": true, "dev": true, "lib": true, "lib/modules": true, "tmp": true}
+	have := map[string]bool{"bin": true, "sbin": true, "proc": true, "sys": true, "dev": true, "lib": true, "lib/modules": true, "tmp": true, "usr": true, "etc": true}
 	for _, e := range extra {
 		files, err := withLibraries(e)
 		if err != nil {
@@ -142,6 +156,37 @@ func BuildInitramfs(path string, k Kernel, agent string, extra ...string) error 
 		}
 	}
 	return os.WriteFile(path, w.close(), 0o644)
+}
+
+// BuildInitramfsFiles is BuildInitramfs with files copied in at their own
+// absolute paths but without their libraries: for VMs that get the host's
+// /usr (Options.ShareUsr), where the libraries already are.
+func BuildInitramfsFiles(path string, k Kernel, agent string, files ...string) error {
+	if err := BuildInitramfs(path, k, agent); err != nil {
+		return err
+	}
+	// A cpio archive may be followed by another; the kernel unpacks both.
+	w := newCpio()
+	have := map[string]bool{"tmp": true}
+	for _, f := range files {
+		name := strings.TrimPrefix(f, "/")
+		for _, d := range parents(name) {
+			if !have[d] {
+				have[d] = true
+				w.dir(d)
+			}
+		}
+		if err := w.file(name, f, 0o755); err != nil {
+			return err
+		}
+	}
+	out, err := os.OpenFile(path, os.O_APPEND|os.O_WRONLY, 0)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	_, err = out.Write(w.close())
+	return err
 }
 
 // withLibraries returns path and what ldd says it loads.

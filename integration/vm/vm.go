@@ -36,6 +36,9 @@ type Options struct {
 	// Resettable keeps QEMU running when the guest reboots (no
 	// -no-reboot) and gives it a monitor socket, for Reset.
 	Resettable bool
+	// ShareUsr gives the guest the host's /usr, read-only over 9p, so
+	// host programs (Open MPI) run in it without copying them in.
+	ShareUsr bool
 }
 
 func (o Options) cmdline() string {
@@ -155,6 +158,9 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		args = append(args, "-monitor", fmt.Sprintf("unix:%s,server=on,wait=off", monitor))
 	} else {
 		args = append(args, "-no-reboot")
+	}
+	if o.ShareUsr {
+		args = append(args, "-virtfs", "local,path=/usr,mount_tag=hostusr,security_model=none,readonly=on")
 	}
 	args = append(append(args, "-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
 		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"), att...)
