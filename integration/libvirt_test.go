@@ -26,8 +26,9 @@ import (
 // TestLibvirtDomains: hostd follows a real libvirtd (started by the test,
 // with virtlogd). Two TCG domains defined with Shunt's devices and metadata
 // are registered as guests when they start and get the fast path between
-// them; after libvirtd restarts (one domain's QEMU died meanwhile) hostd
-// resyncs and releases that one; a stopped domain is released.
+// them, which survives a hostd restart; a stopped domain is released; after
+// libvirtd restarts (one domain's QEMU died meanwhile) hostd resyncs and
+// releases that one.
 func TestLibvirtDomains(t *testing.T) {
 	testenv.NeedTool(t, "libvirtd", "libvirt-daemon-system")
 	testenv.NeedTool(t, "virtlogd", "libvirt-daemon-system")
@@ -74,6 +75,16 @@ func TestLibvirtDomains(t *testing.T) {
 			t.Fatalf("guest %+v: want group t, the metadata's id and one flow", g)
 		}
 	}
+
+	// hostd restarts under the live flow: it learns the domains from
+	// libvirtd before it adopts the flows from the region, so the flow
+	// between two libvirt guests is adopted and both sides reattach.
+	v.killHostd()
+	v.startHostd()
+	eventually(t, 20*time.Second, "the flow adopted and reattached after a hostd restart", func() bool {
+		fl := v.flows()
+		return len(fl) == 1 && fl[0].Attached == "ab" && fl[0].State == "ready"
+	})
 
 	// A stopped domain is released: its guest and control socket go, and
 	// its peer gets ECONNRESET (then lv1's agent exits and lv1 stops too).
