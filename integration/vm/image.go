@@ -139,18 +139,7 @@ func BuildInitramfs(path string, k Kernel, agent string, extra ...string) error 
 			return err
 		}
 		for _, f := range files {
-			name := strings.TrimPrefix(f, "/")
-			if have[name] {
-				continue
-			}
-			have[name] = true
-			for _, d := range parents(name) {
-				if !have[d] {
-					have[d] = true
-					w.dir(d)
-				}
-			}
-			if err := w.file(name, f, 0o755); err != nil {
+			if err := w.fileAt(f, have); err != nil {
 				return err
 			}
 		}
@@ -169,14 +158,7 @@ func BuildInitramfsFiles(path string, k Kernel, agent string, files ...string) e
 	w := newCpio()
 	have := map[string]bool{"tmp": true}
 	for _, f := range files {
-		name := strings.TrimPrefix(f, "/")
-		for _, d := range parents(name) {
-			if !have[d] {
-				have[d] = true
-				w.dir(d)
-			}
-		}
-		if err := w.file(name, f, 0o755); err != nil {
+		if err := w.fileAt(f, have); err != nil {
 			return err
 		}
 	}
@@ -187,6 +169,23 @@ func BuildInitramfsFiles(path string, k Kernel, agent string, files ...string) e
 	defer out.Close()
 	_, err = out.Write(w.close())
 	return err
+}
+
+// fileAt adds the file at host path src under the same path, with the
+// directories above it; have records what the archive holds already.
+func (c *cpio) fileAt(src string, have map[string]bool) error {
+	name := strings.TrimPrefix(src, "/")
+	if have[name] {
+		return nil
+	}
+	have[name] = true
+	for _, d := range parents(name) {
+		if !have[d] {
+			have[d] = true
+			c.dir(d)
+		}
+	}
+	return c.file(name, src, 0o755)
 }
 
 // withLibraries returns path and what ldd says it loads.
