@@ -25,6 +25,15 @@ import (
 // hostd (a flow listed while the program runs, or the library's -v lines),
 // and checks the program's own results.
 
+// needPreload stops a test that needs libshunt-preload.so when TestMain
+// could not build it (its output says why).
+func needPreload(t testing.TB) {
+	t.Helper()
+	if preloadLib == "" {
+		testenv.Missing(t, "libshunt-preload.so did not build (see TestMain's output)", "apt-get install gcc libc6-dev")
+	}
+}
+
 // guestCmd is a command run in guest i under shunt-run -v.
 func (e *env) guestCmd(i int, name string, args ...string) *exec.Cmd {
 	return e.toolCmd(e.t, true, i, name, args...)
@@ -33,8 +42,8 @@ func (e *env) guestCmd(i int, name string, args ...string) *exec.Cmd {
 // toolCmd is a command for guest i, under shunt-run -v if preload.
 func (e *env) toolCmd(t testing.TB, preload bool, i int, name string, args ...string) *exec.Cmd {
 	t.Helper()
-	if preload && preloadLib == "" {
-		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
+	if preload {
+		needPreload(t)
 	}
 	testenv.NeedTool(t, name, map[string]string{"sockperf": "sockperf", "iperf3": "iperf3", "redis-server": "redis-server",
 		"redis-benchmark": "redis-tools", "redis-cli": "redis-tools"}[name])
@@ -268,9 +277,7 @@ func TestPreloadMPI(t *testing.T) {
 	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
 	testenv.NeedTool(t, "mpirun", "openmpi-bin")
 	e := newEnv(t, 2, "")
-	if preloadLib == "" {
-		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
-	}
+	needPreload(t)
 	dir := t.TempDir()
 	prog := filepath.Join(dir, "pingpong")
 	if out, err := exec.Command("mpicc", "-O2", "-o", prog, "mpi/pingpong.c").CombinedOutput(); err != nil {
@@ -325,9 +332,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	testenv.NeedTool(t, "gcc", "gcc")
 	testenv.NeedTool(t, "conntrack", "conntrack")
 	e := newEnv(t, 2, "")
-	if preloadLib == "" {
-		testenv.Missing(t, "libshunt-preload.so did not build", "apt-get install gcc libc6-dev")
-	}
+	needPreload(t)
 	edge := filepath.Join(t.TempDir(), "edge")
 	if out, err := exec.Command("gcc", "-O2", "-Wall", "-pthread", "-o", edge, "ctest/edge.c").CombinedOutput(); err != nil {
 		t.Fatalf("build edge: %v\n%s", err, out)

@@ -285,9 +285,7 @@ func newPreloadVMEnv(tb testing.TB, progs ...string) (*vmEnv, []string) {
 		path, _ := exec.LookPath(p)
 		paths = append(paths, path)
 	}
-	if preloadLib == "" {
-		tb.Fatal("libshunt-preload.so did not build (see TestMain's output)")
-	}
+	needPreload(tb)
 	v := newVMEnv(tb, 2)
 	initrd := filepath.Join(tb.TempDir(), "initramfs-preload")
 	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, append([]string{preloadLib}, paths...)...); err != nil {
@@ -334,9 +332,7 @@ func vmMPI(tb testing.TB, preload bool) string {
 	tb.Helper()
 	testenv.NeedTool(tb, "mpicc", "libopenmpi-dev openmpi-bin")
 	testenv.NeedTool(tb, "mpirun", "openmpi-bin")
-	if preloadLib == "" {
-		tb.Fatal("libshunt-preload.so did not build (see TestMain's output)")
-	}
+	needPreload(tb)
 	v := newVMEnv(tb, 2)
 	dir := tb.TempDir()
 	prog := filepath.Join(dir, "pingpong")

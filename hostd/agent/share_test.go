@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"fmt"
 	"os"
 	"os/user"
 	"path/filepath"
@@ -10,12 +11,13 @@ import (
 	"testing"
 
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/internal/testenv"
 )
 
 func TestShareRegionGivesFileToGroup(t *testing.T) {
 	grp, err := user.LookupGroupId(strconv.Itoa(os.Getgid()))
 	if err != nil {
-		t.Skipf("no name for gid %d: %v", os.Getgid(), err)
+		testenv.Missing(t, fmt.Sprintf("gid %d has no group name (%v)", os.Getgid(), err), "run as a user whose primary group is in /etc/group")
 	}
 	path := filepath.Join(t.TempDir(), "region")
 	if err := os.WriteFile(path, nil, 0o600); err != nil {
