@@ -25,6 +25,7 @@
 #include "shunt.h"
 
 #include <arpa/inet.h>
+#include <dirent.h>
 #include <dlfcn.h>
 #include <errno.h>
 #include <fcntl.h>
@@ -352,9 +353,10 @@ static void *ctl_reader(void *arg)
 	int fd = (int)(intptr_t)arg;
 	struct shunt_msg m;
 	for (;;) {
-		int rehello = 0;
-		while (ctl_read(fd, &m) == 0) {
-			int welcomed = 0;
+		/* The session ends at EOF, or at ERROR(no-hostd): a new hostd
+		 * behind a port that QEMU reconnected before we read EOF, which
+		 * knows nothing of this session. Either way: reconnect. */
+		while (ctl_read(fd, &m) == 0 && !(m.type == SHUNT_ERROR && m.reason == 19 /* no-hostd */)) {
 			pthread_mutex_lock(&ctl.mu);
 			if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
 				for (int i = 0; i < 64; i++)
@@ -366,23 +368,6 @@ static void *ctl_reader(void *arg)
 				ctl.pong = m.nonce;
 			} else if (m.type == SHUNT_KICK) {
 				vm_kicked();
-			} else if (m.type == SHUNT_ERROR && m.reason == 19 /* no-hostd */) {
-				/* A new hostd behind a port that QEMU reconnected
-				 * before we saw EOF: it dropped what it was asked before
-				 * HELLO, so those requests go to TCP now. */
-				logf_("shunt: hostd restarted; saying HELLO again");
-				for (int i = 0; i < 64; i++)
-					if (ctl.pend[i].id && !ctl.pend[i].done) {
-						ctl.pend[i].m.type = SHUNT_TCP;
-						ctl.pend[i].m.reason = 19;
-						ctl.pend[i].done = 1;
-					}
-				struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
-				ctl_write_locked(&h);
-				rehello = 1;
-			} else if (m.type == SHUNT_WELCOME && rehello) {
-				rehello = 0;
-				welcomed = 1;
 			} else if (m.type == SHUNT_ERROR) {
 				logf_("shunt: hostd closed the control channel: %s", m.text);
 			}
@@ -390,9 +375,8 @@ static void *ctl_reader(void *arg)
 			pthread_mutex_unlock(&ctl.mu);
 			if (m.type == SHUNT_REVOKE)
 				on_revoke(&m);
-			if (welcomed)
-				announce();
 		}
+		/* Requests in flight go to TCP now rather than at their timeout. */
 		pthread_mutex_lock(&ctl.mu);
 		if (ctl.fd == fd) {
 			real_close(fd);
@@ -444,6 +428,22 @@ static void vm_kicked(void)
 	syscall(SYS_futex, &kick_seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
 }
 
+/* read_small reads a small sysfs file into buf (NUL-terminated, without
+ * its newline). */
+static int read_small(const char *path, char *buf, size_t n)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ssize_t k = real_read(fd, buf, n - 1);
+	real_close(fd);
+	if (k <= 0)
+		return -1;
+	buf[k] = 0;
+	buf[strcspn(buf, "\n")] = 0;
+	return 0;
+}
+
 /* find_ports lists the Shunt control ports (org.shunt.ctl, then
  * org.shunt.ctl.1, ...) as vhost/vserial.FindAll does: by the udev link,
  * else by name under sysfs (guests without udev). A VM has one port per
@@ -452,26 +452,22 @@ static void vm_kicked(void)
 static int find_ports(char out[][96], int max)
 {
 	char byidx[MAX_PORTS][96] = {{0}};
-	for (int i = 0; i < 8; i++)
-		for (int j = 0; j < 32; j++) {
-			char p[96], name[64] = {0};
-			snprintf(p, sizeof p, "/sys/class/virtio-ports/vport%dp%d/name", i, j);
-			int fd = open(p, O_RDONLY | O_CLOEXEC);
-			if (fd < 0)
-				continue;
-			ssize_t k = real_read(fd, name, sizeof name - 1);
-			real_close(fd);
-			if (k <= 0)
-				continue;
-			name[strcspn(name, "\n")] = 0;
-			int idx = -1;
-			if (!strcmp(name, "org.shunt.ctl"))
-				idx = 0;
-			else if (!strncmp(name, "org.shunt.ctl.", 14) && name[14] >= '1' && name[14] <= '9')
-				idx = atoi(name + 14);
-			if (idx >= 0 && idx < MAX_PORTS)
-				snprintf(byidx[idx], sizeof byidx[idx], "/dev/vport%dp%d", i, j);
-		}
+	DIR *dir = opendir("/sys/class/virtio-ports");
+	for (struct dirent *e; dir && (e = readdir(dir));) {
+		char p[128], name[64];
+		snprintf(p, sizeof p, "/sys/class/virtio-ports/%.64s/name", e->d_name);
+		if (e->d_name[0] == '.' || read_small(p, name, sizeof name) < 0)
+			continue;
+		int idx = -1;
+		if (!strcmp(name, "org.shunt.ctl"))
+			idx = 0;
+		else if (!strncmp(name, "org.shunt.ctl.", 14) && name[14] >= '1' && name[14] <= '9')
+			idx = atoi(name + 14);
+		if (idx >= 0 && idx < MAX_PORTS)
+			snprintf(byidx[idx], sizeof byidx[idx], "/dev/%.80s", e->d_name);
+	}
+	if (dir)
+		closedir(dir);
 	int n = 0;
 	for (int i = 0; i < MAX_PORTS && n < max; i++) {
 		char link[96];
@@ -493,32 +489,29 @@ static int find_ports(char out[][96], int max)
  * memory BAR, as vhost/ivshmem.Find does. */
 static int find_bar(char *out, size_t n)
 {
-	for (int bus = 0; bus < 4; bus++)
-		for (int dev = 0; dev < 32; dev++) {
-			char base[64], p[96], v[16] = {0}, d[16] = {0};
-			snprintf(base, sizeof base, "/sys/bus/pci/devices/0000:%02x:%02x.0", bus, dev);
-			snprintf(p, sizeof p, "%s/vendor", base);
-			int fd = open(p, O_RDONLY | O_CLOEXEC);
-			if (fd < 0)
-				continue;
-			real_read(fd, v, sizeof v - 1);
+	int found = -1;
+	DIR *dir = opendir("/sys/bus/pci/devices");
+	for (struct dirent *e; found && dir && (e = readdir(dir));) {
+		char base[96], p[128], v[16], d[16];
+		snprintf(base, sizeof base, "/sys/bus/pci/devices/%.64s", e->d_name);
+		snprintf(p, sizeof p, "%s/vendor", base);
+		if (e->d_name[0] == '.' || read_small(p, v, sizeof v) < 0 || strcmp(v, "0x1af4"))
+			continue;
+		snprintf(p, sizeof p, "%s/device", base);
+		if (read_small(p, d, sizeof d) < 0 || strcmp(d, "0x1110"))
+			continue;
+		snprintf(p, sizeof p, "%s/enable", base);
+		int fd = open(p, O_WRONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			real_write(fd, "1", 1);
 			real_close(fd);
-			snprintf(p, sizeof p, "%s/device", base);
-			if ((fd = open(p, O_RDONLY | O_CLOEXEC)) < 0)
-				continue;
-			real_read(fd, d, sizeof d - 1);
-			real_close(fd);
-			if (strncmp(v, "0x1af4", 6) || strncmp(d, "0x1110", 6))
-				continue;
-			snprintf(p, sizeof p, "%s/enable", base);
-			if ((fd = open(p, O_WRONLY | O_CLOEXEC)) >= 0) {
-				real_write(fd, "1", 1);
-				real_close(fd);
-			}
-			snprintf(out, n, "%s/resource2", base);
-			return 0;
 		}
-	return -1;
+		snprintf(out, n, "%s/resource2", base);
+		found = 0;
+	}
+	if (dir)
+		closedir(dir);
+	return found;
 }
 
 /* port_hello says HELLO on a port until WELCOME comes: the port drops what
