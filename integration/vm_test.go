@@ -492,14 +492,8 @@ func TestVMRebootInPlace(t *testing.T) {
 		t.Fatal(err)
 	}
 	eventually(t, 30*time.Second, "the old boot's flow released", func() bool { return len(v.flows()) == 0 })
-	var gs []broker.GuestInfo
-	if err := admin.Call(v.Admin, admin.Request{Cmd: "guests"}, &gs); err != nil {
-		t.Fatal(err)
-	}
-	for _, g := range gs {
-		if g.Name == "vm1" && (g.Sessions != 1 || len(g.Listening) != 1 || !strings.HasSuffix(g.Listening[0], ":7003")) {
-			t.Fatalf("vm1 after its reboot: %+v, want one session listening on 7003", g)
-		}
+	if g := v.guest("vm1"); g.Sessions != 1 || len(g.Listening) != 1 || !strings.HasSuffix(g.Listening[0], ":7003") {
+		t.Fatalf("vm1 after its reboot: %+v, want one session listening on 7003", g)
 	}
 	cli2 := v.boot(3, "hold", a1.String()+":7003")
 	if line := mustWait(t, ctx, cli2, "SHUNT-VM PATH"); line != "SHUNT-VM PATH shunt" {
