@@ -267,9 +267,22 @@ func (v *VM) Reset() error {
 		return fmt.Errorf("monitor of %s: %w", v.Name, err)
 	}
 	defer c.Close()
-	_, err = c.Write([]byte("system_reset\n"))
-	time.Sleep(100 * time.Millisecond) // let QEMU read it before the close
-	return err
+	if _, err := c.Write([]byte("system_reset\n")); err != nil {
+		return err
+	}
+	// QEMU echoes the command once it has read it; closing earlier could
+	// lose it.
+	_ = c.SetReadDeadline(time.Now().Add(5 * time.Second))
+	var seen []byte
+	buf := make([]byte, 512)
+	for !bytes.Contains(seen, []byte("system_reset")) {
+		n, err := c.Read(buf)
+		if err != nil {
+			return fmt.Errorf("monitor of %s: no echo of system_reset: %w", v.Name, err)
+		}
+		seen = append(seen, buf[:n]...)
+	}
+	return nil
 }
 
 // Console returns what the VM printed so far.
