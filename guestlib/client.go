@@ -11,6 +11,7 @@ import (
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/wait"
 )
 
@@ -20,7 +21,8 @@ type Options struct {
 	Region  string       // region file override; "" = $SHUNT_REGION or what hostd says
 	Wait    *wait.Policy // nil = $SHUNT_WAIT or adaptive
 	Disable bool         // always plain TCP ($SHUNT_DISABLE=1)
-	// VerdictTimeout bounds how long Dial waits for hostd's verdict; it
+	// VerdictTimeout bounds how long a connection waits for hostd's
+	// verdict (Dial, and an accepted Conn's first Read, Write or Path); it
 	// should exceed hostd's pairing timeout. 0 = 5s.
 	VerdictTimeout time.Duration
 	// Logf, if set, receives one line per connection saying which path it
@@ -61,31 +63,43 @@ func (o Options) withEnv() (Options, error) {
 	return o, nil
 }
 
+// retryEvery is how often a Client tries a missing hostd again: a missing
+// hostd costs a Dial nothing but a check.
+const retryEvery = time.Second
+
 // Client is a guest process's session with hostd, shared by its Dialers and
-// Listeners. It is safe for concurrent use. It reconnects on its own when
-// hostd restarts; Close ends the session.
+// Listeners. It is safe for concurrent use. It owns the control channel:
+// one writer goroutine per session writes every control message (see
+// session), one reader dispatches hostd's answers, and Conns talk to it
+// only through its methods. It reconnects on its own when hostd restarts;
+// Close ends the session and waits for its goroutines.
 type Client struct {
 	opts Options
+	kick *kickSignal // nil unless Options.Kick
+
+	// loopback lets package tests ask hostd about loopback connections,
+	// which real guests never do.
+	loopback bool
 
 	mu         sync.Mutex
-	conn       net.Conn // nil while disconnected
-	region     *region.Region
+	sess       *session // nil while disconnected
+	connecting chan struct{}
+	region     *region.Region // mapped on first connect, kept for the client's life
 	guestID    uint32
 	nextReq    uint32
-	pending    map[uint32]chan proto.Msg
+	pending    map[uint32]*Conn // OPENs waiting for READY or TCP, by ReqID
 	pongs      map[uint64]chan struct{}
 	nonce      uint64
 	flows      map[flowKey]*Conn
 	listens    map[netip.AddrPort]int
 	routes     map[netip.Addr]route // source address cache (see source)
-	closes     []proto.Msg          // CLOSEs to send once reconnected
+	closes     []proto.Msg          // CLOSEs to write when the queue has room or once reconnected
 	lastTry    time.Time
 	lastErr    error
 	closed     bool
 	reconnects int
 	done       chan struct{}
 	wg         sync.WaitGroup
-	kick       *kickSignal // nil unless Options.Kick
 }
 
 type flowKey struct {
@@ -100,10 +114,10 @@ func NewClient(opts Options) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		opts: o, pending: map[uint32]chan proto.Msg{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
+		opts: o, pending: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
 		listens: map[netip.AddrPort]int{}, routes: map[netip.Addr]route{}, done: make(chan struct{}),
 	}
-	if st, err := os.Stat(o.Control); err == nil && st.Mode()&os.ModeCharDevice != 0 {
+	if isPort(o.Control) {
 		c.opts.Kick = true
 	}
 	if c.opts.Kick {
@@ -130,251 +144,132 @@ func DefaultClient() (*Client, error) {
 // errNoHostd is why a connection stays on TCP when hostd cannot be reached.
 var errNoHostd = errors.New("hostd unreachable")
 
-// ensure connects if not connected; it tries at most once a second so that
-// a missing hostd costs a Dial nothing but a check.
+// ensure connects if not connected, at most once per retryEvery. The dial
+// and HELLO run outside the mutex; callers arriving meanwhile wait for
+// that attempt instead of starting their own.
 func (c *Client) ensure() error {
 	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.closed {
-		return net.ErrClosed
+	for {
+		if c.closed {
+			c.mu.Unlock()
+			return net.ErrClosed
+		}
+		if c.sess != nil {
+			c.mu.Unlock()
+			return nil
+		}
+		if c.connecting == nil {
+			break
+		}
+		ch := c.connecting
+		c.mu.Unlock()
+		<-ch // bounded by the dial and HELLO timeouts
+		c.mu.Lock()
+		if c.sess == nil {
+			err := c.lastErr
+			c.mu.Unlock()
+			return fmt.Errorf("%w: %w", errNoHostd, err)
+		}
 	}
-	if c.conn != nil {
-		return nil
-	}
-	if time.Since(c.lastTry) < time.Second {
-		return fmt.Errorf("%w: %w", errNoHostd, c.lastErr)
+	if time.Since(c.lastTry) < retryEvery {
+		err := c.lastErr
+		c.mu.Unlock()
+		return fmt.Errorf("%w: %w", errNoHostd, err)
 	}
 	c.lastTry = time.Now()
-	c.lastErr = c.connectLocked()
-	if c.lastErr != nil {
-		return fmt.Errorf("%w: %w", errNoHostd, c.lastErr)
+	err := c.connectUnlocked()
+	c.mu.Unlock()
+	if err != nil {
+		return fmt.Errorf("%w: %w", errNoHostd, err)
 	}
 	return nil
 }
 
-// connectLocked dials hostd, does HELLO/WELCOME, maps the region on first
-// connect, re-announces listeners and held flows, and starts the reader.
-func (c *Client) connectLocked() error {
+// connectUnlocked is called and returns with mu held, but releases it
+// while it dials and says HELLO; it installs the session under mu.
+func (c *Client) connectUnlocked() error {
+	done := make(chan struct{})
+	c.connecting = done
+	regionPath, mapped := c.opts.Region, c.region != nil
+	c.mu.Unlock()
+
+	conn, welcome, r, err := c.handshake(regionPath, mapped)
+
+	c.mu.Lock()
+	c.connecting = nil
+	defer close(done)
+	if err == nil && c.closed {
+		err = net.ErrClosed
+	}
+	c.lastErr = err
+	if err != nil {
+		if conn != nil {
+			conn.Close()
+		}
+		if r != nil {
+			r.Close()
+		}
+		return err
+	}
+	if r != nil {
+		c.region = r
+	}
+	c.install(conn, welcome)
+	return nil
+}
+
+// handshake dials hostd, says HELLO and maps the region if not yet mapped.
+// It takes no lock.
+func (c *Client) handshake(regionPath string, mapped bool) (net.Conn, proto.Msg, *region.Region, error) {
 	conn, err := dialControl(c.opts.Control)
 	if err != nil {
-		return fmt.Errorf("control %s: %w", c.opts.Control, err)
+		return nil, proto.Msg{}, nil, fmt.Errorf("control %s: %w", c.opts.Control, err)
 	}
 	m, err := hello(conn)
 	if err != nil {
-		conn.Close()
-		return err
+		return conn, m, nil, err
 	}
-	if c.region == nil {
-		path := c.opts.Region
-		if path == "" {
-			path = m.Region
-		}
-		r, err := region.Open(path)
-		if err != nil {
-			conn.Close()
-			return fmt.Errorf("map the region: %w", err)
-		}
-		c.region = r
+	if mapped {
+		return conn, m, nil, nil
 	}
-	c.guestID = m.GuestID
-	// Re-announce what this process holds (after a hostd restart).
-	msgs := c.announcementsLocked()
-	for i := range msgs {
-		if err := proto.Write(conn, &msgs[i]); err != nil {
-			conn.Close()
-			return fmt.Errorf("re-announce: %w", err)
-		}
+	if regionPath == "" {
+		regionPath = m.Region
 	}
-	c.conn = conn
-	c.wg.Add(1)
-	go c.readLoop(conn)
+	r, err := region.Open(regionPath)
+	if err != nil {
+		return conn, m, nil, fmt.Errorf("map the region: %w", err)
+	}
+	return conn, m, r, nil
+}
+
+// install makes conn the client's session: it queues what a new hostd must
+// learn from this process ahead of anything else, and starts the session's
+// goroutines. The caller holds mu.
+func (c *Client) install(conn net.Conn, welcome proto.Msg) {
+	s := newSession(conn)
+	c.guestID = welcome.GuestID
+	s.announce = c.announcementsLocked()
+	s.poke()
+	c.sess = s
+	c.wg.Add(2)
+	go c.writeLoop(s)
+	go c.readLoop(s)
 	if _, ok := conn.(portConn); ok {
 		c.wg.Add(1)
-		go c.keepalive(conn)
-	}
-	return nil
-}
-
-// dialControl opens the control channel: a Unix socket (process guests)
-// or a virtio-serial port's character device (VMs).
-func dialControl(path string) (net.Conn, error) {
-	if st, err := os.Stat(path); err == nil && st.Mode()&os.ModeCharDevice != 0 {
-		f, err := os.OpenFile(path, os.O_RDWR, 0)
-		if err != nil {
-			return nil, err
-		}
-		return portConn{f}, nil
-	}
-	return net.DialTimeout("unix", path, 2*time.Second)
-}
-
-// hello says HELLO until hostd answers WELCOME: a virtio-serial port drops
-// what is written before both ends are open, so the first HELLO may be
-// lost; a Unix socket answers the first one.
-func hello(conn net.Conn) (proto.Msg, error) {
-	for try := 0; try < 25; try++ {
-		if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
-			return proto.Msg{}, fmt.Errorf("hello: %w", err)
-		}
-		_ = conn.SetReadDeadline(time.Now().Add(200 * time.Millisecond))
-		m, _, err := proto.Read(conn, nil)
-		// A VM's port may still hold what hostd sent to the guest's
-		// previous boot (QEMU keeps the channel across a reboot in
-		// place): PONG, REVOKED, KICK... Everything before WELCOME is
-		// that, and is skipped.
-		for err == nil && stale(m) {
-			m, _, err = proto.Read(conn, nil)
-		}
-		if errors.Is(err, os.ErrDeadlineExceeded) {
-			continue
-		}
-		_ = conn.SetReadDeadline(time.Time{})
-		if err != nil || m.Type != proto.Welcome {
-			if err == nil {
-				err = fmt.Errorf("hostd answered HELLO with %s", m.Type)
-			}
-			return m, fmt.Errorf("welcome: %w", err)
-		}
-		return m, nil
-	}
-	return proto.Msg{}, errors.New("welcome: no answer to HELLO in 5s")
-}
-
-// stale reports whether m, read before WELCOME, is left over from an
-// earlier session on the same channel.
-func stale(m proto.Msg) bool {
-	switch m.Type {
-	case proto.Welcome:
-		return false
-	case proto.Error:
-		return m.Reason == proto.ReasonNoHostd
-	}
-	return true
-}
-
-// portConn is a character device used as the control connection.
-type portConn struct{ *os.File }
-
-func (portConn) LocalAddr() net.Addr  { return portAddr{} }
-func (portConn) RemoteAddr() net.Addr { return portAddr{} }
-
-type portAddr struct{}
-
-func (portAddr) Network() string { return "virtio-serial" }
-func (portAddr) String() string  { return "org.shunt.ctl" }
-
-// readLoop dispatches hostd's messages until the channel fails, then fails
-// pending requests over to TCP and reconnects in the background.
-func (c *Client) readLoop(conn net.Conn) {
-	defer c.wg.Done()
-	var buf []byte
-	for {
-		m, b, err := proto.Read(conn, buf)
-		buf = b
-		if err != nil {
-			break
-		}
-		switch m.Type {
-		case proto.Ready, proto.TCP:
-			c.mu.Lock()
-			ch := c.pending[m.ReqID]
-			delete(c.pending, m.ReqID)
-			c.mu.Unlock()
-			if ch != nil {
-				ch <- m
-			}
-		case proto.Revoke:
-			c.mu.Lock()
-			fc := c.flows[flowKey{m.Slot, m.Gen}]
-			c.mu.Unlock()
-			if fc != nil {
-				fc.revoke(m.Reason)
-			}
-		case proto.Ping:
-			c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
-		case proto.Kick:
-			if c.kick != nil {
-				c.kick.kicked(flowKey{m.Slot, m.Gen})
-			}
-		case proto.Pong:
-			c.mu.Lock()
-			ch := c.pongs[m.Nonce]
-			delete(c.pongs, m.Nonce)
-			c.mu.Unlock()
-			if ch != nil {
-				close(ch)
-			}
-		case proto.Error:
-			if m.Reason == proto.ReasonNoHostd { // a restarted hostd behind a VM port
-				c.rehello(conn)
-				continue
-			}
-			c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
-		case proto.Welcome:
-			c.welcomed(conn)
-		}
-	}
-	conn.Close()
-	c.mu.Lock()
-	if c.conn == conn {
-		c.conn = nil
-	}
-	for id, ch := range c.pending {
-		ch <- proto.Msg{Type: proto.TCP, ReqID: id, Reason: proto.ReasonNoHostd}
-		delete(c.pending, id)
-	}
-	closed := c.closed
-	c.mu.Unlock()
-	if !closed {
-		c.wg.Add(1)
-		go c.reconnect()
+		go c.keepalive(s)
 	}
 }
 
-// keepalive runs on a VM's port, which stays open when hostd restarts (QEMU
-// reconnects its end): a PING every 500 ms makes a new hostd answer ERROR,
-// and the client says HELLO again.
-func (c *Client) keepalive(conn net.Conn) {
-	defer c.wg.Done()
-	t := time.NewTicker(500 * time.Millisecond)
-	defer t.Stop()
-	for {
-		select {
-		case <-c.done:
-			return
-		case <-t.C:
-			c.mu.Lock()
-			if c.conn != conn {
-				c.mu.Unlock()
-				return
-			}
-			c.nonce++
-			_ = proto.Write(conn, &proto.Msg{Type: proto.Ping, Nonce: c.nonce})
-			c.mu.Unlock()
-		}
-	}
-}
-
-// rehello says HELLO again on the same channel (a new hostd behind it).
-func (c *Client) rehello(conn net.Conn) {
+// welcomed handles a WELCOME after the first (a new hostd behind a VM's
+// port): it gets this process's listeners, flows and undelivered CLOSEs.
+func (c *Client) welcomed(s *session) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	if c.conn == conn {
-		_ = proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())})
-	}
-}
-
-// welcomed handles a WELCOME after the first: the new hostd gets this
-// process's listeners, flows and undelivered CLOSEs again.
-func (c *Client) welcomed(conn net.Conn) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.conn != conn {
+	if c.sess != s {
 		return
 	}
-	for _, m := range c.announcementsLocked() {
-		_ = proto.Write(conn, &m)
-	}
+	s.announce = append(s.announce, c.announcementsLocked()...)
+	s.poke()
 	c.reconnects++
 }
 
@@ -392,6 +287,41 @@ func (c *Client) announcementsLocked() []proto.Msg {
 	return msgs
 }
 
+// parked hands the writer of s the work parked for it: announcements and
+// CLOSEs that did not fit the queue.
+func (c *Client) parked(s *session) []proto.Msg {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.sess != s {
+		return nil
+	}
+	batch := append(s.announce, c.closes...)
+	s.announce, c.closes = nil, nil
+	return batch
+}
+
+// lost is the end of session s: its pending verdicts fail over to TCP and,
+// unless the client is closed, it reconnects in the background.
+func (c *Client) lost(s *session) {
+	c.mu.Lock()
+	if c.sess != s {
+		c.mu.Unlock()
+		return
+	}
+	c.sess = nil
+	pending := c.pending
+	c.pending = map[uint32]*Conn{}
+	closed := c.closed
+	if !closed {
+		c.wg.Add(1)
+		go c.reconnect()
+	}
+	c.mu.Unlock()
+	for id, w := range pending {
+		c.deliverTo(w, proto.Msg{Type: proto.TCP, ReqID: id, Reason: proto.ReasonNoHostd})
+	}
+}
+
 // reconnect retries hostd with backoff until it answers or Close.
 func (c *Client) reconnect() {
 	defer c.wg.Done()
@@ -403,11 +333,16 @@ func (c *Client) reconnect() {
 		case <-time.After(delay):
 		}
 		c.mu.Lock()
-		if c.closed || c.conn != nil {
+		if c.closed || c.sess != nil {
 			c.mu.Unlock()
 			return
 		}
-		err := c.connectLocked()
+		if c.connecting != nil { // a Dial is trying: look again later
+			c.mu.Unlock()
+			continue
+		}
+		c.lastTry = time.Now()
+		err := c.connectUnlocked()
 		if err == nil {
 			c.reconnects++
 		}
@@ -419,8 +354,9 @@ func (c *Client) reconnect() {
 	}
 }
 
-// send writes m if connected; CLOSE is queued for the next connection
-// otherwise, so hostd learns of it after a restart.
+// send queues m for hostd without blocking. A CLOSE is never lost: when
+// disconnected or when the queue is full it is parked and written later.
+// A KICK that does not fit is dropped (sleepers wake on their own bound).
 func (c *Client) send(m proto.Msg) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -428,13 +364,24 @@ func (c *Client) send(m proto.Msg) error {
 }
 
 func (c *Client) sendLocked(m proto.Msg) error {
-	if c.conn == nil {
+	s := c.sess
+	if s == nil {
 		if m.Type == proto.Close {
 			c.closes = append(c.closes, m)
 		}
 		return errNoHostd
 	}
-	return proto.Write(c.conn, &m)
+	select {
+	case s.out <- m:
+		return nil
+	default:
+	}
+	if m.Type == proto.Close {
+		c.closes = append(c.closes, m)
+		s.poke()
+		return nil
+	}
+	return errQueueFull
 }
 
 // sync waits until hostd has processed everything sent so far on this
@@ -449,42 +396,154 @@ func (c *Client) sync(timeout time.Duration) error {
 	c.pongs[n] = ch
 	err := c.sendLocked(proto.Msg{Type: proto.Ping, Nonce: n})
 	c.mu.Unlock()
-	if err != nil {
-		return err
+	t := time.NewTimer(timeout)
+	defer t.Stop()
+	if err == nil {
+		select {
+		case <-ch:
+			return nil
+		case <-t.C:
+			err = errNoHostd
+		}
 	}
-	select {
-	case <-ch:
-		return nil
-	case <-time.After(timeout):
-		c.mu.Lock()
-		delete(c.pongs, n)
-		c.mu.Unlock()
-		return errNoHostd
+	c.mu.Lock()
+	delete(c.pongs, n)
+	c.mu.Unlock()
+	return err
+}
+
+func (c *Client) ponged(nonce uint64) {
+	c.mu.Lock()
+	ch := c.pongs[nonce]
+	delete(c.pongs, nonce)
+	c.mu.Unlock()
+	if ch != nil {
+		close(ch)
 	}
 }
 
-// request sends an OPEN and returns the channel its verdict arrives on.
-func (c *Client) request(m proto.Msg) (chan proto.Msg, error) {
+// request sends conn's OPEN; the verdict reaches conn.offer (or conn is
+// forgotten first, and the verdict is declined).
+func (c *Client) request(conn *Conn, m proto.Msg) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
 	c.nextReq++
 	m.ReqID = c.nextReq
-	ch := make(chan proto.Msg, 1)
-	c.pending[m.ReqID] = ch
+	c.pending[m.ReqID] = conn
 	if err := c.sendLocked(m); err != nil {
 		delete(c.pending, m.ReqID)
-		return nil, err
+		return err
 	}
-	return ch, nil
+	conn.req = m.ReqID
+	return nil
 }
 
-func (c *Client) forget(ch chan proto.Msg) {
+// forget drops conn's pending OPEN: a verdict that arrives later is
+// declined by deliver.
+func (c *Client) forget(conn *Conn) {
 	c.mu.Lock()
 	defer c.mu.Unlock()
-	for id, x := range c.pending {
-		if x == ch {
-			delete(c.pending, id)
-		}
+	if c.pending[conn.req] == conn {
+		delete(c.pending, conn.req)
+	}
+}
+
+// deliver hands a READY or TCP to the connection that asked for it.
+func (c *Client) deliver(m proto.Msg) {
+	c.mu.Lock()
+	w := c.pending[m.ReqID]
+	delete(c.pending, m.ReqID)
+	c.mu.Unlock()
+	c.deliverTo(w, m)
+}
+
+// deliverTo offers m to w. A READY that no connection takes (forgotten,
+// closed, timed out, or rings that do not check out) is given back to
+// hostd with CLOSE here, and only here, so no flow leaks.
+func (c *Client) deliverTo(w *Conn, m proto.Msg) {
+	if w != nil && w.offer(m) {
+		return
+	}
+	if m.Type == proto.Ready {
+		c.logf("shunt: READY %d.%d for request %d taken by no connection: giving it back", m.Slot, m.Gen, m.ReqID)
+		_ = c.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+	}
+}
+
+// rings returns the ring pair of a READY, checked against the region.
+func (c *Client) rings(m proto.Msg) (out, in *ring.Ring, err error) {
+	c.mu.Lock()
+	reg := c.region
+	c.mu.Unlock()
+	if reg == nil {
+		return nil, nil, errors.New("no region mapped")
+	}
+	ab, ba, err := reg.Rings(int(m.Slot), m.Gen)
+	if err != nil {
+		return nil, nil, err
+	}
+	if ab.Capacity() != int(m.Capacity) {
+		return nil, nil, ring.ErrCorrupt
+	}
+	if m.Side == proto.SideB {
+		return ba, ab, nil
+	}
+	return ab, ba, nil
+}
+
+// register records a fast-path connection, so that REVOKE reaches it and a
+// new hostd learns of it.
+func (c *Client) register(k flowKey, conn *Conn) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	c.flows[k] = conn
+}
+
+// unregister forgets a fast-path connection and tells hostd this end is
+// done with it.
+func (c *Client) unregister(k flowKey, side proto.Side) {
+	c.mu.Lock()
+	delete(c.flows, k)
+	_ = c.sendLocked(proto.Msg{Type: proto.Close, Slot: k.slot, Gen: k.gen, Side: side})
+	c.mu.Unlock()
+	if c.kick != nil {
+		c.kick.forget(k)
+	}
+}
+
+func (c *Client) flow(k flowKey) *Conn {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.flows[k]
+}
+
+// listen announces a listening address (counted: several Listeners may
+// share one; hostd keeps a set) and waits until hostd has it, so a peer's
+// connection cannot overtake it. A session opened here announces it with
+// the rest.
+func (c *Client) listen(a netip.AddrPort) {
+	c.mu.Lock()
+	c.listens[a]++
+	first, live := c.listens[a] == 1, c.sess != nil
+	if first && live {
+		_ = c.sendLocked(proto.Msg{Type: proto.Listen, Local: a})
+	}
+	c.mu.Unlock()
+	if !live && c.ensure() != nil {
+		return
+	}
+	if first {
+		_ = c.sync(time.Second)
+	}
+}
+
+// unlisten drops one announcement of a; the last one tells hostd.
+func (c *Client) unlisten(a netip.AddrPort) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if c.listens[a]--; c.listens[a] <= 0 {
+		delete(c.listens, a)
+		_ = c.sendLocked(proto.Msg{Type: proto.Unlisten, Local: a})
 	}
 }
 
@@ -501,8 +560,8 @@ func (c *Client) Reconnects() int {
 	return c.reconnects
 }
 
-// Close ends the session with hostd. Fast-path connections already open
-// keep working; new ones use TCP.
+// Close ends the session with hostd and waits for its goroutines.
+// Fast-path connections already open keep working; new ones use TCP.
 func (c *Client) Close() error {
 	c.mu.Lock()
 	if c.closed {
@@ -511,10 +570,11 @@ func (c *Client) Close() error {
 	}
 	c.closed = true
 	close(c.done)
-	if c.conn != nil {
-		c.conn.Close()
-	}
+	s := c.sess
 	c.mu.Unlock()
+	if s != nil {
+		s.end()
+	}
 	c.wg.Wait()
 	return nil
 }

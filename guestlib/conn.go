@@ -31,15 +31,21 @@ func (p Path) String() string {
 // net.Conn (and CloseWrite/CloseRead like *net.TCPConn); as net.Conn
 // requires, it is safe for concurrent use, with one Read and one Write at a
 // time each.
+//
+// Its path is decided once: by hostd's verdict (offer, called from the
+// Client's reader), or by a local reason (loopback, disabled, no hostd,
+// the verdict timeout, Close before the verdict). Calls made before the
+// verdict wait for it, bounded by their deadline and the verdict timeout.
 type Conn struct {
 	tcp    *net.TCPConn
 	client *Client
 	local  netip.AddrPort
 	remote netip.AddrPort
+	req    uint32    // the OPEN's ReqID while a verdict is pending; guarded by client.mu
+	waitTo time.Time // the verdict is given up after this
 
 	vmu     sync.Mutex    // serializes deciding the path
 	verdict chan struct{} // closed once path is decided
-	wait    chan proto.Msg
 	path    Path
 
 	// Fast path, set before verdict is closed.
@@ -53,6 +59,9 @@ type Conn struct {
 	closeOnce       sync.Once
 	revoked         chan struct{} // closed on revocation
 	revokeOnce      sync.Once
+
+	// deadlineMu orders deadline changes with the verdict: a deadline set
+	// before the rings exist is carried over to them (see decideFast).
 	deadlineMu      sync.Mutex
 	readDL, writeDL time.Time
 
@@ -64,6 +73,7 @@ func newConn(c *Client, tcp *net.TCPConn) *Conn {
 		tcp: tcp, client: c, verdict: make(chan struct{}), revoked: make(chan struct{}),
 		local:  tcp.LocalAddr().(*net.TCPAddr).AddrPort(),
 		remote: tcp.RemoteAddr().(*net.TCPAddr).AddrPort(),
+		waitTo: time.Now().Add(c.opts.VerdictTimeout),
 	}
 }
 
@@ -77,78 +87,82 @@ func (c *Conn) decided() bool {
 	}
 }
 
-// decide records the path; the caller holds vmu (or owns c alone) and has
-// checked that it is not decided yet.
-func (c *Conn) decide(p Path) {
-	c.path = p
-	close(c.verdict)
-	if c.client != nil {
-		c.client.logf("shunt: %s -> %s: %s", c.local, c.remote, p)
+// decide records a TCP path for a local reason, unless the path is
+// decided already.
+func (c *Conn) decide(reason string) {
+	c.vmu.Lock()
+	defer c.vmu.Unlock()
+	if !c.decided() {
+		c.decideLocked(Path{Reason: reason})
 	}
 }
 
-// resolve waits for hostd's verdict (passive side, lazily) or the deadline.
+// decideLocked records the path; the caller holds vmu and has checked that
+// it is not decided yet.
+func (c *Conn) decideLocked(p Path) {
+	c.path = p
+	close(c.verdict)
+	c.client.logf("shunt: %s -> %s: %s", c.local, c.remote, p)
+}
+
+// offer is hostd's verdict for this connection. It reports whether the
+// connection took it; a READY it does not take (decided already, or rings
+// that do not check out) is given back by the caller (Client.deliverTo).
+func (c *Conn) offer(m proto.Msg) bool {
+	c.vmu.Lock()
+	defer c.vmu.Unlock()
+	if c.decided() {
+		return false
+	}
+	if m.Type != proto.Ready {
+		c.decideLocked(Path{Reason: m.Reason.String()})
+		return true
+	}
+	if err := c.attach(m); err != nil {
+		c.client.logf("shunt: READY for %s did not check out: %v", c.remote, err)
+		c.decideLocked(Path{Reason: proto.ReasonInternal.String()})
+		return false
+	}
+	c.deadlineMu.Lock()
+	c.rd.SetDeadline(c.readDL)
+	c.w.SetDeadline(c.writeDL)
+	c.decideLocked(Path{Fast: true})
+	c.deadlineMu.Unlock()
+	return true
+}
+
+// resolve waits for the verdict until the deadline (an error) or the
+// verdict timeout (TCP, reason timeout).
 func (c *Conn) resolve(deadline time.Time) error {
 	select {
 	case <-c.verdict:
 		return nil
 	default:
 	}
-	var timer <-chan time.Time
+	giveUp := time.NewTimer(time.Until(c.waitTo))
+	defer giveUp.Stop()
+	var dl <-chan time.Time
 	if !deadline.IsZero() {
 		t := time.NewTimer(time.Until(deadline))
 		defer t.Stop()
-		timer = t.C
+		dl = t.C
 	}
 	select {
 	case <-c.verdict:
-		return nil
-	case m := <-c.wait:
-		c.apply(m)
-		return nil
-	case <-timer:
+	case <-giveUp.C:
+		c.client.forget(c)
+		c.decide(proto.ReasonTimeout.String())
+	case <-dl:
 		return os.ErrDeadlineExceeded
 	}
+	return nil
 }
 
-// apply turns a READY or TCP message into the connection's path. A READY
-// whose rings do not check out falls back to TCP (and tells hostd).
-func (c *Conn) apply(m proto.Msg) {
-	c.vmu.Lock()
-	defer c.vmu.Unlock()
-	if c.decided() {
-		if m.Type == proto.Ready { // too late (closed meanwhile): give it back
-			_ = c.client.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
-		}
-		return
-	}
-	if m.Type != proto.Ready {
-		c.decide(Path{Reason: m.Reason.String()})
-		return
-	}
-	if err := c.attach(m); err != nil {
-		c.client.logf("shunt: READY for %s did not check out: %v", c.remote, err)
-		c.client.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
-		c.decide(Path{Reason: proto.ReasonInternal.String()})
-		return
-	}
-	c.decide(Path{Fast: true})
-}
-
+// attach maps the rings of a READY; the caller holds vmu.
 func (c *Conn) attach(m proto.Msg) error {
-	c.client.mu.Lock()
-	reg := c.client.region
-	c.client.mu.Unlock()
-	ab, ba, err := reg.Rings(int(m.Slot), m.Gen)
+	out, in, err := c.client.rings(m)
 	if err != nil {
 		return err
-	}
-	if ab.Capacity() != int(m.Capacity) {
-		return ring.ErrCorrupt
-	}
-	out, in := ab, ba
-	if m.Side == proto.SideB {
-		out, in = ba, ab
 	}
 	p := c.client.opts.Wait
 	if c.w, err = ring.NewWriter(out, p); err != nil {
@@ -167,9 +181,7 @@ func (c *Conn) attach(m proto.Msg) error {
 		ir, iw := in.Waiters()  // our reader ring: the peer writes it
 		k.track(flowKey{m.Slot, m.Gen}, peer, or, ow, ir, iw)
 	}
-	c.client.mu.Lock()
-	c.client.flows[flowKey{m.Slot, m.Gen}] = c
-	c.client.mu.Unlock()
+	c.client.register(flowKey{m.Slot, m.Gen}, c)
 	// Keep the lease alive and noticed: keepalive on the idle TCP socket.
 	_ = c.tcp.SetKeepAlive(true)
 	_ = c.tcp.SetKeepAlivePeriod(15 * time.Second)
@@ -272,11 +284,8 @@ func (c *Conn) CloseRead() error {
 func (c *Conn) Close() error {
 	var err error
 	c.closeOnce.Do(func() {
-		c.vmu.Lock()
-		if !c.decided() {
-			c.decide(Path{Reason: "closed"})
-		}
-		c.vmu.Unlock()
+		c.decide("closed")
+		c.client.forget(c) // a verdict still on its way is given back
 		if c.fast() {
 			// Wake blocked calls first, then publish FIN under the write
 			// lock (the Write they were in has returned by then).
@@ -294,13 +303,7 @@ func (c *Conn) Close() error {
 			}
 			c.writeMu.Unlock()
 			_ = c.rd.CloseRead()
-			c.client.mu.Lock()
-			delete(c.client.flows, flowKey{c.slot, c.gen})
-			c.client.mu.Unlock()
-			if k := c.client.kick; k != nil {
-				k.forget(flowKey{c.slot, c.gen})
-			}
-			_ = c.client.send(proto.Msg{Type: proto.Close, Slot: c.slot, Gen: c.gen, Side: c.side})
+			c.client.unregister(flowKey{c.slot, c.gen}, c.side)
 		}
 		err = c.tcp.Close()
 	})
@@ -332,34 +335,27 @@ func (c *Conn) SetDeadline(t time.Time) error {
 	return c.SetWriteDeadline(t)
 }
 
-// SetReadDeadline implements net.Conn.
+// SetReadDeadline implements net.Conn. Set before the verdict, it bounds
+// the wait for it and carries over to the rings.
 func (c *Conn) SetReadDeadline(t time.Time) error {
 	c.deadlineMu.Lock()
+	defer c.deadlineMu.Unlock()
 	c.readDL = t
-	c.deadlineMu.Unlock()
-	select {
-	case <-c.verdict:
-		if c.fast() {
-			c.rd.SetDeadline(t)
-			return nil
-		}
-	default:
+	if c.decided() && c.fast() {
+		c.rd.SetDeadline(t)
+		return nil
 	}
 	return c.tcp.SetReadDeadline(t)
 }
 
-// SetWriteDeadline implements net.Conn.
+// SetWriteDeadline implements net.Conn, like SetReadDeadline.
 func (c *Conn) SetWriteDeadline(t time.Time) error {
 	c.deadlineMu.Lock()
+	defer c.deadlineMu.Unlock()
 	c.writeDL = t
-	c.deadlineMu.Unlock()
-	select {
-	case <-c.verdict:
-		if c.fast() {
-			c.w.SetDeadline(t)
-			return nil
-		}
-	default:
+	if c.decided() && c.fast() {
+		c.w.SetDeadline(t)
+		return nil
 	}
 	return c.tcp.SetWriteDeadline(t)
 }

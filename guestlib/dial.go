@@ -60,7 +60,7 @@ func (d *Dialer) DialContext(ctx context.Context, network, addr string) (*Conn, 
 		reason = proto.ReasonInternal.String()
 	case c.opts.Disable:
 		reason = proto.ReasonDisabled.String()
-	case remote.Addr().IsLoopback():
+	case remote.Addr().IsLoopback() && !c.loopback:
 		reason = proto.ReasonLoopback.String()
 	default:
 		if err := c.ensure(); err != nil {
@@ -73,7 +73,7 @@ func (d *Dialer) DialContext(ctx context.Context, network, addr string) (*Conn, 
 			return nil, err
 		}
 		conn := newConn(c, tcp.(*net.TCPConn))
-		conn.decide(Path{Reason: reason})
+		conn.decide(reason)
 		return conn, nil
 	}
 	return d.dialFast(ctx, c, network, raddr, remote)
@@ -111,21 +111,18 @@ func (d *Dialer) dialFast(ctx context.Context, c *Client, network string, raddr 
 		return nil, err
 	}
 	conn := newConn(c, nc.(*net.TCPConn))
-	ch, err := c.request(proto.Msg{Type: proto.Open, Role: proto.Active, Local: conn.local, Remote: conn.remote})
-	if err != nil {
-		conn.decide(Path{Reason: proto.ReasonNoHostd.String()})
+	if err := c.request(conn, proto.Msg{Type: proto.Open, Role: proto.Active, Local: conn.local, Remote: conn.remote}); err != nil {
+		conn.decide(proto.ReasonNoHostd.String())
 		return conn, nil
 	}
-	timer := time.NewTimer(c.opts.VerdictTimeout)
+	timer := time.NewTimer(time.Until(conn.waitTo))
 	defer timer.Stop()
 	select {
-	case m := <-ch:
-		conn.apply(m)
+	case <-conn.verdict:
 	case <-timer.C:
-		c.forget(ch)
-		conn.decide(Path{Reason: proto.ReasonTimeout.String()})
+		c.forget(conn)
+		conn.decide(proto.ReasonTimeout.String())
 	case <-ctx.Done():
-		c.forget(ch)
 		conn.Close()
 		return nil, ctx.Err()
 	}
@@ -182,101 +179,3 @@ func bindEphemeral(fd int, src netip.Addr) (netip.AddrPort, error) {
 	}
 	return netip.AddrPort{}, errors.New("unexpected socket address family")
 }
-
-// Listener accepts TCP connections that take the fast path when hostd
-// allows. It implements net.Listener.
-type Listener struct {
-	tcp    *net.TCPListener
-	client *Client
-	addr   netip.AddrPort
-}
-
-// ListenConfig listens with a chosen Client (nil: DefaultClient).
-type ListenConfig struct {
-	Client *Client
-	Net    net.ListenConfig
-}
-
-// Listen listens on addr with the default client.
-func Listen(network, addr string) (*Listener, error) {
-	var lc ListenConfig
-	return lc.Listen(context.Background(), network, addr)
-}
-
-// Listen listens on addr and registers the listener with hostd (if
-// reachable), so that connections to it can get the fast path.
-func (lc *ListenConfig) Listen(ctx context.Context, network, addr string) (*Listener, error) {
-	c := lc.Client
-	if c == nil {
-		var err error
-		if c, err = DefaultClient(); err != nil {
-			return nil, err
-		}
-	}
-	nl, err := lc.Net.Listen(ctx, network, addr)
-	if err != nil {
-		return nil, err
-	}
-	tl, ok := nl.(*net.TCPListener)
-	if !ok {
-		nl.Close()
-		return nil, fmt.Errorf("shunt: listen %s: only tcp is supported", network)
-	}
-	ap := tl.Addr().(*net.TCPAddr).AddrPort()
-	l := &Listener{tcp: tl, client: c, addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())}
-	if !c.opts.Disable {
-		c.mu.Lock()
-		c.listens[l.addr]++
-		c.mu.Unlock()
-		if c.ensure() == nil && c.send(proto.Msg{Type: proto.Listen, Local: l.addr}) == nil {
-			_ = c.sync(time.Second)
-		}
-	}
-	return l, nil
-}
-
-// Accept implements net.Listener. It returns at once; hostd's verdict is
-// awaited by the connection's first Read, Write or Path.
-func (l *Listener) Accept() (net.Conn, error) { return l.AcceptShunt() }
-
-// AcceptShunt is Accept returning the concrete type.
-func (l *Listener) AcceptShunt() (*Conn, error) {
-	tc, err := l.tcp.AcceptTCP()
-	if err != nil {
-		return nil, err
-	}
-	conn := newConn(l.client, tc)
-	c := l.client
-	switch {
-	case c.opts.Disable:
-		conn.decide(Path{Reason: proto.ReasonDisabled.String()})
-	case conn.remote.Addr().Unmap().IsLoopback():
-		conn.decide(Path{Reason: proto.ReasonLoopback.String()})
-	default:
-		ch, err := c.request(proto.Msg{Type: proto.Open, Role: proto.Passive, Local: conn.local, Remote: conn.remote})
-		if err != nil {
-			conn.decide(Path{Reason: proto.ReasonNoHostd.String()})
-		} else {
-			conn.wait = ch
-		}
-	}
-	return conn, nil
-}
-
-// Close implements net.Listener and unregisters it from hostd.
-func (l *Listener) Close() error {
-	c := l.client
-	if c.opts.Disable {
-		return l.tcp.Close()
-	}
-	c.mu.Lock()
-	if c.listens[l.addr]--; c.listens[l.addr] <= 0 {
-		delete(c.listens, l.addr)
-		_ = c.sendLocked(proto.Msg{Type: proto.Unlisten, Local: l.addr})
-	}
-	c.mu.Unlock()
-	return l.tcp.Close()
-}
-
-// Addr implements net.Listener.
-func (l *Listener) Addr() net.Addr { return l.tcp.Addr() }

@@ -1,0 +1,314 @@
+// Package guesttest is a scripted, in-process hostd for guestlib's package
+// tests (in the spirit of wireguard-go's bindtest): a control socket in a
+// temporary directory, a region in an ordinary temporary file with hostd's
+// allocator over it, and sessions a test reads from and answers by hand.
+// It needs no root, no conntrack and no second process.
+//
+// A test accepts each session the library opens, checks what the library
+// says (Next, Expect) and answers (Send, Welcome, Ready). Every read has a
+// deadline, so a library that stays silent fails the test instead of
+// hanging it. Hostd and Session are for one test goroutine at a time.
+package guesttest
+
+import (
+	"errors"
+	"net"
+	"net/netip"
+	"os"
+	"path/filepath"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/region"
+)
+
+// Wait bounds every wait of the fake for something the library should do.
+const Wait = 5 * time.Second
+
+// Hostd is the fake. Close (registered with t.Cleanup) closes the socket
+// and every accepted session.
+type Hostd struct {
+	Control string       // the control socket path, for guestlib.Options.Control
+	Region  string       // the region file, named in WELCOME
+	Pool    *region.Pool // allocates READYs
+	ln      *net.UnixListener
+	conns   chan net.Conn
+	mu      sync.Mutex
+	open    []*Session // closed by Close
+	region  *region.Region
+	guestID uint32
+}
+
+// Start listens on a fresh control socket and creates a small region.
+func Start(t testing.TB) *Hostd {
+	t.Helper()
+	dir := t.TempDir()
+	h := &Hostd{Control: filepath.Join(dir, "ctl.sock"), Region: filepath.Join(dir, "region"), conns: make(chan net.Conn, 16)}
+	r, err := region.Create(h.Region, region.Geometry{Size: 4 << 20, Slots: 16}, 0o600)
+	if err != nil {
+		t.Fatalf("guesttest: create region: %v", err)
+	}
+	h.region = r
+	h.Pool, _ = region.Adopt(r, nil)
+	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: h.Control, Net: "unix"})
+	if err != nil {
+		t.Fatalf("guesttest: listen: %v", err)
+	}
+	h.ln = ln
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				close(h.conns)
+				return
+			}
+			h.conns <- c
+		}
+	}()
+	t.Cleanup(h.Close)
+	return h
+}
+
+// Close stops the fake: the socket goes away and every session is closed.
+func (h *Hostd) Close() {
+	h.ln.Close()
+	h.mu.Lock()
+	for _, s := range h.open {
+		s.Close()
+	}
+	h.mu.Unlock()
+	h.region.Close()
+}
+
+// Accept returns the next session the library opens, failing the test
+// after Wait.
+func (h *Hostd) Accept(t testing.TB) *Session {
+	t.Helper()
+	select {
+	case c, ok := <-h.conns:
+		if !ok {
+			t.Fatal("guesttest: listener closed")
+		}
+		return h.track(c)
+	case <-time.After(Wait):
+		t.Fatalf("guesttest: no session within %v", Wait)
+	}
+	return nil
+}
+
+func (h *Hostd) track(c net.Conn) *Session {
+	s := &Session{h: h, conn: c}
+	h.mu.Lock()
+	h.open = append(h.open, s)
+	h.mu.Unlock()
+	return s
+}
+
+// Greet accepts the next session and answers its HELLO.
+func (h *Hostd) Greet(t testing.TB) *Session {
+	t.Helper()
+	s := h.Accept(t)
+	s.Expect(t, proto.Hello)
+	s.Welcome(t)
+	return s
+}
+
+// Session is one control connection as hostd sees it.
+type Session struct {
+	h    *Hostd
+	conn net.Conn
+	buf  []byte
+	// Pongs, when set, makes Next answer PING itself and skip it (the
+	// library's Listen waits for one).
+	Pongs bool
+}
+
+// Close closes the session, as a hostd that goes away would.
+func (s *Session) Close() { s.conn.Close() }
+
+// Next returns the next message the library sends, failing after Wait.
+func (s *Session) Next(t testing.TB) proto.Msg {
+	t.Helper()
+	m, err := s.read(Wait)
+	if err != nil {
+		t.Fatalf("guesttest: read from the library: %v", err)
+	}
+	return m
+}
+
+func (s *Session) read(d time.Duration) (proto.Msg, error) {
+	for {
+		_ = s.conn.SetReadDeadline(time.Now().Add(d))
+		m, b, err := proto.Read(s.conn, s.buf)
+		s.buf = b
+		if err != nil {
+			return m, err
+		}
+		if s.Pongs && m.Type == proto.Ping {
+			if err := proto.Write(s.conn, &proto.Msg{Type: proto.Pong, Nonce: m.Nonce}); err != nil {
+				return m, err
+			}
+			continue
+		}
+		return m, nil
+	}
+}
+
+// Expect returns the next message, which must be of type want.
+func (s *Session) Expect(t testing.TB, want proto.Type) proto.Msg {
+	t.Helper()
+	m := s.Next(t)
+	if m.Type != want {
+		t.Fatalf("guesttest: the library sent %s (%+v), want %s", m.Type, m, want)
+	}
+	return m
+}
+
+// Silent checks that the library sends nothing for d.
+func (s *Session) Silent(t testing.TB, d time.Duration) {
+	t.Helper()
+	m, err := s.read(d)
+	if err == nil {
+		t.Fatalf("guesttest: the library sent %s (%+v), want nothing", m.Type, m)
+	}
+	if !errors.Is(err, os.ErrDeadlineExceeded) {
+		t.Fatalf("guesttest: read: %v", err)
+	}
+}
+
+// Send writes m to the library.
+func (s *Session) Send(t testing.TB, m proto.Msg) {
+	t.Helper()
+	_ = s.conn.SetWriteDeadline(time.Now().Add(Wait))
+	if err := proto.Write(s.conn, &m); err != nil {
+		t.Fatalf("guesttest: write %s: %v", m.Type, err)
+	}
+}
+
+// Raw writes bytes as they are, for malformed frames.
+func (s *Session) Raw(t testing.TB, b []byte) {
+	t.Helper()
+	_ = s.conn.SetWriteDeadline(time.Now().Add(Wait))
+	if _, err := s.conn.Write(b); err != nil {
+		t.Fatalf("guesttest: write: %v", err)
+	}
+}
+
+// Welcome answers a HELLO, naming the fake's region.
+func (s *Session) Welcome(t testing.TB) {
+	t.Helper()
+	s.h.guestID++
+	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID, Region: s.h.Region, RegionSize: uint64(len(s.h.region.Mem()))})
+}
+
+// Flow is a ring pair allocated by Pair: the READY each side gets.
+type Flow struct{ A, B proto.Msg }
+
+// Pair allocates a ring pair for an active OPEN and a passive OPEN and
+// returns the READYs for both, without sending them.
+func (h *Hostd) Pair(t testing.TB, active, passive proto.Msg) Flow {
+	t.Helper()
+	slot, e, err := h.Pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
+	if err != nil {
+		t.Fatalf("guesttest: allocate: %v", err)
+	}
+	r := proto.Msg{Type: proto.Ready, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
+	a, b := r, r
+	a.ReqID, a.Side = active.ReqID, proto.SideA
+	b.ReqID, b.Side = passive.ReqID, proto.SideB
+	return Flow{a, b}
+}
+
+// SameConn reports whether an active and a passive OPEN describe one
+// connection.
+func SameConn(active, passive proto.Msg) bool {
+	return unmap(active.Local) == unmap(passive.Remote) && unmap(active.Remote) == unmap(passive.Local)
+}
+
+func unmap(a netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(a.Addr().Unmap(), a.Port()) }
+
+// Auto serves sessions on its own until the test ends, as a hostd that
+// grants every connection: HELLO gets WELCOME, PING gets PONG, and an
+// active and a passive OPEN of one connection get a ring pair each. What
+// the library sends is available on the returned channel, for checks.
+func (h *Hostd) Auto(t testing.TB) <-chan proto.Msg {
+	a := &auto{h: h, seen: make(chan proto.Msg, 1024)}
+	go func() {
+		for c := range h.conns {
+			go a.serve(h.track(c))
+		}
+	}()
+	return a.seen
+}
+
+type auto struct {
+	h    *Hostd
+	seen chan proto.Msg
+	mu   sync.Mutex
+	wait []opener // OPENs without their other end yet
+}
+
+type opener struct {
+	s *Session
+	m proto.Msg
+}
+
+func (a *auto) serve(s *Session) {
+	for {
+		m, err := s.read(time.Hour)
+		if err != nil {
+			return
+		}
+		select {
+		case a.seen <- m:
+		default:
+		}
+		a.mu.Lock()
+		switch m.Type {
+		case proto.Hello:
+			a.h.guestID++
+			s.write(proto.Msg{Type: proto.Welcome, GuestID: a.h.guestID, Region: a.h.Region, RegionSize: uint64(len(a.h.region.Mem()))})
+		case proto.Ping:
+			s.write(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+		case proto.Open:
+			a.openLocked(s, m)
+		case proto.Close:
+			_, _ = a.h.Pool.Release(int(m.Slot), m.Gen, uint32(m.Side))
+		}
+		a.mu.Unlock()
+	}
+}
+
+func (a *auto) openLocked(s *Session, m proto.Msg) {
+	for i, o := range a.wait {
+		act, pas := o, opener{s, m}
+		if m.Role == proto.Active {
+			act, pas = pas, act
+		}
+		if act.m.Role == pas.m.Role || !SameConn(act.m, pas.m) {
+			continue
+		}
+		a.wait = append(a.wait[:i], a.wait[i+1:]...)
+		slot, e, err := a.h.Pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: act.m.Local, Dst: act.m.Remote, Capacity: 64 << 10})
+		if err != nil {
+			act.s.write(proto.Msg{Type: proto.TCP, ReqID: act.m.ReqID, Reason: proto.ReasonNoSpace})
+			pas.s.write(proto.Msg{Type: proto.TCP, ReqID: pas.m.ReqID, Reason: proto.ReasonNoSpace})
+			return
+		}
+		r := proto.Msg{Type: proto.Ready, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
+		r.ReqID, r.Side = act.m.ReqID, proto.SideA
+		act.s.write(r)
+		r.ReqID, r.Side = pas.m.ReqID, proto.SideB
+		pas.s.write(r)
+		return
+	}
+	a.wait = append(a.wait, opener{s, m})
+}
+
+// write is Send for Auto's goroutines, which cannot fail a test.
+func (s *Session) write(m proto.Msg) {
+	_ = s.conn.SetWriteDeadline(time.Now().Add(Wait))
+	_ = proto.Write(s.conn, &m)
+}

@@ -1,0 +1,237 @@
+package guestlib
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"sync"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+// Limits of the control channel. A full queue means hostd has not read for
+// a while: KICKs are dropped (a sleeper's wait is bounded anyway), other
+// messages fail and their connection stays on TCP, and CLOSEs are parked in
+// the Client and written as soon as the queue drains, so none is lost.
+const (
+	ctlQueue       = 256                    // messages waiting for the writer
+	ctlWriteTime   = 5 * time.Second        // a write hostd does not take in this long ends the session
+	dialTimeout    = 2 * time.Second        // connecting to the control socket
+	helloTries     = 25                     // HELLOs before giving up (5 s)
+	helloWait      = 200 * time.Millisecond // for WELCOME after each HELLO
+	portPingPeriod = 500 * time.Millisecond // see keepalive
+)
+
+// errQueueFull is why a control message could not be queued.
+var errQueueFull = errors.New("control queue full: hostd is not reading")
+
+// session is one connection of the control channel. Its writer goroutine is
+// the only one that writes conn; everything else queues through Client.send.
+// Its reader goroutine (Client.readLoop) dispatches what hostd says. Ending
+// a session (end) closes conn, which stops both.
+type session struct {
+	conn  net.Conn
+	out   chan proto.Msg // single messages, bounded (ctlQueue)
+	flush chan struct{}  // parked work waits in the Client (see Client.parkedLocked)
+	done  chan struct{}  // closed by end
+	once  sync.Once
+
+	// announce is what hostd must learn before anything else on this
+	// session: listeners and held flows (after a hostd restart). Guarded
+	// by the Client's mu; taken by the writer.
+	announce []proto.Msg
+}
+
+func newSession(conn net.Conn) *session {
+	s := &session{conn: conn, out: make(chan proto.Msg, ctlQueue), flush: make(chan struct{}, 1), done: make(chan struct{})}
+	return s
+}
+
+// poke tells the writer that parked work is waiting.
+func (s *session) poke() {
+	select {
+	case s.flush <- struct{}{}:
+	default:
+	}
+}
+
+// end closes the session once; both its goroutines return.
+func (s *session) end() {
+	s.once.Do(func() {
+		close(s.done)
+		s.conn.Close()
+	})
+}
+
+// writeLoop writes parked work first (announcements, CLOSEs), then queued
+// messages, until the session ends or a write fails.
+func (c *Client) writeLoop(s *session) {
+	defer c.wg.Done()
+	defer s.end()
+	for {
+		var batch []proto.Msg
+		select {
+		case <-s.flush:
+			batch = c.parked(s)
+		default:
+			select {
+			case <-s.flush:
+				batch = c.parked(s)
+			case m := <-s.out:
+				batch = append(batch, m)
+			case <-s.done:
+				return
+			}
+		}
+		for i := range batch {
+			_ = s.conn.SetWriteDeadline(time.Now().Add(ctlWriteTime))
+			if err := proto.Write(s.conn, &batch[i]); err != nil {
+				c.logf("shunt: control channel write: %v", err)
+				return
+			}
+		}
+	}
+}
+
+// dialControl opens the control channel: a Unix socket (process guests)
+// or a virtio-serial port's character device (VMs).
+func dialControl(path string) (net.Conn, error) {
+	if isPort(path) {
+		f, err := os.OpenFile(path, os.O_RDWR, 0)
+		if err != nil {
+			return nil, err
+		}
+		return portConn{f}, nil
+	}
+	return net.DialTimeout("unix", path, dialTimeout)
+}
+
+func isPort(path string) bool {
+	st, err := os.Stat(path)
+	return err == nil && st.Mode()&os.ModeCharDevice != 0
+}
+
+// hello says HELLO until hostd answers WELCOME: a virtio-serial port drops
+// what is written before both ends are open, so the first HELLO may be
+// lost; a Unix socket answers the first one. It runs before the session's
+// goroutines start, so it reads and writes conn itself.
+func hello(conn net.Conn) (proto.Msg, error) {
+	defer conn.SetDeadline(time.Time{})
+	for try := 0; try < helloTries; try++ {
+		_ = conn.SetWriteDeadline(time.Now().Add(ctlWriteTime))
+		if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
+			return proto.Msg{}, fmt.Errorf("hello: %w", err)
+		}
+		_ = conn.SetReadDeadline(time.Now().Add(helloWait))
+		m, _, err := proto.Read(conn, nil)
+		// A VM's port may still hold what hostd sent to the guest's
+		// previous boot (QEMU keeps the channel across a reboot in
+		// place): PONG, REVOKED, KICK... Everything before WELCOME is
+		// that, and is skipped.
+		for err == nil && stale(m) {
+			m, _, err = proto.Read(conn, nil)
+		}
+		if errors.Is(err, os.ErrDeadlineExceeded) {
+			continue
+		}
+		if err != nil {
+			return m, fmt.Errorf("welcome: %w", err)
+		}
+		if m.Type != proto.Welcome {
+			return m, fmt.Errorf("welcome: hostd answered HELLO with %s (%s: %s)", m.Type, m.Reason, m.Text)
+		}
+		return m, nil
+	}
+	return proto.Msg{}, fmt.Errorf("welcome: no answer to %d HELLOs in %v", helloTries, helloTries*helloWait)
+}
+
+// stale reports whether m, read before WELCOME, is left over from an
+// earlier session on the same channel.
+func stale(m proto.Msg) bool {
+	switch m.Type {
+	case proto.Welcome:
+		return false
+	case proto.Error:
+		return m.Reason == proto.ReasonNoHostd
+	}
+	return true
+}
+
+// portConn is a character device used as the control connection.
+type portConn struct{ *os.File }
+
+func (portConn) LocalAddr() net.Addr  { return portAddr{} }
+func (portConn) RemoteAddr() net.Addr { return portAddr{} }
+
+type portAddr struct{}
+
+func (portAddr) Network() string { return "virtio-serial" }
+func (portAddr) String() string  { return "org.shunt.ctl" }
+
+// readLoop dispatches hostd's messages until the session ends, then fails
+// its pending verdicts over to TCP and reconnects in the background.
+func (c *Client) readLoop(s *session) {
+	defer c.wg.Done()
+	var buf []byte
+	for {
+		m, b, err := proto.Read(s.conn, buf)
+		buf = b
+		if err != nil {
+			break
+		}
+		c.dispatch(s, m)
+	}
+	s.end()
+	c.lost(s)
+}
+
+// dispatch handles one message from hostd.
+func (c *Client) dispatch(s *session, m proto.Msg) {
+	switch m.Type {
+	case proto.Ready, proto.TCP:
+		c.deliver(m)
+	case proto.Revoke:
+		if fc := c.flow(flowKey{m.Slot, m.Gen}); fc != nil {
+			fc.revoke(m.Reason)
+		}
+	case proto.Ping:
+		_ = c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+	case proto.Kick:
+		if c.kick != nil {
+			c.kick.kicked(flowKey{m.Slot, m.Gen})
+		}
+	case proto.Pong:
+		c.ponged(m.Nonce)
+	case proto.Error:
+		if m.Reason == proto.ReasonNoHostd { // a restarted hostd behind a VM port
+			_ = c.send(proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())})
+			return
+		}
+		c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
+	case proto.Welcome:
+		c.welcomed(s)
+	}
+}
+
+// keepalive runs on a VM's port, which stays open when hostd restarts (QEMU
+// reconnects its end): a PING every portPingPeriod makes a new hostd answer
+// ERROR, and the client says HELLO again.
+func (c *Client) keepalive(s *session) {
+	defer c.wg.Done()
+	t := time.NewTicker(portPingPeriod)
+	defer t.Stop()
+	for {
+		select {
+		case <-s.done:
+			return
+		case <-t.C:
+			c.mu.Lock()
+			c.nonce++
+			n := c.nonce
+			c.mu.Unlock()
+			_ = c.send(proto.Msg{Type: proto.Ping, Nonce: n})
+		}
+	}
+}
