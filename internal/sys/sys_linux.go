@@ -42,3 +42,7 @@ func Unmap(mem []byte) error {
 	}
 	return nil
 }
+
+// Yield gives the CPU to another runnable thread on it, if any
+// (sched_yield); it returns at once when there is none.
+func Yield() { unix.Syscall(unix.SYS_SCHED_YIELD, 0, 0, 0) }

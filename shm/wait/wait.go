@@ -5,6 +5,8 @@ import (
 	"os"
 	"sync/atomic"
 	"time"
+
+	"github.com/shuntnet/shunt/internal/sys"
 )
 
 // Mode selects how a waiter waits.
@@ -74,6 +76,14 @@ type Policy struct {
 // costs about as much as 20 cache hits).
 const checkEvery = 64
 
+// yieldAfter is how long a waiter spins before it also yields the CPU at
+// every clock check. The kernel often wakes a sleeping peer on the waker's
+// vCPU; a waiter that only spins there keeps its peer off the CPU for the
+// whole budget, and with a budget near the wake-up cost both ends settle
+// into paying it on every message. Yielding lets a co-located peer run at
+// once; with nothing else runnable it costs one system call.
+const yieldAfter = 500 * time.Nanosecond
+
 // Wait returns nil once c is ready, or os.ErrDeadlineExceeded when the
 // deadline (zero: none) passes first. flag is the waiter's "waiting" word in
 // shared memory, which wakers swap from 1 to 0 before they call Wake.
@@ -99,8 +109,12 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 			if !deadline.IsZero() && !now.Before(deadline) {
 				return os.ErrDeadlineExceeded
 			}
-			if p.Mode == Adaptive && now.Sub(start) >= spin {
+			spun := now.Sub(start)
+			if p.Mode == Adaptive && spun >= spin {
 				break
+			}
+			if spun >= yieldAfter {
+				sys.Yield()
 			}
 		}
 	}
