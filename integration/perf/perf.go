@@ -30,6 +30,17 @@ func Median(ds []time.Duration) time.Duration {
 	return ds[len(ds)/2]
 }
 
+// Percentile returns the q-quantile (0..1) of ds (which it sorts), by the
+// nearest-rank method: P99 of 1000 samples is the 990th smallest.
+func Percentile(ds []time.Duration, q float64) time.Duration {
+	if len(ds) == 0 {
+		return 0
+	}
+	sort.Slice(ds, func(i, j int) bool { return ds[i] < ds[j] })
+	i := int(q*float64(len(ds))+0.5) - 1
+	return ds[min(max(i, 0), len(ds)-1)]
+}
+
 // BusyPoll wraps a kernel TCP connection so that Read spins on a
 // non-blocking recv instead of parking in the netpoller: the
 // "busy-polling" mode of sockperf --nonblocked, for a fair comparison with
@@ -166,6 +177,32 @@ func RemotePingPong(c net.Conn, size, iters int) (time.Duration, error) {
 	return Median(samples), nil
 }
 
+// PingPongSamples sends n size-byte messages to a Serve echo peer over c,
+// one at a time, and returns each round trip's one-way time (half the
+// round trip), as sockperf does. The first message of a connection must
+// be preceded by StartEcho.
+func PingPongSamples(c net.Conn, size, n int) ([]time.Duration, error) {
+	msg, back := make([]byte, size), make([]byte, size)
+	out := make([]time.Duration, 0, n)
+	for range n {
+		start := time.Now()
+		if _, err := c.Write(msg); err != nil {
+			return nil, err
+		}
+		if _, err := io.ReadFull(c, back); err != nil {
+			return nil, err
+		}
+		out = append(out, time.Since(start)/2)
+	}
+	return out, nil
+}
+
+// StartEcho makes a Serve peer treat c as an echo connection.
+func StartEcho(c net.Conn) error {
+	_, err := c.Write([]byte{'e'})
+	return err
+}
+
 // RemoteStream writes total bytes in msg-byte writes to a Serve peer's sink
 // over c and returns GB/s, counting only what the peer reports received.
 func RemoteStream(c net.Conn, msg int, total int64) (float64, error) {
@@ -201,28 +238,34 @@ func RemoteStream(c net.Conn, msg int, total int64) (float64, error) {
 // size-byte message there and back (so the peer has accepted and both
 // sides may use the connection), then close. It returns the median.
 func Setup(dial func() (net.Conn, error), n, size int) (time.Duration, error) {
+	ds, err := SetupSamples(dial, n, size)
+	return Median(ds), err
+}
+
+// SetupSamples is Setup returning every sample.
+func SetupSamples(dial func() (net.Conn, error), n, size int) ([]time.Duration, error) {
 	msg := make([]byte, 1+size)
 	msg[0] = 'e'
 	back := make([]byte, size)
-	var ds []time.Duration
+	ds := make([]time.Duration, 0, n)
 	for range n {
 		start := time.Now()
 		c, err := dial()
 		if err != nil {
-			return 0, err
+			return nil, err
 		}
 		if _, err := c.Write(msg); err != nil {
 			c.Close()
-			return 0, err
+			return nil, err
 		}
 		if _, err := io.ReadFull(c, back); err != nil {
 			c.Close()
-			return 0, err
+			return nil, err
 		}
 		ds = append(ds, time.Since(start))
 		c.Close()
 	}
-	return Median(ds), nil
+	return ds, nil
 }
 
 // Listen listens on addr with one of the stacks the benchmarks compare:
