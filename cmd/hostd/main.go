@@ -1,7 +1,7 @@
 // Command hostd is Shunt's host daemon and its CLI.
 //
 //	hostd agent -config /etc/shunt/hostd.hcl   run the daemon
-//	hostd guests | flows | status             show state (tables; -json for JSON)
+//	hostd guests | flows | status | counters  show state (tables; -json for JSON)
 //	hostd reload                               re-read the policy (as SIGHUP does)
 //	hostd revoke FLOW                          revoke one flow
 package main
@@ -50,7 +50,7 @@ func main() {
 	switch cmd {
 	case "agent":
 		err = runAgent(args)
-	case "guests", "flows", "status", "counters", "reload", "revoke":
+	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke:
 		err = runClient(cmd, args)
 	case "-h", "-help", "--help", "help":
 		fmt.Print(usage)
@@ -104,7 +104,7 @@ func runClient(cmd string, args []string) error {
 	asJSON := fs.Bool("json", false, "print JSON")
 	fs.Parse(args)
 	req := admin.Request{Cmd: cmd}
-	if cmd == "revoke" {
+	if cmd == admin.CmdRevoke {
 		if fs.NArg() != 1 {
 			return fmt.Errorf("usage: hostd revoke FLOW")
 		}
@@ -121,7 +121,7 @@ func runClient(cmd string, args []string) error {
 	tw := tabwriter.NewWriter(os.Stdout, 0, 4, 2, ' ', 0)
 	defer tw.Flush()
 	switch cmd {
-	case "guests":
+	case admin.CmdGuests:
 		var gs []broker.GuestInfo
 		if err := json.Unmarshal(out, &gs); err != nil {
 			return err
@@ -130,7 +130,7 @@ func runClient(cmd string, args []string) error {
 		for _, g := range gs {
 			fmt.Fprintf(tw, "%s\t%d\t%s\t%s\t%s\t%d\t%s\t%d\n", g.Name, g.ID, g.Group, g.Source, strings.Join(g.Addresses, ","), g.Sessions, strings.Join(g.Listening, ","), g.Flows)
 		}
-	case "flows":
+	case admin.CmdFlows:
 		var fl []broker.FlowInfo
 		if err := json.Unmarshal(out, &fl); err != nil {
 			return err
@@ -143,7 +143,7 @@ func runClient(cmd string, args []string) error {
 			}
 			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", f.Name, f.GuestA, f.GuestB, f.Src, f.Dst, state, f.Ring, f.BytesAB, f.BytesBA, f.Attached, f.Rule, time.Since(f.Created).Round(time.Second))
 		}
-	case "status":
+	case admin.CmdStatus:
 		var st agent.Status
 		if err := json.Unmarshal(out, &st); err != nil {
 			return err
@@ -156,7 +156,7 @@ func runClient(cmd string, args []string) error {
 			}
 			fmt.Fprintf(tw, "libvirt\t%s\nlibvirt domains\t%s\nlibvirt syncs\t%d\n", conn, strings.Join(lv.Domains, ","), lv.Syncs)
 		}
-	case "counters":
+	case admin.CmdCounters:
 		var cs map[string]float64
 		if err := json.Unmarshal(out, &cs); err != nil {
 			return err

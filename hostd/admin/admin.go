@@ -1,7 +1,3 @@
-// Package admin is hostd's admin socket: one JSON request per connection,
-// one JSON reply, on a Unix socket only root can reach. The `hostd guests`,
-// `hostd flows`, `hostd status`, `hostd reload` and `hostd revoke` commands
-// are its client.
 package admin
 
 import (
@@ -15,10 +11,24 @@ import (
 	"time"
 )
 
+// The admin commands: what Request.Cmd names, the agent answers, and
+// `hostd <command>` sends.
+const (
+	CmdStatus   = "status"   // a summary (agent.Status)
+	CmdGuests   = "guests"   // the guests and their sessions ([]broker.GuestInfo)
+	CmdFlows    = "flows"    // the live flows ([]broker.FlowInfo)
+	CmdCounters = "counters" // Shunt's counters and gauges (map[string]float64)
+	CmdReload   = "reload"   // re-read the policy ({"revoked": n})
+	CmdRevoke   = "revoke"   // revoke Request.Flow ({"revoked": name})
+)
+
+// Commands lists the admin commands, in the order `hostd help` shows them.
+var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdRevoke}
+
 // Request is what the CLI sends.
 type Request struct {
-	Cmd  string `json:"cmd"` // status, guests, flows, reload, revoke
-	Flow string `json:"flow,omitempty"`
+	Cmd  string `json:"cmd"`            // one of Commands
+	Flow string `json:"flow,omitempty"` // for CmdRevoke
 }
 
 // Reply is what hostd answers: Error, or Data (command-specific JSON).
@@ -30,14 +40,16 @@ type Reply struct {
 // Handler answers one request.
 type Handler func(Request) (any, error)
 
-// Server serves the admin socket. Close stops it and waits.
+// Server serves the admin socket, one goroutine per request, each bounded
+// by a 10 s deadline. Close stops it and waits.
 type Server struct {
 	l  net.Listener
 	h  Handler
 	wg sync.WaitGroup
 }
 
-// Listen serves h on a Unix socket at path (mode 0600).
+// Listen serves h on a Unix socket at path (mode 0600), replacing a stale
+// socket there. h may be called from several goroutines at once.
 func Listen(path string, h Handler) (*Server, error) {
 	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
 		return nil, fmt.Errorf("admin socket dir: %w", err)

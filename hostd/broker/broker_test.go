@@ -286,18 +286,28 @@ type fakeWitness struct{ in int }
 func (f fakeWitness) Origin(src, dst netip.AddrPort) (int, error) { return f.in, nil }
 
 // TestWitness: with the eBPF witness on, a claim holds only if the SYN came
-// in by the claiming guest's own interface.
+// in by the claiming guest's own interface, whichever side OPENs first (the
+// active side may reuse the entry the passive side's OPEN fetched).
 func TestWitness(t *testing.T) {
 	for _, tc := range []struct {
-		seen int
-		want proto.Type
-	}{{7, proto.Ready}, {8, proto.TCP}} {
+		seen         int
+		passiveFirst bool
+		want         proto.Type
+	}{{7, false, proto.Ready}, {8, false, proto.TCP}, {7, true, proto.Ready}, {8, true, proto.TCP}} {
 		w := newWorldOpts(t, policy.Spec{}, broker.Options{Witness: fakeWitness{tc.seen}})
 		w.g1.Ifindex = 7
 		sa, sb := w.sessions()
-		w.connect(sa, sb, "4000", 1)
+		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+		w.b.Intent(sa, ta)
+		if tc.passiveFirst {
+			w.b.Open(sb, open(proto.Passive, tb, 2))
+			w.b.Open(sa, open(proto.Active, ta, 1))
+		} else {
+			w.b.Open(sa, open(proto.Active, ta, 1))
+			w.b.Open(sb, open(proto.Passive, tb, 2))
+		}
 		if m := sa.next(t); m.Type != tc.want || (tc.want == proto.TCP && m.Reason != proto.ReasonNotOwner) {
-			t.Fatalf("SYN seen on ifindex %d: active side got %+v, want %s", tc.seen, m, tc.want)
+			t.Fatalf("SYN seen on ifindex %d, passive first %v: active side got %+v, want %s", tc.seen, tc.passiveFirst, m, tc.want)
 		}
 	}
 }

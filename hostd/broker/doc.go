@@ -26,5 +26,14 @@
 // and the verdict is remembered for the tuple so the late side gets it too.
 //
 // The broker trusts nothing a guest says: its identity is the session it
-// speaks on, and every tuple is checked against the kernel's conntrack.
+// speaks on, and every tuple is checked against the kernel's conntrack. One
+// function, claim, decides whether a guest may claim a connection, whether
+// the entry was looked up for that OPEN or reused from the other side's.
+//
+// Files: broker.go (the Broker, New, Close), guest.go (guests, their
+// addresses and sessions: Attach, Detach, Listen), open.go (INTENT and OPEN:
+// verify, claim, pair, timeouts and fallbacks), flow.go (live flows: CLOSE,
+// release, revoke), lifecycle.go (what ends or rebuilds flows: conntrack
+// events, resync, policy reload, adoption after a restart, REATTACH, KICK),
+// info.go (listings for the admin API and metrics).
 package broker

@@ -133,15 +133,6 @@ func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 	return n
 }
 
-func (b *Broker) guestByID(id uint32) *Guest {
-	for _, g := range b.guests {
-		if g.ID == id {
-			return g
-		}
-	}
-	return nil
-}
-
 // graceOver treats adopted sides that did not reattach as gone.
 func (b *Broker) graceOver(g *Group) {
 	b.mu.Lock()

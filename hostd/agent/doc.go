@@ -1,0 +1,12 @@
+// Package agent wires hostd together: what `hostd agent` runs. It creates or
+// adopts each trust group's region, learns guest addresses, and starts the
+// broker, the libvirt watcher, the control channels, the conntrack watcher,
+// the admin socket and the metrics listener; Close stops them in the order
+// that keeps flows running (the broker first, so nothing is revoked because
+// hostd stops).
+//
+// Files: agent.go (the Agent, Close, Reload, the conntrack watcher),
+// start.go (Start and its steps: regions, guests, libvirt, adoption,
+// servers), handle.go (the admin commands), libvirt.go (libvirt domains as
+// guests), addrs_*.go (guest addresses and the witness from the kernel).
+package agent

@@ -1,0 +1,94 @@
+package agent
+
+import (
+	"fmt"
+	"strings"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/virt"
+)
+
+// Status is the `hostd status` reply.
+type Status struct {
+	Uptime   string       `json:"uptime"`
+	Guests   int          `json:"guests"`
+	Sessions int          `json:"sessions"`
+	Flows    int          `json:"flows"`
+	Groups   []string     `json:"groups"`
+	Libvirt  *virt.Status `json:"libvirt,omitempty"`
+}
+
+// handle answers an admin request; the admin server may call it from
+// several goroutines at once.
+func (a *Agent) handle(r admin.Request) (any, error) {
+	switch r.Cmd {
+	case admin.CmdGuests:
+		return a.b.Guests(), nil
+	case admin.CmdFlows:
+		return a.b.Flows(), nil
+	case admin.CmdStatus:
+		return a.status(), nil
+	case admin.CmdCounters:
+		return a.counters()
+	case admin.CmdReload:
+		n, err := a.Reload()
+		return map[string]int{"revoked": n}, err
+	case admin.CmdRevoke:
+		if !a.b.Revoke(r.Flow) {
+			return nil, fmt.Errorf("no flow named %q (see hostd flows)", r.Flow)
+		}
+		return map[string]string{"revoked": r.Flow}, nil
+	}
+	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
+}
+
+func (a *Agent) status() Status {
+	guests := a.b.Guests()
+	st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: len(guests), Flows: len(a.b.Flows())}
+	if a.virt != nil {
+		vs := a.virt.Status()
+		st.Libvirt = &vs
+	}
+	for _, g := range guests {
+		st.Sessions += g.Sessions
+	}
+	for _, g := range a.cfg.Groups {
+		st.Groups = append(st.Groups, g.Name)
+	}
+	return st
+}
+
+// counters returns Shunt's own counters and gauges as "name{label=value}"
+// keys, for the CLI and the tests.
+func (a *Agent) counters() (map[string]float64, error) {
+	mfs, err := a.m.Registry.Gather()
+	if err != nil {
+		return nil, err
+	}
+	out := map[string]float64{}
+	for _, mf := range mfs {
+		if !strings.HasPrefix(mf.GetName(), "shunt_") {
+			continue
+		}
+		for _, m := range mf.GetMetric() {
+			key := mf.GetName()
+			var labels []string
+			for _, l := range m.GetLabel() {
+				labels = append(labels, l.GetName()+"="+l.GetValue())
+			}
+			if len(labels) > 0 {
+				key += "{" + strings.Join(labels, ",") + "}"
+			}
+			switch {
+			case m.Counter != nil:
+				out[key] = m.GetCounter().GetValue()
+			case m.Gauge != nil:
+				out[key] = m.GetGauge().GetValue()
+			case m.Histogram != nil:
+				out[key+"_count"] = float64(m.GetHistogram().GetSampleCount())
+			}
+		}
+	}
+	return out, nil
+}

@@ -1,0 +1,235 @@
+package agent
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/http"
+	"os"
+	"os/user"
+	"strconv"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+	"github.com/prometheus/client_golang/prometheus/promhttp"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/server"
+	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/hostd/witness"
+	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/vhost/vserial"
+)
+
+// Start brings hostd up from cfg, in order: the policy and conntrack, the
+// trust groups' regions, the configured guests, the broker, the libvirt
+// watcher, the flows adopted from the regions, and then the servers
+// (control channels, admin socket, metrics) and the conntrack watcher.
+// Each step leaves what it acquired in the Agent, so that on failure Close
+// stops everything already started.
+func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
+	a := &Agent{log: log, cfg: cfg, m: metrics.New(), started: time.Now(), vguests: map[string]*broker.Guest{}}
+	defer func() {
+		if err != nil {
+			a.Close()
+		}
+	}()
+	tab, err := policy.Compile(cfg.Policy)
+	if err != nil {
+		return nil, err
+	}
+	if a.ct, err = ctrack.Dial(cfg.ConntrackNetns); err != nil {
+		return nil, err
+	}
+	if err := a.openGroups(); err != nil {
+		return nil, err
+	}
+	eps, err := a.configGuests()
+	if err != nil {
+		return nil, err
+	}
+	opts := broker.Options{PairingTimeout: cfg.PairingTimeout}
+	if a.witness != nil {
+		opts.Witness = a.witness
+	}
+	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
+	a.m.NewFlowBytes(a.b.FlowStats)
+	ctx, cancel := context.WithCancel(context.Background())
+	a.cancel = cancel
+	// Learn the running VMs before adopting flows, so flows between
+	// libvirt guests survive a hostd restart like any others.
+	a.startLibvirt(ctx)
+	a.adopt()
+	if err := a.startServers(eps); err != nil {
+		return nil, err
+	}
+	a.wg.Add(1)
+	go a.watchConntrack(ctx)
+	log.Info("hostd running", "guests", len(a.guests), "groups", len(a.groups), "admin", cfg.AdminSocket, "metrics", cfg.MetricsAddress)
+	return a, nil
+}
+
+// openGroups opens (or creates) each trust group's region, gives it to the
+// group's region_group, starts a new generation and adopts the slots in it.
+func (a *Agent) openGroups() error {
+	a.groups = map[string]*broker.Group{}
+	for _, g := range a.cfg.Groups {
+		r, adopted, err := openRegion(a.log, g)
+		if err != nil {
+			return err
+		}
+		a.regions = append(a.regions, r)
+		if err := shareRegion(g); err != nil {
+			return err
+		}
+		gen := r.BumpGeneration()
+		pool, problems := region.Adopt(r, nil)
+		for _, p := range problems {
+			a.log.Warn("region slot dropped", "group", g.Name, "problem", p)
+		}
+		a.groups[g.Name] = &broker.Group{Name: g.Name, Region: g.Region, Pool: pool}
+		a.log.Info("region ready", "group", g.Name, "path", g.Region, "size", g.Geometry.Size, "adopted", adopted, "generation", gen)
+	}
+	return nil
+}
+
+// configGuests makes the configured guests, with their addresses and, if
+// the witness is on (it is loaded here), their interfaces attached to it;
+// it returns their control endpoints.
+func (a *Agent) configGuests() ([]server.Endpoint, error) {
+	cfg := a.cfg
+	if cfg.Witness {
+		var err error
+		if a.witness, err = witness.Load(); err != nil {
+			return nil, err
+		}
+	}
+	var eps []server.Endpoint
+	for _, gc := range cfg.Guests {
+		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config"}
+		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
+		if err != nil {
+			return nil, err
+		}
+		g.SetAddrs(addrs)
+		if a.witness != nil && gc.Interface != "" {
+			if g.Ifindex, err = attachWitness(a.witness, cfg.ConntrackNetns, gc.Interface); err != nil {
+				return nil, fmt.Errorf("guest %s: %w", gc.Name, err)
+			}
+		}
+		a.guests = append(a.guests, g)
+		for i := range gc.Ports {
+			eps = append(eps, server.Endpoint{Guest: g, Path: vserial.SocketOf(gc.Control, i)})
+		}
+	}
+	return eps, nil
+}
+
+// startLibvirt starts the libvirt watcher, if configured, and gives it 5 s
+// to register the running domains. libvirtd being away is not an error:
+// the watcher keeps trying.
+func (a *Agent) startLibvirt(ctx context.Context) {
+	lv := a.cfg.Libvirt
+	if lv == nil {
+		return
+	}
+	a.virt = virt.NewWatcher(a.log.Named("libvirt"), virt.Dial(lv.Socket, lv.URI), (*registry)(a), virt.Options{})
+	a.m.NewLibvirt(func() bool { return a.virt.Status().Connected },
+		func() int { return len(a.virt.Status().Domains) },
+		func() uint64 { return a.virt.Status().Syncs })
+	if err := a.virt.Start(ctx, 5*time.Second); err != nil {
+		a.log.Warn("libvirtd not reachable at start; flows of its VMs from before this hostd cannot be adopted", "error", err)
+	}
+}
+
+// adopt rebuilds the flows an earlier hostd left in the regions, and
+// checks every flow against conntrack.
+func (a *Agent) adopt() {
+	for _, g := range a.groups {
+		if n := a.b.Adopt(g, a.cfg.ReattachGrace); n > 0 {
+			a.log.Info("adopted live flows from the region", "group", g.Name, "flows", n, "grace", a.cfg.ReattachGrace)
+		}
+	}
+	a.b.Resync()
+}
+
+// startServers starts the control channels (of the configured guests and
+// the libvirt guests registered so far), the admin socket and the metrics
+// listener.
+func (a *Agent) startServers(eps []server.Endpoint) error {
+	a.vmu.Lock()
+	eps = append(eps, a.vpending...)
+	a.vpending = nil
+	var err error
+	a.srv, err = server.Listen(a.log.Named("control"), a.b, a.m, eps)
+	a.vmu.Unlock()
+	if err != nil {
+		return err
+	}
+	if a.adm, err = admin.Listen(a.cfg.AdminSocket, a.handle); err != nil {
+		return err
+	}
+	return a.serveMetrics()
+}
+
+// serveMetrics serves /metrics on the configured address, if any.
+func (a *Agent) serveMetrics() error {
+	if a.cfg.MetricsAddress == "" {
+		return nil
+	}
+	l, err := net.Listen("tcp", a.cfg.MetricsAddress)
+	if err != nil {
+		return fmt.Errorf("metrics listener: %w", err)
+	}
+	mux := http.NewServeMux()
+	mux.Handle("/metrics", promhttp.HandlerFor(a.m.Registry, promhttp.HandlerOpts{}))
+	a.http = &http.Server{Handler: mux, ReadHeaderTimeout: 5 * time.Second}
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		_ = a.http.Serve(l)
+	}()
+	return nil
+}
+
+// openRegion adopts a group's existing region file if it is a valid region
+// of the configured geometry, or creates a fresh one.
+func openRegion(log hclog.Logger, g config.Group) (*region.Region, bool, error) {
+	if r, err := region.Open(g.Region); err == nil {
+		if r.Layout().Geometry == g.Geometry {
+			return r, true, nil
+		}
+		r.Close()
+		return nil, false, fmt.Errorf("region %s has geometry %+v, config says %+v: stop the guests using it and remove the file to resize", g.Region, r.Layout().Geometry, g.Geometry)
+	} else if !errors.Is(err, os.ErrNotExist) {
+		log.Warn("region file is not a valid region; recreating it", "path", g.Region, "error", err)
+	}
+	r, err := region.Create(g.Region, g.Geometry, 0o600)
+	return r, false, err
+}
+
+// shareRegion gives a group's region file to its region_group, mode 0660,
+// so QEMUs running as that group can map it.
+func shareRegion(g config.Group) error {
+	if g.RegionGroup == "" {
+		return nil
+	}
+	grp, err := user.LookupGroup(g.RegionGroup)
+	if err != nil {
+		return fmt.Errorf("trust group %s: region_group: %w", g.Name, err)
+	}
+	gid, err := strconv.Atoi(grp.Gid)
+	if err != nil {
+		return fmt.Errorf("trust group %s: region_group %s has gid %q", g.Name, g.RegionGroup, grp.Gid)
+	}
+	if err := os.Chown(g.Region, -1, gid); err != nil {
+		return fmt.Errorf("trust group %s: give region to group %s: %w", g.Name, g.RegionGroup, err)
+	}
+	return os.Chmod(g.Region, 0o660)
+}

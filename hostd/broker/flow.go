@@ -1,0 +1,135 @@
+package broker
+
+import (
+	"fmt"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/region"
+)
+
+// flowID names a flow while it lives: its group and slot (the generation
+// tells a slot's flows apart over time).
+type flowID struct {
+	group string
+	slot  int
+}
+
+// Flow is a live flow. Its fields are guarded by the broker's mutex.
+type Flow struct {
+	id       flowID
+	Gen      uint64
+	Group    *Group
+	GuestA   *Guest
+	GuestB   *Guest
+	sessA    Session // nil when that side released it or is gone
+	sessB    Session
+	released uint32       // region.SideA | region.SideB
+	Orig     ctrack.Tuple // A's view
+	Key      ctrack.Tuple // conntrack reply tuple; zero until known (after adoption)
+	CTID     uint32       // the conntrack entry's id, to tell it from a later entry with the same tuple
+	Capacity int
+	Created  time.Time
+	Rule     string
+	Revoked  proto.Reason // ReasonNone while live
+	adopted  bool         // rebuilt from the region after a hostd restart
+}
+
+// Name is the flow's name in logs, listings and metrics: group/slot.gen.
+func (f *Flow) Name() string { return fmt.Sprintf("%s/%d.%d", f.id.group, f.id.slot, f.Gen) }
+
+// flowsOfLocked counts g's flows, on either side.
+func (b *Broker) flowsOfLocked(g *Guest) int {
+	n := 0
+	for _, f := range b.flows {
+		if f.GuestA == g || f.GuestB == g {
+			n++
+		}
+	}
+	return n
+}
+
+// flowLocked finds flow (slot, gen) of group g; nil if it is gone.
+func (b *Broker) flowLocked(g *Group, slot int, gen uint64) *Flow {
+	f := b.flows[flowID{g.Name, slot}]
+	if f == nil || f.Gen != gen {
+		return nil
+	}
+	return f
+}
+
+// CloseFlow handles a CLOSE: side of flow (slot, gen) is done with it.
+func (b *Broker) CloseFlow(s Session, m proto.Msg) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	f := b.flowLocked(s.Guest().Group, int(m.Slot), m.Gen)
+	if f == nil {
+		return
+	}
+	switch {
+	case m.Side == proto.SideA && f.GuestA == s.Guest():
+		b.releaseLocked(f, region.SideA)
+	case m.Side == proto.SideB && f.GuestB == s.Guest():
+		b.releaseLocked(f, region.SideB)
+	}
+}
+
+// releaseLocked gives up side of f: the region frees the slot once both
+// sides released it.
+func (b *Broker) releaseLocked(f *Flow, side uint32) {
+	if side == region.SideA {
+		f.sessA = nil
+	} else {
+		f.sessB = nil
+	}
+	f.released |= side
+	freed, err := f.Group.Pool.Release(f.id.slot, f.Gen, side)
+	if err != nil {
+		b.log.Warn("release failed; freeing the slot", "flow", f.Name(), "error", err)
+		_ = f.Group.Pool.Free(f.id.slot, f.Gen)
+		freed = true
+	}
+	if !freed {
+		return
+	}
+	delete(b.flows, f.id)
+	if b.byKey[f.Key] == f {
+		delete(b.byKey, f.Key)
+	}
+	state := "ready"
+	if f.Revoked != proto.ReasonNone {
+		state = "revoked"
+	}
+	b.m.Flows.WithLabelValues(state, "direct").Dec()
+	b.log.Debug("flow freed", "flow", f.Name())
+}
+
+// revokeLocked revokes a live flow and tells both sides.
+func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
+	if f.Revoked != proto.ReasonNone {
+		return
+	}
+	f.Revoked = reason
+	// Count first: the ring reset below wakes the ends at once, and what
+	// they (or an operator) see next should already be in the metrics.
+	b.m.Revokes.WithLabelValues(reason.String()).Inc()
+	b.m.Flows.WithLabelValues("ready", "direct").Dec()
+	b.m.Flows.WithLabelValues("revoked", "direct").Inc()
+	if err := f.Group.Pool.Revoke(f.id.slot, f.Gen, uint32(reason)); err != nil {
+		b.log.Warn("revoke in region failed", "flow", f.Name(), "error", err)
+	}
+	msg := proto.Msg{Type: proto.Revoke, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: reason}
+	for _, s := range []Session{f.sessA, f.sessB} {
+		if s != nil {
+			s.Send(msg)
+		}
+	}
+	b.log.Info("flow revoked", "flow", f.Name(), "reason", reason)
+}
+
+// goneLocked handles one side of f disappearing without a CLOSE.
+func (b *Broker) goneLocked(f *Flow, side uint32) {
+	b.revokeLocked(f, proto.ReasonPeerGone)
+	b.releaseLocked(f, side)
+}

@@ -1,0 +1,34 @@
+// Package server runs hostd's control channels: one Unix socket per guest
+// (as one virtio-serial port per VM), so a guest's identity is the socket it
+// connected to, never something it claims. Each connection is a session;
+// several processes of one guest (MPI ranks in one container) each have one.
+// The protocol is internal/proto's (docs/protocol.md); what a session asks
+// for is the broker's to decide (hostd/broker).
+//
+// A session has two steps: the handshake, until HELLO, and then dispatch,
+// one message at a time in the order the guest sent them, so that a PONG
+// answers for everything said before its PING:
+//
+//	connect --> handshake --HELLO/WELCOME--> dispatch --EOF, reset--> detached
+//	            |                            |
+//	            | guest message: ERROR       | LISTEN, INTENT, OPEN, CLOSE,
+//	            |   (no-hostd), keep going   |   REATTACH, KICK: to the broker
+//	            | other: ERROR(malformed),   | PING: PONG
+//	            |   close                    | HELLO: WELCOME again; after the
+//	            |                            |   guest acted, a new guest on the
+//	            |                            |   channel: its flows are revoked
+//	            |                            | malformed, or a message only
+//	            |                            |   hostd sends: ERROR, close
+//
+// A guest message before HELLO means the guest still talks to an earlier
+// hostd (a VM's port stays open across a restart): ERROR(no-hostd) asks it
+// to say HELLO again. A malformed frame gets ERROR(malformed) after the
+// replies already queued, and the session is closed, logged and counted;
+// other sessions and guests are unaffected. A session that ends (EOF, reset,
+// Remove) is detached from the broker, which revokes its flows; Close ends
+// every session without detaching them, since hostd stopping is not the
+// guests going away.
+//
+// Files: server.go (sockets, accepting, Close), session.go (one session:
+// handshake, dispatch, the writer).
+package server
