@@ -1,0 +1,217 @@
+package benchchart
+
+import (
+	"fmt"
+	"regexp"
+	"strconv"
+	"strings"
+)
+
+// A Spec is one chart: its file, its titles and how its axes read. Specs,
+// Rules and Transports are tables: read-only once the program runs.
+type Spec struct {
+	// File is the output name without ".svg", e.g. "shm-latency".
+	File string
+	// Title is the chart's title.
+	Title string
+	// XLabel and YLabel name the axes, with units; a category chart
+	// whose categories say it all may leave XLabel empty.
+	XLabel, YLabel string
+	// Sizes says the x values are message or buffer sizes in bytes, drawn
+	// on a log axis; otherwise they are categories, drawn as bar groups.
+	Sizes bool
+	// LogY draws y on a log scale when the data spans at least 10x.
+	LogY bool
+}
+
+// A Rule places figures in a chart. The first rule whose Name and Unit both
+// match a figure decides; a rule with an empty Chart leaves the figures it
+// matches out on purpose.
+type Rule struct {
+	// Name matches the benchmark name without the GOMAXPROCS suffix; its
+	// groups "series" and "x" name the series and the x value.
+	Name *regexp.Regexp
+	// Unit matches the unit; it may have the group "x", as in "us@(?P<x>.+)".
+	Unit *regexp.Regexp
+	// Chart is the Spec.File the figures go to; "" charts nothing.
+	Chart string
+	// Series is the series' label: "{series}" stands for the transport
+	// label of the group "series" (see Transports), "{series:size}" for
+	// that group read as a size. Empty means "{series}".
+	Series string
+	// X is the x value when neither pattern has a group "x".
+	X string
+	// Scale multiplies the figure into the chart's unit; 0 means 1.
+	Scale float64
+}
+
+// A Transport is how a series key is shown: its label and its colour
+// (an index into the palette), the same in every chart.
+type Transport struct {
+	Label string
+	Color int
+}
+
+// Palette colour indices for Transports (Okabe-Ito, safe for colour
+// blindness); keys not in Transports take the unused ones in order.
+const (
+	blue = iota
+	vermillion
+	green
+	skyBlue
+	orange
+	purple
+	yellow
+	black
+)
+
+// Transports maps the sub-benchmark names of the benchmark sources to
+// legend labels. Transports of TCP between guests: kernel, busypoll,
+// kernel-busypoll, tcp, tcp-veth, virtio-net (integration/bench_test.go,
+// preload_bench_test.go, vm_test.go); Shunt: shunt, tcp-shunt; Open MPI's
+// shared memory: vader. Wait modes and APIs of the rings (shm/bench_test.go):
+// spin, adaptive, block, copy, zerocopy.
+var Transports = map[string]Transport{
+	"kernel":          {"kernel TCP", blue},
+	"tcp":             {"kernel TCP", blue},
+	"tcp-veth":        {"kernel TCP (TCP BTL)", blue},
+	"virtio-net":      {"virtio-net TCP", blue},
+	"busypoll":        {"kernel TCP, busy-polling", skyBlue},
+	"kernel-busypoll": {"kernel TCP, busy-polling", skyBlue},
+	"shunt":           {"Shunt", vermillion},
+	"tcp-shunt":       {"Shunt (TCP BTL under shunt-run)", vermillion},
+	"vader":           {"Open MPI vader (shared memory)", green},
+	"spin":            {"spin", vermillion},
+	"adaptive":        {"adaptive", purple},
+	"block":           {"block", orange},
+	"copy":            {"copy API (Write / Read)", blue},
+	"zerocopy":        {"zero-copy (Reserve / Peek)", vermillion},
+}
+
+// Specs lists every chart, in the order they are written.
+var Specs = []Spec{
+	// make bench-shm (shm/bench_test.go)
+	{File: "shm-latency", Title: "Ring ping-pong across two processes: one-way latency",
+		XLabel: "message size", YLabel: "one-way latency (ns)", Sizes: true, LogY: true},
+	{File: "shm-bandwidth", Title: "Ring streaming across two processes, 1 MiB rings: throughput",
+		XLabel: "message size", YLabel: "throughput (GB/s)", Sizes: true},
+	{File: "shm-ringsize", Title: "Ring capacity against throughput, copy API",
+		XLabel: "ring capacity", YLabel: "throughput (GB/s)", Sizes: true},
+	{File: "shm-idle-cpu", Title: "CPU burnt waiting 300 ms on an idle peer",
+		XLabel: "wait mode", YLabel: "CPU (% of one core)"},
+
+	// make bench-e2e (integration/bench_test.go)
+	{File: "e2e-latency", Title: "Guest to guest ping-pong: one-way latency",
+		XLabel: "message size", YLabel: "one-way latency (us)", Sizes: true, LogY: true},
+	{File: "e2e-bandwidth", Title: "Guest to guest streaming: throughput",
+		XLabel: "message size", YLabel: "throughput (GB/s)", Sizes: true},
+	{File: "e2e-setup", Title: "Guest to guest connection setup",
+		YLabel: "setup time (us)"},
+
+	// make bench-preload (integration/preload_bench_test.go)
+	{File: "preload-mpi-latency", Title: "Open MPI ping-pong (pingpong.c, ob1): latency",
+		XLabel: "message size", YLabel: "latency (us)", Sizes: true, LogY: true},
+	{File: "preload-mpi-bandwidth", Title: "Open MPI streaming (pingpong.c, ob1): bandwidth",
+		XLabel: "message size", YLabel: "bandwidth (GB/s)", Sizes: true},
+	{File: "preload-sockperf-latency", Title: "sockperf ping-pong, unmodified: one-way latency, p50",
+		XLabel: "message size", YLabel: "one-way latency p50 (us)", Sizes: true, LogY: true},
+	{File: "preload-sockperf-bandwidth", Title: "sockperf throughput, unmodified",
+		XLabel: "message size", YLabel: "throughput (MB/s)", Sizes: true},
+	{File: "preload-iperf3", Title: "iperf3, one stream, unmodified",
+		YLabel: "throughput (Gbit/s)"},
+
+	// make bench-vm (integration/vm_test.go)
+	{File: "vm-latency", Title: "Between two QEMU (TCG) VMs: one-way latency",
+		XLabel: "program", YLabel: "one-way latency (us)", LogY: true},
+	{File: "vm-bandwidth", Title: "Between two QEMU (TCG) VMs: throughput",
+		XLabel: "program", YLabel: "throughput (MB/s)"},
+}
+
+func rule(name, unit, chart, series, x string, scale float64) Rule {
+	return Rule{Name: regexp.MustCompile(name), Unit: regexp.MustCompile(unit),
+		Chart: chart, Series: series, X: x, Scale: scale}
+}
+
+// Rules maps the benchmark names of shm/bench_test.go,
+// integration/bench_test.go, integration/preload_bench_test.go and
+// integration/vm_test.go to charts. See the package documentation.
+var Rules = []Rule{
+	// shm: BenchmarkAtomicPingPong moves one 8-byte word.
+	rule(`^BenchmarkAtomicPingPong$`, `^ns/oneway$`, "shm-latency", "bare atomic word (floor)", "8B", 0),
+	rule(`^BenchmarkPingPong/(?P<series>[^/]+)/(?P<x>[^/]+)$`, `^ns/oneway$`, "shm-latency", "ring, {series}", "", 0),
+	rule(`^BenchmarkPingPong/`, `^MB/s$`, "", "", "", 0), // SetBytes over a round trip: the latency, restated
+	rule(`^BenchmarkStream/(?P<series>[^/]+)/(?P<x>[^/]+)$`, `^GB/s$`, "shm-bandwidth", "", "", 0),
+	rule(`^BenchmarkStream/`, `^MB/s$`, "", "", "", 0), // bytes written, not yet consumed; GB/s counts the reader's
+	rule(`^BenchmarkRingSize/msg(?P<series>[^/]+)/ring(?P<x>[^/]+)$`, `^GB/s$`, "shm-ringsize", "{series:size} messages", "", 0),
+	rule(`^BenchmarkRingSize/`, `^MB/s$`, "", "", "", 0),
+	rule(`^BenchmarkIdleCPU/(?P<x>[^/]+)$`, `^%core$`, "shm-idle-cpu", "reader (child process)", "", 0),
+
+	// e2e
+	rule(`^BenchmarkGuestPingPong(?P<x>[0-9][0-9A-Za-z]*)/(?P<series>[^/]+)$`, `^us/oneway$`, "e2e-latency", "", "", 0),
+	rule(`^BenchmarkGuestStream(?P<x>[0-9][0-9A-Za-z]*)/(?P<series>[^/]+)$`, `^GB/s$`, "e2e-bandwidth", "", "", 0),
+	rule(`^BenchmarkGuestStream`, `^MB/s$`, "", "", "", 0), // written by the sender; GB/s counts the reader's
+	rule(`^BenchmarkGuestSetup/(?P<series>[^/]+)$`, `^us/setup$`, "e2e-setup", "", "connect + accept + one 8 B round trip", 0),
+
+	// preload
+	rule(`^BenchmarkPreloadMPI/(?P<series>[^/]+)$`, `^us@(?P<x>.+)$`, "preload-mpi-latency", "", "", 0),
+	rule(`^BenchmarkPreloadMPI/(?P<series>[^/]+)$`, `^GB/s@(?P<x>.+)$`, "preload-mpi-bandwidth", "", "", 0),
+	rule(`^BenchmarkPreloadSockperf/(?P<series>[^/]+)$`, `^us/oneway-p50$`, "preload-sockperf-latency", "", "14B", 0),
+	rule(`^BenchmarkPreloadSockperf/(?P<series>[^/]+)$`, `^MBps@(?P<x>.+)$`, "preload-sockperf-bandwidth", "", "", 0),
+	rule(`^BenchmarkPreloadIperf3/(?P<series>[^/]+)$`, `^Gbit/s$`, "preload-iperf3", "", "one TCP stream, 3 s", 0),
+
+	// vm: the Go agent's ping-pong is 8 B, sockperf's 14 B; the Go and
+	// iperf3 streams move 64 MiB.
+	rule(`^BenchmarkVM/(?P<series>[^/]+)$`, `^us/oneway$`, "vm-latency", "", "Go library, 8 B", 0),
+	rule(`^BenchmarkVMPreload/(?P<series>[^/]+)$`, `^us/oneway$`, "vm-latency", "", "sockperf, 14 B, p50", 0),
+	rule(`^BenchmarkVMMPI/(?P<series>[^/]+)$`, `^us@(?P<x>.+)$`, "vm-latency", "", "Open MPI, {x}", 0),
+	rule(`^BenchmarkVM/(?P<series>[^/]+)$`, `^MB/s$`, "vm-bandwidth", "", "Go library, 64 MiB stream", 0),
+	rule(`^BenchmarkVMPreload/(?P<series>[^/]+)$`, `^MB/s$`, "vm-bandwidth", "", "iperf3, 64 MiB", 0),
+	rule(`^BenchmarkVMMPI/(?P<series>[^/]+)$`, `^MB/s@(?P<x>.+)$`, "vm-bandwidth", "", "Open MPI, {x}", 0),
+}
+
+// implicit are the units left out without a rule: the loop's own time and
+// allocations. Every benchmark charted here reports its domain figure with
+// b.ReportMetric.
+var implicit = map[string]bool{"ns/op": true, "B/op": true, "allocs/op": true}
+
+var sizeRE = regexp.MustCompile(`^(?:size=)?([0-9]+(?:\.[0-9]+)?)\s*([KMG]?)(?:i?B)?$`)
+
+// ParseSize reads a size as the benchmarks write it: "8B", "64K", "4KiB",
+// "1MiB", "64000", "size=64". K, M and G are powers of 1024, with or
+// without "iB" or "B"; sizes in decimal units are written out in digits.
+func ParseSize(s string) (float64, error) {
+	m := sizeRE.FindStringSubmatch(strings.TrimSpace(s))
+	if m == nil {
+		return 0, fmt.Errorf("%q is not a size such as 8B, 64K, 4KiB or 64000", s)
+	}
+	v, err := strconv.ParseFloat(m[1], 64)
+	if err != nil {
+		return 0, fmt.Errorf("%q is not a size: %w", s, err)
+	}
+	switch m[2] {
+	case "K":
+		v *= 1 << 10
+	case "M":
+		v *= 1 << 20
+	case "G":
+		v *= 1 << 30
+	}
+	return v, nil
+}
+
+// HumanSize writes a size in bytes as "8 B", "4 KiB", "1 MiB", or in plain
+// bytes when it is not a whole number of KiB or MiB ("64000 B").
+func HumanSize(v float64) string {
+	n := int64(v)
+	switch {
+	case float64(n) != v:
+		return strconv.FormatFloat(v, 'g', -1, 64) + " B"
+	case n >= 1<<30 && n%(1<<30) == 0:
+		return fmt.Sprintf("%d GiB", n>>30)
+	case n >= 1<<20 && n%(1<<20) == 0:
+		return fmt.Sprintf("%d MiB", n>>20)
+	case n >= 1<<10 && n%(1<<10) == 0:
+		return fmt.Sprintf("%d KiB", n>>10)
+	}
+	return fmt.Sprintf("%d B", n)
+}
