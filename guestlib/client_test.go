@@ -3,13 +3,13 @@ package guestlib
 import (
 	"context"
 	"errors"
-	"fmt"
 	"net"
 	"os"
-	"runtime"
 	"strings"
 	"testing"
 	"time"
+
+	"go.uber.org/goleak"
 
 	"github.com/shuntnet/shunt/guestlib/guesttest"
 	"github.com/shuntnet/shunt/internal/proto"
@@ -19,30 +19,9 @@ import (
 // no conntrack. Connections are on loopback, which real guests never offer
 // to hostd; the tests' clients do (Client.loopback).
 
-func TestMain(m *testing.M) {
-	base := runtime.NumGoroutine()
-	code := m.Run()
-	if code == 0 {
-		if err := noLeaks(base); err != nil {
-			fmt.Fprintln(os.Stderr, err)
-			code = 1
-		}
-	}
-	os.Exit(code)
-}
-
-// noLeaks waits a bounded time for goroutines to return to base.
-func noLeaks(base int) error {
-	deadline := time.Now().Add(5 * time.Second)
-	for runtime.NumGoroutine() > base {
-		if time.Now().After(deadline) {
-			buf := make([]byte, 1<<20)
-			return fmt.Errorf("goroutines leaked: %d, was %d\n%s", runtime.NumGoroutine(), base, buf[:runtime.Stack(buf, true)])
-		}
-		time.Sleep(10 * time.Millisecond)
-	}
-	return nil
-}
+// TestMain fails the package if a test leaves a goroutine behind: a
+// Client's session goroutines must end with Close.
+func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
 func newClient(t *testing.T, h *guesttest.Hostd, o Options) *Client {
 	t.Helper()
