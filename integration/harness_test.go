@@ -6,7 +6,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"strings"
 	"testing"
 	"time"
 
@@ -35,22 +34,13 @@ func TestMain(m *testing.M) {
 		fmt.Fprintf(os.Stderr, "build hostd: %v\n%s", err, out)
 		os.Exit(1)
 	}
-	// The preload library and shunt-run, for the unmodified-program tests.
+	// The preload library and shunt-run, for the unmodified-program tests,
+	// built with the Makefile's flags (make preload).
 	preloadLib = filepath.Join(dir, "libshunt-preload.so")
 	shuntRun = filepath.Join(dir, "shunt-run")
-	src, _ := filepath.Glob("../guestlib/preload/csrc/*.c")
-	args := []string{"-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-fPIC", "-shared", "-o", preloadLib}
-	for _, f := range src {
-		if !strings.HasSuffix(f, "xtest.c") {
-			args = append(args, f)
-		}
-	}
-	if out, err := exec.Command("gcc", append(args, "-ldl", "-lpthread")...).CombinedOutput(); err != nil {
+	if err := makeC(dir, "preload"); err != nil {
 		preloadLib = "" // tests that need it say why
-		fmt.Fprintf(os.Stderr, "build libshunt-preload.so: %v\n%s", err, out)
-	}
-	if b, err := os.ReadFile("../guestlib/preload/shunt-run"); err == nil {
-		os.WriteFile(shuntRun, b, 0o755)
+		fmt.Fprintf(os.Stderr, "build libshunt-preload.so: %v\n", err)
 	}
 	code := m.Run()
 	os.RemoveAll(dir)

@@ -30,8 +30,24 @@ import (
 func needPreload(t testing.TB) {
 	t.Helper()
 	if preloadLib == "" {
-		testenv.Missing(t, "libshunt-preload.so did not build (see TestMain's output)", "apt-get install gcc libc6-dev")
+		testenv.Missing(t, "libshunt-preload.so did not build (see TestMain's output)", "apt-get install make gcc libc6-dev")
 	}
+}
+
+// makeC runs make for C targets from the repository root, with BIN=dir:
+// the compiler flags live only in the Makefile.
+func makeC(dir string, targets ...string) error {
+	for _, tool := range []string{"make", "gcc"} {
+		if _, err := exec.LookPath(tool); err != nil {
+			return fmt.Errorf("%s is not installed; fix: apt-get install make gcc libc6-dev", tool)
+		}
+	}
+	cmd := exec.Command("make", append([]string{"-s", "-C", "..", "BIN=" + dir}, targets...)...)
+	cmd.Env = append(os.Environ(), "MAKEFLAGS=")
+	if out, err := cmd.CombinedOutput(); err != nil {
+		return fmt.Errorf("make %s: %w\n%s", strings.Join(targets, " "), err, out)
+	}
+	return nil
 }
 
 // guestCmd is a command run in guest i under shunt-run -v.
@@ -321,37 +337,84 @@ func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...strin
 	return runIn(t, e.rig.HostNSPath(), cmd, 120*time.Second)
 }
 
+// manyConns is edge.c's MANY: the connections of epollmany and pollmany.
+const manyConns = 200
+
+// regionSlots restarts hostd with a region of n flow slots: the stack's
+// has 64, fewer than the many-connection tests hold at once. (This edits
+// the config integration/stack writes; a Slots option there would be
+// cleaner.)
+func (e *env) regionSlots(n int) {
+	e.t.Helper()
+	const old = "slots = 64"
+	b, err := os.ReadFile(e.Config)
+	if err != nil || !bytes.Contains(b, []byte(old)) {
+		e.t.Fatalf("hostd's config has no %q (did integration/stack change?): %v\n%s", old, err, b)
+	}
+	e.StopHostd()
+	b = bytes.Replace(b, []byte(old), []byte(fmt.Sprintf("slots = %d", n)), 1)
+	if err := os.WriteFile(e.Config, b, 0o600); err != nil {
+		e.t.Fatal(err)
+	}
+	if err := os.Remove(e.RegionPath()); err != nil && !os.IsNotExist(err) { // its geometry changes
+		e.t.Fatal(err)
+	}
+	e.startHostd()
+}
+
 // TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):
 // MSG_PEEK and MSG_DONTWAIT, MSG_WAITALL, half-close, dup/dup2/F_DUPFD,
 // non-blocking connect, epoll with fast-path and kernel fds in one set,
 // nested epoll, fork, exec with the fd open, exit with the fd open (the
 // peer reads EOF, as with kernel TCP), a blocked read ending in
-// ECONNRESET on revocation,
-// and a program without hostd running on plain TCP and saying why.
+// ECONNRESET on revocation, a program without hostd running on plain TCP
+// and saying why, and epoll and poll over more fast-path connections than
+// one futex_waitv call can watch, with data on the last.
 func TestPreloadEdgeCases(t *testing.T) {
-	testenv.NeedTool(t, "gcc", "gcc")
 	testenv.NeedTool(t, "conntrack", "conntrack")
-	e := newEnv(t, 2, "")
+	// The many-connection tests get their own server, with the smallest
+	// rings, so that manyConns flows fit in the region.
+	e := newEnv(t, 2, `rule "many" {
+  action    = "fastpath"
+  ports     = ["7701"]
+  ring_size = "4KiB"
+}`)
 	needPreload(t)
-	edge := filepath.Join(t.TempDir(), "edge")
-	if out, err := exec.Command("gcc", "-O2", "-Wall", "-pthread", "-o", edge, "ctest/edge.c").CombinedOutput(); err != nil {
-		t.Fatalf("build edge: %v\n%s", err, out)
+	e.regionSlots(512)
+	dir := t.TempDir()
+	edge := filepath.Join(dir, "shunt-edge")
+	if err := makeC(dir, edge); err != nil {
+		testenv.Missing(t, "cannot build the edge suite: "+err.Error(), "apt-get install make gcc libc6-dev")
 	}
 	g2 := e.rig.Guests[1].Addr.String()
-	client := func(test string) *exec.Cmd {
-		cmd := exec.Command(shuntRun, "-v", edge, "client", g2, "7700", test)
+	clientAt := func(port, test string) *exec.Cmd {
+		cmd := exec.Command(shuntRun, "-v", edge, "client", g2, port, test)
 		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+preloadLib)
 		return cmd
 	}
-	srv := exec.Command(shuntRun, "-v", edge, "server", g2, "7700")
-	srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
-	srvOut := e.start(2, srv)
+	client := func(test string) *exec.Cmd { return clientAt("7700", test) }
+	server := func(port string) *bytes.Buffer {
+		srv := exec.Command(shuntRun, "-v", edge, "server", g2, port)
+		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
+		return e.start(2, srv)
+	}
+	srvOut := server("7700")
+	server("7701")
 	e.waitListening(2, 7700)
+	e.waitListening(2, 7701)
 	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork", "exec"} {
 		t.Run(test, func(t *testing.T) {
 			out := e.runT(t, 1, client(test))
 			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {
 				t.Fatalf("%s:\n%s", test, out)
+			}
+		})
+	}
+	for _, test := range []string{"epollmany", "pollmany"} {
+		t.Run(test, func(t *testing.T) {
+			out := e.runT(t, 1, clientAt("7701", test))
+			if !strings.Contains(out, "PASS "+test) || fastLines(out) != manyConns {
+				t.Fatalf("%s (%d of %d connections on the fast path):\n%s", test, fastLines(out), manyConns, out)
 			}
 		})
 	}

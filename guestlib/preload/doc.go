@@ -1,10 +1,23 @@
-// Package preload holds the C side of Shunt's guest library, for unmodified
-// programs: ring format v1 (ring.c), region format v1 (region.c) and
-// control protocol v1 (proto.c), declared in shunt.h, all in csrc/. The LD_PRELOAD
-// library and shunt-run that build on them are not written yet.
+// Package preload holds Shunt's guest side for unmodified programs:
+// libshunt-preload.so, an LD_PRELOAD library in C, and shunt-run, the
+// script that runs a program under it (docs/preload.md).
+//
+// The library is the C core in guestlib/c (rings, region, control protocol,
+// the session with hostd, VM discovery and kicks; shunt.h), which an Open
+// MPI transport will link too, plus the interposition files in csrc/: the
+// fd table and configuration (preload.c, preload.h), sockets (socket.c),
+// I/O (io.c), poll and select (wait.c), epoll (epoll.c), and close, dup,
+// fork, exec and exit (lifetime.c). The C files sit in csrc/ because the
+// go command refuses C files in a package that does not use cgo.
+//
+// Build them with make preload (into bin/); make ctest builds the C test
+// programs. Both use the Makefile's one set of compiler flags, and so do
+// the tests, which build through those targets.
 //
 // The Go file here only carries the cross-language tests: they build the C
-// test tool (xtest.c) with gcc and check, against the Go implementations,
-// that both sides encode and decode the same frames and move the same bytes
-// through one ring in shared memory, in both directions.
+// test tool (guestlib/c/xtest) and check, against the Go implementations,
+// that both sides encode and decode the same frames, name the same
+// reasons, and move the same bytes through one ring in shared memory, in
+// both directions. The library itself is tested with real programs in
+// integration/preload_test.go.
 package preload

@@ -23,14 +23,16 @@ import (
 	"github.com/shuntnet/shunt/shm/wait"
 )
 
-// xtest builds the C test tool once per test binary.
+// xtest builds the C test tool against the core with the Makefile's flags
+// (its shunt-xtest target, part of make ctest).
 func xtest(t *testing.T) string {
 	t.Helper()
+	testenv.NeedTool(t, "make", "make")
 	testenv.NeedTool(t, "gcc", "gcc")
 	bin := filepath.Join(t.TempDir(), "shunt-xtest")
-	out, err := exec.Command("gcc", "-std=c11", "-O2", "-Wall", "-Wextra", "-Werror", "-o", bin,
-		"csrc/xtest.c", "csrc/ring.c", "csrc/region.c", "csrc/proto.c").CombinedOutput()
-	if err != nil {
+	cmd := exec.Command("make", "-s", "-C", "../..", "BIN="+filepath.Dir(bin), bin)
+	cmd.Env = append(os.Environ(), "MAKEFLAGS=")
+	if out, err := cmd.CombinedOutput(); err != nil {
 		t.Fatalf("build the C test tool: %v\n%s", err, out)
 	}
 	return bin
@@ -108,6 +110,22 @@ func TestProtocolVectors(t *testing.T) {
 		if got := lines[len(frames)+i]; got != "ERR" {
 			t.Errorf("bad frame %d: C answered %q, want ERR", i, got)
 		}
+	}
+}
+
+// TestReasonNames: C names every reason as Go does (the -v lines and the
+// docs use the names).
+func TestReasonNames(t *testing.T) {
+	out, err := exec.Command(xtest(t), "reasons").Output()
+	if err != nil {
+		t.Fatalf("xtest reasons: %v", err)
+	}
+	var want []string
+	for _, r := range proto.Reasons() {
+		want = append(want, r.String())
+	}
+	if got := strings.Fields(string(out)); strings.Join(got, " ") != strings.Join(want, " ") {
+		t.Fatalf("C reason names:\n %v\nGo:\n %v", got, want)
 	}
 }
 

@@ -5,7 +5,8 @@
  *   edge client IP PORT TEST    run one test's client side; prints PASS/FAIL
  *
  * Tests: peek waitall halfclose dup nonblock epoll nested fork exec revoke plain
- * exitopen (the server prints "PASS exitopen-server" or FAIL for that one) */
+ * exitopen (the server prints "PASS exitopen-server" or FAIL for that one)
+ * epollmany pollmany (MANY connections; each prints MANY -v lines) */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -22,6 +23,11 @@
 #include <sys/socket.h>
 #include <sys/wait.h>
 #include <unistd.h>
+
+/* epollmany, pollmany: fast-path connections in one wait set. More than a
+ * wait once watched (64 rings; data on the others slept until the
+ * timeout), and more than one futex_waitv call takes (127 rings). */
+#define MANY 200
 
 static int fail(const char *t, const char *why)
 {
@@ -90,6 +96,15 @@ static void serve(int c)
 		else
 			printf("FAIL exitopen-server: got %d bytes, then %d (errno %d %s)\n", got, eof, errno, strerror(errno));
 		fflush(stdout);
+	} else if (!strcmp(name, "many")) {
+		/* One of MANY connections: on "d", answer after a while (the
+		 * client is asleep in its wait by then). */
+		char cmd;
+		while (read(c, &cmd, 1) == 1)
+			if (cmd == 'd') {
+				usleep(200000);
+				write(c, "x", 1);
+			}
 	} else { /* dup nonblock fork plain: echo */
 		int k;
 		while ((k = read(c, buf, sizeof buf)) > 0)
@@ -132,8 +147,61 @@ static int echo_ok(int fd, const char *msg)
 	return write(fd, msg, n) == n && full(fd, b, n) == n && !memcmp(b, msg, n);
 }
 
+/* many: MANY connections in one epoll set (or poll set); data arrives on
+ * the last while the client sleeps in the wait, which must return with
+ * that fd ready. The wait has no timeout, as in a server; a wait that
+ * sleeps through the data is killed by SIGALRM after FAIL_AFTER_S. */
+#define FAIL_AFTER_S 5
+static int many(const char *ip, int port, const char *t)
+{
+	static int fd[MANY];
+	static struct pollfd p[MANY];
+	for (int i = 0; i < MANY; i++) {
+		if ((fd[i] = dial(ip, port, 0)) < 0)
+			return fail(t, "connect");
+		if (write(fd[i], "many\n", 5) != 5)
+			return fail(t, "send the test name");
+		p[i] = (struct pollfd){.fd = fd[i], .events = POLLIN};
+	}
+	int ep = -1, last = fd[MANY - 1], n;
+	if (!strcmp(t, "epollmany")) {
+		ep = epoll_create1(0);
+		for (int i = 0; i < MANY; i++) {
+			struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd[i]};
+			if (epoll_ctl(ep, EPOLL_CTL_ADD, fd[i], &ev))
+				return fail(t, "epoll_ctl");
+		}
+	}
+	if (write(last, "d", 1) != 1)
+		return fail(t, "ask for data");
+	printf("waiting; killed by SIGALRM if the wait sleeps through the data for %d s\n", FAIL_AFTER_S);
+	fflush(stdout);
+	alarm(FAIL_AFTER_S);
+	if (ep >= 0) {
+		struct epoll_event got[4];
+		n = epoll_wait(ep, got, 4, -1);
+		if (n != 1 || got[0].data.fd != last)
+			return fail(t, "epoll_wait did not report the last connection alone");
+		close(ep);
+	} else {
+		n = poll(p, MANY, -1);
+		if (n != 1 || p[MANY - 1].revents != POLLIN)
+			return fail(t, "poll did not report the last connection alone");
+	}
+	alarm(0);
+	char b;
+	if (read(last, &b, 1) != 1 || b != 'x')
+		return fail(t, "read after the wait");
+	for (int i = 0; i < MANY; i++)
+		close(fd[i]);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
 static int client(const char *ip, int port, const char *t)
 {
+	if (!strcmp(t, "epollmany") || !strcmp(t, "pollmany"))
+		return many(ip, port, t);
 	int fd = dial(ip, port, !strcmp(t, "nonblock"));
 	if (fd < 0)
 		return fail(t, "connect");

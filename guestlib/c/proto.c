@@ -47,7 +47,7 @@ static void put_le(struct out *o, uint64_t v, int bytes)
 static void put_addr(struct out *o, const struct shunt_addr *a) { put(o, a->ip, 16); put_le(o, a->port, 2); }
 static void put_str(struct out *o, const char *s)
 {
-	size_t n = strnlen(s, 1024);
+	size_t n = strnlen(s, SHUNT_PROTO_STRING_MAX);
 	put_le(o, n, 2);
 	put(o, s, n);
 }
@@ -103,7 +103,7 @@ struct in { const uint8_t *p; size_t n; int bad; };
 
 static const uint8_t *take(struct in *in, size_t n)
 {
-	static const uint8_t zero[1024 + 16];
+	static const uint8_t zero[SHUNT_PROTO_STRING_MAX + 16]; /* the longest field */
 	if (in->bad || in->n < n) {
 		in->bad = 1;
 		return zero;
@@ -129,7 +129,7 @@ static void get_addr(struct in *in, struct shunt_addr *a)
 static void get_str(struct in *in, char *dst)
 {
 	size_t n = get_le(in, 2);
-	if (n > 1024) {
+	if (n > SHUNT_PROTO_STRING_MAX) {
 		in->bad = 1;
 		n = 0;
 	}
@@ -179,3 +179,11 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 	}
 	return in.bad || in.n ? SHUNT_ECORRUPT : 0;
 }
+
+static const char *const reason_names[SHUNT_NUM_REASONS] = {
+	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
+	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
+	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
+	"no-hostd", "disabled"};
+
+const char *shunt_reason_name(unsigned r) { return r < SHUNT_NUM_REASONS ? reason_names[r] : "?"; }

@@ -6,6 +6,14 @@
 
 #define SC __ATOMIC_SEQ_CST
 
+/* As in Go's shm/region: MaxSlots bounds the directory a hostile header
+ * can ask for, MinSize the smallest region, and a slot that keeps changing
+ * under SEQLOCK_TRIES reads is stale (SHUNT_EAGAIN; ErrStale in Go: the
+ * caller stays on TCP). */
+#define MAX_SLOTS     (1u << 16)
+#define MIN_SIZE      (64u << 10)
+#define SEQLOCK_TRIES 8
+
 static uint32_t le32(const uint8_t *p) { return p[0] | p[1] << 8 | p[2] << 16 | (uint32_t)p[3] << 24; }
 static uint64_t le64(const uint8_t *p) { return le32(p) | (uint64_t)le32(p + 4) << 32; }
 static uint64_t round_up(uint64_t n, uint64_t to) { return (n + to - 1) / to * to; }
@@ -18,7 +26,7 @@ int shunt_region_attach(struct shunt_region *g, void *mem, uint64_t mapped)
 		return SHUNT_ECORRUPT;
 	uint64_t size = le64(h + 16);
 	uint32_t slots = le32(h + 24);
-	if (size > mapped || slots < 1 || slots > 65536 || size < (64u << 10) || size % SHUNT_CHUNK)
+	if (size > mapped || slots < 1 || slots > MAX_SLOTS || size < MIN_SIZE || size % SHUNT_CHUNK)
 		return SHUNT_ECORRUPT;
 	uint64_t dir = SHUNT_REGION_HEADER;
 	uint64_t heap = dir + round_up((uint64_t)slots * SHUNT_SLOT_SIZE, SHUNT_CHUNK);
@@ -43,7 +51,7 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s)
 	uint8_t *b = g->mem + g->dir_off + (uint64_t)i * SHUNT_SLOT_SIZE;
 	uint8_t c[SHUNT_SLOT_SIZE];
 	for (int try = 0;; try++) {
-		if (try == 8)
+		if (try == SEQLOCK_TRIES)
 			return SHUNT_EAGAIN;
 		uint32_t st = __atomic_load_n((uint32_t *)b, SC);
 		uint64_t gen = __atomic_load_n((uint64_t *)(b + 8), SC);

@@ -1,7 +1,9 @@
-/* shunt-xtest: the C side of the cross-language tests (preload_test.go).
+/* shunt-xtest: the C side of the cross-language tests
+ * (guestlib/preload/preload_test.go), built against the core (make ctest).
  *
  *   shunt-xtest vectors                      frames in hex on stdin; for each,
  *                                            "OK <re-encoded hex> <fields>" or "ERR"
+ *   shunt-xtest reasons                      every reason's name, one a line
  *   shunt-xtest ring-read  FILE SLOT GEN SIDE        read to EOF; "bytes N crc C"
  *   shunt-xtest ring-write FILE SLOT GEN SIDE N SEED  write N bytes, FIN; "crc C"
  *
@@ -104,6 +106,11 @@ int main(int argc, char **argv)
 	crc_init();
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))
 		return vectors();
+	if (argc >= 2 && !strcmp(argv[1], "reasons")) {
+		for (unsigned r = 0; r < SHUNT_NUM_REASONS; r++)
+			printf("%s\n", shunt_reason_name(r));
+		return 0;
+	}
 	if (argc < 6)
 		return fprintf(stderr, "usage: see the source\n"), 2;
 	int writer = !strcmp(argv[1], "ring-write");

@@ -1,0 +1,182 @@
+/* The control channel: opening it (a Unix socket, or a virtio-serial port
+ * in a VM), HELLO and WELCOME, and framed reads and writes (docs/protocol.md,
+ * docs/vm.md). The session (session.c) holds the state around it. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+#include <sys/un.h>
+
+static int read_full(int fd, int port, void *buf, size_t n)
+{
+	uint8_t *p = buf;
+	while (n) {
+		ssize_t k = sys_read(fd, p, n);
+		if (k < 0 && errno == EAGAIN && port) { /* a port is non-blocking (see open_port) */
+			sys_poll1(fd, POLLIN, -1);
+			continue;
+		}
+		if (k <= 0) {
+			if (k < 0 && errno == EINTR)
+				continue;
+			return -1; /* EOF, an error, or a socket's SO_RCVTIMEO */
+		}
+		p += k;
+		n -= k;
+	}
+	return 0;
+}
+
+int channel_read(int fd, int port, struct shunt_msg *m)
+{
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX], type;
+	if (read_full(fd, port, buf, SHUNT_PROTO_HEADER))
+		return -1;
+	ssize_t n = shunt_msg_header(buf, &type);
+	if (n < 0 || read_full(fd, port, buf + SHUNT_PROTO_HEADER, n))
+		return -1;
+	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
+}
+
+/* write_all writes all of buf: to a socket without SIGPIPE; to a
+ * (non-blocking) port waiting at most SHUNT_PORT_WRITE_NS for room, since
+ * a port whose host end is gone takes no data. */
+static int write_all(int fd, int port, const uint8_t *buf, size_t n)
+{
+	int64_t until = shunt_now_ns() + SHUNT_PORT_WRITE_NS;
+	while (n) {
+		ssize_t k = port ? sys_write(fd, buf, n) : sys_send(fd, buf, n, MSG_NOSIGNAL);
+		if (k > 0) {
+			buf += k;
+			n -= k;
+			continue;
+		}
+		if (k < 0 && errno != EAGAIN && errno != EINTR)
+			return -1;
+		int64_t left = until - shunt_now_ns();
+		if (left <= 0 || sys_poll1(fd, POLLOUT, (int)(left / 1000000) + 1) < 0) {
+			errno = ETIMEDOUT;
+			return -1;
+		}
+	}
+	return 0;
+}
+
+int channel_write(int fd, int port, const struct shunt_msg *m)
+{
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
+	ssize_t n = shunt_msg_encode(m, buf, sizeof buf);
+	if (n < 0) {
+		errno = EINVAL;
+		return -1;
+	}
+	return write_all(fd, port, buf, n);
+}
+
+/* port_hello says HELLO on a port until WELCOME comes: the port drops what
+ * is written before both ends are open, and it may still hold what hostd
+ * sent to an earlier user of the port, which is skipped. */
+static int port_hello(int fd, struct shunt_msg *m)
+{
+	for (int try = 0; try < SHUNT_PORT_HELLO_TRIES; try++) {
+		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+		if (channel_write(fd, 1, &h))
+			return -1;
+		int64_t until = shunt_now_ns() + SHUNT_PORT_HELLO_NS;
+		for (;;) {
+			int64_t left = until - shunt_now_ns();
+			if (left <= 0 || sys_poll1(fd, POLLIN, (int)(left / 1000000) + 1) <= 0)
+				break;
+			if (channel_read(fd, 1, m))
+				return -1;
+			if (m->type == SHUNT_WELCOME)
+				return 0;
+			if (m->type == SHUNT_ERROR && m->reason != SHUNT_REASON_NO_HOSTD)
+				return -1;
+		}
+	}
+	errno = ETIMEDOUT;
+	return -1;
+}
+
+/* open_port opens one control port and gets WELCOME on it: VM mode from
+ * then on. -1 with errno EBUSY if another process has the port. */
+static int open_port(struct shunt_session *s, const char *path, struct shunt_msg *m)
+{
+	/* Non-blocking, as the Go library uses it (through the poller): with
+	 * blocking I/O, a write from the keepalive thread never returned while
+	 * the reader thread sat in read() (seen in TestVMPreloadHostdRestart). */
+	int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK);
+	if (fd < 0)
+		return -1;
+	if (port_hello(fd, m)) {
+		int e = errno;
+		sys_close(fd);
+		errno = e;
+		return -1;
+	}
+	if (!s->region_path && shunt_find_bar(s->bar, sizeof s->bar) == 0)
+		s->region_path = s->bar;
+	__atomic_store_n(&s->vm, 1, __ATOMIC_SEQ_CST);
+	shunt_kicks_enable();
+	shunt_logf(s, "shunt: control port %s", path);
+	return fd;
+}
+
+static int open_socket(const char *path, struct shunt_msg *m)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	if (strlen(path) >= sizeof sa.sun_path) {
+		errno = ENAMETOOLONG;
+		return -1;
+	}
+	strcpy(sa.sun_path, path);
+	errno = 0;
+	int fd = sys_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
+	if (fd < 0 || sys_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
+	    channel_read(fd, 0, m) || m->type != SHUNT_WELCOME) {
+		int e = errno;
+		if (fd >= 0)
+			sys_close(fd);
+		errno = e ? e : EPROTO;
+		return -1;
+	}
+	tv.tv_sec = 0;
+	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	return fd;
+}
+
+int channel_open(struct shunt_session *s, struct shunt_msg *m)
+{
+	struct stat st;
+	const char *path = s->c.control;
+	if (stat(path, &st) == 0 && S_ISCHR(st.st_mode))
+		return open_port(s, path, m);
+	if (stat(path, &st) < 0 && s->c.discover) {
+		char **ports = shunt_find_ports();
+		int n = 0;
+		for (; ports && ports[n]; n++) {
+			int fd = open_port(s, ports[n], m);
+			if (fd >= 0 || errno != EBUSY) {
+				int e = errno;
+				shunt_free_ports(ports);
+				errno = e;
+				return fd;
+			}
+		}
+		shunt_free_ports(ports);
+		if (n > 0) {
+			shunt_logf(s, "shunt: all %d control ports are in use by other processes (a VM needs one per process)", n);
+			errno = EBUSY;
+			return -1;
+		}
+	}
+	return open_socket(path, m);
+}

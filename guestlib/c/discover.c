@@ -1,0 +1,181 @@
+/* VM discovery through sysfs, as vhost/vserial.FindAll and
+ * vhost/ivshmem.Find do in Go: the control ports and the region's BAR. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <dirent.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/stat.h>
+
+#define PORT_NAME    "org.shunt.ctl"
+#define PORTS_SYSFS  "/sys/class/virtio-ports"
+#define PORTS_UDEV   "/dev/virtio-ports"
+#define PCI_SYSFS    "/sys/bus/pci/devices"
+#define SMALL_FILE   64 /* sysfs attributes read here (names, ids) are shorter */
+
+/* read_small reads a small sysfs file into buf (NUL-terminated, without
+ * its newline). */
+static int read_small(const char *path, char *buf, size_t n)
+{
+	int fd = open(path, O_RDONLY | O_CLOEXEC);
+	if (fd < 0)
+		return -1;
+	ssize_t k = sys_read(fd, buf, n - 1);
+	sys_close(fd);
+	if (k <= 0)
+		return -1;
+	buf[k] = 0;
+	buf[strcspn(buf, "\n")] = 0;
+	return 0;
+}
+
+/* join writes dir/name to out: 0, or -1 if it does not fit in n bytes
+ * (then the name is not one of ours, which are short). */
+static int join(char *out, size_t n, const char *dir, const char *name)
+{
+	size_t a = strlen(dir), b = strlen(name);
+	if (a + 1 + b >= n)
+		return -1;
+	memcpy(out, dir, a);
+	out[a] = '/';
+	memcpy(out + a + 1, name, b + 1);
+	return 0;
+}
+
+/* port_index is vserial.IndexOf: 0 for org.shunt.ctl, N for
+ * org.shunt.ctl.N (N >= 1, no leading zero), -1 for other names. */
+static long port_index(const char *name)
+{
+	size_t k = strlen(PORT_NAME);
+	if (strncmp(name, PORT_NAME, k))
+		return -1;
+	if (!name[k])
+		return 0;
+	if (name[k] != '.' || name[k + 1] < '1' || name[k + 1] > '9')
+		return -1;
+	char *end;
+	long i = strtol(name + k + 1, &end, 10);
+	return *end || i > INT32_MAX ? -1 : i;
+}
+
+struct found { long idx; char *path; };
+
+static int by_index(const void *a, const void *b)
+{
+	long x = ((const struct found *)a)->idx, y = ((const struct found *)b)->idx;
+	return (x > y) - (x < y);
+}
+
+/* add records path for port idx; a udev link replaces a /dev/vportNpM. */
+static int add(struct found **v, size_t *n, size_t *cap, long idx, const char *path, int link)
+{
+	for (size_t i = 0; i < *n; i++)
+		if ((*v)[i].idx == idx) {
+			if (!link)
+				return 0;
+			char *p = strdup(path);
+			if (!p)
+				return -1;
+			free((*v)[i].path);
+			(*v)[i].path = p;
+			return 0;
+		}
+	if (*n == *cap) {
+		size_t c = *cap ? 2 * *cap : 8;
+		struct found *more = realloc(*v, c * sizeof *more);
+		if (!more)
+			return -1;
+		*v = more;
+		*cap = c;
+	}
+	if (!((*v)[*n].path = strdup(path)))
+		return -1;
+	(*v)[(*n)++].idx = idx;
+	return 0;
+}
+
+char **shunt_find_ports(void)
+{
+	struct found *v = NULL;
+	size_t n = 0, cap = 0;
+	int bad = 0;
+	char p[SHUNT_PATH_MAX], name[SMALL_FILE];
+	/* By name under sysfs: the devices, for guests without udev. */
+	DIR *dir = opendir(PORTS_SYSFS);
+	for (struct dirent *e; dir && !bad && (e = readdir(dir));) {
+		long idx;
+		char port[SHUNT_PATH_MAX];
+		if (e->d_name[0] == '.' || join(port, sizeof port, PORTS_SYSFS, e->d_name) ||
+		    join(p, sizeof p, port, "name") || read_small(p, name, sizeof name) < 0 ||
+		    (idx = port_index(name)) < 0 || join(p, sizeof p, "/dev", e->d_name))
+			continue;
+		bad = add(&v, &n, &cap, idx, p, 0);
+	}
+	if (dir)
+		closedir(dir);
+	/* The udev links, preferred (and enough where sysfs is not mounted). */
+	dir = opendir(PORTS_UDEV);
+	for (struct dirent *e; dir && !bad && (e = readdir(dir));) {
+		long idx = port_index(e->d_name);
+		struct stat st;
+		if (idx >= 0 && join(p, sizeof p, PORTS_UDEV, e->d_name) == 0 && stat(p, &st) == 0)
+			bad = add(&v, &n, &cap, idx, p, 1);
+	}
+	if (dir)
+		closedir(dir);
+	char **out = bad ? NULL : calloc(n + 1, sizeof *out);
+	if (out) {
+		qsort(v, n, sizeof *v, by_index);
+		for (size_t i = 0; i < n; i++)
+			out[i] = v[i].path;
+	} else {
+		for (size_t i = 0; i < n; i++)
+			free(v[i].path);
+	}
+	free(v);
+	return out;
+}
+
+void shunt_free_ports(char **ports)
+{
+	for (char **p = ports; p && *p; p++)
+		free(*p);
+	free(ports);
+}
+
+/* pci_attr builds the path of a PCI device's sysfs attribute: 0, or -1 if
+ * it does not fit (then the device is not ours: its name would be longer
+ * than any PCI address). */
+static int pci_attr(char *out, size_t n, const char *dev, const char *attr)
+{
+	char d[SHUNT_PATH_MAX];
+	return join(d, sizeof d, PCI_SYSFS, dev) || join(out, n, d, attr) ? -1 : 0;
+}
+
+int shunt_find_bar(char *out, size_t n)
+{
+	int found = -1;
+	DIR *dir = opendir(PCI_SYSFS);
+	for (struct dirent *e; found && dir && (e = readdir(dir));) {
+		char p[SHUNT_PATH_MAX], v[SMALL_FILE], d[SMALL_FILE];
+		if (e->d_name[0] == '.' || pci_attr(p, sizeof p, e->d_name, "vendor") ||
+		    read_small(p, v, sizeof v) < 0 || strcmp(v, "0x1af4"))
+			continue;
+		if (pci_attr(p, sizeof p, e->d_name, "device") || read_small(p, d, sizeof d) < 0 || strcmp(d, "0x1110"))
+			continue;
+		if (pci_attr(p, sizeof p, e->d_name, "enable") == 0) {
+			int fd = open(p, O_WRONLY | O_CLOEXEC);
+			if (fd >= 0) { /* if this fails, mapping the BAR will say so */
+				(void)sys_write(fd, "1", 1);
+				sys_close(fd);
+			}
+		}
+		if (pci_attr(out, n, e->d_name, "resource2") == 0)
+			found = 0;
+	}
+	if (dir)
+		closedir(dir);
+	return found;
+}

@@ -1,0 +1,87 @@
+/* Shared by the core's files; not part of the API (shunt.h).
+ *
+ * The system calls that an LD_PRELOAD library interposes are made here with
+ * syscall(2), never through their libc wrappers (see shunt.h): errno is set
+ * as the wrappers set it. */
+#ifndef SHUNT_INTERNAL_H
+#define SHUNT_INTERNAL_H
+
+#include "shunt.h"
+
+#include <poll.h>
+#include <pthread.h>
+#include <stdint.h>
+#include <sys/socket.h>
+#include <sys/syscall.h>
+#include <time.h>
+#include <unistd.h>
+
+static inline ssize_t sys_read(int fd, void *buf, size_t n) { return syscall(SYS_read, fd, buf, n); }
+static inline ssize_t sys_write(int fd, const void *buf, size_t n) { return syscall(SYS_write, fd, buf, n); }
+static inline int sys_close(int fd) { return syscall(SYS_close, fd); }
+static inline int sys_socket(int domain, int type, int proto) { return syscall(SYS_socket, domain, type, proto); }
+static inline int sys_connect(int fd, const struct sockaddr *a, socklen_t len) { return syscall(SYS_connect, fd, a, len); }
+static inline ssize_t sys_send(int fd, const void *buf, size_t n, int flags)
+{
+	return syscall(SYS_sendto, fd, buf, n, flags, NULL, 0);
+}
+
+/* sys_poll is poll(2) on one fd; timeout_ms < 0 waits without bound. */
+static inline int sys_poll1(int fd, short events, int timeout_ms)
+{
+	struct pollfd p = {.fd = fd, .events = events};
+	struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
+	return syscall(SYS_ppoll, &p, 1, timeout_ms < 0 ? NULL : &ts, NULL, (size_t)8);
+}
+
+static inline int64_t shunt_now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* A request waiting for its verdict. It lives on the requester's stack
+ * while it is on the session's list, so any number can be in flight. */
+struct pending {
+	uint32_t id;
+	int done;
+	struct shunt_msg *reply;
+	struct pending *next;
+};
+
+struct shunt_session {
+	struct shunt_session_config c; /* its strings are the session's copies */
+	/* The region to map: c.region, or once a port is open the BAR (bar). */
+	const char *region_path;
+	char bar[SHUNT_PATH_MAX];
+	int vm; /* a port: set once, read atomically */
+
+	pthread_mutex_t mu; /* guards the fields below, and writes to fd */
+	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel; CLOCK_MONOTONIC */
+	int fd;             /* the channel, or -1; stored atomically (read without mu) */
+	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
+	int64_t tried;      /* when an open last failed */
+	uint8_t *region;    /* mapped once per process, at the first WELCOME */
+	struct shunt_region reg;
+	uint32_t next_req;
+	struct pending *pend;
+	uint64_t nonce, pong;
+};
+
+/* The channel (channel.c). channel_open opens it (socket or port, found
+ * as the config says) and returns its fd with WELCOME in m, or -1 with
+ * errno; on a port it sets s->vm and s->region_path and turns on kicks.
+ * The rest are framed I/O on an open channel (port: is it a port). */
+int channel_open(struct shunt_session *s, struct shunt_msg *m);
+int channel_read(int fd, int port, struct shunt_msg *m);
+int channel_write(int fd, int port, const struct shunt_msg *m);
+
+/* The session's log callback, formatted (session.c). */
+void shunt_logf(struct shunt_session *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+
+/* Bumps the kick count and wakes its sleepers (kick.c; the reader calls it
+ * for every KICK). */
+void shunt_kicked(void);
+
+#endif

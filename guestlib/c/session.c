@@ -1,0 +1,391 @@
+/* The session with hostd (shunt.h): state, the reader thread, requests,
+ * reconnect and keepalive, and the flows the session's region holds. */
+#define _GNU_SOURCE
+#include "internal.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <signal.h>
+#include <stdarg.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+
+#define LOG_MAX 512 /* a log line; longer ones are cut */
+
+void shunt_logf(struct shunt_session *s, const char *fmt, ...)
+{
+	if (!s->c.log)
+		return;
+	char buf[LOG_MAX];
+	va_list ap;
+	va_start(ap, fmt);
+	vsnprintf(buf, sizeof buf, fmt, ap);
+	va_end(ap);
+	s->c.log(s->c.arg, buf);
+}
+
+struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
+{
+	struct shunt_session *s = calloc(1, sizeof *s);
+	if (!s)
+		return NULL;
+	s->c = *c;
+	s->c.control = c->control ? strdup(c->control) : NULL;
+	s->c.region = c->region ? strdup(c->region) : NULL;
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	if (!s->c.control || (c->region && !s->c.region) || pthread_cond_init(&s->cv, &ca)) {
+		free((char *)s->c.control);
+		free((char *)s->c.region);
+		free(s);
+		return NULL;
+	}
+	pthread_condattr_destroy(&ca);
+	pthread_mutex_init(&s->mu, NULL);
+	s->region_path = s->c.region;
+	s->fd = -1;
+	s->pid = getpid();
+	return s;
+}
+
+int shunt_session_vm(struct shunt_session *s) { return __atomic_load_n(&s->vm, __ATOMIC_SEQ_CST); }
+
+/* write_locked sends m on the channel. A fork child never writes to its
+ * parent's channel: the child has its own once it calls ensure. */
+static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
+{
+	if (s->fd < 0 || s->pid != getpid())
+		return -1;
+	return channel_write(s->fd, shunt_session_vm(s), m);
+}
+
+int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m)
+{
+	pthread_mutex_lock(&s->mu);
+	int r = write_locked(s, m);
+	pthread_mutex_unlock(&s->mu);
+	return r;
+}
+
+/* Without the lock: exit handlers ask this (lifetime.c in the preload
+ * library), and must not wait behind a slow channel open. */
+int shunt_session_connected(struct shunt_session *s)
+{
+	return __atomic_load_n(&s->fd, __ATOMIC_SEQ_CST) >= 0 && __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) == getpid();
+}
+
+/* set_fd changes the channel (mu held); readers without mu load it
+ * atomically (shunt_session_connected). */
+static void set_fd(struct shunt_session *s, int fd) { __atomic_store_n(&s->fd, fd, __ATOMIC_SEQ_CST); }
+
+/* deadline is now + ms on the cond var's clock. */
+static struct timespec deadline(int ms)
+{
+	struct timespec dl;
+	clock_gettime(CLOCK_MONOTONIC, &dl);
+	dl.tv_sec += ms / 1000;
+	dl.tv_nsec += (ms % 1000) * 1000000L;
+	if (dl.tv_nsec >= 1000000000) {
+		dl.tv_sec++;
+		dl.tv_nsec -= 1000000000;
+	}
+	return dl;
+}
+
+struct thread_arg { struct shunt_session *s; int fd; };
+
+/* spawn starts a detached thread for the channel fd, with all signals
+ * blocked (the program's handlers never run on it). */
+static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
+{
+	struct thread_arg *a = malloc(sizeof *a);
+	if (!a)
+		return -1;
+	*a = (struct thread_arg){s, fd};
+	pthread_t th;
+	pthread_attr_t at;
+	pthread_attr_init(&at);
+	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	int err = pthread_create(&th, &at, fn, a);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&at);
+	if (err)
+		free(a);
+	return err ? -1 : 0;
+}
+
+/* keepalive PINGs hostd every SHUNT_KEEPALIVE_NS on a port, as the Go
+ * library does: a restarted hostd gets no EOF through QEMU, and answers the
+ * first PING before HELLO with ERROR(no-hostd), which makes the reader say
+ * HELLO and announce again. It ends with the channel (or a fork). */
+static void *keepalive(void *arg)
+{
+	struct thread_arg a = *(struct thread_arg *)arg;
+	free(arg);
+	struct shunt_session *s = a.s;
+	pid_t pid = getpid();
+	for (;;) {
+		struct timespec ts = {SHUNT_KEEPALIVE_NS / 1000000000, SHUNT_KEEPALIVE_NS % 1000000000};
+		nanosleep(&ts, NULL);
+		pthread_mutex_lock(&s->mu);
+		if (s->fd != a.fd || s->pid != pid) {
+			pthread_mutex_unlock(&s->mu);
+			return NULL;
+		}
+		struct shunt_msg p = {.type = SHUNT_PING, .nonce = ++s->nonce};
+		write_locked(s, &p);
+		pthread_mutex_unlock(&s->mu);
+	}
+}
+
+static void announce(struct shunt_session *s)
+{
+	if (s->c.announce)
+		s->c.announce(s->c.arg, s);
+}
+
+/* reconnect reopens the channel after hostd went away, for a process that
+ * holds something (an idle one reconnects at its next ensure instead), and
+ * returns the new fd, or -1 to end the reader: another thread reconnected
+ * first (announce is then done here too), the process forked, or it holds
+ * nothing. */
+static int reconnect(struct shunt_session *s)
+{
+	pid_t pid = getpid();
+	for (int delay = SHUNT_BACKOFF_MIN_MS;; delay = 2 * delay < SHUNT_BACKOFF_MAX_MS ? 2 * delay : SHUNT_BACKOFF_MAX_MS) {
+		if (!s->c.holds || !s->c.holds(s->c.arg))
+			return -1;
+		struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
+		nanosleep(&ts, NULL);
+		pthread_mutex_lock(&s->mu);
+		if (s->pid != pid) {
+			pthread_mutex_unlock(&s->mu);
+			return -1;
+		}
+		if (s->fd >= 0) {
+			pthread_mutex_unlock(&s->mu);
+			announce(s);
+			return -1;
+		}
+		struct shunt_msg w;
+		int fd = channel_open(s, &w);
+		if (fd >= 0) {
+			set_fd(s, fd);
+			if (shunt_session_vm(s) && spawn(keepalive, s, fd))
+				shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
+		}
+		pthread_mutex_unlock(&s->mu);
+		if (fd >= 0) {
+			shunt_logf(s, "shunt: reconnected to hostd");
+			announce(s);
+			return fd;
+		}
+	}
+}
+
+/* reader reads the channel: verdicts to their requests, PONG, KICK,
+ * REVOKE. The channel ends at EOF, or at ERROR(no-hostd): a new hostd
+ * behind a port that QEMU reconnected before we read EOF, which knows
+ * nothing of this session. Either way it reconnects (reconnect). */
+static void *reader(void *arg)
+{
+	struct thread_arg a = *(struct thread_arg *)arg;
+	free(arg);
+	struct shunt_session *s = a.s;
+	int fd = a.fd, port = shunt_session_vm(s);
+	struct shunt_msg m;
+	for (;;) {
+		while (channel_read(fd, port, &m) == 0 && !(m.type == SHUNT_ERROR && m.reason == SHUNT_REASON_NO_HOSTD)) {
+			pthread_mutex_lock(&s->mu);
+			if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
+				for (struct pending *p = s->pend; p; p = p->next)
+					if (p->id == m.req_id && !p->done) {
+						*p->reply = m;
+						p->done = 1;
+					}
+			} else if (m.type == SHUNT_PONG) {
+				s->pong = m.nonce;
+			} else if (m.type == SHUNT_KICK) {
+				shunt_kicked();
+			} else if (m.type == SHUNT_ERROR) {
+				shunt_logf(s, "shunt: hostd closed the control channel: %s", m.text);
+			}
+			pthread_cond_broadcast(&s->cv);
+			pthread_mutex_unlock(&s->mu);
+			if (m.type == SHUNT_REVOKE && s->c.revoked)
+				s->c.revoked(s->c.arg, &m);
+		}
+		/* Requests in flight go to TCP now rather than at their timeout. */
+		pthread_mutex_lock(&s->mu);
+		sys_close(fd);
+		if (s->fd == fd)
+			set_fd(s, -1);
+		for (struct pending *p = s->pend; p; p = p->next)
+			if (!p->done) {
+				memset(p->reply, 0, sizeof *p->reply);
+				p->reply->type = SHUNT_TCP;
+				p->reply->reason = SHUNT_REASON_NO_HOSTD;
+				p->done = 1;
+			}
+		pthread_cond_broadcast(&s->cv);
+		pthread_mutex_unlock(&s->mu);
+		shunt_logf(s, "shunt: lost hostd");
+		if ((fd = reconnect(s)) < 0)
+			return NULL;
+		port = shunt_session_vm(s);
+	}
+}
+
+static int map_region(struct shunt_session *s, const char *path)
+{
+	int fd = open(path, O_RDWR | O_CLOEXEC);
+	struct stat st;
+	if (fd < 0 || fstat(fd, &st) < 0) {
+		if (fd >= 0)
+			sys_close(fd);
+		return -1;
+	}
+	void *mem = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+	sys_close(fd);
+	if (mem == MAP_FAILED)
+		return -1;
+	if (shunt_region_attach(&s->reg, mem, st.st_size)) {
+		munmap(mem, st.st_size);
+		return -1;
+	}
+	s->region = mem;
+	return 0;
+}
+
+int shunt_session_ensure(struct shunt_session *s)
+{
+	pthread_mutex_lock(&s->mu);
+	pid_t pid = getpid();
+	if (s->pid != pid) { /* forked: the parent's channel and requests are not ours */
+		set_fd(s, -1);
+		__atomic_store_n(&s->pid, pid, __ATOMIC_SEQ_CST);
+		s->tried = 0;
+		s->pend = NULL;
+	}
+	if (s->fd >= 0) {
+		pthread_mutex_unlock(&s->mu);
+		return 0;
+	}
+	int64_t now = shunt_now_ns();
+	if (s->tried && now - s->tried < SHUNT_RETRY_NS) {
+		pthread_mutex_unlock(&s->mu);
+		errno = ENOTCONN;
+		return -1;
+	}
+	s->tried = now;
+	struct shunt_msg m;
+	int fd = channel_open(s, &m);
+	if (fd < 0) {
+		int e = errno;
+		shunt_logf(s, "shunt: hostd unreachable at %s: %s", s->c.control, strerror(e));
+		pthread_mutex_unlock(&s->mu);
+		errno = e;
+		return -1;
+	}
+	const char *region = s->region_path ? s->region_path : m.region;
+	if (!s->region && map_region(s, region)) {
+		shunt_logf(s, "shunt: cannot map the region %s", region);
+		sys_close(fd);
+		pthread_mutex_unlock(&s->mu);
+		errno = ENXIO;
+		return -1;
+	}
+	if (spawn(reader, s, fd)) {
+		shunt_logf(s, "shunt: cannot start the control reader thread");
+		sys_close(fd);
+		pthread_mutex_unlock(&s->mu);
+		errno = EAGAIN;
+		return -1;
+	}
+	set_fd(s, fd);
+	if (shunt_session_vm(s) && spawn(keepalive, s, fd))
+		shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
+	pthread_mutex_unlock(&s->mu);
+	return 0;
+}
+
+void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms)
+{
+	struct timespec dl = deadline(timeout_ms);
+	struct pending p = {.reply = reply};
+	memset(reply, 0, sizeof *reply);
+	reply->type = SHUNT_TCP;
+	pthread_mutex_lock(&s->mu);
+	m->req_id = ++s->next_req ? s->next_req : ++s->next_req;
+	p.id = m->req_id;
+	p.next = s->pend;
+	s->pend = &p;
+	if (write_locked(s, m) == 0) {
+		while (!p.done)
+			if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) == ETIMEDOUT)
+				break;
+		if (!p.done)
+			reply->reason = SHUNT_REASON_TIMEOUT;
+	} else {
+		reply->reason = SHUNT_REASON_NO_HOSTD;
+	}
+	for (struct pending **pp = &s->pend; *pp; pp = &(*pp)->next)
+		if (*pp == &p) {
+			*pp = p.next;
+			break;
+		}
+	pthread_mutex_unlock(&s->mu);
+}
+
+void shunt_session_sync(struct shunt_session *s)
+{
+	struct timespec dl = deadline(SHUNT_SYNC_TIMEOUT_MS);
+	pthread_mutex_lock(&s->mu);
+	struct shunt_msg m = {.type = SHUNT_PING, .nonce = ++s->nonce};
+	if (write_locked(s, &m) == 0)
+		while (s->pong < m.nonce && s->fd >= 0)
+			if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) == ETIMEDOUT)
+				break;
+	pthread_mutex_unlock(&s->mu);
+}
+
+/* ---- flows ---- */
+
+int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *v, struct shunt_flow *f)
+{
+	struct shunt_slot sl;
+	memset(f, 0, sizeof *f);
+	if (!s->region || (v->side != 1 && v->side != 2) || shunt_region_slot(&s->reg, v->slot, &sl) ||
+	    sl.gen != v->gen || sl.capacity != v->capacity)
+		return SHUNT_ECORRUPT;
+	size_t len = SHUNT_RING_HEADER + sl.capacity;
+	uint8_t *out = s->region + (v->side == 1 ? sl.ring_ab : sl.ring_ba);
+	uint8_t *in = s->region + (v->side == 1 ? sl.ring_ba : sl.ring_ab);
+	if (shunt_ring_writer(&f->w, out, len, sl.capacity) || shunt_ring_reader(&f->r, in, len, sl.capacity))
+		return SHUNT_ECORRUPT;
+	f->slot = v->slot;
+	f->gen = v->gen;
+	f->side = v->side;
+	f->session = s;
+	f->w.owner = f->r.owner = f;
+	return 0;
+}
+
+int shunt_flow_reset(const struct shunt_flow *f)
+{
+	return __atomic_load_n((uint32_t *)(f->r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST) ||
+	       __atomic_load_n((uint32_t *)(f->w.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
+}
+
+int shunt_flow_close(const struct shunt_flow *f)
+{
+	struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
+	return shunt_session_send(f->session, &m);
+}

@@ -1,0 +1,331 @@
+/* libshunt core: Shunt's guest side in C, shared by the LD_PRELOAD library
+ * (guestlib/preload) and, later, an Open MPI transport. It holds the same
+ * ring format v1 (docs/region.md) and control protocol v1 (docs/protocol.md)
+ * as the Go packages shm/ring, shm/region and internal/proto, and the
+ * session with hostd that guestlib's Client keeps in Go: connect, HELLO and
+ * WELCOME, requests and their verdicts, reconnect and re-announce, and in a
+ * VM the virtio-serial port, the ivshmem BAR and kicks. Cross-language tests
+ * (guestlib/preload/preload_test.go, with xtest/xtest.c) keep the two
+ * implementations in step.
+ *
+ * Everything read from shared memory is validated, as in Go: a corrupt or
+ * hostile peer makes its own flow fail (SHUNT_ECORRUPT), never this process
+ * read or write outside the region.
+ *
+ * System calls: the core never calls the libc wrappers that an LD_PRELOAD
+ * library interposes (read, write, close, poll, socket, connect, send); it
+ * makes those system calls itself with syscall(2) (internal.h). So it
+ * behaves the same inside the preload library, in an MPI transport or in a
+ * plain program, needs no hook table to be filled in first, and never
+ * re-enters an interposition layer whose locks its caller may hold. Calls
+ * that no preload library interposes (open, stat, mmap, opendir,
+ * getsockname, setsockopt, pthreads) go through libc.
+ *
+ * Limits are named constants below. None is a silent cap: past each one
+ * the code takes a slower path that is still correct, as its comment says. */
+#ifndef SHUNT_H
+#define SHUNT_H
+
+#include <stddef.h>
+#include <stdint.h>
+#include <sys/types.h>
+
+/* Errors (negative returns). */
+#define SHUNT_EAGAIN   (-11)  /* ring empty (read) or full (write) */
+#define SHUNT_ECORRUPT (-74)  /* impossible shared state (EBADMSG) */
+#define SHUNT_ERESET   (-104) /* flow reset: revoked or aborted (ECONNRESET) */
+#define SHUNT_EPIPE    (-32)  /* the reader closed (EPIPE) */
+#define SHUNT_EINVAL   (-22)
+
+/* ---- ring (shm/ring) ---- */
+
+#define SHUNT_RING_HEADER 1024
+#define SHUNT_RING_MAGIC  0x47524853u
+#define SHUNT_RING_MIN    (4u << 10)
+#define SHUNT_RING_MAX    (1u << 30)
+
+enum {
+	SHUNT_OFF_MAGIC = 0, SHUNT_OFF_CAPACITY = 8,
+	SHUNT_OFF_TAIL = 128, SHUNT_OFF_WMSGS = 136, SHUNT_OFF_WFLAGS = 144,
+	SHUNT_OFF_HEAD = 256, SHUNT_OFF_RMSGS = 264,
+	SHUNT_OFF_RWAIT = 384, SHUNT_OFF_WWAIT = 448,
+	SHUNT_OFF_RESET = 512, SHUNT_OFF_REASON = 516, SHUNT_OFF_RFLAGS = 520,
+};
+
+/* One end of a ring. Each end keeps its own index privately and checks the
+ * peer's on every load. Not safe for concurrent use (SPSC). */
+struct shunt_ring {
+	uint8_t *hdr;
+	uint8_t *data;
+	uint64_t cap, mask;
+	uint64_t own;   /* writer: tail; reader: head */
+	uint64_t peer;  /* last validated peer index */
+	uint64_t msgs;
+	int fin;        /* writer: FIN published */
+	void *owner;    /* the struct shunt_flow it belongs to, for kicks */
+};
+
+/* Remote waking, for rings in a PCI BAR (a VM's ivshmem mapping): no futex
+ * works there, and none would reach another VM's kernel anyway. When set,
+ * a waker calls shunt_remote_wake instead of FUTEX_WAKE, and a sleeper
+ * calls shunt_remote_sleep instead of FUTEX_WAIT, with the value
+ * shunt_remote_seq gave before it announced itself (so a kick in between
+ * is not lost). Sleeps must be bounded. A session on a port sets them to
+ * the kicks below (shunt_kicks_enable); they are process-wide. */
+extern void (*shunt_remote_wake)(struct shunt_ring *r);
+extern uint32_t (*shunt_remote_seq)(void);
+extern void (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
+
+/* Attaches to the ring at mem (len bytes: header + data). want (if non-zero)
+ * is the capacity the directory says. Returns 0 or SHUNT_ECORRUPT. */
+int shunt_ring_writer(struct shunt_ring *r, void *mem, size_t len, uint64_t want);
+int shunt_ring_reader(struct shunt_ring *r, void *mem, size_t len, uint64_t want);
+
+/* Non-blocking copy API: bytes moved, or SHUNT_EAGAIN, SHUNT_ERESET,
+ * SHUNT_EPIPE (write), SHUNT_ECORRUPT; read returns 0 at EOF (FIN, drained). */
+ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n);
+ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n);
+/* Copies up to n readable bytes without consuming them: bytes, 0 at EOF, or
+ * a negative error like shunt_ring_read. */
+ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n);
+/* Readable bytes now (FIONREAD), or a negative error. */
+ssize_t shunt_ring_buffered(struct shunt_ring *r);
+int shunt_ring_close_write(struct shunt_ring *w);
+/* Resets the ring (as hostd's revoke does) and wakes both its ends: the
+ * peer's pending and later calls fail with SHUNT_ERESET (Go: Ring.Abort). */
+void shunt_ring_abort(struct shunt_ring *r);
+int shunt_ring_close_read(struct shunt_ring *r);
+
+/* Blocking: spin for spin_ns, then sleep on the futex until the ring is
+ * readable (reader) or writable (writer), or timeout_ns passes (< 0: none).
+ * Returns 0 or SHUNT_EAGAIN on timeout. */
+int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns);
+/* Readable/writable/ended (for poll): 1 if a read or write would not return
+ * SHUNT_EAGAIN. */
+int shunt_ring_ready(struct shunt_ring *r, int reader);
+
+/* The futex word a sleeper on this ring publishes "waiting" in (the reader's
+ * or the writer's), for callers that sleep on several rings at once. */
+static inline uint32_t *shunt_ring_wait_word(struct shunt_ring *r, int reader)
+{
+	return (uint32_t *)(r->hdr + (reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT));
+}
+
+/* ---- region (shm/region) ---- */
+
+#define SHUNT_REGION_HEADER 4096
+#define SHUNT_SLOT_SIZE     128
+#define SHUNT_CHUNK         4096
+
+struct shunt_region {
+	uint8_t *mem;
+	uint64_t size, dir_off, heap_off, heap_size;
+	uint32_t slots;
+};
+
+struct shunt_slot {
+	uint32_t state, reason;
+	uint64_t gen;
+	uint32_t owner_a, owner_b;
+	uint64_t ring_ab, ring_ba, capacity;
+};
+
+/* Validates the header in mem (mapped bytes) exactly as Go's DecodeHeader. */
+int shunt_region_attach(struct shunt_region *g, void *mem, uint64_t mapped);
+/* Reads slot i consistently (seqlock) and validates a live entry. */
+int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
+
+/* ---- control protocol (internal/proto) ---- */
+
+#define SHUNT_PROTO_VERSION 1
+#define SHUNT_PROTO_HEADER  8
+#define SHUNT_PROTO_MAX     4096
+#define SHUNT_PROTO_STRING_MAX 1024 /* region and text; Go's maxString: longer ones are cut when encoded */
+
+enum shunt_msg_type {
+	SHUNT_HELLO = 1, SHUNT_WELCOME, SHUNT_LISTEN, SHUNT_UNLISTEN, SHUNT_INTENT, SHUNT_OPEN,
+	SHUNT_READY, SHUNT_TCP, SHUNT_CLOSE, SHUNT_RELEASE, SHUNT_REVOKE, SHUNT_KICK, SHUNT_PING,
+	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_NUM_TYPES
+};
+
+/* Why a flow is on TCP or ended (proto.Reason; the same numbers). */
+enum shunt_reason {
+	SHUNT_REASON_NONE, SHUNT_REASON_LOOPBACK, SHUNT_REASON_NOT_LOCAL, SHUNT_REASON_NO_INTENT,
+	SHUNT_REASON_NO_LISTENER, SHUNT_REASON_POLICY, SHUNT_REASON_NOT_OWNER, SHUNT_REASON_NO_CONNTRACK,
+	SHUNT_REASON_NOT_ESTABLISHED, SHUNT_REASON_TIMEOUT, SHUNT_REASON_NO_SPACE, SHUNT_REASON_CROSS_GROUP,
+	SHUNT_REASON_GUEST_LIMIT, SHUNT_REASON_INTERNAL, SHUNT_REASON_CONNTRACK_GONE,
+	SHUNT_REASON_POLICY_RELOAD, SHUNT_REASON_PEER_GONE, SHUNT_REASON_ADMIN, SHUNT_REASON_MALFORMED,
+	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_NUM_REASONS
+};
+
+/* The reason's name as Go prints it ("no-hostd"), or "?". */
+const char *shunt_reason_name(unsigned reason);
+
+/* Roles in OPEN. */
+enum { SHUNT_ROLE_ACTIVE = 1, SHUNT_ROLE_PASSIVE = 2 };
+
+struct shunt_addr {
+	uint8_t ip[16]; /* IPv4 as IPv4-mapped IPv6 */
+	uint16_t port;
+};
+
+/* A decoded message: only the fields of its type are meaningful. */
+struct shunt_msg {
+	uint8_t type;
+	uint32_t req_id;
+	uint8_t role, side;
+	uint16_t reason;
+	struct shunt_addr local, remote;
+	uint32_t slot;
+	uint64_t gen;
+	uint32_t capacity;
+	uint64_t ring_ab, ring_ba;
+	uint32_t guest_id;
+	uint64_t region_size;
+	char region[SHUNT_PROTO_STRING_MAX + 1];
+	uint32_t pid;
+	uint64_t nonce;
+	char text[SHUNT_PROTO_STRING_MAX + 1];
+};
+
+/* Encodes m into buf (at least SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX bytes);
+ * returns the frame length or SHUNT_EINVAL. */
+ssize_t shunt_msg_encode(const struct shunt_msg *m, uint8_t *buf, size_t cap);
+/* Decodes a whole frame; returns 0 or SHUNT_ECORRUPT (malformed). */
+int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m);
+/* Validates a header; returns the payload length or SHUNT_ECORRUPT. */
+ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
+
+/* ---- the session with hostd (guestlib.Client) ----
+ *
+ * A session is one process's control channel to hostd: a Unix socket, or
+ * in a VM a virtio-serial port (docs/vm.md). It opens lazily, says HELLO,
+ * maps the region WELCOME names, and keeps a reader thread that matches
+ * verdicts to requests, relays REVOKE and KICK, and reconnects when hostd
+ * goes away:
+ *
+ *   ensure --> open --> HELLO --> WELCOME --> map region --> reader
+ *                                                             |  EOF or
+ *     announce (LISTEN, REATTACH) <-- HELLO <-- backoff <-----+  ERROR(no-hostd)
+ *
+ * Requests in flight when the channel drops get TCP(no-hostd) at once. A
+ * session is safe for concurrent use. It lives as long as the process;
+ * there is no close yet (an MPI transport that unloads will need one). In
+ * a fork child, the next shunt_session_ensure opens the child's own
+ * channel: the parent's reader thread and verdicts stay with the parent. */
+
+#define SHUNT_PATH_MAX        256          /* device and sysfs paths: longer names are not ours and are skipped */
+#define SHUNT_RETRY_NS        1000000000LL /* a failed open is retried at most this often */
+#define SHUNT_HELLO_TIMEOUT_S 5            /* WELCOME on a socket */
+#define SHUNT_PORT_HELLO_NS   200000000LL  /* HELLO again on a port after this */
+#define SHUNT_PORT_HELLO_TRIES 25          /* then the port is given up (ETIMEDOUT) */
+#define SHUNT_PORT_WRITE_NS   2000000000LL /* a port whose host end is gone takes no data */
+#define SHUNT_KEEPALIVE_NS    500000000LL  /* PING on a port, which gives no EOF when hostd restarts */
+#define SHUNT_BACKOFF_MIN_MS  50           /* reconnect backoff, doubling */
+#define SHUNT_BACKOFF_MAX_MS  1000
+#define SHUNT_SYNC_TIMEOUT_MS 1000         /* shunt_session_sync */
+
+struct shunt_session;
+
+struct shunt_session_config {
+	/* The Unix socket or the port's character device (VM mode). */
+	const char *control;
+	/* If control does not exist, look for ports org.shunt.ctl[.N] and use
+	 * the first one no other process holds. */
+	int discover;
+	/* The region to map instead of the one WELCOME names (NULL: WELCOME's,
+	 * or on a port the ivshmem BAR). */
+	const char *region;
+	/* Callbacks, all optional. They run on the session's reader thread,
+	 * with no session lock held, and may call shunt_session_send. */
+	void *arg;
+	void (*log)(void *arg, const char *line);             /* one line, no newline */
+	void (*revoked)(void *arg, const struct shunt_msg *m); /* REVOKE: slot, gen, reason */
+	/* After the channel dropped: whether this process holds listeners or
+	 * flows a new hostd must hear of (if not, it reconnects only when next
+	 * needed), and, once reconnected, tell it (LISTEN, REATTACH). */
+	int (*holds)(void *arg);
+	void (*announce)(void *arg, struct shunt_session *s);
+};
+
+/* Makes a session; nothing is opened yet. The strings in c are copied.
+ * NULL if there is no memory. */
+struct shunt_session *shunt_session_new(const struct shunt_session_config *c);
+/* Opens the channel if it is not open: 0, or -1 with errno. A failed open
+ * is retried at most every SHUNT_RETRY_NS, so a missing hostd costs a
+ * caller nothing. */
+int shunt_session_ensure(struct shunt_session *s);
+/* Whether the channel is open now. */
+int shunt_session_connected(struct shunt_session *s);
+/* Whether the channel is a port (VM mode: BAR region, kicks). */
+int shunt_session_vm(struct shunt_session *s);
+/* Sends m without waiting: 0, or -1 if the channel is down. */
+int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m);
+/* Sends the request m (OPEN), giving it a req_id, and waits up to
+ * timeout_ms for its READY or TCP. reply is always set: on a lost channel
+ * TCP(no-hostd), on timeout TCP(timeout). Any number of requests may be in
+ * flight. */
+void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms);
+/* Waits until hostd has processed everything sent so far (PING/PONG), up
+ * to SHUNT_SYNC_TIMEOUT_MS: a LISTEN is in effect before it returns. */
+void shunt_session_sync(struct shunt_session *s);
+
+/* ---- flows ---- */
+
+/* This end of a fast-path flow: its two rings as this end sees them. The
+ * rings are SPSC: one reader and one writer at a time. */
+struct shunt_flow {
+	struct shunt_ring w, r;        /* this end writes w and reads r */
+	uint32_t slot;
+	uint64_t gen;
+	uint8_t side;                  /* 1: A (the connecting end), 2: B */
+	struct shunt_session *session; /* for CLOSE and KICK */
+};
+
+/* Attaches f to the flow a READY names: checks it against the region's
+ * directory and attaches both rings. 0, or SHUNT_ECORRUPT if READY and the
+ * region disagree (then the caller sends CLOSE and stays on TCP). */
+int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *ready, struct shunt_flow *f);
+/* Whether either ring is reset. hostd resets both, one after the other; a
+ * peer that saw the first may already have closed (FIN) the other, so an
+ * end that reads EOF checks both before it believes it. */
+int shunt_flow_reset(const struct shunt_flow *f);
+/* Tells hostd this end is done with the flow (CLOSE); hostd frees the slot
+ * when both ends are. The rings are left alone: FIN first
+ * (shunt_ring_close_write) if the peer should read EOF. */
+int shunt_flow_close(const struct shunt_flow *f);
+
+/* ---- VM discovery (vhost/vserial.FindAll, vhost/ivshmem.Find) ---- */
+
+/* The Shunt control ports of this VM in index order (org.shunt.ctl, then
+ * org.shunt.ctl.1, ...): the udev link /dev/virtio-ports/NAME where there
+ * is one, else /dev/vportNpM found by name under /sys/class/virtio-ports.
+ * Any number; a NULL-terminated array, freed with shunt_free_ports. NULL
+ * if there is no memory. */
+char **shunt_find_ports(void);
+void shunt_free_ports(char **ports);
+/* Finds the ivshmem device (PCI 1af4:1110), enables it and writes the path
+ * of its memory BAR (resource2) to out: 0, or -1 if there is none. */
+int shunt_find_bar(char *out, size_t n);
+
+/* ---- kicks (VM mode) ----
+ *
+ * A process-wide count, bumped for every KICK any session receives. A
+ * sleeper reads it, publishes "waiting" in its rings, and sleeps on it as a
+ * futex word for at most SHUNT_KICK_MAX_SLEEP_NS: a lost kick costs
+ * latency, never a hang. Spurious wake-ups (a kick for another ring) are
+ * harmless: the sleeper re-checks its rings. */
+#define SHUNT_KICK_MAX_SLEEP_NS 20000000LL
+
+/* Turns on remote waking for all rings of the process (a session does this
+ * when it opens a port). */
+void shunt_kicks_enable(void);
+int shunt_kicks_enabled(void);
+uint32_t shunt_kick_seq(void);
+/* The count's address, to sleep on it with other futex words (futex_waitv). */
+uint32_t *shunt_kick_word(void);
+/* Sleeps until the count moves from seq, max_ns passes (< 0: none) or
+ * SHUNT_KICK_MAX_SLEEP_NS passes. */
+void shunt_kick_sleep(uint32_t seq, int64_t max_ns);
+
+#endif

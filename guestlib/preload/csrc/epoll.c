@@ -1,0 +1,339 @@
+/* epoll: interest in fast-path fds is kept here, not in the kernel (their
+ * kernel sockets stay idle); everything else is the kernel's. A set that
+ * holds an epoll set (nesting) is told of the inner set's fast-path
+ * readiness too. Waiting is wait.c's: spin, arm, block with the helper's
+ * eventfd in the set. */
+#include "preload.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <stdlib.h>
+
+#define EFD_MAGIC      0x5348554e54454644ull /* "SHUNTEFD": the helper's eventfd in a set */
+#define KERNEL_EVERY   16                    /* while spinning, the kernel is asked every this many turns */
+#define KERNEL_POLL_NS 5000                  /* epoll_wait(0) asks the kernel at most this often */
+
+/* One interest in a fast-path fd, or in a nested set (in). */
+struct epi {
+	int fd;
+	struct epoll_event ev;
+	uint64_t seen;   /* EPOLLET: the ring positions last reported, plus 1 */
+	struct ep *in;   /* a nested set */
+};
+
+/* The library's side of one epoll set. Sets are never freed: closing one
+ * empties it for the next set with its fd number, so a pointer to it (an
+ * outer set's in) never dangles. */
+struct ep {
+	int fd;
+	int live;        /* an open epoll fd; under ep_mu */
+	struct ep *next; /* the list of sets with fds >= FD_MAX */
+	pthread_mutex_t mu; /* guards the fields below */
+	struct epi *it;
+	int n, cap;
+	int64_t kernel_at; /* when epoll_wait(0) last asked the kernel */
+};
+
+static pthread_mutex_t ep_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct ep *eps[FD_MAX]; /* by fd; under ep_mu */
+static struct ep *eps_high;    /* sets with fds >= FD_MAX, a list; under ep_mu */
+static int eps_top;            /* one past the highest fd in eps; under ep_mu */
+
+/* find_locked returns fd's set (live or not), making it if create. */
+static struct ep *find_locked(int fd, int create)
+{
+	if (fd < 0)
+		return NULL;
+	struct ep **slot = fd < FD_MAX ? &eps[fd] : &eps_high;
+	if (fd >= FD_MAX)
+		while (*slot && (*slot)->fd != fd)
+			slot = &(*slot)->next;
+	if (!*slot && create) {
+		struct ep *e = calloc(1, sizeof *e);
+		if (!e)
+			return NULL;
+		e->fd = fd;
+		pthread_mutex_init(&e->mu, NULL);
+		*slot = e;
+		if (fd < FD_MAX && fd >= eps_top)
+			eps_top = fd + 1;
+	}
+	if (*slot && create)
+		(*slot)->live = 1;
+	return *slot;
+}
+
+/* ep_get returns the live set of epfd, making it if create (or NULL). */
+static struct ep *ep_get(int epfd, int create)
+{
+	pthread_mutex_lock(&ep_mu);
+	struct ep *e = find_locked(epfd, create);
+	if (e && !e->live)
+		e = NULL;
+	pthread_mutex_unlock(&ep_mu);
+	return e;
+}
+
+int ep_is_set(int fd) { return ep_get(fd, 0) != NULL; }
+
+static void drop_locked(struct ep *e, int fd)
+{
+	pthread_mutex_lock(&e->mu);
+	for (int j = 0; j < e->n; j++)
+		if (e->it[j].fd == fd)
+			e->it[j--] = e->it[--e->n];
+	pthread_mutex_unlock(&e->mu);
+}
+
+void ep_forget(int fd, int was_fast)
+{
+	pthread_mutex_lock(&ep_mu);
+	struct ep *self = find_locked(fd, 0);
+	if (self && !self->live)
+		self = NULL;
+	if (was_fast || self) { /* drop its interests in every set */
+		for (int i = 0; i < eps_top; i++)
+			if (eps[i] && eps[i]->live)
+				drop_locked(eps[i], fd);
+		for (struct ep *e = eps_high; e; e = e->next)
+			if (e->live)
+				drop_locked(e, fd);
+	}
+	if (self) {
+		pthread_mutex_lock(&self->mu);
+		self->n = 0;
+		self->kernel_at = 0;
+		self->live = 0;
+		pthread_mutex_unlock(&self->mu);
+	}
+	pthread_mutex_unlock(&ep_mu);
+}
+
+/* add appends x to e (e->mu held): 0, or -1 with ENOMEM. */
+static int add(struct ep *e, struct epi x)
+{
+	if (e->n == e->cap) {
+		int cap = e->cap ? 2 * e->cap : 8;
+		struct epi *it = realloc(e->it, cap * sizeof *it);
+		if (!it)
+			return errno = ENOMEM, -1;
+		e->it = it, e->cap = cap;
+	}
+	e->it[e->n++] = x;
+	return 0;
+}
+
+static int find(struct ep *e, int fd)
+{
+	for (int i = 0; i < e->n; i++)
+		if (e->it[i].fd == fd)
+			return i;
+	return -1;
+}
+
+/* ctl_nested registers an inner epoll set with the kernel as usual and
+ * also here, so the outer set sees the inner set's fast-path readiness. */
+static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
+{
+	int r = real_epoll_ctl(epfd, op, fd, ev);
+	struct ep *e = r < 0 ? NULL : ep_get(epfd, 1), *in = ep_get(fd, 0);
+	if (!e || !in)
+		return r;
+	pthread_mutex_lock(&e->mu);
+	int at = find(e, fd);
+	if (op == EPOLL_CTL_DEL && at >= 0)
+		e->it[at] = e->it[--e->n];
+	else if (op == EPOLL_CTL_MOD && at >= 0)
+		e->it[at].ev = *ev;
+	else if (op == EPOLL_CTL_ADD && at < 0 && add(e, (struct epi){.fd = fd, .ev = *ev, .in = in})) {
+		pthread_mutex_unlock(&e->mu);
+		real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL); /* all or nothing */
+		return errno = ENOMEM, -1;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return r;
+}
+
+INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
+{
+	if (ep_is_set(fd))
+		return ctl_nested(epfd, op, fd, ev);
+	struct flow *f = flow_of(fd);
+	struct ep *e = ep_get(epfd, f != NULL);
+	if (!e && f) /* in the kernel's set, the idle kernel socket would never be ready */
+		return errno = ENOMEM, -1;
+	if (!e)
+		return real_epoll_ctl(epfd, op, fd, ev);
+	pthread_mutex_lock(&e->mu);
+	int at = find(e, fd), r = 0;
+	if (!f && at < 0) {
+		pthread_mutex_unlock(&e->mu);
+		return real_epoll_ctl(epfd, op, fd, ev);
+	}
+	if (op == EPOLL_CTL_ADD && at >= 0)
+		r = -1, errno = EEXIST;
+	else if (op != EPOLL_CTL_ADD && at < 0)
+		r = -1, errno = ENOENT;
+	else if (op == EPOLL_CTL_DEL)
+		e->it[at] = e->it[--e->n];
+	else if (op == EPOLL_CTL_MOD)
+		e->it[at].ev = *ev, e->it[at].seen = 0;
+	else
+		r = add(e, (struct epi){.fd = fd, .ev = *ev});
+	pthread_mutex_unlock(&e->mu);
+	return r;
+}
+
+static uint32_t ep_from_poll(short r)
+{
+	return (r & POLLIN ? EPOLLIN : 0) | (r & POLLOUT ? EPOLLOUT : 0) | (r & POLLERR ? EPOLLERR : 0) |
+	       (r & POLLHUP ? EPOLLHUP : 0) | (r & POLLRDHUP ? EPOLLRDHUP : 0);
+}
+
+enum scan { REPORT, PEEK, ARM };
+
+/* scan goes over a set's fast-path interests. REPORT writes up to max
+ * ready ones to out (level-triggered; EPOLLET once per new ring position;
+ * EPOLLONESHOT then disarms), PEEK only counts them (at most max) and
+ * changes nothing, ARM adds their rings' wait words to a. A nested set is
+ * ready (EPOLLIN) when a PEEK of it finds something. */
+static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, struct arm *a)
+{
+	int k = 0;
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < e->n && k < max; i++) {
+		struct epi *x = &e->it[i];
+		if (x->in) {
+			struct ep *in = x->in;
+			epoll_data_t data = x->ev.data;
+			if (in == e || !(x->ev.events & EPOLLIN))
+				continue;
+			pthread_mutex_unlock(&e->mu); /* one set's lock at a time */
+			int ready = mode == ARM ? (scan(in, NULL, INT_MAX, ARM, a), 0) : scan(in, NULL, 1, PEEK, NULL);
+			pthread_mutex_lock(&e->mu);
+			if (ready && mode == REPORT)
+				out[k] = (struct epoll_event){.events = EPOLLIN, .data = data};
+			k += ready;
+			continue;
+		}
+		struct flow *f = flow_of(x->fd);
+		if (!f || !(x->ev.events & ~(EPOLLET | EPOLLONESHOT)))
+			continue;
+		short want = (x->ev.events & EPOLLIN ? POLLIN : 0) | (x->ev.events & EPOLLOUT ? POLLOUT : 0) |
+			     (x->ev.events & EPOLLRDHUP ? POLLRDHUP : 0);
+		if (mode == ARM) {
+			if (want & POLLIN)
+				arm_add(a, f, 1);
+			if (want & POLLOUT)
+				arm_add(a, f, 0);
+			continue;
+		}
+		uint32_t got = ep_from_poll(fast_events(f, want)) & (x->ev.events | EPOLLERR | EPOLLHUP);
+		if (!got)
+			continue;
+		if (x->ev.events & EPOLLET) {
+			uint64_t mark = __atomic_load_n((uint64_t *)(f->sf.r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST) ^
+					__atomic_load_n((uint64_t *)(f->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST) << 1;
+			if (mark + 1 == x->seen)
+				continue;
+			if (mode == REPORT)
+				x->seen = mark + 1;
+		}
+		if (mode == REPORT) {
+			if (x->ev.events & EPOLLONESHOT)
+				x->ev.events &= EPOLLET | EPOLLONESHOT;
+			out[k] = (struct epoll_event){.events = got, .data = x->ev.data};
+		}
+		k++;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return k;
+}
+
+/* drop_magic removes the helper's eventfd from n kernel events at ev. */
+static int drop_magic(struct epoll_event *ev, int n)
+{
+	int kept = 0;
+	for (int i = 0; i < n; i++)
+		if (ev[i].data.u64 != EFD_MAGIC)
+			ev[kept++] = ev[i];
+	return kept;
+}
+
+static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
+{
+	struct ep *e = ep_get(epfd, 0);
+	if (!e || !__atomic_load_n(&e->n, __ATOMIC_RELAXED) || max <= 0)
+		return real_epoll_pwait(epfd, ev, max, timeout, mask);
+	int64_t start = now_ns(), deadline = timeout < 0 ? -1 : start + (int64_t)timeout * 1000000;
+	for (unsigned turn = 0;; turn++) {
+		int k = scan(e, ev, max, REPORT, NULL);
+		/* Non-blocking progress loops (MPI) call epoll_wait(0) back to
+		 * back: ask the kernel at most every KERNEL_POLL_NS then. */
+		int64_t t = now_ns();
+		int ask = timeout == 0 ? t - e->kernel_at >= KERNEL_POLL_NS : turn % KERNEL_EVERY == 0;
+		if (k < max && (k || ask)) {
+			e->kernel_at = t;
+			int r = real_epoll_wait(epfd, ev + k, max - k, 0);
+			if (r < 0 && !k)
+				return r;
+			if (r > 0)
+				k += drop_magic(ev + k, r);
+		}
+		if (k)
+			return k;
+		int64_t now = now_ns();
+		if (deadline >= 0 && now >= deadline)
+			return 0;
+		if (now - start < spin_ns)
+			continue;
+		/* Block: arm every ring of interest, re-check, sleep. */
+		struct arm a;
+		arm_init(&a);
+		scan(e, NULL, INT_MAX, ARM, &a);
+		arm_set(&a, 1);
+		if (scan(e, NULL, 1, PEEK, NULL)) {
+			arm_set(&a, 0);
+			arm_free(&a);
+			continue;
+		}
+		struct helper *h = helper();
+		struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
+		if (h && real_epoll_ctl(epfd, EPOLL_CTL_ADD, helper_efd(h), &m) < 0 && errno != EEXIST)
+			h = NULL; /* then the wait is sliced */
+		int64_t left = block_start(h, &a, deadline < 0 ? -1 : deadline - now_ns());
+		int r = real_epoll_pwait(epfd, ev, max, left < 0 ? -1 : (int)((left + 999999) / 1000000), mask);
+		block_stop(h);
+		arm_set(&a, 0);
+		arm_free(&a);
+		if (r < 0)
+			return r;
+		if ((r = drop_magic(ev, r)))
+			return r;
+	}
+}
+
+INTERPOSE int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout) { return do_epoll_wait(epfd, ev, max, timeout, NULL); }
+
+INTERPOSE int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
+{
+	return do_epoll_wait(epfd, ev, max, timeout, mask);
+}
+
+/* Every epoll set is known here from its creation, so that one nested in
+ * another is recognized even before it holds fast-path fds. */
+INTERPOSE int epoll_create1(int flags)
+{
+	int fd = real_epoll_create1(flags);
+	if (fd >= 0 && !ep_get(fd, 1))
+		plog("shunt: out of memory: epoll set %d cannot hold fast-path fds", fd);
+	return fd;
+}
+
+INTERPOSE int epoll_create(int size)
+{
+	int fd = real_epoll_create(size);
+	if (fd >= 0 && !ep_get(fd, 1))
+		plog("shunt: out of memory: epoll set %d cannot hold fast-path fds", fd);
+	return fd;
+}

@@ -1,0 +1,324 @@
+/* Lifetime of fds and flows: close, dup, fcntl, ioctl, fork, exec, exit
+ * (the rules in docs/preload.md).
+ *
+ * fork: flows stay with the parent. The child's inherited copies fail with
+ * ENOTCONN (io.c) and close() only forgets them; the child's own new
+ * connections work (its session opens its own channel).
+ * exec: the library's state goes with the old image, so a flow whose fd
+ * stays open is reset first (before_exec).
+ * exit: FIN and CLOSE for the flows still open, as the kernel sends FIN
+ * (fini). */
+#include "preload.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdarg.h>
+#include <stdlib.h>
+#include <sys/ioctl.h>
+
+/* ---- close and dup ---- */
+
+static void release(struct flow *f)
+{
+	if (f->owner != my_pid) { /* a fork child's copy: only forget it */
+		free(f);
+		return;
+	}
+	if (!f->revoked && !shunt_flow_reset(&f->sf))
+		shunt_ring_close_write(&f->sf.w);
+	shunt_ring_close_read(&f->sf.r);
+	shunt_flow_close(&f->sf);
+	free(f);
+}
+
+/* forget drops fd's reference to its flow (the last one releases it), its
+ * listener registration and its epoll interests, before the kernel close. */
+static void forget(int fd)
+{
+	if (fd < 0)
+		return;
+	struct flow *f = NULL;
+	int last = 0, listener = 0;
+	if (fd < FD_MAX) {
+		pthread_mutex_lock(&tab_mu);
+		f = fds[fd];
+		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
+		last = f && --f->refs == 0;
+		listener = kind[fd] == FD_LISTENER;
+		kind[fd] = FD_NONE;
+		pthread_mutex_unlock(&tab_mu);
+	}
+	if (listener) {
+		struct shunt_msg m = {.type = SHUNT_UNLISTEN};
+		if (local_of(fd, &m.local) == 0)
+			shunt_session_send(session, &m);
+	}
+	ep_forget(fd, f != NULL);
+	if (last)
+		release(f);
+}
+
+INTERPOSE int close(int fd)
+{
+	forget(fd);
+	return real_close(fd);
+}
+
+/* share makes fd, a new duplicate of old, share old's flow. */
+static void share(int old, int fd)
+{
+	if (fd < 0 || fd >= FD_MAX || old < 0 || old >= FD_MAX || fd == old)
+		return;
+	forget(fd);
+	pthread_mutex_lock(&tab_mu);
+	struct flow *f = fds[old];
+	if (f)
+		f->refs++;
+	__atomic_store_n(&fds[fd], f, __ATOMIC_RELEASE);
+	kind[fd] = kind[old] == FD_LISTENER ? FD_TCP : kind[old]; /* the listener registration stays with old */
+	nonblk[fd] = nonblk[old];
+	pthread_mutex_unlock(&tab_mu);
+}
+
+/* beyond reports a duplicate of a fast-path fd that would land at FD_MAX
+ * or above, where the table cannot follow it: its writes would go to the
+ * idle kernel socket. The dup fails instead, with err. */
+static int beyond(int old, int fd, int err)
+{
+	if (fd < FD_MAX || !flow_of(old))
+		return 0;
+	plog("shunt: fd %d: a duplicate at fd %d is beyond the library's table (%d fds); refused", old, fd, FD_MAX);
+	errno = err;
+	return 1;
+}
+
+INTERPOSE int dup(int old)
+{
+	int fd = real_dup(old);
+	if (fd >= 0 && beyond(old, fd, EMFILE)) {
+		real_close(fd);
+		return -1;
+	}
+	if (fd >= 0)
+		share(old, fd);
+	return fd;
+}
+
+INTERPOSE int dup2(int old, int fd)
+{
+	if (beyond(old, fd, EBADF))
+		return -1;
+	if (old != fd)
+		forget(fd);
+	int r = real_dup2(old, fd);
+	if (r >= 0)
+		share(old, r);
+	return r;
+}
+
+INTERPOSE int dup3(int old, int fd, int flags)
+{
+	if (beyond(old, fd, EBADF))
+		return -1;
+	forget(fd);
+	int r = real_dup3(old, fd, flags);
+	if (r >= 0)
+		share(old, r);
+	return r;
+}
+
+/* ---- fcntl and ioctl ---- */
+
+static void set_nonblock(int fd, int on)
+{
+	if (fd < 0 || fd >= FD_MAX)
+		return;
+	nonblk[fd] = on;
+	struct flow *f = flow_of(fd);
+	if (f)
+		f->nonblock = on;
+}
+
+INTERPOSE int fcntl(int fd, int cmd, ...)
+{
+	va_list ap;
+	va_start(ap, cmd);
+	long arg = va_arg(ap, long);
+	va_end(ap);
+	int r = real_fcntl(fd, cmd, arg);
+	if (r >= 0 && cmd == F_SETFL)
+		set_nonblock(fd, (arg & O_NONBLOCK) != 0);
+	if (r >= 0 && (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC)) {
+		if (beyond(fd, r, arg >= FD_MAX ? EINVAL : EMFILE)) {
+			real_close(r);
+			return -1;
+		}
+		share(fd, r);
+	}
+	return r;
+}
+
+INTERPOSE int ioctl(int fd, unsigned long req, ...)
+{
+	va_list ap;
+	va_start(ap, req);
+	void *arg = va_arg(ap, void *);
+	va_end(ap);
+	struct flow *f = flow_of(fd);
+	if (f && req == FIONREAD) {
+		ssize_t n = shunt_ring_buffered(&f->sf.r);
+		*(int *)arg = n > 0 ? (int)n : 0;
+		return 0;
+	}
+	int r = real_ioctl(fd, req, arg);
+	if (r == 0 && req == FIONBIO)
+		set_nonblock(fd, *(int *)arg != 0);
+	return r;
+}
+
+/* ---- fork and exit ---- */
+
+static void after_fork(void)
+{
+	my_pid = getpid();
+	wait_after_fork();
+}
+
+void lifetime_init(void) { pthread_atfork(NULL, NULL, after_fork); }
+
+/* At exit() the kernel sends FIN on every socket the program left open.
+ * Do the same for fast-path flows: FIN on the ring and CLOSE to hostd, so
+ * the peer reads what was sent and then EOF, instead of ECONNRESET when the
+ * session ends (or nothing, on a VM port that gives hostd no sign). The
+ * flows are not freed: other threads may still be inside them. A process
+ * killed by a signal gets no such exit; its peers see ECONNRESET. */
+__attribute__((destructor)) static void fini(void)
+{
+	if (!real_write || !session || !shunt_session_connected(session))
+		return;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = fds[fd];
+		if (!f || f->owner != my_pid || f->finished)
+			continue;
+		f->finished = 1; /* once per flow, though dup'd fds share it */
+		if (!f->revoked && !shunt_flow_reset(&f->sf))
+			shunt_ring_close_write(&f->sf.w);
+		shunt_flow_close(&f->sf);
+	}
+	pthread_mutex_unlock(&tab_mu);
+}
+
+/* ---- exec ----
+ *
+ * The library's state does not survive exec, but fds without FD_CLOEXEC
+ * do: in the new image a fast-path fd would be a plain kernel socket, and
+ * bytes written to it would go where the peer does not read. So before
+ * exec, every flow this process owns on an fd that stays open is reset
+ * (the peer sees ECONNRESET) and its kernel socket shut down (the new image
+ * sees EPIPE / EOF): an error on both sides, never silent loss. */
+static void before_exec(void)
+{
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = flow_of(fd);
+		if (!f || f->owner != my_pid)
+			continue;
+		int fl = real_fcntl(fd, F_GETFD, 0);
+		if (fl < 0 || (fl & FD_CLOEXEC))
+			continue;
+		/* Both reset flags first, then the wake-ups (as hostd does). */
+		__atomic_store_n((uint32_t *)(f->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		__atomic_store_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		shunt_ring_abort(&f->sf.w);
+		shunt_ring_abort(&f->sf.r);
+		real_shutdown(fd, SHUT_RDWR);
+		plog("shunt: fd %d stays open across exec: flow reset", fd);
+		shunt_flow_close(&f->sf);
+	}
+}
+
+INTERPOSE int execve(const char *path, char *const argv[], char *const envp[])
+{
+	before_exec();
+	return real_execve(path, argv, envp);
+}
+
+INTERPOSE int execv(const char *path, char *const argv[])
+{
+	extern char **environ;
+	return execve(path, argv, environ);
+}
+
+/* glibc's execl family calls its internal execve, which no preload can
+ * see, so each is interposed here too. */
+static char **argv_from(const char *first, va_list ap, char ***envp)
+{
+	size_t n = 1;
+	va_list cp;
+	va_copy(cp, ap);
+	while (va_arg(cp, char *))
+		n++;
+	va_end(cp);
+	char **argv = malloc((n + 1) * sizeof *argv);
+	if (!argv)
+		return NULL;
+	argv[0] = (char *)first;
+	for (size_t i = 1; i <= n; i++)
+		argv[i] = i < n ? va_arg(ap, char *) : NULL;
+	if (envp)
+		*envp = va_arg(ap, char **);
+	return argv;
+}
+
+INTERPOSE int execl(const char *path, const char *arg, ...)
+{
+	extern char **environ;
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, NULL);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execve(path, argv, environ);
+	free(argv);
+	return r;
+}
+
+INTERPOSE int execle(const char *path, const char *arg, ...)
+{
+	char **envp;
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, &envp);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execve(path, argv, envp);
+	free(argv);
+	return r;
+}
+
+INTERPOSE int execlp(const char *file, const char *arg, ...)
+{
+	va_list ap;
+	va_start(ap, arg);
+	char **argv = argv_from(arg, ap, NULL);
+	va_end(ap);
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = execvp(file, argv);
+	free(argv);
+	return r;
+}
+
+INTERPOSE int execvpe(const char *file, char *const argv[], char *const envp[])
+{
+	before_exec();
+	return real_execvpe(file, argv, envp);
+}
+
+INTERPOSE int execvp(const char *file, char *const argv[])
+{
+	before_exec();
+	return real_execvp(file, argv);
+}

@@ -1,0 +1,464 @@
+/* Waiting on sets: poll, ppoll, select, pselect, and the machinery epoll
+ * shares (epoll.c).
+ *
+ * A wait checks the rings (and, every KERNEL_EVERY turns, the kernel)
+ * while it spins; then it arms: publishes "waiting" in the wait word of
+ * every ring of interest, re-checks, and blocks in the kernel call with
+ * its thread's eventfd added. The thread's helper has sleeper threads wait
+ * on the armed words with futex_waitv; a peer that writes a ring finds its
+ * word set and wakes it, and the sleeper writes the eventfd:
+ *
+ *   waiting thread                 sleeper 0 .. k-1 (one per 127 words)
+ *   arm_set(words, 1)
+ *   re-check rings
+ *   block_start  ----------------> futex_waitv(cancel, words[i*127 ...])
+ *   ppoll/epoll_pwait(fds + efd)        | a peer wakes a word
+ *        <------------------------ write(efd)
+ *   block_stop: cancel = 1, wake ---> return, idle
+ *   arm_set(words, 0)
+ *
+ * futex_waitv takes at most FUTEX_WAITV_MAX (128) words, one of them the
+ * cancel word, so a set of any size gets as many sleepers as it needs, up
+ * to SLEEPERS_MAX per waiting thread. Past that (more than 2032 armed
+ * rings), without futex_waitv (Linux < 5.16), or short of memory or
+ * threads, the rings nobody sleeps on are re-checked every RECHECK_MS: a
+ * slower path, never a missed wake-up. In VM mode the words sit in a BAR,
+ * where no futex works: one sleeper waits on the kick count instead
+ * (shunt.h, kicks). */
+#include "preload.h"
+
+#include <errno.h>
+#include <limits.h>
+#include <linux/futex.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/eventfd.h>
+#include <sys/syscall.h>
+
+#ifndef FUTEX_WAITV_MAX
+#define FUTEX_WAITV_MAX 128
+#endif
+#ifndef FUTEX_32
+#define FUTEX_32 2
+#endif
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+
+#define SLEEPER_WORDS (FUTEX_WAITV_MAX - 1) /* ring words per sleeper; the other is its cancel word */
+#define SLEEPERS_MAX  16                    /* per waiting thread: 2032 rings wake it at once */
+#define RECHECK_MS    1                     /* past that: how often the other rings are re-checked */
+#define SLEEPER_STACK (256 << 10)           /* a sleeper makes one system call at a time (glibc adds static TLS) */
+#define KERNEL_EVERY  16                    /* while spinning, the kernel fds are asked every this many turns */
+#define POLL_STACK    64                    /* pollfds on the stack; larger sets are allocated */
+
+struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; }; /* struct futex_waitv */
+
+struct helper;
+
+struct sleeper {
+	struct helper *h;
+	pthread_t th;
+	int n;                             /* words in w, set by the waiting thread before it asks */
+	int asked;                         /* guarded by h->mu: sleep now */
+	struct waitv w[FUTEX_WAITV_MAX];   /* w[0] is h->cancel */
+};
+
+/* helper is a waiting thread's set of sleepers and its eventfd; only that
+ * thread starts and stops them, and the thread's exit frees them. */
+struct helper {
+	int efd;
+	int ok;          /* efd made; a helper that failed is kept so it is not retried */
+	uint32_t cancel; /* every sleeper's first word: 1 ends the sleep */
+	pthread_mutex_t mu;
+	pthread_cond_t cv; /* asked, busy and quit changed */
+	int busy;          /* sleepers asked and not back yet */
+	int quit;          /* the waiting thread exited */
+	int n;             /* sleepers started */
+	struct sleeper *s[SLEEPERS_MAX];
+};
+
+static __thread struct helper *me;
+static pthread_key_t me_key; /* runs helper_free at thread exit, if me_key_ok */
+static int me_key_ok;
+static pthread_once_t me_once = PTHREAD_ONCE_INIT;
+static int waitv_broken; /* futex_waitv is missing or failed: every wait is sliced */
+
+static void *sleeper_loop(void *arg)
+{
+	struct sleeper *sl = arg;
+	struct helper *h = sl->h;
+	pthread_mutex_lock(&h->mu);
+	for (;;) {
+		while (!sl->asked && !h->quit)
+			pthread_cond_wait(&h->cv, &h->mu);
+		if (!sl->asked)
+			break; /* quit */
+		pthread_mutex_unlock(&h->mu);
+		struct timespec until, *up = NULL;
+		if (shunt_kicks_enabled()) { /* kicks can be lost: wake at least this often */
+			clock_gettime(CLOCK_MONOTONIC, &until);
+			until.tv_nsec += SHUNT_KICK_MAX_SLEEP_NS;
+			until.tv_sec += until.tv_nsec / 1000000000;
+			until.tv_nsec %= 1000000000;
+			up = &until;
+		}
+		if (syscall(SYS_futex_waitv, sl->w, sl->n, 0, up, CLOCK_MONOTONIC) < 0 && errno != EAGAIN &&
+		    errno != ETIMEDOUT && errno != EINTR && !__atomic_exchange_n(&waitv_broken, 1, __ATOMIC_SEQ_CST))
+			plog("shunt: futex_waitv: %s; waits on sets re-check every %d ms", strerror(errno), RECHECK_MS);
+		if (!__atomic_load_n(&h->cancel, __ATOMIC_SEQ_CST)) {
+			uint64_t one = 1;
+			ssize_t r = real_write(h->efd, &one, sizeof one); /* fails only when the count is full: awake anyway */
+			(void)r;
+		}
+		pthread_mutex_lock(&h->mu);
+		sl->asked = 0;
+		if (--h->busy == 0)
+			pthread_cond_broadcast(&h->cv);
+	}
+	pthread_mutex_unlock(&h->mu);
+	return NULL;
+}
+
+static void helper_free(void *arg)
+{
+	struct helper *h = arg;
+	pthread_mutex_lock(&h->mu);
+	h->quit = 1;
+	pthread_cond_broadcast(&h->cv);
+	pthread_mutex_unlock(&h->mu);
+	for (int i = 0; i < h->n; i++) {
+		pthread_join(h->s[i]->th, NULL);
+		free(h->s[i]);
+	}
+	if (h->efd >= 0)
+		real_close(h->efd);
+	pthread_cond_destroy(&h->cv);
+	pthread_mutex_destroy(&h->mu);
+	free(h);
+}
+
+static void make_key(void)
+{
+	me_key_ok = pthread_key_create(&me_key, helper_free) == 0;
+	if (!me_key_ok)
+		plog("shunt: no thread key: helpers of exited threads are not freed");
+}
+
+struct helper *helper(void)
+{
+	if (me)
+		return me->ok && !__atomic_load_n(&waitv_broken, __ATOMIC_RELAXED) ? me : NULL;
+	pthread_once(&me_once, make_key);
+	me = calloc(1, sizeof *me);
+	if (!me)
+		return NULL;
+	pthread_mutex_init(&me->mu, NULL);
+	pthread_cond_init(&me->cv, NULL);
+	me->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
+	me->ok = me->efd >= 0;
+	if (me_key_ok)
+		pthread_setspecific(me_key, me);
+	return helper();
+}
+
+int helper_efd(struct helper *h) { return h->efd; }
+
+/* grow starts sleepers until h has want of them (or cannot start more). */
+static int grow(struct helper *h, int want)
+{
+	while (h->n < want) {
+		struct sleeper *sl = calloc(1, sizeof *sl);
+		if (!sl)
+			break;
+		sl->h = h;
+		pthread_attr_t at;
+		pthread_attr_init(&at);
+		pthread_attr_setstacksize(&at, SLEEPER_STACK);
+		sigset_t all, old;
+		sigfillset(&all);
+		pthread_sigmask(SIG_SETMASK, &all, &old); /* the sleepers take no signals */
+		int err = pthread_create(&sl->th, &at, sleeper_loop, sl);
+		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		pthread_attr_destroy(&at);
+		if (err) {
+			static int told;
+			if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
+				plog("shunt: cannot start a sleeper thread: %s; waits on sets re-check every %d ms", strerror(err), RECHECK_MS);
+			free(sl);
+			break;
+		}
+		h->s[h->n++] = sl;
+	}
+	return h->n < want ? h->n : want;
+}
+
+static int64_t sliced(int64_t ns)
+{
+	const int64_t slice = (int64_t)RECHECK_MS * 1000000;
+	return ns < 0 || ns > slice ? slice : ns;
+}
+
+int64_t block_start(struct helper *h, struct arm *a, int64_t ns)
+{
+	if (!h)
+		return sliced(ns);
+	int kicks = shunt_kicks_enabled();
+	int need = kicks ? 1 : (a->n + SLEEPER_WORDS - 1) / SLEEPER_WORDS;
+	int have = grow(h, need < SLEEPERS_MAX ? need : SLEEPERS_MAX);
+	__atomic_store_n(&h->cancel, 0, __ATOMIC_SEQ_CST);
+	for (int i = 0; i < have; i++) {
+		struct sleeper *sl = h->s[i];
+		sl->w[0] = (struct waitv){.val = 0, .uaddr = (uintptr_t)&h->cancel, .flags = FUTEX_32};
+		if (kicks) { /* the words sit in a BAR: sleep on the kick count instead */
+			sl->w[1] = (struct waitv){.val = a->seq, .uaddr = (uintptr_t)shunt_kick_word(), .flags = FUTEX_32};
+			sl->n = 2;
+			continue;
+		}
+		int first = i * SLEEPER_WORDS, k = a->n - first < SLEEPER_WORDS ? a->n - first : SLEEPER_WORDS;
+		for (int j = 0; j < k; j++)
+			sl->w[j + 1] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[first + j], .flags = FUTEX_32};
+		sl->n = k + 1;
+	}
+	pthread_mutex_lock(&h->mu);
+	for (int i = 0; i < have; i++)
+		h->s[i]->asked = 1;
+	h->busy = have;
+	pthread_cond_broadcast(&h->cv);
+	pthread_mutex_unlock(&h->mu);
+	return have == need && !a->short_of_memory ? ns : sliced(ns);
+}
+
+void block_stop(struct helper *h)
+{
+	if (!h)
+		return;
+	__atomic_store_n(&h->cancel, 1, __ATOMIC_SEQ_CST);
+	syscall(SYS_futex, &h->cancel, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	pthread_mutex_lock(&h->mu);
+	while (h->busy)
+		pthread_cond_wait(&h->cv, &h->mu);
+	pthread_mutex_unlock(&h->mu);
+	uint64_t v;
+	while (real_read(h->efd, &v, sizeof v) == sizeof v)
+		;
+}
+
+/* wait_after_fork forgets the forking thread's helper in the child: its
+ * sleepers did not come along. */
+void wait_after_fork(void)
+{
+	if (me && me->efd >= 0)
+		real_close(me->efd);
+	me = NULL;
+	if (me_key_ok)
+		pthread_setspecific(me_key, NULL);
+}
+
+/* ---- arms ---- */
+
+void arm_init(struct arm *a)
+{
+	a->flag = a->inline_flags;
+	a->n = 0;
+	a->cap = sizeof a->inline_flags / sizeof *a->inline_flags;
+	a->short_of_memory = 0;
+	a->seq = 0;
+}
+
+void arm_add(struct arm *a, struct flow *f, int reader)
+{
+	if (a->n == a->cap) {
+		uint32_t **more = malloc(2 * a->cap * sizeof *more);
+		if (!more) { /* this ring is not armed: block_start slices the wait */
+			a->short_of_memory = 1;
+			return;
+		}
+		memcpy(more, a->flag, a->n * sizeof *more);
+		if (a->flag != a->inline_flags)
+			free(a->flag);
+		a->flag = more;
+		a->cap *= 2;
+	}
+	a->flag[a->n++] = shunt_ring_wait_word(reader ? &f->sf.r : &f->sf.w, reader);
+}
+
+void arm_set(struct arm *a, uint32_t v)
+{
+	if (v)
+		a->seq = shunt_kick_seq();
+	for (int i = 0; i < a->n; i++)
+		__atomic_store_n(a->flag[i], v, __ATOMIC_SEQ_CST);
+}
+
+void arm_free(struct arm *a)
+{
+	if (a->flag != a->inline_flags)
+		free(a->flag);
+	arm_init(a);
+}
+
+/* ---- poll and select ---- */
+
+short fast_events(struct flow *f, short ev)
+{
+	short r = 0;
+	if (f->revoked || __atomic_load_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST))
+		return POLLIN | POLLOUT | POLLERR | POLLHUP;
+	if ((ev & POLLIN) && shunt_ring_ready(&f->sf.r, 1))
+		r |= POLLIN | (__atomic_load_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_WFLAGS), __ATOMIC_SEQ_CST) & 1 ? POLLRDHUP & ev : 0);
+	if ((ev & POLLOUT) && shunt_ring_ready(&f->sf.w, 0))
+		r |= POLLOUT;
+	return r;
+}
+
+int remaining_ms(int64_t deadline)
+{
+	if (deadline < 0)
+		return -1;
+	int64_t left = deadline - now_ns();
+	return left <= 0 ? 0 : (int)((left + 999999) / 1000000);
+}
+
+/* do_poll is poll(2) over a set that may contain fast-path fds. */
+static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_t *mask)
+{
+	int fast = 0;
+	for (nfds_t i = 0; i < n; i++)
+		fast += flow_of(p[i].fd) != NULL;
+	if (!fast) {
+		struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
+		return real_ppoll(p, n, timeout_ns < 0 ? NULL : &ts, mask);
+	}
+	struct pollfd stack[POLL_STACK], *kp = n + 1 <= POLL_STACK ? stack : malloc((n + 1) * sizeof *kp);
+	if (!kp)
+		return errno = ENOMEM, -1;
+	int64_t start = now_ns(), deadline = timeout_ns < 0 ? -1 : start + timeout_ns;
+	int result, ask_kernel = 1;
+	for (unsigned turn = 0;; turn++) {
+		int ready = 0;
+		for (nfds_t i = 0; i < n; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			kp[i] = p[i];
+			kp[i].revents = 0;
+			if (f) {
+				p[i].revents = fast_events(f, p[i].events);
+				kp[i].fd = -1;
+			} else {
+				p[i].revents = 0;
+			}
+		}
+		int k = 0;
+		if (ask_kernel || turn % KERNEL_EVERY == 0)
+			k = real_poll(kp, n, 0);
+		ask_kernel = 0;
+		for (nfds_t i = 0; i < n; i++) {
+			if (kp[i].fd >= 0)
+				p[i].revents = kp[i].revents;
+			ready += p[i].revents != 0;
+		}
+		if (ready || k < 0) {
+			result = k < 0 ? k : ready;
+			break;
+		}
+		int64_t now = now_ns();
+		if (deadline >= 0 && now >= deadline) {
+			result = 0;
+			break;
+		}
+		if (now - start < spin_ns)
+			continue;
+		/* Block: publish "waiting" in every fast ring, re-check, sleep. */
+		struct arm a;
+		arm_init(&a);
+		for (nfds_t i = 0; i < n; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			if (f && (p[i].events & POLLIN))
+				arm_add(&a, f, 1);
+			if (f && (p[i].events & POLLOUT))
+				arm_add(&a, f, 0);
+		}
+		arm_set(&a, 1);
+		int again = 0, r = 0;
+		for (nfds_t i = 0; i < n && !again; i++) {
+			struct flow *f = flow_of(p[i].fd);
+			again = f && fast_events(f, p[i].events);
+		}
+		if (!again) {
+			struct helper *h = helper();
+			nfds_t kn = n;
+			if (h)
+				kp[kn++] = (struct pollfd){.fd = helper_efd(h), .events = POLLIN};
+			int64_t left = block_start(h, &a, deadline < 0 ? -1 : deadline - now_ns());
+			struct timespec ts = {left / 1000000000, left % 1000000000};
+			r = real_ppoll(kp, kn, left < 0 ? NULL : &ts, mask);
+			block_stop(h);
+			ask_kernel = 1;
+		}
+		arm_set(&a, 0);
+		arm_free(&a);
+		if (r < 0) { /* a signal (the kernel poll would say EINTR too) */
+			result = -1;
+			break;
+		}
+	}
+	if (kp != stack) {
+		int e = errno;
+		free(kp);
+		errno = e;
+	}
+	return result;
+}
+
+INTERPOSE int poll(struct pollfd *p, nfds_t n, int timeout)
+{
+	return do_poll(p, n, timeout < 0 ? -1 : (int64_t)timeout * 1000000, NULL);
+}
+
+INTERPOSE int ppoll(struct pollfd *p, nfds_t n, const struct timespec *ts, const sigset_t *mask)
+{
+	return do_poll(p, n, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
+}
+
+static int do_select(int nfds, fd_set *r, fd_set *w, fd_set *e, int64_t timeout_ns, const sigset_t *mask)
+{
+	struct pollfd p[FD_SETSIZE]; /* select takes no fd >= FD_SETSIZE (fd_set is that big) */
+	int n = 0;
+	for (int fd = 0; fd < nfds && fd < FD_SETSIZE; fd++) {
+		short ev = (r && FD_ISSET(fd, r) ? POLLIN : 0) | (w && FD_ISSET(fd, w) ? POLLOUT : 0) |
+			   (e && FD_ISSET(fd, e) ? POLLPRI : 0);
+		if (ev)
+			p[n++] = (struct pollfd){.fd = fd, .events = ev};
+	}
+	int k = do_poll(p, n, timeout_ns, mask);
+	if (k < 0)
+		return k;
+	if (r)
+		FD_ZERO(r);
+	if (w)
+		FD_ZERO(w);
+	if (e)
+		FD_ZERO(e);
+	int count = 0;
+	for (int i = 0; i < n; i++) {
+		short re = p[i].revents;
+		if (r && (re & (POLLIN | POLLHUP | POLLERR)) && (p[i].events & POLLIN))
+			FD_SET(p[i].fd, r), count++;
+		if (w && (re & (POLLOUT | POLLERR)) && (p[i].events & POLLOUT))
+			FD_SET(p[i].fd, w), count++;
+		if (e && (re & POLLPRI))
+			FD_SET(p[i].fd, e), count++;
+	}
+	return count;
+}
+
+INTERPOSE int select(int nfds, fd_set *r, fd_set *w, fd_set *e, struct timeval *tv)
+{
+	int64_t t = tv ? (int64_t)tv->tv_sec * 1000000000 + tv->tv_usec * 1000 : -1;
+	return do_select(nfds, r, w, e, t, NULL);
+}
+
+INTERPOSE int pselect(int nfds, fd_set *r, fd_set *w, fd_set *e, const struct timespec *ts, const sigset_t *mask)
+{
+	return do_select(nfds, r, w, e, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
+}
