@@ -1,4 +1,12 @@
-# Example hostd configuration; docs/config.md is the reference.
+# Example hostd configuration; docs/config.md is the reference. The
+# shunt-host package installs it as /etc/shunt/hostd.hcl. What belongs to
+# this example host and must be edited: the guests (their control sockets,
+# and the interface or addresses that say which traffic is theirs), the
+# trust group's region, and the policy's CIDRs. The package test
+# (packaging/deb_test.go) runs the installed hostd with this file, changing
+# only the guests' control, interface and addresses, the region, and, to
+# stay clear of a real hostd, admin_socket, metrics_address and
+# conntrack_netns.
 log_level       = "info"   # trace, debug, info, warn, error
 log_format      = "json"   # or "text"
 admin_socket    = "/run/shunt/admin.sock"
