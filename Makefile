@@ -5,28 +5,69 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean
+.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb
 
 help: ## list the targets
-	@grep -E '^[a-z-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
+	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
 build: ## build every package, and the commands into bin/
 	$(GO) build ./...
 	$(GO) build -o $(BIN)/ ./cmd/...
 	$(MAKE) --no-print-directory preload
 
-CFLAGS ?= -std=c11 -O2 -Wall -Wextra -Werror -fPIC
+# C: the one definition of the compiler flags, for the library and the C test
+# programs. The Go tests build C through these targets (make -s preload
+# BIN=<dir>, make -s ctest BIN=<dir>), so they use exactly these flags.
+ifeq ($(origin CC),default)
+CC          := gcc
+endif
+CFLAGS      ?= -O2
+SHUNT_CFLAGS = -std=c11 -Wall -Wextra -Werror -pthread $(CFLAGS)
+CORE_DIR    := guestlib/c
+CORE_SRC    := $(wildcard $(CORE_DIR)/*.c)
+CORE_HDR    := $(wildcard $(CORE_DIR)/*.h)
 PRELOAD_SRC := $(wildcard guestlib/preload/csrc/*.c)
+PRELOAD_HDR := $(wildcard guestlib/preload/csrc/*.h)
 
-preload: ## build the LD_PRELOAD library and shunt-run into bin/ (gcc)
-	@mkdir -p $(BIN)
-	$(CC) $(CFLAGS) -shared -o $(BIN)/libshunt-preload.so $(filter-out %/xtest.c,$(PRELOAD_SRC)) -ldl -lpthread
-	install -m 0755 guestlib/preload/shunt-run $(BIN)/shunt-run
+preload: $(BIN)/libshunt-preload.so $(BIN)/shunt-run ## build the LD_PRELOAD library and shunt-run into bin/ (gcc)
 
-demo: build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
+$(BIN)/libshunt-preload.so: $(CORE_SRC) $(CORE_HDR) $(PRELOAD_SRC) $(PRELOAD_HDR)
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -fPIC -shared -fvisibility=hidden -I$(CORE_DIR) -o $@ $(CORE_SRC) $(PRELOAD_SRC) -ldl
+
+$(BIN)/shunt-run: guestlib/preload/shunt-run
+	@mkdir -p $(@D)
+	install -m 0755 $< $@
+
+ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge ## build the C test programs into bin/: shunt-xtest (cross-language checks), shunt-edge (integration/ctest)
+
+$(BIN)/shunt-xtest: $(CORE_DIR)/xtest/xtest.c $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -o $@ $< $(CORE_SRC)
+
+# The edge suite's servers ignore some write results on purpose.
+$(BIN)/shunt-edge: integration/ctest/edge.c
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $<
+
+# Debian packages (packaging/, nfpm as a Go module): shunt-host and
+# shunt-guest into bin/, versioned from git describe (or make deb VERSION=1.2.3).
+VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
+
+deb: preload ## build the shunt-host and shunt-guest Debian packages into bin/ (VERSION=...)
+	$(GO) build -ldflags='-s -w' -o $(BIN)/hostd ./cmd/hostd
+	$(GO) run ./packaging -version '$(VERSION)' -bin $(BIN) -out $(BIN)
+
+deps-demo: ## install what the demo needs (as root on Debian or Ubuntu; prints the apt-get command otherwise)
+	@scripts/deps.sh demo
+
+deps-test: ## install what the tests need (as deps-demo)
+	@scripts/deps.sh test
+
+demo: deps-demo build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
 	$(BIN)/shunt-demo $(DEMOFLAGS)
 
-test: ## run all tests (privileged ones need root; under CI=true they fail instead of skipping)
+test: deps-test ## run all tests (privileged ones need root; under CI=true they fail instead of skipping)
 	$(GO) test -timeout 30m ./...
 
 test-short: ## quick unprivileged tests
@@ -53,24 +94,28 @@ bench-shm: ## cross-process ring benchmarks, medians of BENCHCOUNT interleaved r
 	@rm -f $(BIN)/bench-shm.txt
 	for i in $$(seq $(BENCHCOUNT)); do $(BIN)/shm.test -test.run '^$$' -test.bench . -test.benchtime 200ms >> $(BIN)/bench-shm.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-shm.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-shm' $(BIN)/bench-shm.txt
 
 bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-e2e.txt
 	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Guest -test.benchtime 1s >> ../$(BIN)/bench-e2e.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-e2e.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-e2e' $(BIN)/bench-e2e.txt
 
 bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and vader (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-preload.txt
 	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkPreload' -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-preload.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-preload' $(BIN)/bench-preload.txt
 
 bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodified programs, virtio-net TCP vs Shunt (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-vm.txt
 	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkVM' -test.benchtime 1x >> ../$(BIN)/bench-vm.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-vm.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-vm' $(BIN)/bench-vm.txt
 
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzAttach FuzzIndices; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/ring || exit 1; done
