@@ -1,15 +1,18 @@
 // Command hostd is Shunt's host daemon and its CLI.
 //
 //	hostd agent -config /etc/shunt/hostd.hcl   run the daemon
+//	hostd check -config /etc/shunt/hostd.hcl   check the config and the host before starting it
 //	hostd guests | flows | status | counters  show state (tables; -json for JSON)
 //	hostd reload                               re-read the policy (as SIGHUP does)
 //	hostd revoke FLOW                          revoke one flow
 package main
 
 import (
+	"context"
 	"encoding/json"
 	"flag"
 	"fmt"
+	"io"
 	"os"
 	"os/signal"
 	"sort"
@@ -24,12 +27,14 @@ import (
 	"github.com/shuntnet/shunt/hostd/agent"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/preflight"
 )
 
 const usage = `usage: hostd <command> [flags]
 
 commands:
   agent  -config FILE     run the daemon
+  check  -config FILE     check the config and this host; exit 1 on a problem (-json)
   guests                  list guests (configured and libvirt) and their sessions
   flows                   list fast-path flows with byte counters
   status                  summary
@@ -50,6 +55,8 @@ func main() {
 	switch cmd {
 	case "agent":
 		err = runAgent(args)
+	case "check":
+		os.Exit(runCheck(args))
 	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke:
 		err = runClient(cmd, args)
 	case "-h", "-help", "--help", "help":
@@ -96,6 +103,34 @@ func runAgent(args []string) error {
 		return nil
 	}
 	return nil
+}
+
+// runCheck prints what `hostd check` finds and returns the exit code: 1 if
+// there is a problem, else 0 (warnings too).
+func runCheck(args []string) int {
+	fs := flag.NewFlagSet("check", flag.ExitOnError)
+	path := fs.String("config", "/etc/shunt/hostd.hcl", "configuration file")
+	asJSON := fs.Bool("json", false, "print JSON")
+	fs.Parse(args)
+	if fs.NArg() > 0 {
+		fmt.Fprintf(os.Stderr, "usage: hostd check [-config FILE] [-json]\n")
+		return 2
+	}
+	ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
+	defer cancel()
+	found := preflight.Run(ctx, *path, preflight.Host())
+	write := preflight.WriteText
+	if *asJSON {
+		write = func(w io.Writer, fs []preflight.Finding) error { return preflight.WriteJSON(w, *path, fs) }
+	}
+	if err := write(os.Stdout, found); err != nil {
+		fmt.Fprintf(os.Stderr, "hostd check: %v\n", err)
+		return 1
+	}
+	if problems, _ := preflight.Count(found); problems > 0 {
+		return 1
+	}
+	return 0
 }
 
 func runClient(cmd string, args []string) error {

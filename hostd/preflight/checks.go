@@ -1,0 +1,211 @@
+package preflight
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"net/netip"
+	"os"
+	"strings"
+	"syscall"
+)
+
+func checkPrivileges(_ context.Context, e *env) {
+	if uid := e.p.Euid(); uid != 0 {
+		e.warn(fmt.Sprintf("running as uid %d, but hostd runs as root: files are checked against uid %d, and the kernel checks may fail for want of privileges", uid, uid),
+			"run it as root: sudo hostd check -config "+e.cfg.Path)
+		return
+	}
+	e.ok("running as root, as hostd does")
+}
+
+// inNetns is " in netns PATH", or "" for hostd's own namespace.
+func (e *env) inNetns() string {
+	if ns := e.cfg.ConntrackNetns; ns != "" {
+		return " in netns " + ns
+	}
+	return ""
+}
+
+const eventsSysctl = "net.netfilter.nf_conntrack_events"
+
+// checkConntrack: hostd looks flows up over ctnetlink and learns of
+// deleted entries from its destroy events.
+func checkConntrack(_ context.Context, e *env) {
+	ns, where := e.cfg.ConntrackNetns, e.inNetns()
+	if ns != "" {
+		if _, err := os.Stat(ns); err != nil {
+			e.nsMissing = true
+			e.problem(fmt.Sprintf("conntrack_netns %s: %v", ns, err), "create the namespace (ip netns add NAME) or fix conntrack_netns")
+			return
+		}
+	}
+	if err := e.p.Conntrack(ns); err != nil {
+		fix := "modprobe nf_conntrack nf_conntrack_netlink"
+		if errors.Is(err, os.ErrPermission) {
+			fix = "run as root: ctnetlink needs CAP_NET_ADMIN"
+		}
+		e.problem("conntrack netlink does not answer"+where+": "+err.Error(), fix)
+	} else {
+		e.ok("ctnetlink answers%s", where)
+	}
+	v, err := e.p.Sysctl(ns, eventsSysctl)
+	set := "sysctl -w " + eventsSysctl + "=1"
+	if ns != "" {
+		set = "nsenter --net=" + ns + " " + set
+	} else {
+		set += "; to keep it: echo " + eventsSysctl + "=1 > /etc/sysctl.d/90-shunt.conf"
+	}
+	switch {
+	case errors.Is(err, os.ErrNotExist):
+		e.problem(eventsSysctl+" does not exist"+where+": conntrack is not loaded, or the kernel lacks CONFIG_NF_CONNTRACK_EVENTS",
+			"modprobe nf_conntrack nf_conntrack_netlink")
+	case err != nil:
+		e.problem("read "+eventsSysctl+where+": "+err.Error(), "run as root")
+	case v == "1" || v == "2":
+		e.ok("%s = %s%s: destroy events reach hostd", eventsSysctl, v, where)
+	default:
+		e.problem(fmt.Sprintf("%s = %s%s: hostd gets no destroy events, so deleting a connection's conntrack entry would not revoke its fast path", eventsSysctl, v, where), set)
+	}
+}
+
+// checkNftables: hostd itself never runs nft; a guest's ct_mark is set by
+// the operator's firewall rule, usually an nftables one.
+func checkNftables(ctx context.Context, e *env) {
+	var marked []string
+	example := ""
+	for _, g := range e.cfg.Guests {
+		if g.CTMark == 0 {
+			continue
+		}
+		marked = append(marked, fmt.Sprintf("%s (ct_mark %d)", g.Name, g.CTMark))
+		if example == "" {
+			iif := or(g.Interface, "TAP")
+			example = fmt.Sprintf(`nft 'add table inet shunt; add chain inet shunt pre { type filter hook prerouting priority 0; }; add rule inet shunt pre ct state new iifname "%s" ct mark set %d'`, iif, g.CTMark)
+		}
+	}
+	if len(marked) == 0 {
+		e.ok("hostd does not run nft, and no guest has a ct_mark for a firewall rule to set")
+		return
+	}
+	needs := "guests " + strings.Join(marked, ", ") + " need a firewall rule that sets their ct_mark; without it their connections stay on TCP"
+	if len(marked) == 1 {
+		needs = "guest " + marked[0] + " needs a firewall rule that sets its ct_mark; without it its connections stay on TCP"
+	}
+	path, err := e.p.LookPath("nft")
+	if err != nil {
+		e.warn(needs+", and nft is not installed", "apt-get install nftables, then add the rule, e.g. "+example)
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	out, err := e.p.Command(ctx, path, "list", "ruleset")
+	if err != nil {
+		fix := "make `nft list ruleset` work"
+		if strings.Contains(string(out), "not permitted") {
+			fix = "run as root: nft needs CAP_NET_ADMIN"
+		}
+		e.warn(fmt.Sprintf("%s, and `nft list ruleset` fails: %v: %s", needs, err, oneLine(string(out))), fix)
+		return
+	}
+	if !strings.Contains(string(out), "ct mark set") && !strings.Contains(string(out), "CONNMARK") {
+		e.warn(needs+", and no nftables rule sets a ct mark", "add the rule, e.g. "+example+" (ignore this if legacy iptables sets the marks)")
+		return
+	}
+	e.ok("nft works, and a rule sets a ct mark (for %s)", strings.Join(marked, ", "))
+}
+
+func checkWitness(_ context.Context, e *env) {
+	if !e.cfg.Witness {
+		e.ok("witness = false: eBPF not needed")
+		return
+	}
+	if err := e.p.Witness(); err != nil {
+		e.problem("the eBPF witness cannot load: "+err.Error(),
+			"run as root (CAP_BPF, CAP_NET_ADMIN) on Linux 6.6 or later for TCX; or set witness = false")
+		return
+	}
+	e.ok("the eBPF witness loads, and TCX attaches programs")
+}
+
+// checkInterfaces: hostd reads the routes of each guest's interface at
+// start, and fails if one is missing.
+func checkInterfaces(_ context.Context, e *env) {
+	if e.nsMissing {
+		return // checkConntrack reported it
+	}
+	var found []string
+	bad := false
+	for _, g := range e.cfg.Guests {
+		if g.Interface == "" {
+			continue
+		}
+		if err := e.p.Interface(e.cfg.ConntrackNetns, g.Interface); err != nil {
+			bad = true
+			e.problem(fmt.Sprintf("guest %s: interface %s%s: %v: hostd learns the guest's addresses from it at start, and would fail", g.Name, g.Interface, e.inNetns(), err),
+				"create it before hostd starts (start the VM or container first), or give the guest addresses instead of an interface")
+			continue
+		}
+		found = append(found, g.Interface)
+	}
+	switch {
+	case len(found) == 1:
+		e.ok("interface %s exists%s", found[0], e.inNetns())
+	case len(found) > 1:
+		e.ok("interfaces %s exist%s", strings.Join(found, ", "), e.inNetns())
+	case !bad:
+		e.ok("no guest names an interface")
+	}
+}
+
+func checkLibvirt(ctx context.Context, e *env) {
+	lv := e.cfg.Libvirt
+	if lv == nil {
+		e.ok("no libvirt block: libvirtd not needed")
+		return
+	}
+	ctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	defer cancel()
+	if err := e.p.Libvirt(ctx, lv.Socket, lv.URI); err != nil {
+		fix := "start it: systemctl start libvirtd (virtqemud.socket where libvirt is modular), or fix libvirt { socket, uri }"
+		if errors.Is(err, os.ErrPermission) {
+			fix = "run as root: libvirtd's read-write socket is root's"
+		}
+		e.warn(fmt.Sprintf("%v (hostd starts anyway and keeps trying, but registers no VMs until libvirtd answers)", err), fix)
+		return
+	}
+	e.ok("libvirtd answers at %s and opens %s", lv.Socket, lv.URI)
+}
+
+func checkMetrics(_ context.Context, e *env) {
+	addr := e.cfg.MetricsAddress
+	if addr == "" {
+		e.ok(`metrics_address = "": no metrics listener`)
+		return
+	}
+	host, port, err := net.SplitHostPort(addr)
+	if err != nil {
+		e.problem(fmt.Sprintf("metrics_address %q: %v", addr, err), `write host:port, e.g. "127.0.0.1:9469", or "" to disable metrics`)
+		return
+	}
+	if err := e.p.Listen(addr); err != nil {
+		fix := `set metrics_address to a free host:port, or "" to disable metrics`
+		switch {
+		case errors.Is(err, syscall.EADDRINUSE):
+			fix = "see who listens: ss -ltnp 'sport = :" + port + "'; stop it, or change metrics_address"
+			if e.running != "" {
+				fix = "probably the hostd that answers on " + e.running + "; " + fix
+			}
+		case errors.Is(err, syscall.EADDRNOTAVAIL):
+			fix = "no interface has address " + host + "; use one that exists, such as 127.0.0.1"
+		}
+		e.problem(fmt.Sprintf("metrics_address %s cannot be bound: %v", addr, err), fix)
+		return
+	}
+	if a, err := netip.ParseAddr(host); host == "" || (err == nil && !a.IsLoopback()) {
+		e.warn(fmt.Sprintf("metrics_address %s is reachable from beyond this host: whoever reaches it sees guest names, flows and byte counts", addr),
+			"bind it to 127.0.0.1, or firewall the port")
+	}
+	e.ok("metrics_address %s can be bound", addr)
+}
