@@ -16,6 +16,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/internal/nsexec"
 )
@@ -31,7 +32,7 @@ type Guest struct {
 }
 
 // NSPath is the guest namespace's bind-mount path.
-func (g *Guest) NSPath() string { return "/run/netns/" + g.NS }
+func (g *Guest) NSPath() string { return filepath.Join(runDir, g.NS) }
 
 // Rig is a created rig.
 type Rig struct {
@@ -41,7 +42,7 @@ type Rig struct {
 }
 
 // HostNSPath is the host namespace's bind-mount path.
-func (r *Rig) HostNSPath() string { return "/run/netns/" + r.HostNS }
+func (r *Rig) HostNSPath() string { return filepath.Join(runDir, r.HostNS) }
 
 // New describes a rig with n guests; Create makes it.
 func New(name string, n int) (*Rig, error) {
@@ -178,6 +179,9 @@ func newNamed(name string) (netns.NsHandle, error) {
 		return 0, fmt.Errorf("current netns: %w", err)
 	}
 	defer orig.Close()
+	if err := shareRunDir(); err != nil {
+		return 0, err
+	}
 	ns, err := netns.NewNamed(name)
 	if err != nil {
 		return 0, fmt.Errorf("create netns %s: %w", name, err)
@@ -187,6 +191,35 @@ func newNamed(name string) (netns.NsHandle, error) {
 		return 0, fmt.Errorf("return from netns %s: %w", name, err)
 	}
 	return ns, nil
+}
+
+// runDir is where named namespaces are bound, by nsrig and by iproute2.
+const runDir = "/run/netns"
+
+// shareRunDir makes runDir a shared mount point before the first namespace
+// is bound there, as iproute2's `ip netns add` does. Otherwise the first
+// `ip netns add` after nsrig bind-mounts runDir over itself and hides
+// nsrig's namespaces beneath it, and deleting them fails with EBUSY. With
+// it, either tool can list and delete the other's namespaces.
+func shareRunDir() error {
+	if err := os.MkdirAll(runDir, 0o755); err != nil {
+		return fmt.Errorf("create %s: %w", runDir, err)
+	}
+	made := false
+	for {
+		err := unix.Mount("", runDir, "none", unix.MS_SHARED|unix.MS_REC, "")
+		if err == nil {
+			return nil
+		}
+		if !errors.Is(err, unix.EINVAL) || made {
+			return fmt.Errorf("make %s a shared mount: %w", runDir, err)
+		}
+		// Not a mount point yet: make it one, then share it.
+		if err := unix.Mount(runDir, runDir, "none", unix.MS_BIND|unix.MS_REC, ""); err != nil {
+			return fmt.Errorf("bind %s onto itself: %w", runDir, err)
+		}
+		made = true
+	}
 }
 
 // In runs fn on an OS thread that is inside the namespace at nsPath.
@@ -258,7 +291,7 @@ func (r *Rig) Firewall(extra string, nat ...string) error {
 func (r *Rig) Destroy() error {
 	var errs []error
 	for _, name := range append([]string{r.HostNS}, r.nsNames()...) {
-		if _, err := os.Stat(filepath.Join("/run/netns", name)); err != nil {
+		if _, err := os.Stat(filepath.Join(runDir, name)); err != nil {
 			continue
 		}
 		if err := netns.DeleteNamed(name); err != nil {

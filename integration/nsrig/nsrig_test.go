@@ -4,6 +4,7 @@ package nsrig_test
 
 import (
 	"os"
+	"os/exec"
 	"strings"
 	"testing"
 
@@ -55,4 +56,72 @@ func TestNewRejectsBadNames(t *testing.T) {
 	if _, err := nsrig.New("ok", 0); err == nil {
 		t.Error("New with 0 guests succeeded")
 	}
+}
+
+// TestCoexistsWithIproute2: after nsrig, `ip netns add` must not hide
+// nsrig's namespaces (iproute2 makes /run/netns a shared mount point the
+// first time; nsrig now does the same first), so both tools can delete
+// each other's namespaces afterwards.
+func TestCoexistsWithIproute2(t *testing.T) {
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "nft", "nftables")
+	testenv.NeedTool(t, "ip", "iproute2")
+	r, err := nsrig.New("ipr", 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Create(); err != nil {
+		t.Fatalf("create: %v", err)
+	}
+	defer r.Destroy()
+	if !sharedMount(t, "/run/netns") {
+		t.Fatal("/run/netns is not a shared mount point after nsrig created namespaces")
+	}
+	ipNS := "shunt-ipr-ip"
+	if out, err := exec.Command("ip", "netns", "add", ipNS).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns add: %v: %s", err, out)
+	}
+	defer exec.Command("ip", "netns", "del", ipNS).Run()
+	list, err := exec.Command("ip", "netns", "list").CombinedOutput()
+	if err != nil || !strings.Contains(string(list), r.HostNS) || !strings.Contains(string(list), ipNS) {
+		t.Fatalf("ip netns list does not show both tools' namespaces: %v\n%s", err, list)
+	}
+	if _, err := nsrig.Run(r.Guests[0].NSPath(), "true"); err != nil {
+		t.Fatalf("nsrig's namespace unusable after ip netns add: %v", err)
+	}
+	if err := r.Destroy(); err != nil {
+		t.Fatalf("nsrig destroy after ip netns add: %v", err)
+	}
+	if out, err := exec.Command("ip", "netns", "del", ipNS).CombinedOutput(); err != nil {
+		t.Fatalf("ip netns del: %v: %s", err, out)
+	}
+	for _, ns := range []string{r.HostNS, r.Guests[0].NS, ipNS} {
+		if _, err := os.Stat("/run/netns/" + ns); err == nil {
+			t.Errorf("namespace %s left behind", ns)
+		}
+	}
+}
+
+// sharedMount reports whether path is a mount point with shared
+// propagation, from /proc/self/mountinfo.
+func sharedMount(t *testing.T, path string) bool {
+	t.Helper()
+	b, err := os.ReadFile("/proc/self/mountinfo")
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, line := range strings.Split(string(b), "\n") {
+		f := strings.Fields(line)
+		if len(f) > 6 && f[4] == path {
+			for _, opt := range f[6:] {
+				if opt == "-" {
+					break
+				}
+				if strings.HasPrefix(opt, "shared:") {
+					return true
+				}
+			}
+		}
+	}
+	return false
 }
