@@ -259,6 +259,12 @@ static int64_t now_ns(void)
 	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
 }
 
+void shunt_spin_yield(int64_t spun_ns)
+{
+	if (spun_ns >= SHUNT_YIELD_AFTER_NS)
+		syscall(SYS_sched_yield);
+}
+
 int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns)
 {
 	int64_t start = now_ns();
@@ -272,6 +278,7 @@ int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t t
 			return SHUNT_EAGAIN;
 		if (el >= spin_ns)
 			break;
+		shunt_spin_yield(el);
 #if defined(__x86_64__)
 		__builtin_ia32_pause();
 #endif

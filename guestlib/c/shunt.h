@@ -100,6 +100,14 @@ int shunt_ring_close_read(struct shunt_ring *r);
  * readable (reader) or writable (writer), or timeout_ns passes (< 0: none).
  * Returns 0 or SHUNT_EAGAIN on timeout. */
 int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns);
+
+/* A spinning waiter yields the CPU once it has spun SHUNT_YIELD_AFTER_NS:
+ * the kernel often wakes a sleeping peer on the waker's CPU, and a waiter
+ * that only spins there keeps it off the CPU for the whole spin budget
+ * (then both ends pay a futex wake-up per message). With nothing else
+ * runnable a yield is one system call. Same rule as Go's shm/wait. */
+#define SHUNT_YIELD_AFTER_NS 500
+void shunt_spin_yield(int64_t spun_ns);
 /* Readable/writable/ended (for poll): 1 if a read or write would not return
  * SHUNT_EAGAIN. */
 int shunt_ring_ready(struct shunt_ring *r, int reader);

@@ -285,8 +285,10 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		int64_t now = now_ns();
 		if (deadline >= 0 && now >= deadline)
 			return 0;
-		if (now - start < spin_ns)
+		if (now - start < spin_ns) {
+			shunt_spin_yield(now - start);
 			continue;
+		}
 		/* Block: arm every ring of interest, re-check, sleep. */
 		struct arm a;
 		arm_init(&a);

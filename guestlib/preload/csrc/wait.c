@@ -366,8 +366,10 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 			result = 0;
 			break;
 		}
-		if (now - start < spin_ns)
+		if (now - start < spin_ns) {
+			shunt_spin_yield(now - start);
 			continue;
+		}
 		/* Block: publish "waiting" in every fast ring, re-check, sleep. */
 		struct arm a;
 		arm_init(&a);
