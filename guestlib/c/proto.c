@@ -1,29 +1,31 @@
-/* Control protocol v1 frames, field for field as Go's internal/proto. */
+/* Control protocol v2 frames, field for field as Go's internal/proto. */
 #define _GNU_SOURCE
 #include "shunt.h"
 
 #include <string.h>
 
 enum f { F_REQ, F_ROLE, F_SIDE, F_REASON, F_LOCAL, F_REMOTE, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA,
-	 F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_END };
+	 F_RID, F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_END };
 
-static const signed char layouts[SHUNT_NUM_TYPES][8] = {
+static const signed char layouts[SHUNT_NUM_TYPES][9] = {
 	[SHUNT_HELLO] = {F_PID, F_END},
 	[SHUNT_WELCOME] = {F_GUEST, F_GEN, F_RSIZE, F_REGION, F_END},
 	[SHUNT_LISTEN] = {F_LOCAL, F_END},
 	[SHUNT_UNLISTEN] = {F_LOCAL, F_END},
 	[SHUNT_INTENT] = {F_LOCAL, F_REMOTE, F_END},
 	[SHUNT_OPEN] = {F_REQ, F_ROLE, F_LOCAL, F_REMOTE, F_END},
-	[SHUNT_READY] = {F_REQ, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA, F_SIDE, F_END},
+	[SHUNT_READY] = {F_REQ, F_RID, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA, F_SIDE, F_END},
 	[SHUNT_TCP] = {F_REQ, F_REASON, F_END},
-	[SHUNT_CLOSE] = {F_SLOT, F_GEN, F_SIDE, F_END},
-	[SHUNT_RELEASE] = {F_SLOT, F_GEN, F_END},
-	[SHUNT_REVOKE] = {F_SLOT, F_GEN, F_REASON, F_END},
-	[SHUNT_KICK] = {F_SLOT, F_GEN, F_SIDE, F_END},
+	[SHUNT_CLOSE] = {F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
+	[SHUNT_RELEASE] = {F_RID, F_SLOT, F_GEN, F_END},
+	[SHUNT_REVOKE] = {F_RID, F_SLOT, F_GEN, F_REASON, F_END},
+	[SHUNT_KICK] = {F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
 	[SHUNT_PING] = {F_NONCE, F_END},
 	[SHUNT_PONG] = {F_NONCE, F_END},
-	[SHUNT_REATTACH] = {F_SLOT, F_GEN, F_SIDE, F_LOCAL, F_REMOTE, F_END},
+	[SHUNT_REATTACH] = {F_RID, F_SLOT, F_GEN, F_SIDE, F_LOCAL, F_REMOTE, F_END},
 	[SHUNT_ERROR] = {F_REASON, F_TEXT, F_END},
+	[SHUNT_REGION] = {F_RID, F_RSIZE, F_END},
+	[SHUNT_UNREGION] = {F_RID, F_END},
 };
 
 struct out { uint8_t *p; size_t n, cap; int bad; };
@@ -72,6 +74,7 @@ ssize_t shunt_msg_encode(const struct shunt_msg *m, uint8_t *buf, size_t cap)
 		case F_CAP: put_le(&o, m->capacity, 4); break;
 		case F_RAB: put_le(&o, m->ring_ab, 8); break;
 		case F_RBA: put_le(&o, m->ring_ba, 8); break;
+		case F_RID: put_le(&o, m->region_id, 4); break;
 		case F_GUEST: put_le(&o, m->guest_id, 4); break;
 		case F_RSIZE: put_le(&o, m->region_size, 8); break;
 		case F_REGION: put_str(&o, m->region); break;
@@ -169,6 +172,7 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 		case F_CAP: m->capacity = get_le(&in, 4); break;
 		case F_RAB: m->ring_ab = get_le(&in, 8); break;
 		case F_RBA: m->ring_ba = get_le(&in, 8); break;
+		case F_RID: m->region_id = get_le(&in, 4); break;
 		case F_GUEST: m->guest_id = get_le(&in, 4); break;
 		case F_RSIZE: m->region_size = get_le(&in, 8); break;
 		case F_REGION: get_str(&in, m->region); break;
@@ -184,6 +188,6 @@ static const char *const reason_names[SHUNT_NUM_REASONS] = {
 	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
-	"no-hostd", "disabled"};
+	"no-hostd", "disabled", "guest-quota", "version", "control-limit"};
 
 const char *shunt_reason_name(unsigned r) { return r < SHUNT_NUM_REASONS ? reason_names[r] : "?"; }

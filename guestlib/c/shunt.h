@@ -145,7 +145,7 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 
 /* ---- control protocol (internal/proto) ---- */
 
-#define SHUNT_PROTO_VERSION 1
+#define SHUNT_PROTO_VERSION 2
 #define SHUNT_PROTO_HEADER  8
 #define SHUNT_PROTO_MAX     4096
 #define SHUNT_PROTO_STRING_MAX 1024 /* region and text; Go's maxString: longer ones are cut when encoded */
@@ -153,7 +153,7 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 enum shunt_msg_type {
 	SHUNT_HELLO = 1, SHUNT_WELCOME, SHUNT_LISTEN, SHUNT_UNLISTEN, SHUNT_INTENT, SHUNT_OPEN,
 	SHUNT_READY, SHUNT_TCP, SHUNT_CLOSE, SHUNT_RELEASE, SHUNT_REVOKE, SHUNT_KICK, SHUNT_PING,
-	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_NUM_TYPES
+	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_REGION, SHUNT_UNREGION, SHUNT_NUM_TYPES
 };
 
 /* Why a flow is on TCP or ended (proto.Reason; the same numbers). */
@@ -163,7 +163,8 @@ enum shunt_reason {
 	SHUNT_REASON_NOT_ESTABLISHED, SHUNT_REASON_TIMEOUT, SHUNT_REASON_NO_SPACE, SHUNT_REASON_CROSS_GROUP,
 	SHUNT_REASON_GUEST_LIMIT, SHUNT_REASON_INTERNAL, SHUNT_REASON_CONNTRACK_GONE,
 	SHUNT_REASON_POLICY_RELOAD, SHUNT_REASON_PEER_GONE, SHUNT_REASON_ADMIN, SHUNT_REASON_MALFORMED,
-	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_NUM_REASONS
+	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_REASON_GUEST_QUOTA, SHUNT_REASON_VERSION,
+	SHUNT_REASON_CONTROL_LIMIT, SHUNT_NUM_REASONS
 };
 
 /* The reason's name as Go prints it ("no-hostd"), or "?". */
@@ -188,6 +189,7 @@ struct shunt_msg {
 	uint64_t gen;
 	uint32_t capacity;
 	uint64_t ring_ab, ring_ba;
+	uint32_t region_id; /* 0: the region WELCOME named; others came by REGION (with an fd) */
 	uint32_t guest_id;
 	uint64_t region_size;
 	char region[SHUNT_PROTO_STRING_MAX + 1];

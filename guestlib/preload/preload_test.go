@@ -48,8 +48,8 @@ func addrText(a netip.AddrPort) string {
 
 // fields renders a message the way xtest prints it.
 func fields(m proto.Msg) string {
-	return fmt.Sprintf("type=%d req=%d role=%d side=%d reason=%d slot=%d gen=%d cap=%d ab=%d ba=%d guest=%d rsize=%d pid=%d nonce=%d region=%s text=%s local=%s remote=%s",
-		m.Type, m.ReqID, m.Role, m.Side, m.Reason, m.Slot, m.Gen, m.Capacity, m.RingAB, m.RingBA, m.GuestID,
+	return fmt.Sprintf("type=%d req=%d role=%d side=%d reason=%d slot=%d gen=%d cap=%d ab=%d ba=%d rid=%d guest=%d rsize=%d pid=%d nonce=%d region=%s text=%s local=%s remote=%s",
+		m.Type, m.ReqID, m.Role, m.Side, m.Reason, m.Slot, m.Gen, m.Capacity, m.RingAB, m.RingBA, m.RegionID, m.GuestID,
 		m.RegionSize, m.PID, m.Nonce, m.Region, m.Text, addrText(m.Local), addrText(m.Remote))
 }
 
@@ -71,8 +71,8 @@ func TestProtocolVectors(t *testing.T) {
 	// Malformed frames: both sides must refuse them.
 	good := frames[5]
 	bad := [][]byte{
-		append([]byte{2}, good[1:]...),            // version
-		append([]byte{1, 200}, good[2:]...),       // type
+		append([]byte{1}, good[1:]...),            // version 1
+		append([]byte{2, 200}, good[2:]...),       // type
 		good[:len(good)-1],                        // truncated
 		append(append([]byte{}, good[:12]...), 3), // bad role, short
 		append(append([]byte{}, good...), 0),      // trailing byte

@@ -8,8 +8,10 @@ import (
 	"net/netip"
 )
 
-// Version is the protocol version this package speaks.
-const Version = 1
+// Version is the protocol version this package speaks. Version 2 names the
+// region of every flow (RegionID) and adds REGION and UNREGION: process
+// guests get a region per guest pair as a file descriptor (docs/protocol.md).
+const Version = 2
 
 // HeaderSize is the frame header; MaxPayload bounds a payload so a peer
 // cannot make the receiver allocate without limit.
@@ -25,27 +27,29 @@ var ErrMalformed = errors.New("shunt protocol: malformed message")
 type Type uint8
 
 const (
-	_        Type = iota
-	Hello         // guest -> hostd: first message; PID
-	Welcome       // hostd -> guest: GuestID, Region, RegionSize, Gen (region generation)
-	Listen        // guest -> hostd: Local is a listening address
-	Unlisten      // guest -> hostd: Local stops listening
-	Intent        // guest -> hostd: Local/Remote of a connect about to start
-	Open          // guest -> hostd: ReqID, Role, Local/Remote of an established connection
-	Ready         // hostd -> guest: ReqID, Slot, Gen, Capacity, RingAB, RingBA, Side
-	TCP           // hostd -> guest: ReqID, Reason: stay on TCP
-	Close         // guest -> hostd: Slot, Gen, Side: this end is done with the flow
-	Release       // hostd -> guest: Slot, Gen: the flow's slot was freed
-	Revoke        // hostd -> guest: Slot, Gen, Reason: the flow is revoked
-	Kick          // both: Slot, Gen, Side: wake the reader/writer of that side (VMs)
-	Ping          // both: Nonce
-	Pong          // both: Nonce
-	Reattach      // guest -> hostd: Slot, Gen, Side, Local/Remote of a flow it still holds
-	Error         // hostd -> guest: Reason, Text; the channel closes after it
+	_         Type = iota
+	Hello          // guest -> hostd: first message; PID
+	Welcome        // hostd -> guest: GuestID, Region, RegionSize, Gen (region generation)
+	Listen         // guest -> hostd: Local is a listening address
+	Unlisten       // guest -> hostd: Local stops listening
+	Intent         // guest -> hostd: Local/Remote of a connect about to start
+	Open           // guest -> hostd: ReqID, Role, Local/Remote of an established connection
+	Ready          // hostd -> guest: ReqID, Slot, Gen, Capacity, RingAB, RingBA, Side
+	TCP            // hostd -> guest: ReqID, Reason: stay on TCP
+	Close          // guest -> hostd: Slot, Gen, Side: this end is done with the flow
+	Release        // hostd -> guest: Slot, Gen: the flow's slot was freed
+	Revoke         // hostd -> guest: Slot, Gen, Reason: the flow is revoked
+	Kick           // both: Slot, Gen, Side: wake the reader/writer of that side (VMs)
+	Ping           // both: Nonce
+	Pong           // both: Nonce
+	Reattach       // guest -> hostd: RegionID, Slot, Gen, Side, Local/Remote of a flow it still holds
+	Error          // hostd -> guest: Reason, Text; the channel closes after it (but see docs/protocol.md)
+	RegionMsg      // hostd -> guest: RegionID, RegionSize; the region's fd rides along (SCM_RIGHTS)
+	Unregion       // hostd -> guest: RegionID: no flow of this guest uses it any more; unmap it
 	numTypes
 )
 
-var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR"}
+var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION"}
 
 func (t Type) String() string {
 	if t > 0 && t < numTypes {
@@ -87,6 +91,9 @@ type Msg struct {
 	RingAB   uint64
 	RingBA   uint64
 
+	// RegionID names the region of a flow: 0 is the region WELCOME named
+	// (a VM's BAR, or a trust group's region), others came by REGION.
+	RegionID   uint32
 	GuestID    uint32
 	RegionSize uint64
 	Region     string
@@ -110,6 +117,7 @@ const (
 	fCapacity
 	fRingAB
 	fRingBA
+	fRegionID
 	fGuestID
 	fRegionSize
 	fRegion
@@ -119,22 +127,24 @@ const (
 )
 
 var layouts = [numTypes][]field{
-	Hello:    {fPID},
-	Welcome:  {fGuestID, fGen, fRegionSize, fRegion},
-	Listen:   {fLocal},
-	Unlisten: {fLocal},
-	Intent:   {fLocal, fRemote},
-	Open:     {fReqID, fRole, fLocal, fRemote},
-	Ready:    {fReqID, fSlot, fGen, fCapacity, fRingAB, fRingBA, fSide},
-	TCP:      {fReqID, fReason},
-	Close:    {fSlot, fGen, fSide},
-	Release:  {fSlot, fGen},
-	Revoke:   {fSlot, fGen, fReason},
-	Kick:     {fSlot, fGen, fSide},
-	Ping:     {fNonce},
-	Pong:     {fNonce},
-	Reattach: {fSlot, fGen, fSide, fLocal, fRemote},
-	Error:    {fReason, fText},
+	Hello:     {fPID},
+	Welcome:   {fGuestID, fGen, fRegionSize, fRegion},
+	Listen:    {fLocal},
+	Unlisten:  {fLocal},
+	Intent:    {fLocal, fRemote},
+	Open:      {fReqID, fRole, fLocal, fRemote},
+	Ready:     {fReqID, fRegionID, fSlot, fGen, fCapacity, fRingAB, fRingBA, fSide},
+	TCP:       {fReqID, fReason},
+	Close:     {fRegionID, fSlot, fGen, fSide},
+	Release:   {fRegionID, fSlot, fGen},
+	Revoke:    {fRegionID, fSlot, fGen, fReason},
+	Kick:      {fRegionID, fSlot, fGen, fSide},
+	Ping:      {fNonce},
+	Pong:      {fNonce},
+	Reattach:  {fRegionID, fSlot, fGen, fSide, fLocal, fRemote},
+	Error:     {fReason, fText},
+	RegionMsg: {fRegionID, fRegionSize},
+	Unregion:  {fRegionID},
 }
 
 var le = binary.LittleEndian
@@ -179,6 +189,8 @@ func (m *Msg) Append(b []byte) ([]byte, error) {
 			b = le.AppendUint64(b, m.RingAB)
 		case fRingBA:
 			b = le.AppendUint64(b, m.RingBA)
+		case fRegionID:
+			b = le.AppendUint32(b, m.RegionID)
 		case fGuestID:
 			b = le.AppendUint32(b, m.GuestID)
 		case fRegionSize:
@@ -316,6 +328,8 @@ func DecodePayload(t Type, p []byte) (Msg, error) {
 			m.RingAB = le.Uint64(d.take(8))
 		case fRingBA:
 			m.RingBA = le.Uint64(d.take(8))
+		case fRegionID:
+			m.RegionID = le.Uint32(d.take(4))
 		case fGuestID:
 			m.GuestID = le.Uint32(d.take(4))
 		case fRegionSize:

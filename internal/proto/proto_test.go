@@ -40,8 +40,8 @@ func TestRoundTrip(t *testing.T) {
 func TestWireSizes(t *testing.T) {
 	want := map[proto.Type]int{
 		proto.Hello: 4, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
-		proto.Ready: 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 13, proto.Revoke: 14,
-		proto.Kick: 13, proto.Ping: 8, proto.Reattach: 49,
+		proto.Ready: 4 + 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 17, proto.Revoke: 18,
+		proto.Kick: 17, proto.Ping: 8, proto.Reattach: 53, proto.RegionMsg: 12, proto.Unregion: 4,
 	}
 	for _, m := range samples() {
 		n, ok := want[m.Type]
@@ -60,7 +60,8 @@ func TestMalformed(t *testing.T) {
 	mod := func(f func(b []byte) []byte) []byte { return f(append([]byte(nil), good...)) }
 	tests := map[string][]byte{
 		"short header":    good[:5],
-		"bad version":     mod(func(b []byte) []byte { b[0] = 2; return b }),
+		"old version":     mod(func(b []byte) []byte { b[0] = 1; return b }),
+		"bad version":     mod(func(b []byte) []byte { b[0] = 3; return b }),
 		"unknown type":    mod(func(b []byte) []byte { b[1] = 200; return b }),
 		"reserved set":    mod(func(b []byte) []byte { b[2] = 1; return b }),
 		"length too big":  mod(func(b []byte) []byte { b[4], b[5] = 0xff, 0xff; return b }),

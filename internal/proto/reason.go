@@ -28,6 +28,9 @@ const (
 	ReasonMalformed             // ERROR: the guest sent a malformed message
 	ReasonNoHostd               // guest side: hostd unreachable
 	ReasonDisabled              // guest side: Shunt disabled by configuration
+	ReasonGuestQuota            // the guest has used its quota of ring memory or flow slots
+	ReasonVersion               // the guest library and hostd share no protocol version
+	ReasonControlLimit          // the guest is over a control-plane limit (sessions, listeners, intents, pending opens)
 	numReasons
 )
 
@@ -35,7 +38,7 @@ var reasonNames = [...]string{
 	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
-	"no-hostd", "disabled",
+	"no-hostd", "disabled", "guest-quota", "version", "control-limit",
 }
 
 func (r Reason) String() string {
