@@ -6,8 +6,11 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"slices"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
@@ -84,7 +87,8 @@ type Client struct {
 	mu         sync.Mutex
 	sess       *session // nil while disconnected
 	connecting chan struct{}
-	region     *region.Region // mapped on first connect, kept for the client's life
+	region     *region.Region      // region 0, mapped on first connect if WELCOME names one, kept for the client's life
+	regions    map[uint32]*mapping // the others, by id: pair regions that came by REGION
 	guestID    uint32
 	nextReq    uint32
 	pending    map[uint32]*Conn // OPENs waiting for READY or TCP, by ReqID
@@ -102,9 +106,25 @@ type Client struct {
 	wg         sync.WaitGroup
 }
 
+// flowKey names a flow: its region, slot and generation.
 type flowKey struct {
-	slot uint32
-	gen  uint64
+	region uint32
+	slot   uint32
+	gen    uint64
+}
+
+func keyOf(m proto.Msg) flowKey { return flowKey{m.RegionID, m.Slot, m.Gen} }
+
+// mapping is a region that hostd handed over as a descriptor (REGION). It
+// stays mapped while a Conn uses its rings, and goes once hostd said
+// UNREGION and no Conn uses it any more. Its fields are guarded by the
+// Client's mu.
+type mapping struct {
+	id       uint32
+	r        *region.Region
+	dev, ino uint64 // the file, to tell a new region with a reused id apart
+	refs     int    // Conns attached to its rings
+	done     bool   // UNREGION came (or another region took its id)
 }
 
 // NewClient returns a client; it connects to hostd lazily, on first use.
@@ -114,7 +134,7 @@ func NewClient(opts Options) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		opts: o, pending: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{},
+		opts: o, pending: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
 		listens: map[netip.AddrPort]int{}, routes: map[netip.Addr]route{}, done: make(chan struct{}),
 	}
 	if isPort(o.Control) {
@@ -235,6 +255,9 @@ func (c *Client) handshake(regionPath string, mapped bool) (net.Conn, proto.Msg,
 	if regionPath == "" {
 		regionPath = m.Region
 	}
+	if regionPath == "" {
+		return conn, m, nil, nil // no region 0: regions come by REGION
+	}
 	r, err := region.Open(regionPath)
 	if err != nil {
 		return conn, m, nil, fmt.Errorf("map the region: %w", err)
@@ -280,7 +303,7 @@ func (c *Client) announcementsLocked() []proto.Msg {
 		msgs = append(msgs, proto.Msg{Type: proto.Listen, Local: a})
 	}
 	for k, fc := range c.flows {
-		msgs = append(msgs, proto.Msg{Type: proto.Reattach, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
+		msgs = append(msgs, proto.Msg{Type: proto.Reattach, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
 	}
 	msgs = append(msgs, c.closes...)
 	c.closes = nil
@@ -465,30 +488,131 @@ func (c *Client) deliverTo(w *Conn, m proto.Msg) {
 		return
 	}
 	if m.Type == proto.Ready {
-		c.logf("shunt: READY %d.%d for request %d taken by no connection: giving it back", m.Slot, m.Gen, m.ReqID)
-		_ = c.send(proto.Msg{Type: proto.Close, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+		c.logf("shunt: READY %d/%d.%d for request %d taken by no connection: giving it back", m.RegionID, m.Slot, m.Gen, m.ReqID)
+		_ = c.send(proto.Msg{Type: proto.Close, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
 	}
 }
 
-// rings returns the ring pair of a READY, checked against the region.
-func (c *Client) rings(m proto.Msg) (out, in *ring.Ring, err error) {
+// rings returns the ring pair of a READY, checked against its region's
+// directory, and the region's mapping, which it holds for the caller
+// (releaseRegion gives it back; nil for region 0, which stays mapped).
+func (c *Client) rings(m proto.Msg) (out, in *ring.Ring, mp *mapping, err error) {
 	c.mu.Lock()
 	reg := c.region
+	if m.RegionID != 0 {
+		reg = nil
+		if mp = c.regions[m.RegionID]; mp != nil && !mp.done {
+			reg = mp.r
+			mp.refs++
+		}
+	}
 	c.mu.Unlock()
 	if reg == nil {
-		return nil, nil, errors.New("no region mapped")
+		return nil, nil, nil, fmt.Errorf("region %d is not mapped", m.RegionID)
 	}
 	ab, ba, err := reg.Rings(int(m.Slot), m.Gen)
-	if err != nil {
-		return nil, nil, err
+	if err == nil && ab.Capacity() != int(m.Capacity) {
+		err = ring.ErrCorrupt
 	}
-	if ab.Capacity() != int(m.Capacity) {
-		return nil, nil, ring.ErrCorrupt
+	if err != nil {
+		c.releaseRegion(mp)
+		return nil, nil, nil, err
 	}
 	if m.Side == proto.SideB {
-		return ba, ab, nil
+		ab, ba = ba, ab
 	}
-	return ab, ba, nil
+	return ab, ba, mp, nil
+}
+
+// regionGiven maps a region hostd handed over (REGION with descriptor fd,
+// which it takes). A region already mapped under that id is kept if it is
+// the same file; another file under a reused id (a restarted hostd that
+// lost track) replaces it, and the old one goes once no Conn uses it.
+func (c *Client) regionGiven(m proto.Msg, fd int) {
+	if fd < 0 {
+		c.logf("shunt: REGION %d came without its descriptor; its flows stay on TCP", m.RegionID)
+		return
+	}
+	f := os.NewFile(uintptr(fd), fmt.Sprintf("region %d", m.RegionID))
+	defer f.Close() // the mapping stays
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		c.logf("shunt: REGION %d: %v", m.RegionID, err)
+		return
+	}
+	c.mu.Lock()
+	old := c.regions[m.RegionID]
+	if old != nil && old.dev == uint64(st.Dev) && old.ino == uint64(st.Ino) {
+		old.done = false
+		c.mu.Unlock()
+		return
+	}
+	c.mu.Unlock()
+	if m.RegionID == 0 {
+		c.logf("shunt: REGION 0 is WELCOME's: ignored")
+		return
+	}
+	r, err := region.OpenFile(f)
+	if err != nil {
+		c.logf("shunt: REGION %d: %v; its flows stay on TCP", m.RegionID, err)
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if old = c.regions[m.RegionID]; old != nil {
+		old.done = true
+		c.unmapLocked(old)
+	}
+	c.regions[m.RegionID] = &mapping{id: m.RegionID, r: r, dev: uint64(st.Dev), ino: uint64(st.Ino)}
+}
+
+// regionTaken is UNREGION: no flow of this client uses the region any
+// more as far as hostd knows; it is unmapped once no Conn does.
+func (c *Client) regionTaken(id uint32) {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if mp := c.regions[id]; mp != nil {
+		mp.done = true
+		c.unmapLocked(mp)
+	}
+}
+
+// releaseRegion gives back a Conn's hold on a mapping.
+func (c *Client) releaseRegion(mp *mapping) {
+	if mp == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	mp.refs--
+	c.unmapLocked(mp)
+}
+
+// unmapLocked unmaps mp if it is done and unused.
+func (c *Client) unmapLocked(mp *mapping) {
+	if !mp.done || mp.refs > 0 || mp.r == nil {
+		return
+	}
+	if c.regions[mp.id] == mp {
+		delete(c.regions, mp.id)
+	}
+	mp.r.Close()
+	mp.r = nil
+}
+
+// Regions reports the ids of the regions that came by REGION and are
+// mapped now (for tests and diagnostics).
+func (c *Client) Regions() []uint32 {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	var ids []uint32
+	for id, mp := range c.regions {
+		if mp.r != nil {
+			ids = append(ids, id)
+		}
+	}
+	slices.Sort(ids)
+	return ids
 }
 
 // register records a fast-path connection, so that REVOKE reaches it and a
@@ -499,16 +623,17 @@ func (c *Client) register(k flowKey, conn *Conn) {
 	c.flows[k] = conn
 }
 
-// unregister forgets a fast-path connection and tells hostd this end is
-// done with it.
-func (c *Client) unregister(k flowKey, side proto.Side) {
+// unregister forgets a fast-path connection, tells hostd this end is done
+// with it, and gives back its hold on the region (mp, nil for region 0).
+func (c *Client) unregister(k flowKey, side proto.Side, mp *mapping) {
 	c.mu.Lock()
 	delete(c.flows, k)
-	_ = c.sendLocked(proto.Msg{Type: proto.Close, Slot: k.slot, Gen: k.gen, Side: side})
+	_ = c.sendLocked(proto.Msg{Type: proto.Close, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: side})
 	c.mu.Unlock()
 	if c.kick != nil {
 		c.kick.forget(k)
 	}
+	c.releaseRegion(mp)
 }
 
 func (c *Client) flow(k flowKey) *Conn {

@@ -50,8 +50,8 @@ type Conn struct {
 
 	// Fast path, set before verdict is closed.
 	side proto.Side
-	slot uint32
-	gen  uint64
+	key  flowKey  // region, slot, generation
+	reg  *mapping // the region of its rings: held until Close
 	w    *ring.Writer
 	rd   *ring.Reader
 
@@ -160,18 +160,21 @@ func (c *Conn) resolve(deadline time.Time) error {
 
 // attach maps the rings of a READY; the caller holds vmu.
 func (c *Conn) attach(m proto.Msg) error {
-	out, in, err := c.client.rings(m)
+	out, in, reg, err := c.client.rings(m)
 	if err != nil {
 		return err
 	}
 	p := c.client.opts.Wait
 	if c.w, err = ring.NewWriter(out, p); err != nil {
+		c.client.releaseRegion(reg)
 		return err
 	}
 	if c.rd, err = ring.NewReader(in, p); err != nil {
+		c.client.releaseRegion(reg)
 		return err
 	}
-	c.side, c.slot, c.gen = m.Side, m.Slot, m.Gen
+	c.reg = reg
+	c.side, c.key = m.Side, keyOf(m)
 	if k := c.client.kick; k != nil {
 		peer := proto.SideB
 		if m.Side == proto.SideB {
@@ -179,9 +182,9 @@ func (c *Conn) attach(m proto.Msg) error {
 		}
 		or, ow := out.Waiters() // our writer ring: the peer reads it
 		ir, iw := in.Waiters()  // our reader ring: the peer writes it
-		k.track(flowKey{m.Slot, m.Gen}, peer, or, ow, ir, iw)
+		k.track(c.key, peer, or, ow, ir, iw)
 	}
-	c.client.register(flowKey{m.Slot, m.Gen}, c)
+	c.client.register(c.key, c)
 	// Keep the lease alive and noticed: keepalive on the idle TCP socket.
 	_ = c.tcp.SetKeepAlive(true)
 	_ = c.tcp.SetKeepAlivePeriod(15 * time.Second)
@@ -303,7 +306,11 @@ func (c *Conn) Close() error {
 			}
 			c.writeMu.Unlock()
 			_ = c.rd.CloseRead()
-			c.client.unregister(flowKey{c.slot, c.gen}, c.side)
+			// A Read still copying out of the ring (woken above) finishes
+			// before the region may be unmapped.
+			c.readMu.Lock()
+			c.client.unregister(c.key, c.side, c.reg)
+			c.readMu.Unlock()
 		}
 		err = c.tcp.Close()
 	})

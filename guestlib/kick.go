@@ -96,7 +96,7 @@ func (k *kickSignal) Wake(flag *atomic.Uint32) error {
 	case ch <- struct{}{}:
 	default:
 	}
-	_ = k.c.send(proto.Msg{Type: proto.Kick, Slot: t.key.slot, Gen: t.key.gen, Side: t.side})
+	_ = k.c.send(proto.Msg{Type: proto.Kick, RegionID: t.key.region, Slot: t.key.slot, Gen: t.key.gen, Side: t.side})
 	return nil
 }
 

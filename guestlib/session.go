@@ -3,10 +3,13 @@ package guestlib
 import (
 	"errors"
 	"fmt"
+	"io"
 	"net"
 	"os"
 	"sync"
 	"time"
+
+	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/internal/proto"
 )
@@ -33,6 +36,8 @@ var errQueueFull = errors.New("control queue full: hostd is not reading")
 // a session (end) closes conn, which stops both.
 type session struct {
 	conn  net.Conn
+	rd    io.Reader      // conn, or on a Unix socket an fdReader over it
+	fds   *fdReader      // nil unless conn is a Unix socket
 	out   chan proto.Msg // single messages, bounded (ctlQueue)
 	flush chan struct{}  // parked work waits in the Client (see Client.parkedLocked)
 	done  chan struct{}  // closed by end
@@ -45,8 +50,62 @@ type session struct {
 }
 
 func newSession(conn net.Conn) *session {
-	s := &session{conn: conn, out: make(chan proto.Msg, ctlQueue), flush: make(chan struct{}, 1), done: make(chan struct{})}
+	s := &session{conn: conn, rd: conn, out: make(chan proto.Msg, ctlQueue), flush: make(chan struct{}, 1), done: make(chan struct{})}
+	if uc, ok := conn.(*net.UnixConn); ok {
+		s.fds = &fdReader{c: uc, oob: make([]byte, unix.CmsgSpace(4*maxFDs))}
+		s.rd = s.fds
+	}
 	return s
+}
+
+// maxFDs bounds the descriptors a session keeps waiting for their REGION
+// messages: hostd sends one per REGION, right with it; more are closed.
+const maxFDs = 16
+
+// fdReader reads a Unix socket with recvmsg, keeping the descriptors that
+// come with the bytes (SCM_RIGHTS) in arrival order: hostd attaches a
+// region's descriptor to the first byte of its REGION frame, so the
+// descriptor is read with that frame. Only the session's reader uses it.
+type fdReader struct {
+	c   *net.UnixConn
+	oob []byte
+	fds []int
+}
+
+func (r *fdReader) Read(p []byte) (int, error) {
+	n, oobn, _, _, err := r.c.ReadMsgUnix(p, r.oob)
+	if oobn > 0 {
+		cmsgs, _ := unix.ParseSocketControlMessage(r.oob[:oobn])
+		for i := range cmsgs {
+			fds, _ := unix.ParseUnixRights(&cmsgs[i])
+			for _, fd := range fds {
+				if len(r.fds) >= maxFDs {
+					unix.Close(fd)
+					continue
+				}
+				r.fds = append(r.fds, fd)
+			}
+		}
+	}
+	return n, err
+}
+
+// take returns the oldest descriptor received, or -1.
+func (r *fdReader) take() int {
+	if len(r.fds) == 0 {
+		return -1
+	}
+	fd := r.fds[0]
+	r.fds = r.fds[1:]
+	return fd
+}
+
+// close closes the descriptors no REGION claimed.
+func (r *fdReader) close() {
+	for _, fd := range r.fds {
+		unix.Close(fd)
+	}
+	r.fds = nil
 }
 
 // poke tells the writer that parked work is waiting.
@@ -176,7 +235,7 @@ func (c *Client) readLoop(s *session) {
 	defer c.wg.Done()
 	var buf []byte
 	for {
-		m, b, err := proto.Read(s.conn, buf)
+		m, b, err := proto.Read(s.rd, buf)
 		buf = b
 		if err != nil {
 			break
@@ -184,6 +243,9 @@ func (c *Client) readLoop(s *session) {
 		c.dispatch(s, m)
 	}
 	s.end()
+	if s.fds != nil {
+		s.fds.close()
+	}
 	c.lost(s)
 }
 
@@ -193,14 +255,14 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 	case proto.Ready, proto.TCP:
 		c.deliver(m)
 	case proto.Revoke:
-		if fc := c.flow(flowKey{m.Slot, m.Gen}); fc != nil {
+		if fc := c.flow(keyOf(m)); fc != nil {
 			fc.revoke(m.Reason)
 		}
 	case proto.Ping:
 		_ = c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 	case proto.Kick:
 		if c.kick != nil {
-			c.kick.kicked(flowKey{m.Slot, m.Gen})
+			c.kick.kicked(keyOf(m))
 		}
 	case proto.Pong:
 		c.ponged(m.Nonce)
@@ -212,6 +274,14 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
 	case proto.Welcome:
 		c.welcomed(s)
+	case proto.RegionMsg:
+		fd := -1
+		if s.fds != nil {
+			fd = s.fds.take()
+		}
+		c.regionGiven(m, fd)
+	case proto.Unregion:
+		c.regionTaken(m.RegionID)
 	}
 }
 

@@ -17,6 +17,7 @@ import (
 //	writer  dial SHUNT_E2E_ADDR through guestlib and write until killed
 //	setup   dial SHUNT_E2E_ADDR (SHUNT_E2E_STACK kernel or shunt) SHUNT_E2E_N
 //	        times with perf.Setup and print the median in nanoseconds
+//	ctlflood  a hostile neighbour's control-plane flood (hostile_control_test.go)
 //	echo    listen on SHUNT_E2E_ADDR (SHUNT_E2E_STACK = kernel, busypoll or
 //	        shunt), print "ready", and echo SHUNT_E2E_SIZE-byte messages on
 //	        each connection; a connection whose first byte is 's' is a sink
@@ -57,6 +58,8 @@ func child() int {
 		}
 		fmt.Println(d.Nanoseconds())
 		return 0
+	case "ctlflood":
+		return ctlFloodChild()
 	case "echo":
 		size, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_SIZE"))
 		stack := os.Getenv("SHUNT_E2E_STACK")

@@ -369,7 +369,19 @@ func (e *env) regionSlots(n int) {
 // peer reads EOF, as with kernel TCP), a blocked read ending in
 // ECONNRESET on revocation, a program without hostd running on plain TCP
 // and saying why, and epoll and poll over more fast-path connections than
-// one futex_waitv call can watch, with data on the last.
+// one futex_waitv call can watch, with data on the last. Then calls
+// blocked in one thread and acted on from another, as with kernel
+// sockets: a signal handler without SA_RESTART ends a blocked read or
+// send with EINTR (or the bytes moved so far), one with SA_RESTART lets
+// it go on; SO_RCVTIMEO and SO_SNDTIMEO end it with EAGAIN, and with a
+// timeout any handler ends it with EINTR; another thread's send and
+// non-blocking recv do not wait behind a blocked recv, its shutdown(SHUT_RD)
+// ends the recv with 0, shutdown(SHUT_WR) a blocked send with EPIPE, and
+// close a blocked read with EBADF; and fork while another thread connects
+// leaves the child able to connect.
+//
+// SHUNT_EDGE_PRELOAD runs the suite against another build of the library,
+// for example one from an older commit, to see a case fail there.
 func TestPreloadEdgeCases(t *testing.T) {
 	testenv.NeedTool(t, "conntrack", "conntrack")
 	// The many-connection tests get their own server, with the smallest
@@ -380,6 +392,10 @@ func TestPreloadEdgeCases(t *testing.T) {
   ring_size = "4KiB"
 }`)
 	needPreload(t)
+	lib := preloadLib
+	if p := os.Getenv("SHUNT_EDGE_PRELOAD"); p != "" {
+		lib = p
+	}
 	e.regionSlots(512)
 	dir := t.TempDir()
 	edge := filepath.Join(dir, "shunt-edge")
@@ -389,13 +405,13 @@ func TestPreloadEdgeCases(t *testing.T) {
 	g2 := e.rig.Guests[1].Addr.String()
 	clientAt := func(port, test string) *exec.Cmd {
 		cmd := exec.Command(shuntRun, "-v", edge, "client", g2, port, test)
-		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+preloadLib)
+		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+lib)
 		return cmd
 	}
 	client := func(test string) *exec.Cmd { return clientAt("7700", test) }
 	server := func(port string) *bytes.Buffer {
 		srv := exec.Command(shuntRun, "-v", edge, "server", g2, port)
-		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+preloadLib)
+		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib)
 		return e.start(2, srv)
 	}
 	srvOut := server("7700")
@@ -449,6 +465,29 @@ func TestPreloadEdgeCases(t *testing.T) {
 			t.Fatalf("after conntrack -D: %q\n%s", line, stderr.String())
 		}
 	})
+	// Blocked calls. sigsend, sndtimeo and shutwr fill a ring first, so
+	// they use the small rings of port 7701, and a second connection lets
+	// the server read; closewake connects again after the close. fast is
+	// how many connections take the fast path (-1: at least one).
+	for _, tc := range []struct {
+		test, port string
+		fast       int
+	}{
+		{"eintr", "7700", 1}, {"restart", "7700", 1}, {"rcvtimeo", "7700", 1},
+		{"sigsend", "7701", 2}, {"sndtimeo", "7701", 2}, {"shutwr", "7701", 2},
+		{"threads", "7700", 1}, {"closewake", "7700", 2}, {"forkloop", "7700", -1},
+	} {
+		t.Run(tc.test, func(t *testing.T) {
+			out := e.runT(t, 1, clientAt(tc.port, tc.test))
+			n := fastLines(out)
+			if !strings.Contains(out, "PASS "+tc.test) || (tc.fast >= 0 && n != tc.fast) || n < 1 {
+				t.Fatalf("%s (%d connections on the fast path, want %d):\n%s", tc.test, n, tc.fast, out)
+			}
+			if tc.fast < 0 {
+				t.Logf("%s: %d connections on the fast path, %d on TCP", tc.test, n, strings.Count(out, ": tcp ("))
+			}
+		})
+	}
 	t.Run("hostd-absent", func(t *testing.T) {
 		cmd := client("plain")
 		cmd.Env = append(cmd.Env, "SHUNT_CONTROL=/nonexistent/shunt.sock")

@@ -8,6 +8,7 @@ import (
 	"net/http"
 	"net/netip"
 	"os"
+	"regexp"
 	"strings"
 	"syscall"
 	"testing"
@@ -202,8 +203,11 @@ func TestMetricsEndpoint(t *testing.T) {
 	}
 	body, _ := io.ReadAll(resp.Body)
 	resp.Body.Close()
+	// The flow is named by its pair region (group/pN/slot.gen).
+	if !regexp.MustCompile(`shunt_flow_bytes\{direction="ab",flow="t/p\d+/\d+\.\d+"\} 4\n`).Match(body) {
+		t.Errorf("metrics lack shunt_flow_bytes{direction=\"ab\",flow=...} 4:\n%s", body)
+	}
 	for _, want := range []string{
-		`shunt_flow_bytes{direction="ab",flow="t/0.1"} 4`,
 		`shunt_flows{mode="direct",state="ready"} 1`,
 		`shunt_fallbacks_total{reason="policy"} 0`,
 		`shunt_flow_setup_seconds_count 1`,

@@ -74,7 +74,7 @@ func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 	}
 	for i := 1; i <= n; i++ {
 		a, _ := vmAddr(i)
-		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  control_ports = %d\n  addresses = [%q]\n}\n",
+		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  control_ports = %d\n  addresses = [%q]\n  shared_region = true\n}\n",
 			i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), vmPorts, a)
 	}
 	rigSeq++

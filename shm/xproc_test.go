@@ -230,7 +230,7 @@ type flow struct {
 func startPeer(t testing.TB, role string, c, size int, mode wait.Mode, extra ...string) *flow {
 	t.Helper()
 	reg, f := shmtest.Region(t, region.Geometry{Size: 4*region.PairSize(c) + 64<<10, Slots: 4})
-	pool, _ := region.Adopt(reg, nil)
+	pool := region.NewPool(reg, nil)
 	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Capacity: c})
 	if err != nil {
 		t.Fatal(err)

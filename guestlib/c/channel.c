@@ -31,6 +31,58 @@ static int read_full(int fd, int port, void *buf, size_t n)
 	return 0;
 }
 
+/* recv_full reads n bytes from socket fd with recvmsg, keeping the
+ * descriptors that come along in q (close-on-exec). */
+static int recv_full(int fd, void *buf, size_t n, struct shunt_fdq *q)
+{
+	uint8_t *p = buf;
+	union {
+		struct cmsghdr h;
+		char b[CMSG_SPACE(SHUNT_FDQ_MAX * sizeof(int))];
+	} cm;
+	while (n) {
+		struct iovec iov = {.iov_base = p, .iov_len = n};
+		struct msghdr mh = {.msg_iov = &iov, .msg_iovlen = 1, .msg_control = cm.b, .msg_controllen = sizeof cm.b};
+		ssize_t k = sys_recvmsg(fd, &mh, MSG_CMSG_CLOEXEC);
+		if (k > 0 || (k == 0 && mh.msg_controllen > 0)) {
+			for (struct cmsghdr *c = CMSG_FIRSTHDR(&mh); c; c = CMSG_NXTHDR(&mh, c)) {
+				if (c->cmsg_level != SOL_SOCKET || c->cmsg_type != SCM_RIGHTS)
+					continue;
+				size_t nfd = (c->cmsg_len - CMSG_LEN(0)) / sizeof(int);
+				for (size_t i = 0; i < nfd; i++) {
+					int x;
+					memcpy(&x, CMSG_DATA(c) + i * sizeof(int), sizeof x);
+					if (q->n < SHUNT_FDQ_MAX)
+						q->fd[q->n++] = x;
+					else
+						sys_close(x);
+				}
+			}
+		}
+		if (k <= 0) {
+			if (k < 0 && errno == EINTR)
+				continue;
+			return -1;
+		}
+		p += k;
+		n -= k;
+	}
+	return 0;
+}
+
+int channel_recv(int fd, int port, struct shunt_msg *m, struct shunt_fdq *q)
+{
+	if (port)
+		return channel_read(fd, port, m);
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX], type;
+	if (recv_full(fd, buf, SHUNT_PROTO_HEADER, q))
+		return -1;
+	ssize_t n = shunt_msg_header(buf, &type);
+	if (n < 0 || recv_full(fd, buf + SHUNT_PROTO_HEADER, n, q))
+		return -1;
+	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
+}
+
 int channel_read(int fd, int port, struct shunt_msg *m)
 {
 	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX], type;

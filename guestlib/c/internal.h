@@ -21,6 +21,7 @@ static inline ssize_t sys_write(int fd, const void *buf, size_t n) { return sysc
 static inline int sys_close(int fd) { return syscall(SYS_close, fd); }
 static inline int sys_socket(int domain, int type, int proto) { return syscall(SYS_socket, domain, type, proto); }
 static inline int sys_connect(int fd, const struct sockaddr *a, socklen_t len) { return syscall(SYS_connect, fd, a, len); }
+static inline ssize_t sys_recvmsg(int fd, struct msghdr *msg, int flags) { return syscall(SYS_recvmsg, fd, msg, flags); }
 static inline ssize_t sys_send(int fd, const void *buf, size_t n, int flags)
 {
 	return syscall(SYS_sendto, fd, buf, n, flags, NULL, 0);
@@ -62,8 +63,10 @@ struct shunt_session {
 	int fd;             /* the channel, or -1; stored atomically (read without mu) */
 	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
 	int64_t tried;      /* when an open last failed */
-	uint8_t *region;    /* mapped once per process, at the first WELCOME */
+	uint8_t *region;    /* region 0: mapped once per process, at the first WELCOME that names one */
 	struct shunt_region reg;
+	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */
+	size_t nmaps, cmaps;
 	uint32_t next_req;
 	struct pending *pend;
 	uint64_t nonce, pong;
@@ -76,6 +79,30 @@ struct shunt_session {
 int channel_open(struct shunt_session *s, struct shunt_msg *m);
 int channel_read(int fd, int port, struct shunt_msg *m);
 int channel_write(int fd, int port, const struct shunt_msg *m);
+
+/* Descriptors that came with the channel's bytes (SCM_RIGHTS), in order:
+ * hostd sends one with each REGION, on its frame's first byte. At most
+ * SHUNT_FDQ_MAX wait; more are closed. */
+#define SHUNT_FDQ_MAX 16
+struct shunt_fdq {
+	int fd[SHUNT_FDQ_MAX];
+	int n;
+};
+/* channel_recv is channel_read that, on a socket, keeps the descriptors
+ * that come along in q (channel.c). */
+int channel_recv(int fd, int port, struct shunt_msg *m, struct shunt_fdq *q);
+int shunt_fdq_take(struct shunt_fdq *q); /* the oldest, or -1 */
+void shunt_fdq_close(struct shunt_fdq *q);
+
+/* Regions by id (regions.c). shunt_region_msg handles REGION (taking a
+ * descriptor from q) and UNREGION, without the session lock held.
+ * shunt_region_hold copies region id's layout to g and holds its mapping
+ * for a flow (*hold, NULL for region 0): 0, or SHUNT_EINVAL if the
+ * session has no such region; shunt_region_release gives the hold back. */
+struct shunt_mapping;
+void shunt_region_msg(struct shunt_session *s, const struct shunt_msg *m, struct shunt_fdq *q);
+int shunt_region_hold(struct shunt_session *s, uint32_t id, struct shunt_region *g, void **hold);
+void shunt_region_release(struct shunt_session *s, void *hold);
 
 /* The session's log callback, formatted (session.c). */
 void shunt_logf(struct shunt_session *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));

@@ -5,6 +5,7 @@
 #define _GNU_SOURCE
 #include "internal.h"
 
+#include <errno.h>
 #include <linux/futex.h>
 
 #define SC __ATOMIC_SEQ_CST
@@ -19,7 +20,7 @@ static void remote_wake(struct shunt_ring *r)
 {
 	const struct shunt_flow *f = r->owner;
 	if (f && f->session) {
-		struct shunt_msg k = {.type = SHUNT_KICK, .slot = f->slot, .gen = f->gen, .side = f->side};
+		struct shunt_msg k = {.type = SHUNT_KICK, .region_id = f->region_id, .slot = f->slot, .gen = f->gen, .side = f->side};
 		shunt_session_send(f->session, &k);
 	}
 }
@@ -28,11 +29,41 @@ uint32_t shunt_kick_seq(void) { return __atomic_load_n(&kick_seq, SC); }
 
 uint32_t *shunt_kick_word(void) { return &kick_seq; }
 
-void shunt_kick_sleep(uint32_t seq, int64_t max_ns)
+struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; }; /* struct futex_waitv */
+
+#ifndef SYS_futex_waitv
+#define SYS_futex_waitv 449
+#endif
+
+/* Every sleep here is bounded (a kick can be lost), yet an untimed wait
+ * must go on after a signal handler with SA_RESTART, as a socket call
+ * does. A timed FUTEX_WAIT fails with EINTR after any handler; futex_waitv,
+ * whose time-out is absolute, is restarted by the kernel when the handler
+ * has SA_RESTART. So untimed waits sleep with futex_waitv, and timed ones
+ * (SO_RCVTIMEO, SO_SNDTIMEO: never restarted) with FUTEX_WAIT. Without
+ * futex_waitv (Linux < 5.16) a signal ends the sleep early and the wait
+ * goes on, as it always did. */
+int shunt_kick_sleep(uint32_t seq, int64_t max_ns)
 {
+	static int no_waitv;
 	int64_t d = max_ns >= 0 && max_ns < SHUNT_KICK_MAX_SLEEP_NS ? max_ns : SHUNT_KICK_MAX_SLEEP_NS;
+	if (max_ns < 0 && !__atomic_load_n(&no_waitv, __ATOMIC_RELAXED)) {
+		struct timespec until;
+		clock_gettime(CLOCK_MONOTONIC, &until);
+		until.tv_nsec += d;
+		until.tv_sec += until.tv_nsec / 1000000000;
+		until.tv_nsec %= 1000000000;
+		struct waitv w = {.val = seq, .uaddr = (uintptr_t)&kick_seq, .flags = 2 /* FUTEX_32 */};
+		if (syscall(SYS_futex_waitv, &w, 1, 0, &until, CLOCK_MONOTONIC) >= 0)
+			return 0;
+		if (errno != ENOSYS)
+			return errno == EINTR ? SHUNT_EINTR : 0;
+		__atomic_store_n(&no_waitv, 1, __ATOMIC_RELAXED);
+	}
 	struct timespec ts = {d / 1000000000, d % 1000000000};
-	syscall(SYS_futex, &kick_seq, FUTEX_WAIT, seq, &ts, NULL, 0);
+	if (syscall(SYS_futex, &kick_seq, FUTEX_WAIT, seq, &ts, NULL, 0) < 0 && errno == EINTR && max_ns >= 0)
+		return SHUNT_EINTR;
+	return 0;
 }
 
 void shunt_kicked(void)

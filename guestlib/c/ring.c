@@ -3,7 +3,7 @@
  * as Go's sync/atomic, so the Dekker-style waiting protocol holds across
  * the two languages. */
 #define _GNU_SOURCE
-#include "shunt.h"
+#include "internal.h"
 
 #include <errno.h>
 #include <linux/futex.h>
@@ -71,10 +71,13 @@ static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *t
 
 void (*shunt_remote_wake)(struct shunt_ring *r);
 uint32_t (*shunt_remote_seq)(void);
-void (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
+int (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
 
 /* wake: the waker's half of the protocol (shm/wait Policy.Wake). r is the
- * ring whose flag it is, for the remote hook. */
+ * ring whose flag it is, for the remote hook. Every sleeper on the flag
+ * wakes: several threads of the peer may sleep on one ring end (two
+ * readers, or a reader and a poll helper), and a woken one that finds
+ * nothing goes back to sleep. */
 static void wake(struct shunt_ring *r, uint32_t *flag)
 {
 	uint32_t one = 1;
@@ -83,7 +86,7 @@ static void wake(struct shunt_ring *r, uint32_t *flag)
 		if (shunt_remote_wake)
 			shunt_remote_wake(r);
 		else
-			futex(flag, FUTEX_WAKE, 1, NULL);
+			futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
 	}
 }
 
@@ -242,14 +245,18 @@ int shunt_ring_close_read(struct shunt_ring *r)
 
 int shunt_ring_ready(struct shunt_ring *r, int reader)
 {
-	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+	if (__atomic_load_n(&r->stop, SC) || __atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
 		return 1;
+	/* own may be moving: another thread of this process that reads (or
+	 * writes) this end while a sleeper asks. A stale value only makes the
+	 * sleeper's caller try once more. */
+	uint64_t own = __atomic_load_n(&r->own, __ATOMIC_RELAXED);
 	if (reader)
-		return __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC) != r->own ||
+		return __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC) != own ||
 		       (__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1);
 	if (__atomic_load_n(w32(r, SHUNT_OFF_RFLAGS), SC) & 1)
 		return 1;
-	return r->cap - (r->own - __atomic_load_n(w64(r, SHUNT_OFF_HEAD), SC)) > 0;
+	return r->cap - (own - __atomic_load_n(w64(r, SHUNT_OFF_HEAD), SC)) > 0;
 }
 
 static int64_t now_ns(void)
@@ -263,6 +270,37 @@ void shunt_spin_yield(int64_t spun_ns)
 {
 	if (spun_ns >= SHUNT_YIELD_AFTER_NS)
 		syscall(SYS_sched_yield);
+}
+
+void shunt_ring_stop(struct shunt_ring *r, int reader)
+{
+	__atomic_store_n(&r->stop, 1, SC);
+	/* Dekker with the sleeper: it publishes its flag and then reads stop;
+	 * this stores stop and then reads the flag. Either it sees stop, or
+	 * the flag is cleared here before its futex sleep, which then returns
+	 * at once. The flag is this end's own (the peer never sleeps on it). */
+	uint32_t *flag = shunt_ring_wait_word(r, reader);
+	if (__atomic_exchange_n(flag, 0, SC))
+		futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
+	if (shunt_remote_sleep) /* VM mode: the sleepers sleep on the kick count */
+		shunt_kicked();
+}
+
+/* sleep is one futex sleep on flag while it holds 1, or the remote sleep:
+ * 0 after a wake-up or a time-out (the caller re-checks), SHUNT_EINTR when
+ * a signal handler ran and the wait must not go on. Untimed (timeout_ns <
+ * 0), FUTEX_WAIT is restarted by the kernel itself when the handler has
+ * SA_RESTART, and fails with EINTR when it has not. Timed, FUTEX_WAIT
+ * fails with EINTR after any handler: as a socket with SO_RCVTIMEO or
+ * SO_SNDTIMEO, whose calls are not restarted (signal(7)). */
+static int sleep_on(uint32_t *flag, uint32_t seq, int64_t timeout_ns)
+{
+	if (shunt_remote_sleep)
+		return shunt_remote_sleep(seq, timeout_ns);
+	struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
+	if (futex(flag, FUTEX_WAIT, 1, timeout_ns < 0 ? NULL : &ts) < 0 && errno == EINTR)
+		return SHUNT_EINTR;
+	return 0;
 }
 
 int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns)
@@ -283,28 +321,31 @@ int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t t
 		__builtin_ia32_pause();
 #endif
 	}
-	uint32_t *flag = w32(r, reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT);
+	/* Several threads of this process may sleep here on one end (two
+	 * readers of a connection): none clears the flag on its way out, since
+	 * another may still sleep on it; the waker clears it. A flag left set
+	 * (found ready just after setting it, time-out, signal) costs the
+	 * waker one needless wake-up. After a wake-up the ring is checked
+	 * before the flag is set again, so a woken sleeper leaves it clear. */
+	uint32_t *flag = shunt_ring_wait_word(r, reader);
 	for (;;) {
 		uint32_t seq = shunt_remote_seq ? shunt_remote_seq() : 0;
 		__atomic_store_n(flag, 1, SC);
-		if (shunt_ring_ready(r, reader)) {
-			__atomic_store_n(flag, 0, SC);
+		if (shunt_ring_ready(r, reader))
 			return 0;
-		}
-		struct timespec ts, *tsp = NULL;
-		if (timeout_ns >= 0) {
-			int64_t left = timeout_ns - (now_ns() - start);
-			if (left <= 0) {
-				__atomic_store_n(flag, 0, SC);
-				return SHUNT_EAGAIN;
-			}
-			ts.tv_sec = left / 1000000000;
-			ts.tv_nsec = left % 1000000000;
-			tsp = &ts;
-		}
-		if (shunt_remote_sleep)
-			shunt_remote_sleep(seq, tsp ? ts.tv_sec * 1000000000 + ts.tv_nsec : -1);
-		else
-			futex(flag, FUTEX_WAIT, 1, tsp);
+		int64_t left = -1;
+		if (timeout_ns >= 0 && (left = timeout_ns - (now_ns() - start)) <= 0)
+			return SHUNT_EAGAIN;
+		__atomic_add_fetch(&r->sleepers, 1, SC);
+		int err = sleep_on(flag, seq, left);
+		/* A waker that wakes one sleeper only (the Go library's) may have
+		 * woken this one while others of this process still sleep on the
+		 * flag, which it has cleared: pass the wake-up on. */
+		if (__atomic_sub_fetch(&r->sleepers, 1, SC) > 0 && !shunt_remote_sleep)
+			futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
+		if (err)
+			return err;
+		if (shunt_ring_ready(r, reader))
+			return 0;
 	}
 }

@@ -27,6 +27,84 @@ void shunt_logf(struct shunt_session *s, const char *fmt, ...)
 	s->c.log(s->c.arg, buf);
 }
 
+/* ---- fork ----
+ *
+ * A fork child has only the forking thread: a session lock that another
+ * thread held at that moment would stay held in the child for good. So
+ * every session's lock is taken before fork and let go after it
+ * (pthread_atfork). In the child the locks are made new and each session
+ * stays the parent's (s->pid): the child's own first ensure opens its own
+ * channel, and the parent's reader thread, requests and verdicts stay with
+ * the parent. The child closes its copy of the parent's channel, so hostd
+ * sees the parent's session end when the parent's does. A caller that
+ * sends under locks of its own (the preload library's fd table) registers
+ * its atfork handlers after making its session: its prepare handler then
+ * runs first and takes its locks before these. */
+static pthread_mutex_t all_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct shunt_session **all; /* every session made; under all_mu */
+static size_t nall, call;
+static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
+static int fork_ok; /* the handlers are registered */
+
+static void fork_prepare(void)
+{
+	pthread_mutex_lock(&all_mu);
+	for (size_t i = 0; i < nall; i++)
+		pthread_mutex_lock(&all[i]->mu);
+}
+
+static void fork_parent(void)
+{
+	for (size_t i = 0; i < nall; i++)
+		pthread_mutex_unlock(&all[i]->mu);
+	pthread_mutex_unlock(&all_mu);
+}
+
+static void fork_child(void)
+{
+	pthread_condattr_t ca;
+	pthread_condattr_init(&ca);
+	pthread_condattr_setclock(&ca, CLOCK_MONOTONIC);
+	for (size_t i = 0; i < nall; i++) {
+		struct shunt_session *s = all[i];
+		pthread_mutex_init(&s->mu, NULL);
+		pthread_cond_init(&s->cv, &ca);
+		if (s->fd >= 0)
+			sys_close(s->fd);
+		__atomic_store_n(&s->fd, -1, __ATOMIC_SEQ_CST);
+		s->pend = NULL; /* on the stacks of threads the child does not have */
+		s->tried = 0;
+	}
+	pthread_condattr_destroy(&ca);
+	pthread_mutex_init(&all_mu, NULL);
+}
+
+static void fork_register(void) { fork_ok = pthread_atfork(fork_prepare, fork_parent, fork_child) == 0; }
+
+/* remember adds s to the sessions the fork handlers keep: 0, or -1
+ * without memory (then there is no session: one that a fork could leave
+ * locked in the child is worse). */
+static int remember(struct shunt_session *s)
+{
+	pthread_once(&fork_once, fork_register);
+	if (!fork_ok)
+		return -1;
+	pthread_mutex_lock(&all_mu);
+	if (nall == call) {
+		size_t c = call ? 2 * call : 4;
+		struct shunt_session **more = realloc(all, c * sizeof *more);
+		if (!more) {
+			pthread_mutex_unlock(&all_mu);
+			return -1;
+		}
+		all = more;
+		call = c;
+	}
+	all[nall++] = s;
+	pthread_mutex_unlock(&all_mu);
+	return 0;
+}
+
 struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 {
 	struct shunt_session *s = calloc(1, sizeof *s);
@@ -49,6 +127,12 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 	s->region_path = s->c.region;
 	s->fd = -1;
 	s->pid = getpid();
+	if (remember(s)) {
+		free((char *)s->c.control);
+		free((char *)s->c.region);
+		free(s);
+		return NULL;
+	}
 	return s;
 }
 
@@ -191,7 +275,7 @@ static int reconnect(struct shunt_session *s)
 }
 
 /* reader reads the channel: verdicts to their requests, PONG, KICK,
- * REVOKE. The channel ends at EOF, or at ERROR(no-hostd): a new hostd
+ * REVOKE, and answers hostd's keepalive PING with PONG. The channel ends at EOF, or at ERROR(no-hostd): a new hostd
  * behind a port that QEMU reconnected before we read EOF, which knows
  * nothing of this session. Either way it reconnects (reconnect). */
 static void *reader(void *arg)
@@ -201,8 +285,15 @@ static void *reader(void *arg)
 	struct shunt_session *s = a.s;
 	int fd = a.fd, port = shunt_session_vm(s);
 	struct shunt_msg m;
+	struct shunt_fdq q = {.n = 0}; /* descriptors for REGIONs (regions.c) */
 	for (;;) {
-		while (channel_read(fd, port, &m) == 0 && !(m.type == SHUNT_ERROR && m.reason == SHUNT_REASON_NO_HOSTD)) {
+		while (channel_recv(fd, port, &m, &q) == 0 && !(m.type == SHUNT_ERROR && m.reason == SHUNT_REASON_NO_HOSTD)) {
+			if (m.type == SHUNT_REGION || m.type == SHUNT_UNREGION) {
+				/* Mapped before the next message (the READY that
+				 * needs it) is read. */
+				shunt_region_msg(s, &m, &q);
+				continue;
+			}
 			pthread_mutex_lock(&s->mu);
 			if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
 				for (struct pending *p = s->pend; p; p = p->next)
@@ -212,6 +303,12 @@ static void *reader(void *arg)
 					}
 			} else if (m.type == SHUNT_PONG) {
 				s->pong = m.nonce;
+			} else if (m.type == SHUNT_PING) {
+				/* hostd's keepalive: a session that does not answer
+				 * within its silence bound is closed (docs/protocol.md). */
+				struct shunt_msg p = {.type = SHUNT_PONG, .nonce = m.nonce};
+				if (s->fd == fd)
+					write_locked(s, &p);
 			} else if (m.type == SHUNT_KICK) {
 				shunt_kicked();
 			} else if (m.type == SHUNT_ERROR) {
@@ -222,6 +319,7 @@ static void *reader(void *arg)
 			if (m.type == SHUNT_REVOKE && s->c.revoked)
 				s->c.revoked(s->c.arg, &m);
 		}
+		shunt_fdq_close(&q);
 		/* Requests in flight go to TCP now rather than at their timeout. */
 		pthread_mutex_lock(&s->mu);
 		sys_close(fd);
@@ -294,8 +392,10 @@ int shunt_session_ensure(struct shunt_session *s)
 		errno = e;
 		return -1;
 	}
+	/* Region 0: what WELCOME names (a process guest gets none: its regions
+	 * come by REGION), or the BAR in a VM, or SHUNT_REGION. */
 	const char *region = s->region_path ? s->region_path : m.region;
-	if (!s->region && map_region(s, region)) {
+	if (!s->region && *region && map_region(s, region)) {
 		shunt_logf(s, "shunt: cannot map the region %s", region);
 		sys_close(fd);
 		pthread_mutex_unlock(&s->mu);
@@ -361,15 +461,25 @@ void shunt_session_sync(struct shunt_session *s)
 int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *v, struct shunt_flow *f)
 {
 	struct shunt_slot sl;
+	struct shunt_region g;
+	void *hold;
 	memset(f, 0, sizeof *f);
-	if (!s->region || (v->side != 1 && v->side != 2) || shunt_region_slot(&s->reg, v->slot, &sl) ||
-	    sl.gen != v->gen || sl.capacity != v->capacity)
+	if ((v->side != 1 && v->side != 2) || shunt_region_hold(s, v->region_id, &g, &hold))
 		return SHUNT_ECORRUPT;
+	if (shunt_region_slot(&g, v->slot, &sl) || sl.gen != v->gen || sl.capacity != v->capacity) {
+		shunt_region_release(s, hold);
+		return SHUNT_ECORRUPT;
+	}
 	size_t len = SHUNT_RING_HEADER + sl.capacity;
-	uint8_t *out = s->region + (v->side == 1 ? sl.ring_ab : sl.ring_ba);
-	uint8_t *in = s->region + (v->side == 1 ? sl.ring_ba : sl.ring_ab);
-	if (shunt_ring_writer(&f->w, out, len, sl.capacity) || shunt_ring_reader(&f->r, in, len, sl.capacity))
+	uint8_t *out = g.mem + (v->side == 1 ? sl.ring_ab : sl.ring_ba);
+	uint8_t *in = g.mem + (v->side == 1 ? sl.ring_ba : sl.ring_ab);
+	if (shunt_ring_writer(&f->w, out, len, sl.capacity) || shunt_ring_reader(&f->r, in, len, sl.capacity)) {
+		shunt_region_release(s, hold);
+		memset(f, 0, sizeof *f);
 		return SHUNT_ECORRUPT;
+	}
+	f->region_id = v->region_id;
+	f->hold = hold;
 	f->slot = v->slot;
 	f->gen = v->gen;
 	f->side = v->side;
@@ -386,6 +496,13 @@ int shunt_flow_reset(const struct shunt_flow *f)
 
 int shunt_flow_close(const struct shunt_flow *f)
 {
-	struct shunt_msg m = {.type = SHUNT_CLOSE, .slot = f->slot, .gen = f->gen, .side = f->side};
+	struct shunt_msg m = {.type = SHUNT_CLOSE, .region_id = f->region_id, .slot = f->slot, .gen = f->gen, .side = f->side};
 	return shunt_session_send(f->session, &m);
+}
+
+void shunt_flow_detach(struct shunt_flow *f)
+{
+	if (f->session && f->hold)
+		shunt_region_release(f->session, f->hold);
+	f->hold = NULL;
 }

@@ -19,7 +19,9 @@
  * plain program, needs no hook table to be filled in first, and never
  * re-enters an interposition layer whose locks its caller may hold. Calls
  * that no preload library interposes (open, stat, mmap, opendir,
- * getsockname, setsockopt, pthreads) go through libc.
+ * getsockname, pthreads) go through libc, and so does setsockopt, which
+ * ours interposes only to note a fast-path socket's timeouts, taking no
+ * lock.
  *
  * Limits are named constants below. None is a silent cap: past each one
  * the code takes a slower path that is still correct, as its comment says. */
@@ -36,6 +38,7 @@
 #define SHUNT_ERESET   (-104) /* flow reset: revoked or aborted (ECONNRESET) */
 #define SHUNT_EPIPE    (-32)  /* the reader closed (EPIPE) */
 #define SHUNT_EINVAL   (-22)
+#define SHUNT_EINTR    (-4)   /* a signal handler interrupted a wait (EINTR) */
 
 /* ---- ring (shm/ring) ---- */
 
@@ -63,6 +66,10 @@ struct shunt_ring {
 	uint64_t msgs;
 	int fin;        /* writer: FIN published */
 	void *owner;    /* the struct shunt_flow it belongs to, for kicks */
+	/* This process's own, never shared, read and written atomically by
+	 * any of its threads: */
+	int stop;       /* shunt_ring_stop: waits on this end return at once */
+	int sleepers;   /* threads asleep in shunt_ring_wait on this end */
 };
 
 /* Remote waking, for rings in a PCI BAR (a VM's ivshmem mapping): no futex
@@ -74,7 +81,7 @@ struct shunt_ring {
  * the kicks below (shunt_kicks_enable); they are process-wide. */
 extern void (*shunt_remote_wake)(struct shunt_ring *r);
 extern uint32_t (*shunt_remote_seq)(void);
-extern void (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
+extern int (*shunt_remote_sleep)(uint32_t seq, int64_t max_ns);
 
 /* Attaches to the ring at mem (len bytes: header + data). want (if non-zero)
  * is the capacity the directory says. Returns 0 or SHUNT_ECORRUPT. */
@@ -97,9 +104,25 @@ void shunt_ring_abort(struct shunt_ring *r);
 int shunt_ring_close_read(struct shunt_ring *r);
 
 /* Blocking: spin for spin_ns, then sleep on the futex until the ring is
- * readable (reader) or writable (writer), or timeout_ns passes (< 0: none).
- * Returns 0 or SHUNT_EAGAIN on timeout. */
+ * readable (reader) or writable (writer), or stopped, or timeout_ns passes
+ * (< 0: none). Returns 0 (ready, or stopped: the caller tries its read or
+ * write and checks why it stopped), SHUNT_EAGAIN on timeout, or
+ * SHUNT_EINTR when a signal handler ran during the sleep and the wait
+ * must not go on, as for a socket call (signal(7)): an untimed wait goes
+ * on after a handler with SA_RESTART and fails after one without; a timed
+ * wait, which stands for a socket with SO_RCVTIMEO or SO_SNDTIMEO, fails
+ * after any handler. The kernel decides: an untimed FUTEX_WAIT is
+ * restarted by it when the handler has SA_RESTART, a timed one never is
+ * (and shunt_kick_sleep keeps the same rule). A handler that runs while
+ * the wait still spins interrupts nothing, as a signal that comes just
+ * before a system call. Several threads of a process may wait on one end
+ * at once. */
 int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t timeout_ns);
+/* Ends the waits of this process's threads on this end (reader: the ring
+ * it reads, else the ring it writes), now and later: a local shutdown or
+ * close, which the ring's flags do not show to this end. shunt_ring_ready
+ * reports a stopped end as ready. The peer sees nothing of it. */
+void shunt_ring_stop(struct shunt_ring *r, int reader);
 
 /* A spinning waiter yields the CPU once it has spun SHUNT_YIELD_AFTER_NS:
  * the kernel often wakes a sleeping peer on the waker's CPU, and a waiter
@@ -222,7 +245,11 @@ ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
  * session is safe for concurrent use. It lives as long as the process;
  * there is no close yet (an MPI transport that unloads will need one). In
  * a fork child, the next shunt_session_ensure opens the child's own
- * channel: the parent's reader thread and verdicts stay with the parent. */
+ * channel: the parent's reader thread and verdicts stay with the parent.
+ * fork from any thread is safe: atfork handlers hold the sessions' locks
+ * across it, so the child never finds one held by a thread it does not
+ * have (a caller with locks of its own registers its handlers after
+ * shunt_session_new, session.c). */
 
 #define SHUNT_PATH_MAX        256          /* device and sysfs paths: longer names are not ours and are skipped */
 #define SHUNT_RETRY_NS        1000000000LL /* a failed open is retried at most this often */
@@ -286,16 +313,27 @@ void shunt_session_sync(struct shunt_session *s);
  * rings are SPSC: one reader and one writer at a time. */
 struct shunt_flow {
 	struct shunt_ring w, r;        /* this end writes w and reads r */
+	uint32_t region_id;            /* its region: 0 WELCOME's, others came by REGION */
+	void *hold;                    /* its hold on that region's mapping (shunt_flow_detach) */
 	uint32_t slot;
 	uint64_t gen;
 	uint8_t side;                  /* 1: A (the connecting end), 2: B */
 	struct shunt_session *session; /* for CLOSE and KICK */
 };
 
-/* Attaches f to the flow a READY names: checks it against the region's
- * directory and attaches both rings. 0, or SHUNT_ECORRUPT if READY and the
- * region disagree (then the caller sends CLOSE and stays on TCP). */
+/* Attaches f to the flow a READY names: finds the region it names (region
+ * 0, or one that came by REGION), checks the READY against that region's
+ * directory and attaches both rings; f holds the region's mapping until
+ * shunt_flow_detach. 0, or SHUNT_ECORRUPT if READY and the region disagree
+ * or the region is not mapped (then the caller sends CLOSE and stays on
+ * TCP). */
 int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *ready, struct shunt_flow *f);
+/* Gives back f's hold on its region, once nothing will touch f's rings
+ * again (the flow is freed): a region that hostd took back (UNREGION) is
+ * unmapped when its last flow lets go. Idempotent. */
+void shunt_flow_detach(struct shunt_flow *f);
+/* How many regions that came by REGION are mapped now (for tests). */
+int shunt_session_regions(struct shunt_session *s);
 /* Whether either ring is reset. hostd resets both, one after the other; a
  * peer that saw the first may already have closed (FIN) the other, so an
  * end that reads EOF checks both before it believes it. */
@@ -335,7 +373,10 @@ uint32_t shunt_kick_seq(void);
 /* The count's address, to sleep on it with other futex words (futex_waitv). */
 uint32_t *shunt_kick_word(void);
 /* Sleeps until the count moves from seq, max_ns passes (< 0: none) or
- * SHUNT_KICK_MAX_SLEEP_NS passes. */
-void shunt_kick_sleep(uint32_t seq, int64_t max_ns);
+ * SHUNT_KICK_MAX_SLEEP_NS passes: 0, or SHUNT_EINTR as shunt_ring_wait
+ * says (max_ns >= 0: after any signal handler; < 0: after one without
+ * SA_RESTART, where futex_waitv exists, Linux 5.16+; before that a signal
+ * only ends one sleep early). */
+int shunt_kick_sleep(uint32_t seq, int64_t max_ns);
 
 #endif

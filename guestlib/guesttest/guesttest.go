@@ -17,10 +17,12 @@ import (
 	"os"
 	"path/filepath"
 	"sync"
+	"syscall"
 	"testing"
 	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/internal/sys"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
@@ -51,7 +53,7 @@ func Start(t testing.TB) *Hostd {
 		t.Fatalf("guesttest: create region: %v", err)
 	}
 	h.region = r
-	h.Pool, _ = region.Adopt(r, nil)
+	h.Pool = region.NewPool(r, nil)
 	ln, err := net.ListenUnix("unix", &net.UnixAddr{Name: h.Control, Net: "unix"})
 	if err != nil {
 		t.Fatalf("guesttest: listen: %v", err)
@@ -203,6 +205,65 @@ func (s *Session) Welcome(t testing.TB) {
 	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID, Region: s.h.Region, RegionSize: uint64(len(s.h.region.Mem()))})
 }
 
+// WelcomeNoRegion answers a HELLO as hostd answers a process guest: no
+// region 0 (its regions come by REGION).
+func (s *Session) WelcomeNoRegion(t testing.TB) {
+	t.Helper()
+	s.h.guestID++
+	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID})
+}
+
+// Region is a region that the fake hands over by descriptor, as hostd
+// hands a pair region to its two guests: a memfd, with hostd's pool over
+// it. It is closed with the test.
+type Region struct {
+	ID   uint32
+	File *os.File
+	Pool *region.Pool
+}
+
+// NewRegion makes a small region that guests will know as id.
+func (h *Hostd) NewRegion(t testing.TB, id uint32) *Region {
+	t.Helper()
+	g := region.Geometry{Size: 1 << 20, Slots: 8}
+	f, err := sys.Memfd("guesttest-region", g.Size)
+	if err != nil {
+		t.Fatalf("guesttest: memfd: %v", err)
+	}
+	r, err := region.CreateFile(f, g)
+	if err != nil {
+		f.Close()
+		t.Fatalf("guesttest: region: %v", err)
+	}
+	t.Cleanup(func() { r.Close(); f.Close() })
+	return &Region{ID: id, File: f, Pool: region.NewPool(r, nil)}
+}
+
+// SendRegion sends REGION for r with r's descriptor (SCM_RIGHTS on the
+// frame's first byte, as hostd sends it).
+func (s *Session) SendRegion(t testing.TB, r *Region) {
+	t.Helper()
+	m := proto.Msg{Type: proto.RegionMsg, RegionID: r.ID, RegionSize: uint64(len(r.Pool.Region().Mem()))}
+	b, err := m.Append(nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	uc, ok := s.conn.(*net.UnixConn)
+	if !ok {
+		t.Fatalf("guesttest: session is a %T, not a Unix socket", s.conn)
+	}
+	_ = uc.SetWriteDeadline(time.Now().Add(Wait))
+	if _, _, err := uc.WriteMsgUnix(b, syscall.UnixRights(int(r.File.Fd())), nil); err != nil {
+		t.Fatalf("guesttest: write REGION: %v", err)
+	}
+}
+
+// PairIn is Pair in region r: the READYs name r.
+func (h *Hostd) PairIn(t testing.TB, r *Region, active, passive proto.Msg) Flow {
+	t.Helper()
+	return pairIn(t, r.Pool, r.ID, active, passive)
+}
+
 // Flow is a ring pair allocated by Pair: the READY each side gets.
 type Flow struct{ A, B proto.Msg }
 
@@ -210,11 +271,16 @@ type Flow struct{ A, B proto.Msg }
 // returns the READYs for both, without sending them.
 func (h *Hostd) Pair(t testing.TB, active, passive proto.Msg) Flow {
 	t.Helper()
-	slot, e, err := h.Pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
+	return pairIn(t, h.Pool, 0, active, passive)
+}
+
+func pairIn(t testing.TB, pool *region.Pool, id uint32, active, passive proto.Msg) Flow {
+	t.Helper()
+	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
 	if err != nil {
 		t.Fatalf("guesttest: allocate: %v", err)
 	}
-	r := proto.Msg{Type: proto.Ready, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
+	r := proto.Msg{Type: proto.Ready, RegionID: id, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
 	a, b := r, r
 	a.ReqID, a.Side = active.ReqID, proto.SideA
 	b.ReqID, b.Side = passive.ReqID, proto.SideB

@@ -137,7 +137,7 @@ func flow(t *testing.T, capacity int) (string, int, region.Entry, *region.Region
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { r.Close() })
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Capacity: 4096}) // so the flow is not at slot 0
 	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Capacity: capacity})
 	if err != nil {

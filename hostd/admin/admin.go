@@ -71,11 +71,20 @@ func Listen(path string, h Handler) (*Server, error) {
 
 func (s *Server) serve() {
 	defer s.wg.Done()
+	var delay time.Duration
 	for {
 		c, err := s.l.Accept()
-		if err != nil {
+		if errors.Is(err, net.ErrClosed) {
 			return
 		}
+		if err != nil {
+			// Out of descriptors (EMFILE, a guest's session flood can
+			// cause it): wait and retry, so the admin socket outlives it.
+			delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+			time.Sleep(delay)
+			continue
+		}
+		delay = 0
 		s.wg.Add(1)
 		go func() {
 			defer s.wg.Done()

@@ -13,6 +13,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
 	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/hostd/server"
 	"github.com/shuntnet/shunt/hostd/virt"
@@ -31,9 +32,12 @@ type Agent struct {
 	srv     *server.Server
 	adm     *admin.Server
 	http    *http.Server
-	regions []*region.Region
+	pools   []*region.Pool // the trust groups' regions
+	files   *region.Files  // region files and hostd's shadows of them
+	pairs   *pairRegions   // the regions of guest pairs
 	guests  []*broker.Guest
 	witness *witness.Witness
+	marks   *mark.Marker // hostd's nftables table; nil when hostd does not mark
 	groups  map[string]*broker.Group
 	virt    *virt.Watcher // nil without a libvirt block
 
@@ -75,8 +79,16 @@ func (a *Agent) Close() {
 	if a.witness != nil {
 		a.witness.Close()
 	}
-	for _, r := range a.regions {
-		r.Close()
+	if a.marks != nil {
+		if err := a.marks.Close(); err != nil {
+			a.log.Warn("could not remove hostd's nftables table", "error", err)
+		}
+	}
+	for _, p := range a.pools {
+		p.Close()
+	}
+	if a.pairs != nil {
+		a.pairs.close()
 	}
 }
 

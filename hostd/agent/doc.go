@@ -8,5 +8,7 @@
 // Files: agent.go (the Agent, Close, Reload, the conntrack watcher),
 // start.go (Start and its steps: regions, guests, libvirt, adoption,
 // servers), handle.go (the admin commands), libvirt.go (libvirt domains as
-// guests), addrs_*.go (guest addresses and the witness from the kernel).
+// guests), addrs_*.go (guest addresses and the witness from the kernel),
+// marks.go (hostd's nftables marks of each guest's connections, and the
+// ownership metrics).
 package agent

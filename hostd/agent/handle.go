@@ -43,15 +43,13 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
 }
 
+// status is cheap whatever the guests hold: counts, not listings.
 func (a *Agent) status() Status {
-	guests := a.b.Guests()
-	st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: len(guests), Flows: len(a.b.Flows())}
+	n := a.b.Counts()
+	st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: n.Guests, Sessions: n.Sessions, Flows: n.Flows}
 	if a.virt != nil {
 		vs := a.virt.Status()
 		st.Libvirt = &vs
-	}
-	for _, g := range guests {
-		st.Sessions += g.Sessions
 	}
 	for _, g := range a.cfg.Groups {
 		st.Groups = append(st.Groups, g.Name)

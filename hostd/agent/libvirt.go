@@ -23,7 +23,7 @@ func (r *registry) Register(d virt.Domain) error {
 	if err != nil {
 		return err
 	}
-	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: "libvirt"}
+	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: "libvirt", SharedRegion: true} // a VM maps its group region only
 	addrs, err := guestAddrs(a.cfg.ConntrackNetns, config.Guest{Name: d.Name, Addresses: d.Addresses, Interface: d.Tap})
 	if err != nil {
 		return err
@@ -37,8 +37,15 @@ func (r *registry) Register(d virt.Domain) error {
 			return fmt.Errorf("domain %s: %w", d.Name, err)
 		}
 	}
+	// The mark id belongs to the guest: a domain restarted or migrated
+	// here comes back with a new tap and gets its id on it.
+	if err := a.markGuest(g, d.Tap); err != nil {
+		a.detachWitness(g)
+		return fmt.Errorf("domain %s: %w", d.Name, err)
+	}
 	if err := a.b.AddGuest(g); err != nil {
 		a.detachWitness(g)
+		a.unmarkGuest(g)
 		return fmt.Errorf("domain %s: %w", d.Name, err)
 	}
 	a.vmu.Lock()
@@ -51,6 +58,7 @@ func (r *registry) Register(d virt.Domain) error {
 			a.srv.Remove(g)
 			a.b.RemoveGuest(g)
 			a.detachWitness(g)
+			a.unmarkGuest(g)
 			return err
 		}
 	}
@@ -76,6 +84,7 @@ func (r *registry) Unregister(d virt.Domain) {
 	}
 	a.b.RemoveGuest(g)
 	a.detachWitness(g)
+	a.unmarkGuest(g)
 }
 
 func (a *Agent) detachWitness(g *broker.Guest) {

@@ -2,13 +2,11 @@ package agent
 
 import (
 	"context"
-	"errors"
 	"fmt"
 	"net"
 	"net/http"
 	"os"
-	"os/user"
-	"strconv"
+	"path/filepath"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -23,7 +21,6 @@ import (
 	"github.com/shuntnet/shunt/hostd/virt"
 	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/policy"
-	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
@@ -54,11 +51,23 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	if err != nil {
 		return nil, err
 	}
-	opts := broker.Options{PairingTimeout: cfg.PairingTimeout}
+	if err := broker.CheckOverlaps(a.guests); err != nil {
+		return nil, err
+	}
+	if err := a.startMarks(); err != nil {
+		return nil, err
+	}
+	lim := cfg.Limits
+	opts := broker.Options{PairingTimeout: cfg.PairingTimeout, Limits: broker.Limits{
+		ListensPerSession: lim.ListensPerSession, ListensPerGuest: lim.ListensPerGuest,
+		IntentsPerGuest: lim.IntentsPerGuest, PendingOpensPerGuest: lim.PendingOpensPerGuest, OpensPerSecond: lim.OpensPerSecond,
+	}}
 	if a.witness != nil {
 		opts.Witness = a.witness
 	}
+	opts.MarkMask = a.markMask()
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
+	a.b.UsePairRegions(a.pairs)
 	a.m.NewFlowBytes(a.b.FlowStats)
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
@@ -75,33 +84,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	return a, nil
 }
 
-// openGroups opens (or creates) each trust group's region, gives it to the
-// group's region_group, starts a new generation and adopts the slots in it.
-func (a *Agent) openGroups() error {
-	a.groups = map[string]*broker.Group{}
-	for _, g := range a.cfg.Groups {
-		r, adopted, err := openRegion(a.log, g)
-		if err != nil {
-			return err
-		}
-		a.regions = append(a.regions, r)
-		if err := shareRegion(g); err != nil {
-			return err
-		}
-		gen := r.BumpGeneration()
-		pool, problems := region.Adopt(r, nil)
-		for _, p := range problems {
-			a.log.Warn("region slot dropped", "group", g.Name, "problem", p)
-		}
-		a.groups[g.Name] = &broker.Group{Name: g.Name, Region: g.Region, Pool: pool}
-		a.log.Info("region ready", "group", g.Name, "path", g.Region, "size", g.Geometry.Size, "adopted", adopted, "generation", gen)
-	}
-	return nil
-}
-
 // configGuests makes the configured guests, with their addresses and, if
 // the witness is on (it is loaded here), their interfaces attached to it;
-// it returns their control endpoints.
+// it returns their control endpoints. startMarks gives them their mark ids.
 func (a *Agent) configGuests() ([]server.Endpoint, error) {
 	cfg := a.cfg
 	if cfg.Witness {
@@ -112,7 +97,7 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 	}
 	var eps []server.Endpoint
 	for _, gc := range cfg.Guests {
-		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config"}
+		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config", SharedRegion: gc.SharedRegion}
 		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
 		if err != nil {
 			return nil, err
@@ -148,9 +133,11 @@ func (a *Agent) startLibvirt(ctx context.Context) {
 	}
 }
 
-// adopt rebuilds the flows an earlier hostd left in the regions, and
-// checks every flow against conntrack.
+// adopt rebuilds the flows an earlier hostd left in the regions (from its
+// shadows of them: pair regions first, then the groups'), and checks every
+// flow against conntrack.
 func (a *Agent) adopt() {
+	a.adoptPairs()
 	for _, g := range a.groups {
 		if n := a.b.Adopt(g, a.cfg.ReattachGrace); n > 0 {
 			a.log.Info("adopted live flows from the region", "group", g.Name, "flows", n, "grace", a.cfg.ReattachGrace)
@@ -167,7 +154,10 @@ func (a *Agent) startServers(eps []server.Endpoint) error {
 	eps = append(eps, a.vpending...)
 	a.vpending = nil
 	var err error
-	a.srv, err = server.Listen(a.log.Named("control"), a.b, a.m, eps)
+	lim := a.cfg.Limits
+	a.srv, err = server.Listen(a.log.Named("control"), a.b, a.m, server.Options{
+		SessionsPerGuest: lim.SessionsPerGuest, SessionRate: lim.SessionsPerSecond, Keepalive: lim.Keepalive, Silence: lim.Silence,
+	}, eps)
 	a.vmu.Unlock()
 	if err != nil {
 		return err
@@ -178,12 +168,14 @@ func (a *Agent) startServers(eps []server.Endpoint) error {
 	return a.serveMetrics()
 }
 
-// serveMetrics serves /metrics on the configured address, if any.
+// serveMetrics serves /metrics on the configured address, if any: TCP
+// host:port, or "unix:/path", a Unix socket of mode 0600 (replacing a
+// stale one), which only root can scrape.
 func (a *Agent) serveMetrics() error {
 	if a.cfg.MetricsAddress == "" {
 		return nil
 	}
-	l, err := net.Listen("tcp", a.cfg.MetricsAddress)
+	l, err := listenMetrics(a.cfg.MetricsAddress)
 	if err != nil {
 		return fmt.Errorf("metrics listener: %w", err)
 	}
@@ -198,38 +190,25 @@ func (a *Agent) serveMetrics() error {
 	return nil
 }
 
-// openRegion adopts a group's existing region file if it is a valid region
-// of the configured geometry, or creates a fresh one.
-func openRegion(log hclog.Logger, g config.Group) (*region.Region, bool, error) {
-	if r, err := region.Open(g.Region); err == nil {
-		if r.Layout().Geometry == g.Geometry {
-			return r, true, nil
-		}
-		r.Close()
-		return nil, false, fmt.Errorf("region %s has geometry %+v, config says %+v: stop the guests using it and remove the file to resize", g.Region, r.Layout().Geometry, g.Geometry)
-	} else if !errors.Is(err, os.ErrNotExist) {
-		log.Warn("region file is not a valid region; recreating it", "path", g.Region, "error", err)
+func listenMetrics(addr string) (net.Listener, error) {
+	path := config.MetricsUnix(addr)
+	if path == "" {
+		return net.Listen("tcp", addr)
 	}
-	r, err := region.Create(g.Region, g.Geometry, 0o600)
-	return r, false, err
-}
-
-// shareRegion gives a group's region file to its region_group, mode 0660,
-// so QEMUs running as that group can map it.
-func shareRegion(g config.Group) error {
-	if g.RegionGroup == "" {
-		return nil
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
 	}
-	grp, err := user.LookupGroup(g.RegionGroup)
+	if st, err := os.Lstat(path); err == nil && st.Mode()&os.ModeSocket == 0 {
+		return nil, fmt.Errorf("%s exists and is not a socket: remove it or choose another metrics_address", path)
+	}
+	_ = os.Remove(path)
+	l, err := net.Listen("unix", path)
 	if err != nil {
-		return fmt.Errorf("trust group %s: region_group: %w", g.Name, err)
+		return nil, err
 	}
-	gid, err := strconv.Atoi(grp.Gid)
-	if err != nil {
-		return fmt.Errorf("trust group %s: region_group %s has gid %q", g.Name, g.RegionGroup, grp.Gid)
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
 	}
-	if err := os.Chown(g.Region, -1, gid); err != nil {
-		return fmt.Errorf("trust group %s: give region to group %s: %w", g.Name, g.RegionGroup, err)
-	}
-	return os.Chmod(g.Region, 0o660)
+	return l, nil
 }

@@ -34,6 +34,12 @@ type Options struct {
 	Witness interface {
 		Origin(src, dst netip.AddrPort) (int, error)
 	}
+	// MarkMask is the part of the conntrack mark hostd sets (hostd/mark):
+	// a guest's Mark is compared with these bits, its CTMark with the
+	// others. 0 when hostd does not mark.
+	MarkMask uint32
+	// Limits bound what one guest may hold (zero fields: DefaultLimits).
+	Limits Limits
 }
 
 // Broker is the flow broker. It is safe for concurrent use; Close stops its
@@ -50,11 +56,12 @@ type Broker struct {
 	closed     bool
 	guests     []*Guest
 	sessions   map[Session]*sessionState
-	intents    map[ctrack.Tuple]time.Time  // A's view -> expiry
-	waiting    map[ctrack.Tuple]*half      // by conntrack reply tuple
-	remembered map[ctrack.Tuple]remembered // by conntrack reply tuple
-	flows      map[flowID]*Flow            // live flows
-	byKey      map[ctrack.Tuple]*Flow      // by conntrack reply tuple
+	waiting    map[ctrack.Tuple]*half               // by conntrack reply tuple
+	waitingP   map[ctrack.Tuple]*half               // the passive ones again, by conntrack original tuple
+	remembered ttlQueue[ctrack.Tuple, proto.Reason] // verdicts, by conntrack reply tuple
+	flows      map[flowID]*Flow                     // live flows
+	byKey      map[ctrack.Tuple]*Flow               // by conntrack reply tuple
+	rg         regionState                          // regions and quotas (regions.go)
 }
 
 // New returns a broker over the given guests, conntrack and policy. The
@@ -73,10 +80,11 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 	if opts.RememberFor <= 0 {
 		opts.RememberFor = 30 * time.Second
 	}
+	opts.Limits = opts.Limits.withDefaults()
 	b := &Broker{
 		log: log, ct: ct, m: m, opts: opts, guests: guests,
-		sessions: map[Session]*sessionState{}, intents: map[ctrack.Tuple]time.Time{},
-		waiting: map[ctrack.Tuple]*half{}, remembered: map[ctrack.Tuple]remembered{},
+		sessions: map[Session]*sessionState{},
+		waiting:  map[ctrack.Tuple]*half{}, waitingP: map[ctrack.Tuple]*half{},
 		flows: map[flowID]*Flow{}, byKey: map[ctrack.Tuple]*Flow{},
 	}
 	b.policy.Store(pol)

@@ -62,7 +62,7 @@ func newWorld(t *testing.T, spec policy.Spec) *world { return newWorldOpts(t, sp
 // newWorldOpts is newWorld with broker options; timeouts default short.
 func newWorldOpts(t *testing.T, spec policy.Spec, opts broker.Options) *world {
 	r, _ := shmtest.Region(t, region.Geometry{Size: 8 << 20, Slots: 8})
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	grp := &broker.Group{Name: "t", Region: "mem", Pool: pool}
 	other := &broker.Group{Name: "u", Region: "mem2", Pool: pool}
 	mk := func(name string, id uint32, g *broker.Group, addr string) *broker.Guest {

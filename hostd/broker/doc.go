@@ -12,7 +12,8 @@
 //	                        source is the claiming guest's), then pair the two
 //	                        by the entry's reply tuple, which both sides share
 //	                        even through DNAT and SNAT; ask policy; allocate
-//	                        a ring pair in the trust group's region
+//	                        a ring pair in the pair's region (VMs: the
+//	                        trust group's), handing a new one to both
 //	hostd: READY to both, or TCP(reason) to both
 //	...data on the rings; TCP stays open as the lease...
 //	conntrack DESTROY, policy reload, guest gone -> REVOKE to both; the ring
@@ -35,5 +36,10 @@
 // verify, claim, pair, timeouts and fallbacks), flow.go (live flows: CLOSE,
 // release, revoke), lifecycle.go (what ends or rebuilds flows: conntrack
 // events, resync, policy reload, adoption after a restart, REATTACH, KICK),
-// info.go (listings for the admin API and metrics).
+// info.go (listings for the admin API and metrics), regions.go (where flows
+// live: the group region of SharedRegion guests, a region per pair of
+// process guests handed over by descriptor; per-guest quotas), limits.go
+// (per-guest limits on LISTENs, INTENTs and OPENs, and ttlQueue, the
+// time-ordered queue that INTENTs and remembered verdicts expire from;
+// listings copy under the lock and format after it).
 package broker

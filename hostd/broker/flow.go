@@ -9,11 +9,13 @@ import (
 	"github.com/shuntnet/shunt/shm/region"
 )
 
-// flowID names a flow while it lives: its group and slot (the generation
-// tells a slot's flows apart over time).
+// flowID names a flow while it lives: its region (the group's, or a pair
+// region's id) and slot; the generation, hostd's own and never handed out
+// twice in a region, tells a slot's flows apart over time.
 type flowID struct {
-	group string
-	slot  int
+	group  string
+	region uint32
+	slot   int
 }
 
 // Flow is a live flow. Its fields are guarded by the broker's mutex.
@@ -21,6 +23,7 @@ type Flow struct {
 	id       flowID
 	Gen      uint64
 	Group    *Group
+	Region   *Region // where its rings are
 	GuestA   *Guest
 	GuestB   *Guest
 	sessA    Session // nil when that side released it or is gone
@@ -36,8 +39,14 @@ type Flow struct {
 	adopted  bool         // rebuilt from the region after a hostd restart
 }
 
-// Name is the flow's name in logs, listings and metrics: group/slot.gen.
-func (f *Flow) Name() string { return fmt.Sprintf("%s/%d.%d", f.id.group, f.id.slot, f.Gen) }
+// Name is the flow's name in logs, listings and metrics: group/slot.gen in
+// a group region, group/pID/slot.gen in pair region ID.
+func (f *Flow) Name() string {
+	if f.id.region == 0 {
+		return fmt.Sprintf("%s/%d.%d", f.id.group, f.id.slot, f.Gen)
+	}
+	return fmt.Sprintf("%s/p%d/%d.%d", f.id.group, f.id.region, f.id.slot, f.Gen)
+}
 
 // flowsOfLocked counts g's flows, on either side.
 func (b *Broker) flowsOfLocked(g *Guest) int {
@@ -50,10 +59,15 @@ func (b *Broker) flowsOfLocked(g *Guest) int {
 	return n
 }
 
-// flowLocked finds flow (slot, gen) of group g; nil if it is gone.
-func (b *Broker) flowLocked(g *Group, slot int, gen uint64) *Flow {
-	f := b.flows[flowID{g.Name, slot}]
-	if f == nil || f.Gen != gen {
+// flowLocked finds the flow that guest g names in a message (region, slot,
+// generation); nil if it is gone or is in a region g is not in.
+func (b *Broker) flowLocked(g *Guest, m proto.Msg) *Flow {
+	r := b.regionOfLocked(g, m.RegionID)
+	if r == nil {
+		return nil
+	}
+	f := b.flows[flowID{r.Group.Name, r.ID, int(m.Slot)}]
+	if f == nil || f.Gen != m.Gen || f.Region != r {
 		return nil
 	}
 	return f
@@ -63,7 +77,7 @@ func (b *Broker) flowLocked(g *Group, slot int, gen uint64) *Flow {
 func (b *Broker) CloseFlow(s Session, m proto.Msg) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	f := b.flowLocked(s.Guest().Group, int(m.Slot), m.Gen)
+	f := b.flowLocked(s.Guest(), m)
 	if f == nil {
 		return
 	}
@@ -76,18 +90,21 @@ func (b *Broker) CloseFlow(s Session, m proto.Msg) {
 }
 
 // releaseLocked gives up side of f: the region frees the slot once both
-// sides released it.
+// sides released it. The side's session no longer holds f's region; when it
+// holds none of its flows there, it gets UNREGION.
 func (b *Broker) releaseLocked(f *Flow, side uint32) {
 	if side == region.SideA {
+		b.unholdLocked(f.sessA, f.Region)
 		f.sessA = nil
 	} else {
+		b.unholdLocked(f.sessB, f.Region)
 		f.sessB = nil
 	}
 	f.released |= side
-	freed, err := f.Group.Pool.Release(f.id.slot, f.Gen, side)
+	freed, err := f.Region.Pool.Release(f.id.slot, f.Gen, side)
 	if err != nil {
 		b.log.Warn("release failed; freeing the slot", "flow", f.Name(), "error", err)
-		_ = f.Group.Pool.Free(f.id.slot, f.Gen)
+		_ = f.Region.Pool.Free(f.id.slot, f.Gen)
 		freed = true
 	}
 	if !freed {
@@ -97,6 +114,7 @@ func (b *Broker) releaseLocked(f *Flow, side uint32) {
 	if b.byKey[f.Key] == f {
 		delete(b.byKey, f.Key)
 	}
+	b.flowFreedLocked(f)
 	state := "ready"
 	if f.Revoked != proto.ReasonNone {
 		state = "revoked"
@@ -116,10 +134,10 @@ func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
 	b.m.Revokes.WithLabelValues(reason.String()).Inc()
 	b.m.Flows.WithLabelValues("ready", "direct").Dec()
 	b.m.Flows.WithLabelValues("revoked", "direct").Inc()
-	if err := f.Group.Pool.Revoke(f.id.slot, f.Gen, uint32(reason)); err != nil {
+	if err := f.Region.Pool.Revoke(f.id.slot, f.Gen, uint32(reason)); err != nil {
 		b.log.Warn("revoke in region failed", "flow", f.Name(), "error", err)
 	}
-	msg := proto.Msg{Type: proto.Revoke, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: reason}
+	msg := proto.Msg{Type: proto.Revoke, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: reason}
 	for _, s := range []Session{f.sessA, f.sessB} {
 		if s != nil {
 			s.Send(msg)

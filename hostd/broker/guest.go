@@ -3,8 +3,10 @@ package broker
 import (
 	"fmt"
 	"net/netip"
+	"slices"
 	"sync/atomic"
 
+	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
@@ -15,11 +17,17 @@ type Guest struct {
 	Name    string
 	ID      uint32
 	Group   *Group
-	CTMark  uint32 // 0: not checked
+	CTMark  uint32 // the operator's mark, outside Options.MarkMask; 0: not checked
+	Mark    uint32 // hostd's mark id in Options.MarkMask, as its connections carry it (hostd/mark); 0: none
 	Ifindex int    // host-side interface, for the eBPF witness; 0: none
 	Source  string // where it was declared: "config" or "libvirt"
+	// SharedRegion guests (VMs, whose ivshmem BAR takes no descriptor)
+	// have their flows with each other in the group's region. The others
+	// get a region per peer (see Broker.UsePairRegions).
+	SharedRegion bool
 
 	addrs atomic.Pointer[Addrs] // what it owns; swapped whole
+	ctl   usage                 // what it holds of the control plane (limits.go)
 }
 
 // Addrs is what a guest owns: the prefixes routed to it (single addresses
@@ -30,7 +38,72 @@ type Addrs struct {
 }
 
 // SetAddrs replaces the addresses the guest owns. Safe for concurrent use.
+// Once the guest is registered, use Broker.SetAddrs, which refuses
+// addresses another guest owns.
 func (g *Guest) SetAddrs(a Addrs) { g.addrs.Store(&a) }
+
+// Overlap returns a prefix that both a and o own, if there is one: two
+// overlapping prefixes share the longer one, which counts unless it is a
+// single address that either side excepts.
+func (a *Addrs) Overlap(o *Addrs) (netip.Prefix, bool) {
+	if a == nil || o == nil {
+		return netip.Prefix{}, false
+	}
+	for _, p := range a.Prefixes {
+		for _, q := range o.Prefixes {
+			if !p.Overlaps(q) {
+				continue
+			}
+			both := p
+			if q.Bits() > p.Bits() {
+				both = q
+			}
+			if both.IsSingleIP() && (slices.Contains(a.Except, both.Addr()) || slices.Contains(o.Except, both.Addr())) {
+				continue
+			}
+			return both, true
+		}
+	}
+	return netip.Prefix{}, false
+}
+
+// CheckOverlaps refuses guests that own an address in common: hostd could
+// not tell whose a connection from it is. The error names both guests and
+// the prefix.
+func CheckOverlaps(gs []*Guest) error {
+	for i, g := range gs {
+		for _, o := range gs[:i] {
+			if err := overlapError(g, g.addrs.Load(), o); err != nil {
+				return err
+			}
+		}
+	}
+	return nil
+}
+
+func overlapError(g *Guest, a *Addrs, o *Guest) error {
+	if p, ok := a.Overlap(o.addrs.Load()); ok {
+		return fmt.Errorf("guest %s and guest %s both own %s: give each guest its own addresses (routes to its interface, or addresses)", g.Name, o.Name, p)
+	}
+	return nil
+}
+
+// SetAddrs replaces the addresses registered guest g owns, unless another
+// guest owns one of them.
+func (b *Broker) SetAddrs(g *Guest, a Addrs) error {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, o := range b.guests {
+		if o == g {
+			continue
+		}
+		if err := overlapError(g, &a, o); err != nil {
+			return err
+		}
+	}
+	g.SetAddrs(a)
+	return nil
+}
 
 // Prefixes returns the prefixes the guest owns.
 func (g *Guest) Prefixes() []netip.Prefix {
@@ -60,21 +133,29 @@ func (g *Guest) Owns(a netip.Addr) bool {
 	return false
 }
 
-// Group is a trust group and its region. It is not changed after New.
+// Group is a trust group and its region. It is not changed after New,
+// except zero, which the broker sets under its mutex.
 type Group struct {
 	Name   string
-	Region string // path, for WELCOME
-	Pool   *region.Pool
+	Region string       // path of the group region, for WELCOME
+	Pool   *region.Pool // the group region: region 0 of its SharedRegion guests
+	Quota  Quota        // each guest's share of ring memory
+
+	zero *Region
 }
 
 // AddGuest registers a guest that appeared while hostd runs (a libvirt
-// domain that started). Its name and ID must be new.
+// domain that started). Its name and ID must be new, and it must own no
+// address another guest owns.
 func (b *Broker) AddGuest(g *Guest) error {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	for _, o := range b.guests {
 		if o.Name == g.Name || o.ID == g.ID {
 			return fmt.Errorf("guest %s (id %d) clashes with guest %s (id %d)", g.Name, g.ID, o.Name, o.ID)
+		}
+		if err := overlapError(g, g.addrs.Load(), o); err != nil {
+			return err
 		}
 	}
 	b.guests = append(b.guests, g)
@@ -125,13 +206,18 @@ func (b *Broker) guestByID(id uint32) *Guest {
 // sessionState is what the broker keeps per session.
 type sessionState struct {
 	listens map[netip.AddrPort]bool
+	halves  map[*half]bool // its OPENs waiting for their peer
 }
 
 // Attach registers a new session of a guest.
 func (b *Broker) Attach(s Session) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	b.sessions[s] = &sessionState{listens: map[netip.AddrPort]bool{}}
+	if b.sessions[s] != nil {
+		return
+	}
+	b.sessions[s] = &sessionState{listens: map[netip.AddrPort]bool{}, halves: map[*half]bool{}}
+	s.Guest().ctl.sessions++
 }
 
 // Detach removes a session whose guest went away: its listeners and waiting
@@ -144,12 +230,18 @@ func (b *Broker) Detach(s Session) {
 	if b.closed {
 		return
 	}
+	st := b.sessions[s]
+	if st == nil {
+		return
+	}
 	delete(b.sessions, s)
-	for k, h := range b.waiting {
-		if h.sess == s {
-			h.timer.Stop()
-			delete(b.waiting, k)
-		}
+	g := s.Guest()
+	g.ctl.sessions--
+	for a := range st.listens {
+		b.unlistenLocked(g, st, a)
+	}
+	for h := range st.halves {
+		b.unwaitLocked(h)
 	}
 	for _, f := range b.flows {
 		if f.sessA == s {
@@ -162,36 +254,50 @@ func (b *Broker) Detach(s Session) {
 }
 
 // Listen records that s accepts connections on addr (the unspecified
-// address means all of the guest's addresses).
+// address means all of the guest's addresses). A LISTEN over the session's
+// or the guest's limit is ignored and counted: connections to it stay on
+// TCP (no-listener), as if the guest had not announced it.
 func (b *Broker) Listen(s Session, addr netip.AddrPort, on bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if st := b.sessions[s]; st != nil {
-		if on {
-			st.listens[addr] = true
-		} else {
-			delete(st.listens, addr)
+	st := b.sessions[s]
+	if st == nil {
+		return
+	}
+	g := s.Guest()
+	switch {
+	case !on:
+		if st.listens[addr] {
+			b.unlistenLocked(g, st, addr)
 		}
+	case st.listens[addr]:
+	case len(st.listens) >= b.opts.Limits.ListensPerSession:
+		b.Limited(g, metrics.LimitListens, b.opts.Limits.ListensPerSession)
+	case g.ctl.nlistens >= b.opts.Limits.ListensPerGuest:
+		b.Limited(g, metrics.LimitListens, b.opts.Limits.ListensPerGuest)
+	default:
+		st.listens[addr] = true
+		if g.ctl.listens == nil {
+			g.ctl.listens = map[netip.AddrPort]int{}
+		}
+		g.ctl.listens[addr]++
+		g.ctl.nlistens++
+	}
+}
+
+func (b *Broker) unlistenLocked(g *Guest, st *sessionState, addr netip.AddrPort) {
+	delete(st.listens, addr)
+	g.ctl.nlistens--
+	if g.ctl.listens[addr]--; g.ctl.listens[addr] <= 0 {
+		delete(g.ctl.listens, addr)
 	}
 }
 
 // listeningLocked reports whether any session of g listens on addr.
 func (b *Broker) listeningLocked(g *Guest, addr netip.AddrPort) bool {
-	any4 := netip.AddrPortFrom(netip.IPv4Unspecified(), addr.Port())
-	any6 := netip.AddrPortFrom(netip.IPv6Unspecified(), addr.Port())
-	for s, st := range b.sessions {
-		if s.Guest() == g && (st.listens[addr] || st.listens[any4] || st.listens[any6]) {
-			return true
-		}
-	}
-	return false
+	l := g.ctl.listens
+	return l[addr] > 0 || l[netip.AddrPortFrom(netip.IPv4Unspecified(), addr.Port())] > 0 ||
+		l[netip.AddrPortFrom(netip.IPv6Unspecified(), addr.Port())] > 0
 }
 
-func (b *Broker) hasSessionLocked(g *Guest) bool {
-	for s := range b.sessions {
-		if s.Guest() == g {
-			return true
-		}
-	}
-	return false
-}
+func (b *Broker) hasSessionLocked(g *Guest) bool { return g.ctl.sessions > 0 }

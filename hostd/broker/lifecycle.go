@@ -93,23 +93,53 @@ func (b *Broker) Revoke(name string) bool {
 	return false
 }
 
-// Adopt rebuilds the flows of group g from its region after a hostd
-// restart. The flows keep running; their guests have grace to reconnect and
-// REATTACH, after which any side still missing counts as gone.
+// Adopt rebuilds the flows of group g from its region's pool after a hostd
+// restart (the pool was adopted from hostd's shadow of the region, never
+// from the directory guests can write). The flows keep running; their
+// guests have grace to reconnect and REATTACH, after which any side still
+// missing counts as gone. Pair regions are adopted with AdoptPair before,
+// and their flows get the same grace.
 func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	if g.Pool != nil {
+		b.adoptLocked(b.zeroLocked(g))
+	}
 	n := 0
-	for _, s := range g.Pool.Live() {
+	for _, f := range b.flows {
+		if f.Group == g && f.adopted {
+			n++
+		}
+	}
+	if n > 0 {
+		b.wg.Add(1)
+		time.AfterFunc(grace, func() {
+			defer b.wg.Done()
+			b.graceOver(g)
+		})
+	}
+	return n
+}
+
+// adoptLocked rebuilds the flows of region r from its pool: a slot whose
+// owners are not guests of r (its group's, or its pair) is revoked and
+// freed. It returns how many flows it adopted.
+func (b *Broker) adoptLocked(r *Region) int {
+	n := 0
+	for _, s := range r.Pool.Live() {
 		ga, gb := b.guestByID(s.OwnerA), b.guestByID(s.OwnerB)
-		if ga == nil || gb == nil || ga.Group != g || gb.Group != g {
-			b.log.Warn("adopted slot names unknown guests; freeing it", "group", g.Name, "slot", s.Index)
-			_ = g.Pool.Revoke(s.Index, s.Gen, uint32(proto.ReasonInternal))
-			_ = g.Pool.Free(s.Index, s.Gen)
+		ok := ga != nil && gb != nil && ga.Group == r.Group && gb.Group == r.Group
+		if r.ID != 0 {
+			ok = ok && (ga == r.A || ga == r.B) && (gb == r.A || gb == r.B)
+		}
+		if !ok {
+			b.log.Warn("adopted slot names guests that are not the region's; freeing it", "region", r.Name(), "slot", s.Index)
+			_ = r.Pool.Revoke(s.Index, s.Gen, uint32(proto.ReasonInternal))
+			_ = r.Pool.Free(s.Index, s.Gen)
 			continue
 		}
 		f := &Flow{
-			id: flowID{g.Name, s.Index}, Gen: s.Gen, Group: g, GuestA: ga, GuestB: gb,
+			id: flowID{r.Group.Name, r.ID, s.Index}, Gen: s.Gen, Group: r.Group, Region: r, GuestA: ga, GuestB: gb,
 			Orig: ctrack.Tuple{Src: s.Src, Dst: s.Dst}, Capacity: s.Capacity,
 			Created: time.Unix(0, s.Created), Rule: "adopted", adopted: true,
 			released: s.Released,
@@ -121,14 +151,8 @@ func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 			b.m.Flows.WithLabelValues("ready", "direct").Inc()
 		}
 		b.flows[f.id] = f
+		b.flowAddedLocked(f)
 		n++
-	}
-	if n > 0 {
-		b.wg.Add(1)
-		time.AfterFunc(grace, func() {
-			defer b.wg.Done()
-			b.graceOver(g)
-		})
 	}
 	return n
 }
@@ -162,20 +186,26 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	g := s.Guest()
-	f := b.flowLocked(g.Group, int(m.Slot), m.Gen)
+	f := b.flowLocked(g, m)
 	ok := f != nil && (m.Side == proto.SideA && f.GuestA == g && f.released&region.SideA == 0 ||
 		m.Side == proto.SideB && f.GuestB == g && f.released&region.SideB == 0)
 	if !ok {
-		s.Send(proto.Msg{Type: proto.Revoke, Slot: m.Slot, Gen: m.Gen, Reason: proto.ReasonPeerGone})
+		s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: proto.ReasonPeerGone})
 		return
 	}
+	// The guest kept its mapping of the region across the restart: no
+	// REGION again, but from now on its session holds the region.
+	sess := &f.sessB
 	if m.Side == proto.SideA {
-		f.sessA = s
-	} else {
-		f.sessB = s
+		sess = &f.sessA
+	}
+	if *sess != s {
+		b.unholdLocked(*sess, f.Region)
+		*sess = s
+		b.holdLocked(s, f.Region, false)
 	}
 	if f.Revoked != proto.ReasonNone {
-		s.Send(proto.Msg{Type: proto.Revoke, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
+		s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
 	}
 	b.log.Info("flow reattached", "flow", f.Name(), "guest", g.Name, "side", m.Side)
 }
@@ -186,7 +216,7 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 func (b *Broker) Kick(s Session, m proto.Msg) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	f := b.flowLocked(s.Guest().Group, int(m.Slot), m.Gen)
+	f := b.flowLocked(s.Guest(), m)
 	if f == nil {
 		return
 	}
@@ -198,6 +228,6 @@ func (b *Broker) Kick(s Session, m proto.Msg) {
 		to = f.sessA
 	}
 	if to != nil {
-		to.Send(proto.Msg{Type: proto.Kick, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
+		to.Send(proto.Msg{Type: proto.Kick, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
 	}
 }

@@ -5,59 +5,88 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
-// remembered is a verdict kept for a connection, so that its late side
-// gets the same one.
-type remembered struct {
-	reason proto.Reason
-	until  time.Time
-}
-
-// half is one side's OPEN, verified, waiting for the other side.
+// half is one side's OPEN, verified, waiting for the other side. While it
+// waits it counts as one of its guest's pending OPENs.
 type half struct {
 	sess  Session
 	req   uint32
 	role  proto.Role
 	entry ctrack.Entry
+	key   ctrack.Tuple // entry.Reply: where it waits in Broker.waiting
 	at    time.Time
 	timer *time.Timer
 
 	onTimeout proto.Reason // the verdict if the other side does not come
 }
 
+// intentLife is how long an INTENT is kept: the connect it announces may
+// take a while (SYN retries) before its OPEN comes.
+func (b *Broker) intentLife() time.Duration {
+	return b.opts.PairingTimeout + b.opts.LookupTimeout + 10*time.Second
+}
+
 // Intent records that s's guest is about to connect with tuple t. Intents
-// are only hints (a passive side waits for a peer that announced itself);
-// they grant nothing.
+// are only hints (a passive side waits for a peer that announced itself,
+// and an announced active side may wait for its conntrack entry to become
+// ESTABLISHED); they grant nothing. Each guest keeps at most
+// IntentsPerGuest: beyond, its oldest is dropped (that connection's OPENs
+// then go as without an INTENT). Expiry pops the guest's own queue, in
+// time order: no INTENT scans the others.
 func (b *Broker) Intent(s Session, t ctrack.Tuple) {
-	if !s.Guest().Owns(t.Src.Addr()) {
-		b.log.Debug("intent for an address the guest does not own; ignored", "guest", s.Guest().Name, "tuple", t)
+	g := s.Guest()
+	if !g.Owns(t.Src.Addr()) {
+		b.log.Debug("intent for an address the guest does not own; ignored", "guest", g.Name, "tuple", t)
 		return
 	}
+	now := time.Now()
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	now := time.Now()
-	for k, exp := range b.intents {
-		if now.After(exp) {
-			delete(b.intents, k)
-		}
+	q := &g.ctl.intents
+	q.expire(now)
+	if _, ok := q.items[t]; !ok && q.len() >= b.opts.Limits.IntentsPerGuest {
+		q.dropOldest()
+		b.Limited(g, metrics.LimitIntents, b.opts.Limits.IntentsPerGuest)
 	}
-	b.intents[t] = now.Add(b.opts.PairingTimeout + b.opts.LookupTimeout + 10*time.Second)
+	q.put(t, struct{}{}, now.Add(b.intentLife()))
+}
+
+// announced reports whether g sent an INTENT for t that is still kept.
+func (b *Broker) announced(g *Guest, t ctrack.Tuple) bool {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return g.ctl.intents.has(t, time.Now())
 }
 
 // Open handles an OPEN: it verifies the claim (one conntrack lookup, on the
 // caller's goroutine, so a session's messages stay in order) and then either
 // answers, pairs, or leaves the side waiting for its peer; the verdict goes
-// out on s.
+// out on s. An OPEN beyond the guest's PendingOpensPerGuest gets
+// TCP(control-limit) at once, before any lookup.
 func (b *Broker) Open(s Session, m proto.Msg) {
-	b.m.Opens.WithLabelValues(map[proto.Role]string{proto.Active: "active", proto.Passive: "passive"}[m.Role]).Inc()
-	b.open(s, m)
+	role := "passive"
+	if m.Role == proto.Active {
+		role = "active"
+	}
+	b.m.Opens.WithLabelValues(role).Inc()
+	g := s.Guest()
+	if !b.admitOpen(g) {
+		b.fallback(s, m.ReqID, proto.ReasonControlLimit)
+		return
+	}
+	if !b.open(s, m) {
+		g.ctl.pending.Add(-1)
+	}
 }
 
-func (b *Broker) open(s Session, m proto.Msg) {
+// open handles an admitted OPEN. It reports whether the OPEN waits for
+// its peer, and so still counts as pending (unwaitLocked ends that).
+func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	at := time.Now()
 	b.log.Trace("open", "guest", s.Guest().Name, "role", m.Role, "local", m.Local, "remote", m.Remote)
 	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}
@@ -65,36 +94,38 @@ func (b *Broker) open(s Session, m proto.Msg) {
 	if reason != proto.ReasonNone {
 		b.log.Debug("open refused", "guest", s.Guest().Name, "role", m.Role, "tuple", t, "reason", reason)
 		b.fallback(s, m.ReqID, reason)
-		return
-	}
-	h := &half{sess: s, req: m.ReqID, role: m.Role, entry: e, at: at}
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	if b.closed {
-		return
+		return false
 	}
 	key := e.Reply
-	if r, ok := b.remembered[key]; ok && time.Now().Before(r.until) {
-		b.fallbackLocked(s, m.ReqID, r.reason)
-		return
+	h := &half{sess: s, req: m.ReqID, role: m.Role, entry: e, key: key, at: at}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	st := b.sessions[s]
+	if b.closed || st == nil { // hostd stopping, or the session went meanwhile
+		return false
+	}
+	now := time.Now()
+	if r, ok := b.remembered.get(key, now); ok {
+		b.fallbackLocked(s, m.ReqID, r)
+		return false
 	}
 	other := b.waiting[key]
 	if other != nil && other.role == m.Role {
 		// A second OPEN of the same side for one connection: refuse it.
 		b.fallbackLocked(s, m.ReqID, proto.ReasonNotOwner)
-		return
+		return false
 	}
 	wait, onTimeout := b.opts.PairingTimeout, proto.ReasonTimeout
 	if m.Role == proto.Passive && other == nil {
-		if _, ok := b.intents[e.Orig]; !ok {
-			og := b.guestByAddr(e.Orig.Src.Addr())
+		og := b.guestByAddr(e.Orig.Src.Addr())
+		if og == nil || !og.ctl.intents.has(e.Orig, now) {
 			if og == nil || !b.hasSessionLocked(og) {
 				// An ordinary client: TCP at once. Remember it, so a late
 				// OPEN of the other side gets the same verdict.
 				b.log.Debug("passive open without intent", "guest", s.Guest().Name, "orig", e.Orig)
 				b.fallbackLocked(s, m.ReqID, proto.ReasonNoIntent)
 				b.rememberLocked(key, proto.ReasonNoIntent)
-				return
+				return false
 			}
 			// The connecting side is a Shunt guest whose INTENT may still be
 			// queued behind us (its session is served by another goroutine):
@@ -106,23 +137,26 @@ func (b *Broker) open(s Session, m proto.Msg) {
 		if reason := b.checkActiveLocked(s.Guest(), e); reason != proto.ReasonNone {
 			b.fallbackLocked(s, m.ReqID, reason)
 			if other != nil {
-				b.dropWaitingLocked(key, other, reason)
+				b.dropWaitingLocked(other, reason)
 			} else {
 				b.rememberLocked(key, reason)
 			}
-			return
+			return false
 		}
-		delete(b.intents, e.Orig)
+		s.Guest().ctl.intents.remove(e.Orig)
 	}
 	if other == nil {
 		h.onTimeout = onTimeout
-		h.timer = time.AfterFunc(wait, func() { b.timeout(key, h) })
+		h.timer = time.AfterFunc(wait, func() { b.timeout(h) })
 		b.waiting[key] = h
+		if h.role == proto.Passive {
+			b.waitingP[e.Orig] = h
+		}
+		st.halves[h] = true
 		b.log.Trace("open verified; waiting for the other side", "guest", s.Guest().Name, "took", time.Since(at))
-		return
+		return true
 	}
-	other.timer.Stop()
-	delete(b.waiting, key)
+	b.unwaitLocked(other)
 	a, p := h, other
 	if m.Role == proto.Passive {
 		a, p = other, h
@@ -132,6 +166,7 @@ func (b *Broker) open(s Session, m proto.Msg) {
 		start = p.at
 	}
 	b.pairLocked(a, p, start)
+	return false
 }
 
 // verify checks one side's claim, without the lock. It reuses the entry
@@ -146,7 +181,7 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 	if e, ok := b.otherSide(role, t); ok && b.claim(g, role, t, &e) == proto.ReasonNone {
 		return e, proto.ReasonNone
 	}
-	e, reason := b.lookup(t)
+	e, reason := b.lookup(t, role == proto.Active && b.announced(g, t))
 	if reason != proto.ReasonNone {
 		return e, reason
 	}
@@ -159,11 +194,14 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 //
 //   - neither end is a loopback address, and g owns t's source address;
 //   - t is e's original direction (active) or its reply direction (passive);
-//   - for the active side: e's mark is g's ct_mark, if g has one, and the
-//     witness, if on, saw the connection's SYN come in by g's interface.
+//   - for the active side: the connection came in by g's own interface:
+//     e's mark carries g's mark id (hostd/mark), the rest of e's mark is
+//     g's ct_mark if it has one, and the witness, if on, saw the
+//     connection's first SYN come in by g's interface (origin).
 //
 // With e nil it checks only the addresses, so that a claim that cannot hold
-// costs no conntrack lookup.
+// costs no conntrack lookup. The same check runs on an entry reused from
+// the other side's OPEN, so the order of the two OPENs changes nothing.
 func (b *Broker) claim(g *Guest, role proto.Role, t ctrack.Tuple, e *ctrack.Entry) proto.Reason {
 	switch {
 	case t.Src.Addr().IsLoopback() || t.Dst.Addr().IsLoopback():
@@ -183,12 +221,27 @@ func (b *Broker) claim(g *Guest, role proto.Role, t ctrack.Tuple, e *ctrack.Entr
 	if role != proto.Active {
 		return proto.ReasonNone
 	}
-	if g.CTMark != 0 && e.Mark != g.CTMark {
+	return b.origin(g, *e)
+}
+
+// origin checks that connection e came in by g's own interface, by the
+// proofs g has: its mark id, its ct_mark, the witness. A guest without an
+// interface has none of them, and its claims rest on its addresses alone.
+// A refusal is counted by the caller (not-owner) and logged at debug only,
+// since any guest can cause them.
+func (b *Broker) origin(g *Guest, e ctrack.Entry) proto.Reason {
+	mask := b.opts.MarkMask
+	if g.Mark != 0 && e.Mark&mask != g.Mark {
+		b.log.Debug("the connection does not carry the claiming guest's mark: it came in by another interface", "guest", g.Name, "tuple", e.Orig, "mark", e.Mark, "want", g.Mark, "mask", mask)
+		return proto.ReasonNotOwner
+	}
+	if g.CTMark != 0 && e.Mark&^mask != g.CTMark {
+		b.log.Debug("the connection does not carry the claiming guest's ct_mark", "guest", g.Name, "tuple", e.Orig, "mark", e.Mark, "want", g.CTMark)
 		return proto.ReasonNotOwner
 	}
 	if b.opts.Witness != nil && g.Ifindex != 0 {
-		if in, err := b.opts.Witness.Origin(t.Src, t.Dst); err != nil || in != g.Ifindex {
-			b.log.Warn("the connection's SYN did not come in by the claiming guest's interface", "guest", g.Name, "tuple", t, "ifindex", in, "error", err)
+		if in, err := b.opts.Witness.Origin(e.Orig.Src, e.Orig.Dst); err != nil || in != g.Ifindex {
+			b.log.Debug("the connection's SYN did not come in by the claiming guest's interface", "guest", g.Name, "tuple", e.Orig, "ifindex", in, "error", err)
 			return proto.ReasonNotOwner
 		}
 	}
@@ -205,14 +258,9 @@ func (b *Broker) otherSide(role proto.Role, t ctrack.Tuple) (ctrack.Entry, bool)
 	case proto.Passive:
 		h = b.waiting[t] // B's view is the reply tuple itself
 	case proto.Active:
-		// A's reply tuple is unknown before a lookup; find a waiting
-		// passive side whose entry has t as its original direction.
-		for _, w := range b.waiting {
-			if w.role == proto.Passive && w.entry.Orig == t {
-				h = w
-				break
-			}
-		}
+		// A's reply tuple is unknown before a lookup; a waiting passive
+		// side is also indexed by its entry's original direction.
+		h = b.waitingP[t]
 	}
 	if h == nil || h.role == role {
 		return ctrack.Entry{}, false
@@ -220,10 +268,16 @@ func (b *Broker) otherSide(role proto.Role, t ctrack.Tuple) (ctrack.Entry, bool)
 	return h.entry, true
 }
 
-// lookup finds t's conntrack entry, retrying with backoff until the entry
-// is ESTABLISHED and assured (the handshake's last ACK may still be on its
-// way) or LookupTimeout has passed.
-func (b *Broker) lookup(t ctrack.Tuple) (ctrack.Entry, proto.Reason) {
+// lookup finds t's conntrack entry. Only an announced active side (its
+// guest sent an INTENT for t) retries, with backoff until the entry is
+// ESTABLISHED and assured or LookupTimeout has passed: its connect()
+// returned at the SYN-ACK, and the handshake's last ACK may still be on
+// its way. Everything else costs one lookup: a passive side's accept()
+// returned after that ACK passed conntrack, and a missing entry does not
+// appear later (it was made by the SYN), so neither is retried. A guest
+// can thus make hostd retry only for connections it announced, which its
+// INTENT limit bounds.
+func (b *Broker) lookup(t ctrack.Tuple, retry bool) (ctrack.Entry, proto.Reason) {
 	deadline := time.Now().Add(b.opts.LookupTimeout)
 	for delay, tries := 100*time.Microsecond, 1; ; delay, tries = min(2*delay, 10*time.Millisecond), tries+1 {
 		e, err := b.ct.Lookup(t)
@@ -233,7 +287,7 @@ func (b *Broker) lookup(t ctrack.Tuple) (ctrack.Entry, proto.Reason) {
 			}
 			return e, proto.ReasonNone
 		}
-		if time.Now().After(deadline) {
+		if !retry || errors.Is(err, ctrack.ErrNotFound) || time.Now().After(deadline) {
 			switch {
 			case errors.Is(err, ctrack.ErrNotFound):
 				return e, proto.ReasonNoConntrack
@@ -274,12 +328,30 @@ func (b *Broker) checkActiveLocked(g *Guest, e ctrack.Entry) proto.Reason {
 // and tells both.
 func (b *Broker) pairLocked(a, p *half, start time.Time) {
 	ga, gp := a.sess.Guest(), p.sess.Guest()
-	if gp.CTMark != 0 && p.entry.Mark != ga.CTMark && ga.CTMark != 0 {
+	if b.origin(ga, p.entry) != proto.ReasonNone { // the passive side's entry, too, came in by A's interface
 		b.failPairLocked(a, p, proto.ReasonNotOwner)
 		return
 	}
 	v := b.policy.Load().Decide(policy.Flow{From: a.entry.Orig.Src, To: a.entry.Reply.Src})
-	slot, e, err := ga.Group.Pool.Alloc(region.Request{
+	// The quota is the connecting guest's: what it opens is what it is
+	// charged for, so no guest can use up another's by connecting to it.
+	if b.overQuotaLocked(ga, v.RingSize) {
+		b.failPairLocked(a, p, proto.ReasonGuestQuota)
+		return
+	}
+	r, reason := b.regionForLocked(ga, gp)
+	if reason == proto.ReasonNone && (!canHand(a.sess, r) || !canHand(p.sess, r)) {
+		b.log.Warn("a session cannot take a region's descriptor", "a", ga.Name, "b", gp.Name)
+		reason = proto.ReasonInternal
+	}
+	if reason != proto.ReasonNone {
+		b.failPairLocked(a, p, reason)
+		if r != nil && r.flows == 0 && r.ID != 0 {
+			b.dropRegionLocked(r)
+		}
+		return
+	}
+	slot, e, err := r.Pool.Alloc(region.Request{
 		OwnerA: ga.ID, OwnerB: gp.ID, Src: a.entry.Orig.Src, Dst: a.entry.Orig.Dst,
 		Capacity: v.RingSize, Created: time.Now().UnixNano(),
 	})
@@ -288,18 +360,24 @@ func (b *Broker) pairLocked(a, p *half, start time.Time) {
 		if errors.Is(err, region.ErrFull) {
 			reason = proto.ReasonNoSpace
 		}
-		b.log.Warn("cannot allocate a ring pair", "group", ga.Group.Name, "error", err)
+		b.log.Warn("cannot allocate a ring pair", "region", r.Name(), "error", err)
 		b.failPairLocked(a, p, reason)
+		if r.flows == 0 && r.ID != 0 {
+			b.dropRegionLocked(r)
+		}
 		return
 	}
 	f := &Flow{
-		id: flowID{ga.Group.Name, slot}, Gen: e.Gen, Group: ga.Group, GuestA: ga, GuestB: gp,
+		id: flowID{r.Group.Name, r.ID, slot}, Gen: e.Gen, Group: r.Group, Region: r, GuestA: ga, GuestB: gp,
 		sessA: a.sess, sessB: p.sess, Orig: a.entry.Orig, Key: a.entry.Reply, CTID: a.entry.ID,
 		Capacity: e.Capacity, Created: time.Now(), Rule: v.Rule,
 	}
 	b.flows[f.id] = f
 	b.byKey[f.Key] = f
-	ready := proto.Msg{Type: proto.Ready, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
+	b.flowAddedLocked(f)
+	b.holdLocked(a.sess, r, true)
+	b.holdLocked(p.sess, r, true)
+	ready := proto.Msg{Type: proto.Ready, RegionID: r.ID, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
 		RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
 	ready.ReqID, ready.Side = a.req, proto.SideA
 	a.sess.Send(ready)
@@ -316,35 +394,53 @@ func (b *Broker) failPairLocked(a, p *half, reason proto.Reason) {
 	b.rememberLocked(a.entry.Reply, reason)
 }
 
-func (b *Broker) timeout(key ctrack.Tuple, h *half) {
+// timeout fires when h waited its bound (a runtime timer: the pairing
+// timeouts are a time-ordered queue that nothing scans).
+func (b *Broker) timeout(h *half) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed || b.waiting[key] != h {
+	if b.closed || b.waiting[h.key] != h {
 		return
 	}
-	b.dropWaitingLocked(key, h, h.onTimeout)
+	b.dropWaitingLocked(h, h.onTimeout)
 }
 
-func (b *Broker) dropWaitingLocked(key ctrack.Tuple, h *half, reason proto.Reason) {
-	h.timer.Stop()
-	delete(b.waiting, key)
+func (b *Broker) dropWaitingLocked(h *half, reason proto.Reason) {
+	b.unwaitLocked(h)
 	b.fallbackLocked(h.sess, h.req, reason)
-	b.rememberLocked(key, reason)
+	b.rememberLocked(h.key, reason)
 }
 
+// unwaitLocked takes h out of the waiting OPENs: its timer stops and it no
+// longer counts as its guest's pending OPEN. It is a no-op for an h that
+// no longer waits.
+func (b *Broker) unwaitLocked(h *half) {
+	if b.waiting[h.key] != h {
+		return
+	}
+	h.timer.Stop()
+	delete(b.waiting, h.key)
+	if b.waitingP[h.entry.Orig] == h {
+		delete(b.waitingP, h.entry.Orig)
+	}
+	if st := b.sessions[h.sess]; st != nil {
+		delete(st.halves, h)
+	}
+	h.sess.Guest().ctl.pending.Add(-1)
+}
+
+// rememberLocked keeps reason as the verdict for the connection whose
+// conntrack reply tuple is key, for RememberFor. Every verdict lives as
+// long, so the queue is in expiry order and expiring pops its front.
 func (b *Broker) rememberLocked(key ctrack.Tuple, reason proto.Reason) {
 	now := time.Now()
-	for k, r := range b.remembered {
-		if now.After(r.until) {
-			delete(b.remembered, k)
-		}
-	}
-	b.remembered[key] = remembered{reason, now.Add(b.opts.RememberFor)}
+	b.remembered.expire(now)
+	b.remembered.put(key, reason, now.Add(b.opts.RememberFor))
 }
 
+// fallback answers TCP(reason); it needs no lock (Send is safe for
+// concurrent use), so refusals never wait for the broker.
 func (b *Broker) fallback(s Session, req uint32, reason proto.Reason) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	b.fallbackLocked(s, req, reason)
 }
 

@@ -6,6 +6,7 @@ import (
 	"net/netip"
 	"os"
 	"path/filepath"
+	"slices"
 	"strings"
 	"time"
 
@@ -14,6 +15,7 @@ import (
 	"github.com/hashicorp/hcl/v2/hclparse"
 	"github.com/hashicorp/hcl/v2/hclsyntax"
 
+	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
 )
@@ -24,15 +26,42 @@ type Config struct {
 	LogLevel       string
 	LogFormat      string // "text" or "json"
 	AdminSocket    string
-	MetricsAddress string // "" disables the metrics listener
+	MetricsAddress string // host:port, or unix:/path for a Unix socket; "" disables the metrics listener
 	ConntrackNetns string // path of a netns whose conntrack table to use; "" = hostd's own
 	PairingTimeout time.Duration
 	ReattachGrace  time.Duration
-	Witness        bool     // eBPF witness of SYN origin on guest interfaces
+	Witness        bool     // eBPF witness of SYN origin on guest interfaces (Ownership witness or both)
+	Ownership      string   // how a guest proves a connection is its own: an Ownership* value
+	CTMarkMask     uint32   // the bits of the conntrack mark hostd sets (hostd/mark)
+	StateDir       string   // root-only: hostd's shadow of every region (region.Files)
+	RegionDir      string   // root-only: the regions of guest pairs
+	Limits         Limits   // what one guest may hold of the control plane
 	Libvirt        *Libvirt // nil: no libvirt integration
 	Groups         []Group
 	Guests         []Guest
 	Policy         policy.Spec
+}
+
+// Limits bound what one guest may hold of hostd's control plane, so that
+// no guest can starve the others (docs/config.md, "limits").
+type Limits struct {
+	SessionsPerGuest     int           // control sessions at once, over all its sockets
+	SessionsPerSecond    int           // new sessions a second hostd accepts from it
+	ListensPerSession    int           // LISTENs one session holds
+	ListensPerGuest      int           // LISTENs all its sessions hold
+	IntentsPerGuest      int           // INTENTs remembered; beyond, its oldest is dropped
+	PendingOpensPerGuest int           // OPENs being verified or waiting for their peer
+	OpensPerSecond       int           // OPENs a second (after a burst of as many)
+	Keepalive            time.Duration // hostd PINGs a session quiet this long
+	Silence              time.Duration // and closes one quiet this long
+}
+
+// DefaultLimits are the limits without a limits block: roomy for an MPI
+// job's all-to-all wire-up from a busy guest, small against a flood.
+var DefaultLimits = Limits{
+	SessionsPerGuest: 256, SessionsPerSecond: 100, ListensPerSession: 1024, ListensPerGuest: 4096,
+	IntentsPerGuest: 4096, PendingOpensPerGuest: 4096, OpensPerSecond: 5000,
+	Keepalive: 2 * time.Second, Silence: 10 * time.Second,
 }
 
 // Libvirt is where hostd finds libvirtd, whose running Shunt domains it
@@ -51,6 +80,38 @@ type Group struct {
 	// for QEMUs that libvirt runs as an unprivileged user (Debian:
 	// libvirt-qemu in group kvm).
 	RegionGroup string
+	// PairGeometry is the geometry of each region of two of the group's
+	// process guests (files in RegionDir, handed over as descriptors).
+	PairGeometry region.Geometry
+	// Quota bounds what the flows one guest opens may take, over all the
+	// regions it is in.
+	Quota Quota
+}
+
+// StateName is the name of the group's region in hostd's state directory
+// (region.Files): "group-" and the group's name, with any byte that is not
+// a letter, digit, '.', '_' or '-' written as %XX.
+func (g Group) StateName() string {
+	var b strings.Builder
+	b.WriteString("group-")
+	for i := 0; i < len(g.Name); i++ {
+		c := g.Name[i]
+		if c >= 'a' && c <= 'z' || c >= 'A' && c <= 'Z' || c >= '0' && c <= '9' || c == '.' || c == '_' || c == '-' {
+			b.WriteByte(c)
+		} else {
+			fmt.Fprintf(&b, "%%%02X", c)
+		}
+	}
+	return b.String()
+}
+
+// Quota is a per-guest share of ring memory: the flows a guest opens (as
+// the connecting side) may hold at most RingBytes of ring pairs (both
+// directions and their headers, in whole chunks) and Flows slots, over all
+// the regions it is in. Beyond, its connections get TCP(guest-quota).
+type Quota struct {
+	RingBytes int64
+	Flows     int
 }
 
 // Guest is one guest (a VM or a process guest) and its control channel.
@@ -63,6 +124,11 @@ type Guest struct {
 	Addresses []netip.Addr // addresses the guest owns
 	Interface string       // host-side interface; its addresses' peers are learned with netlink
 	CTMark    uint32       // if non-zero, conntrack entries from this guest carry this mark
+	// SharedRegion puts the guest's flows with the group's other
+	// SharedRegion guests in the trust group's region (region 0), which it
+	// maps by path: for VMs, whose ivshmem BAR can take no descriptor.
+	// Otherwise (process guests) each peer pair gets its own region.
+	SharedRegion bool
 }
 
 type file struct {
@@ -74,7 +140,12 @@ type file struct {
 	PairingTimeout string        `hcl:"pairing_timeout,optional"`
 	ReattachGrace  string        `hcl:"reattach_grace,optional"`
 	Witness        bool          `hcl:"witness,optional"`
+	Ownership      string        `hcl:"ownership,optional"`
+	CTMarkMask     string        `hcl:"ct_mark_mask,optional"`
+	StateDir       string        `hcl:"state_dir,optional"`
+	RegionDir      string        `hcl:"region_dir,optional"`
 	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
+	Limits         *limitsBlock  `hcl:"limits,block"`
 	Groups         []groupBlock  `hcl:"trust_group,block"`
 	Guests         []guestBlock  `hcl:"guest,block"`
 	Policy         *policy.Spec  `hcl:"policy,block"`
@@ -86,12 +157,28 @@ type libvirtBlock struct {
 	URI    string `hcl:"uri,optional"`
 }
 
+type limitsBlock struct {
+	SessionsPerGuest     *int   `hcl:"sessions_per_guest,optional"`
+	SessionsPerSecond    *int   `hcl:"sessions_per_second,optional"`
+	ListensPerSession    *int   `hcl:"listens_per_session,optional"`
+	ListensPerGuest      *int   `hcl:"listens_per_guest,optional"`
+	IntentsPerGuest      *int   `hcl:"intents_per_guest,optional"`
+	PendingOpensPerGuest *int   `hcl:"pending_opens_per_guest,optional"`
+	OpensPerSecond       *int   `hcl:"opens_per_second,optional"`
+	Keepalive            string `hcl:"keepalive,optional"`
+	Silence              string `hcl:"silence,optional"`
+}
+
 type groupBlock struct {
 	Name       string `hcl:"name,label"`
 	Region     string `hcl:"region,optional"`
 	RegionSize string `hcl:"region_size,optional"`
 	Slots      int    `hcl:"slots,optional"`
 	Owner      string `hcl:"region_group,optional"`
+	PairSize   string `hcl:"pair_region_size,optional"`
+	PairSlots  int    `hcl:"pair_slots,optional"`
+	RingBytes  string `hcl:"guest_ring_bytes,optional"`
+	Flows      int    `hcl:"guest_flows,optional"`
 }
 
 type guestBlock struct {
@@ -103,6 +190,8 @@ type guestBlock struct {
 	Addresses []string `hcl:"addresses,optional"`
 	Interface string   `hcl:"interface,optional"`
 	CTMark    int      `hcl:"ct_mark,optional"`
+	// SharedRegion: see Guest.
+	SharedRegion bool `hcl:"shared_region,optional"`
 }
 
 // Load reads and validates the configuration at path.
@@ -128,7 +217,7 @@ func Parse(name string, src []byte) (*Config, error) {
 	c := &Config{
 		Path: name, LogLevel: or(raw.LogLevel, "info"), LogFormat: or(raw.LogFormat, "text"),
 		AdminSocket: or(raw.AdminSocket, "/run/shunt/admin.sock"), MetricsAddress: "127.0.0.1:9469",
-		ConntrackNetns: raw.ConntrackNetns, Witness: raw.Witness,
+		ConntrackNetns: raw.ConntrackNetns,
 	}
 	if raw.MetricsAddress != nil {
 		c.MetricsAddress = *raw.MetricsAddress
@@ -148,6 +237,24 @@ func Parse(name string, src []byte) (*Config, error) {
 	}
 	if c.ReattachGrace, err = duration(raw.ReattachGrace, 5*time.Second); err != nil {
 		return nil, fmt.Errorf("%s", at("reattach_grace: "+err.Error()))
+	}
+	if err := c.ownership(raw); err != nil {
+		return nil, fmt.Errorf("%s", at(err.Error()))
+	}
+	if c.Limits, err = limits(raw.Limits); err != nil {
+		return nil, fmt.Errorf("%s", at("limits: "+err.Error()))
+	}
+	if err := checkMetricsAddress(c.MetricsAddress); err != nil {
+		return nil, fmt.Errorf("%s", at("metrics_address: "+err.Error()))
+	}
+	c.StateDir, c.RegionDir = or(raw.StateDir, "/run/shunt/state"), or(raw.RegionDir, "/run/shunt/regions")
+	for _, d := range []struct{ name, path string }{{"state_dir", c.StateDir}, {"region_dir", c.RegionDir}} {
+		if !filepath.IsAbs(d.path) || filepath.Clean(d.path) == "/" {
+			return nil, fmt.Errorf("%s", at(fmt.Sprintf("%s %q: want an absolute path of a directory of hostd's own", d.name, d.path)))
+		}
+	}
+	if filepath.Clean(c.StateDir) == filepath.Clean(c.RegionDir) {
+		return nil, fmt.Errorf("%s", at("state_dir and region_dir are one directory: give each its own"))
 	}
 	lines := blockLines(f.Body)
 	groups := map[string]bool{}
@@ -169,6 +276,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		if _, err := region.LayoutFor(grp.Geometry); err != nil {
 			return nil, fmt.Errorf("%s: %w", where, err)
 		}
+		if err := pairAndQuota(&grp, g); err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
+		}
 		c.Groups = append(c.Groups, grp)
 	}
 	if l := raw.Libvirt; l != nil {
@@ -181,6 +291,7 @@ func Parse(name string, src []byte) (*Config, error) {
 		}
 	}
 	ids, socks := map[int]string{}, map[string]string{}
+	ifaces, owners := map[string]string{}, map[netip.Addr]string{}
 	for _, g := range raw.Guests {
 		where := at(fmt.Sprintf("guest %q (line %d)", g.Name, lines["guest."+g.Name]))
 		if !groups[g.Group] {
@@ -200,16 +311,34 @@ func Parse(name string, src []byte) (*Config, error) {
 		if g.Ports < 0 || g.Ports > 30 {
 			return nil, fmt.Errorf("%s: control_ports %d: want 1 to 30", where, g.Ports)
 		}
-		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Ports: max(g.Ports, 1), Interface: g.Interface, CTMark: uint32(g.CTMark)}
+		if g.Ports > c.Limits.SessionsPerGuest {
+			return nil, fmt.Errorf("%s: control_ports %d is more than limits.sessions_per_guest %d: raise the limit", where, g.Ports, c.Limits.SessionsPerGuest)
+		}
+		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Ports: max(g.Ports, 1), Interface: g.Interface, CTMark: uint32(g.CTMark),
+			SharedRegion: g.SharedRegion}
 		for _, s := range g.Addresses {
 			a, err := netip.ParseAddr(s)
 			if err != nil {
 				return nil, fmt.Errorf("%s: address %q: %w", where, s, err)
 			}
+			a = a.Unmap()
+			if other, ok := owners[a]; ok && other != g.Name {
+				return nil, fmt.Errorf("%s: address %s is already guest %q's: two guests cannot own one address (hostd could not tell whose a connection is)", where, a, other)
+			}
+			owners[a] = g.Name
 			gu.Addresses = append(gu.Addresses, a)
 		}
 		if len(gu.Addresses) == 0 && gu.Interface == "" {
 			return nil, fmt.Errorf("%s: give addresses, or an interface to learn them from", where)
+		}
+		if gu.Interface != "" {
+			if other, ok := ifaces[gu.Interface]; ok {
+				return nil, fmt.Errorf("%s: interface %s is already guest %q's: a connection that comes in by it can be only one guest's", where, gu.Interface, other)
+			}
+			ifaces[gu.Interface] = g.Name
+		}
+		if err := c.checkCTMark(g.CTMark); err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
 		}
 		c.Guests = append(c.Guests, gu)
 	}
@@ -226,10 +355,145 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, err
 		}
 	}
-	if _, err := policy.Compile(c.Policy); err != nil {
+	tab, err := policy.Compile(c.Policy)
+	if err != nil {
 		return nil, fmt.Errorf("%s: %w", name, err)
 	}
+	for i := range c.Groups {
+		g := &c.Groups[i]
+		if err := checkQuota(g, c.Policy, tab); err != nil {
+			return nil, fmt.Errorf("%s", at(fmt.Sprintf("trust_group %q (line %d): %v", g.Name, lines["trust_group."+g.Name], err)))
+		}
+	}
 	return c, nil
+}
+
+// Defaults of a trust group's pair regions.
+const (
+	DefaultPairRegionSize = 16 << 20
+	DefaultPairSlots      = 256
+)
+
+// pairAndQuota reads a trust group's pair region geometry and the quota as
+// given (0: the default, which checkQuota fills in once the policy is
+// known).
+func pairAndQuota(grp *Group, g groupBlock) error {
+	size, err := policy.ParseSize(or(g.PairSize, "16MiB"))
+	if err != nil {
+		return fmt.Errorf("pair_region_size: %w", err)
+	}
+	grp.PairGeometry = region.Geometry{Size: size, Slots: g.PairSlots}
+	if g.PairSlots == 0 {
+		grp.PairGeometry.Slots = DefaultPairSlots
+	}
+	if _, err := region.LayoutFor(grp.PairGeometry); err != nil {
+		return fmt.Errorf("pair regions: %w", err)
+	}
+	if g.RingBytes != "" {
+		if grp.Quota.RingBytes, err = policy.ParseSize(g.RingBytes); err != nil {
+			return fmt.Errorf("guest_ring_bytes: %w", err)
+		}
+		if grp.Quota.RingBytes <= 0 {
+			return fmt.Errorf("guest_ring_bytes %q: want a size, e.g. \"16MiB\"", g.RingBytes)
+		}
+	}
+	if g.Flows < 0 {
+		return fmt.Errorf("guest_flows %d: want 1 or more", g.Flows)
+	}
+	grp.Quota.Flows = g.Flows
+	return nil
+}
+
+// checkQuota fills in the defaults of a trust group's quota and checks it,
+// and the pair regions, against the policy: one flow of every ring_size the
+// policy can choose must fit a guest's quota and a pair region, and
+// guest_flows above max_flows_per_guest would never bind. The default quota
+// is a quarter of the group region's bytes and slots (but at least one
+// flow of the largest ring), so that one guest leaves most of the region to
+// the others.
+func checkQuota(g *Group, spec policy.Spec, tab *policy.Table) error {
+	rings := []int{policy.DefaultRingSize}
+	if spec.RingSize != "" {
+		rings[0], _ = policy.ParseRingSize(spec.RingSize) // Compile checked it
+	}
+	for _, r := range spec.Rules {
+		if r.RingSize != "" {
+			n, _ := policy.ParseRingSize(r.RingSize)
+			rings = append(rings, n)
+		}
+	}
+	largest := slices.Max(rings)
+	pair := region.PairSize(largest)
+	if g.Quota.RingBytes == 0 {
+		g.Quota.RingBytes = max(g.Geometry.Size/4, pair)
+	}
+	if g.Quota.RingBytes < pair {
+		return fmt.Errorf("guest_ring_bytes %d is less than one flow of ring_size %d takes (%d bytes: two rings and their headers): raise it, or lower ring_size", g.Quota.RingBytes, largest, pair)
+	}
+	maxFlows := tab.MaxFlowsPerGuest()
+	if g.Quota.Flows == 0 {
+		g.Quota.Flows = max(1, min(g.Geometry.Slots/4, maxFlows))
+	}
+	if g.Quota.Flows > maxFlows {
+		return fmt.Errorf("guest_flows %d is more than the policy's max_flows_per_guest %d, which binds first: lower it", g.Quota.Flows, maxFlows)
+	}
+	if l, _ := region.LayoutFor(g.PairGeometry); l.HeapSize < pair {
+		return fmt.Errorf("pair_region_size %d holds no flow of ring_size %d (%d bytes): raise it, or lower ring_size", g.PairGeometry.Size, largest, pair)
+	}
+	return nil
+}
+
+// Ways a guest proves that a connection is its own, beyond owning its
+// source address (docs/config.md, "ownership").
+const (
+	OwnershipMark      = "mark"      // hostd's nftables table marks each guest's new connections (hostd/mark)
+	OwnershipWitness   = "witness"   // the eBPF witness records each SYN's interface (hostd/witness)
+	OwnershipBoth      = "both"      // both must agree
+	OwnershipAddresses = "addresses" // the source address alone: proof turned off
+)
+
+// Marks reports whether hostd marks the guests' connections.
+func (c *Config) Marks() bool { return c.Ownership == OwnershipMark || c.Ownership == OwnershipBoth }
+
+// ownership reads ownership, the old witness switch and ct_mark_mask.
+func (c *Config) ownership(raw file) error {
+	c.Ownership = raw.Ownership
+	switch {
+	case raw.Witness && c.Ownership != "":
+		return fmt.Errorf("witness = true is the old spelling of ownership = %q: give ownership only", OwnershipBoth)
+	case raw.Witness:
+		c.Ownership = OwnershipBoth
+	case c.Ownership == "":
+		c.Ownership = OwnershipMark
+	}
+	switch c.Ownership {
+	case OwnershipMark, OwnershipWitness, OwnershipBoth, OwnershipAddresses:
+	default:
+		return fmt.Errorf("ownership %q: want %q (hostd marks each guest's connections; the default), %q (eBPF), %q or %q (the source address alone)",
+			c.Ownership, OwnershipMark, OwnershipWitness, OwnershipBoth, OwnershipAddresses)
+	}
+	c.Witness = c.Ownership == OwnershipWitness || c.Ownership == OwnershipBoth
+	c.CTMarkMask = mark.DefaultMask
+	if raw.CTMarkMask != "" {
+		m, err := mark.ParseMask(raw.CTMarkMask)
+		if err != nil {
+			return fmt.Errorf("ct_mark_mask: %w", err)
+		}
+		c.CTMarkMask = m
+	}
+	return nil
+}
+
+// checkCTMark checks a guest's ct_mark, the mark an operator's rule sets on
+// its connections: checked as before, outside the bits hostd sets.
+func (c *Config) checkCTMark(m int) error {
+	switch {
+	case m < 0 || m > 1<<32-1:
+		return fmt.Errorf("ct_mark %d: want 0 to 4294967295", m)
+	case c.Marks() && uint32(m)&c.CTMarkMask != 0:
+		return fmt.Errorf("ct_mark %#x uses bits of ct_mark_mask %#08x, which hostd now sets itself (it marks each guest's connections at ingress): drop ct_mark and the rule that sets it, or move ct_mark_mask to other bits", m, c.CTMarkMask)
+	}
+	return nil
 }
 
 // LoadPolicy reads a policy file: the body of a policy block.
@@ -287,6 +551,67 @@ func diagError(diags hcl.Diagnostics) error {
 		errs = append(errs, fmt.Errorf("%s%s; %s", pos, d.Summary, d.Detail))
 	}
 	return errors.Join(errs...)
+}
+
+// limits applies a limits block over DefaultLimits and checks it.
+func limits(l *limitsBlock) (Limits, error) {
+	out := DefaultLimits
+	if l == nil {
+		return out, nil
+	}
+	for _, n := range []struct {
+		name string
+		v    *int
+		to   *int
+	}{
+		{"sessions_per_guest", l.SessionsPerGuest, &out.SessionsPerGuest},
+		{"sessions_per_second", l.SessionsPerSecond, &out.SessionsPerSecond},
+		{"listens_per_session", l.ListensPerSession, &out.ListensPerSession},
+		{"listens_per_guest", l.ListensPerGuest, &out.ListensPerGuest},
+		{"intents_per_guest", l.IntentsPerGuest, &out.IntentsPerGuest},
+		{"pending_opens_per_guest", l.PendingOpensPerGuest, &out.PendingOpensPerGuest},
+		{"opens_per_second", l.OpensPerSecond, &out.OpensPerSecond},
+	} {
+		if n.v == nil {
+			continue
+		}
+		if *n.v < 1 || *n.v > 1<<20 {
+			return out, fmt.Errorf("%s %d: want 1 to %d", n.name, *n.v, 1<<20)
+		}
+		*n.to = *n.v
+	}
+	var err error
+	if out.Keepalive, err = duration(l.Keepalive, out.Keepalive); err != nil {
+		return out, fmt.Errorf("keepalive: %w", err)
+	}
+	if out.Silence, err = duration(l.Silence, out.Silence); err != nil {
+		return out, fmt.Errorf("silence: %w", err)
+	}
+	if out.Silence < 2*out.Keepalive {
+		return out, fmt.Errorf("silence %s is less than twice keepalive %s: a guest would get at most one PING to answer before it is closed", out.Silence, out.Keepalive)
+	}
+	return out, nil
+}
+
+// MetricsUnix is the socket path of a "unix:/path" metrics address, or "".
+func MetricsUnix(addr string) string {
+	if p, ok := strings.CutPrefix(addr, "unix:"); ok {
+		return p
+	}
+	return ""
+}
+
+func checkMetricsAddress(addr string) error {
+	switch {
+	case addr == "":
+		return nil
+	case strings.HasPrefix(addr, "unix:"):
+		if p := MetricsUnix(addr); !filepath.IsAbs(p) {
+			return fmt.Errorf("%q: want unix: and an absolute path, e.g. \"unix:/run/shunt/metrics.sock\"", addr)
+		}
+		return nil
+	}
+	return nil // host:port is checked when it is bound (and by hostd check)
 }
 
 func or(s, dflt string) string {

@@ -109,3 +109,126 @@ func TestParseErrorsNameFileAndLine(t *testing.T) {
 		})
 	}
 }
+
+func TestParseLimits(t *testing.T) {
+	c, err := config.Parse("hostd.hcl", []byte(good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Limits != config.DefaultLimits {
+		t.Fatalf("limits without a block: %+v, want the defaults %+v", c.Limits, config.DefaultLimits)
+	}
+	c, err = config.Parse("hostd.hcl", []byte(good+"limits {\n  sessions_per_guest = 8\n  intents_per_guest = 16\n  keepalive = \"1s\"\n  silence = \"3s\"\n}\n"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	want := config.DefaultLimits
+	want.SessionsPerGuest, want.IntentsPerGuest, want.Keepalive, want.Silence = 8, 16, time.Second, 3*time.Second
+	if c.Limits != want {
+		t.Fatalf("limits %+v, want %+v", c.Limits, want)
+	}
+	for _, tt := range []struct{ name, block, want string }{
+		{"zero", "listens_per_guest = 0", "listens_per_guest 0: want 1 to"},
+		{"silence too short", "keepalive = \"2s\"\n  silence = \"3s\"", "less than twice keepalive"},
+		{"bad duration", "silence = \"long\"", "limits: silence"},
+		{"typo", "session_per_guest = 3", "Unsupported argument"},
+		{"fewer sessions than ports", "sessions_per_guest = 2", "control_ports 3 is more than limits.sessions_per_guest 2"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			src := strings.Replace(good, `addresses = ["10.77.1.2"]`, "addresses = [\"10.77.1.2\"]\n  control_ports = 3", 1)
+			_, err := config.Parse("hostd.hcl", []byte(src+"limits {\n  "+tt.block+"\n}\n"))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error = %v; want one containing %q", err, tt.want)
+			}
+		})
+	}
+}
+
+func TestParseMetricsAddress(t *testing.T) {
+	c, err := config.Parse("hostd.hcl", []byte("metrics_address = \"unix:/run/shunt/metrics.sock\"\n"+good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if got := config.MetricsUnix(c.MetricsAddress); got != "/run/shunt/metrics.sock" {
+		t.Fatalf("MetricsUnix(%q) = %q, want /run/shunt/metrics.sock", c.MetricsAddress, got)
+	}
+	if _, err := config.Parse("hostd.hcl", []byte("metrics_address = \"unix:metrics.sock\"\n"+good)); err == nil || !strings.Contains(err.Error(), "absolute path") {
+		t.Fatalf("relative unix path: error %v, want one asking for an absolute path", err)
+	}
+}
+
+// TestParseOwnership: hostd marks connections unless told otherwise; the
+// old witness switch still works, as "both"; ct_mark_mask is a contiguous
+// run of bits; a ct_mark that uses hostd's bits is refused with what to do.
+func TestParseOwnership(t *testing.T) {
+	for _, tt := range []struct {
+		name, top      string
+		ownership      string
+		witness, marks bool
+		mask           uint32
+	}{
+		{"default", "", config.OwnershipMark, false, true, 0xffff0000},
+		{"addresses", `ownership = "addresses"`, config.OwnershipAddresses, false, false, 0xffff0000},
+		{"witness", `ownership = "witness"`, config.OwnershipWitness, true, false, 0xffff0000},
+		{"both", `ownership = "both"`, config.OwnershipBoth, true, true, 0xffff0000},
+		{"old witness switch", `witness = true`, config.OwnershipBoth, true, true, 0xffff0000},
+		{"mask", `ct_mark_mask = "0x00ff0000"`, config.OwnershipMark, false, true, 0x00ff0000},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			c, err := config.Parse("hostd.hcl", []byte(tt.top+"\n"+good))
+			if err != nil {
+				t.Fatal(err)
+			}
+			if c.Ownership != tt.ownership || c.Witness != tt.witness || c.Marks() != tt.marks || c.CTMarkMask != tt.mask {
+				t.Fatalf("ownership %q witness %v marks %v mask %#x; want %q %v %v %#x", c.Ownership, c.Witness, c.Marks(), c.CTMarkMask, tt.ownership, tt.witness, tt.marks, tt.mask)
+			}
+		})
+	}
+	for _, tt := range []struct{ name, src, want string }{
+		{"unknown", `ownership = "mac"` + "\n" + good, `ownership "mac": want "mark"`},
+		{"both spellings", "ownership = \"mark\"\nwitness = true\n" + good, `witness = true is the old spelling of ownership = "both": give ownership only`},
+		{"mask of one bit", `ct_mark_mask = "0x80000000"` + "\n" + good, "ct_mark_mask: ct mark mask 0x80000000: want at least 2 bits"},
+		{"mask in two runs", `ct_mark_mask = "0xff00ff00"` + "\n" + good, "want one run of adjacent bits"},
+		{"mask not a number", `ct_mark_mask = "high"` + "\n" + good, `ct_mark_mask: "high"`},
+		{"ct_mark in hostd's bits", strings.Replace(good, "ct_mark   = 2", "ct_mark   = 131072", 1),
+			`guest "b" (line 19): ct_mark 0x20000 uses bits of ct_mark_mask 0xffff0000, which hostd now sets itself`},
+		{"ct_mark too big", strings.Replace(good, "ct_mark   = 2", "ct_mark   = 4294967296", 1), "ct_mark 4294967296: want 0 to 4294967295"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := config.Parse("hostd.hcl", []byte(tt.src))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error = %v; want one containing %q", err, tt.want)
+			}
+		})
+	}
+	// Without hostd's marks, a ct_mark may use any bits, as before.
+	src := "ownership = \"addresses\"\n" + strings.Replace(good, "ct_mark   = 2", "ct_mark   = 131072", 1)
+	if c, err := config.Parse("hostd.hcl", []byte(src)); err != nil || c.Guests[1].CTMark != 131072 {
+		t.Fatalf("ct_mark in the high bits without marks: %v", err)
+	}
+}
+
+// TestParseRefusesSharedOwnership: two guests cannot own one address or
+// share one interface; the error names both guests and the address.
+func TestParseRefusesSharedOwnership(t *testing.T) {
+	for _, tt := range []struct{ name, src, want string }{
+		{"same address", strings.Replace(good, `addresses = ["10.77.2.2", "fd00::2"]`, `addresses = ["10.77.2.2", "10.77.1.2"]`, 1),
+			`guest "b" (line 19): address 10.77.1.2 is already guest "a"'s: two guests cannot own one address`},
+		{"same address, IPv4-mapped", strings.Replace(good, `addresses = ["10.77.2.2", "fd00::2"]`, `addresses = ["::ffff:10.77.1.2"]`, 1),
+			`address 10.77.1.2 is already guest "a"'s`},
+		{"same interface", strings.Replace(strings.Replace(good, `addresses = ["10.77.1.2"]`, `interface = "vnet0"`, 1), `addresses = ["10.77.2.2", "fd00::2"]`, `interface = "vnet0"`, 1),
+			`guest "b" (line 19): interface vnet0 is already guest "a"'s`},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			_, err := config.Parse("hostd.hcl", []byte(tt.src))
+			if err == nil || !strings.Contains(err.Error(), tt.want) {
+				t.Fatalf("error = %v; want one containing %q", err, tt.want)
+			}
+		})
+	}
+	// One guest may name an address twice.
+	src := strings.Replace(good, `addresses = ["10.77.1.2"]`, `addresses = ["10.77.1.2", "10.77.1.2"]`, 1)
+	if _, err := config.Parse("hostd.hcl", []byte(src)); err != nil {
+		t.Fatal(err)
+	}
+}

@@ -22,6 +22,7 @@ import (
 type getter struct {
 	fd  int
 	seq uint32
+	buf []byte // for the replies; one lookup at a time uses it
 }
 
 // ctnetlink constants (linux/netfilter/nfnetlink_conntrack.h).
@@ -64,7 +65,7 @@ func newGetter(netnsPath string) (*getter, error) {
 		unix.Close(fd)
 		return nil, err
 	}
-	return &getter{fd: fd}, nil
+	return &getter{fd: fd, buf: make([]byte, 16<<10)}, nil
 }
 
 func (g *getter) close() error { return unix.Close(g.fd) }
@@ -117,7 +118,7 @@ func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 	if err := unix.Sendto(g.fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
 		return conntrack.Flow{}, fmt.Errorf("send: %w", err)
 	}
-	buf := make([]byte, 16<<10)
+	buf := g.buf
 	var flow *conntrack.Flow
 	for {
 		n, _, err := unix.Recvfrom(g.fd, buf, 0)

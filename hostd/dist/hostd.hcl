@@ -14,11 +14,17 @@ metrics_address = "127.0.0.1:9469"
 pairing_timeout = "2s"
 reattach_grace  = "5s"
 
+# state_dir  = "/run/shunt/state"     # root-only: hostd's record of every region
+# region_dir = "/run/shunt/regions"   # root-only: the regions of process-guest pairs
+
 trust_group "tenant-a" {
-  region      = "/dev/shm/shunt-tenant-a"
+  region      = "/dev/shm/shunt-tenant-a"   # the VMs' region (shared_region guests)
   region_size = "64MiB"
   slots       = 256
   # region_group = "kvm"   # when libvirt runs QEMU as libvirt-qemu:kvm
+  # pair_region_size = "16MiB"   # each pair of process guests gets its own
+  # guest_ring_bytes = "16MiB"   # per guest: rings of the flows it opens (default region_size/4)
+  # guest_flows      = 64        # per guest: flows it opens (default slots/4)
 }
 
 # Register running libvirt domains that carry Shunt's devices and metadata
@@ -33,8 +39,8 @@ guest "vm1" {
   id        = 1
   group     = "tenant-a"
   control   = "/run/shunt/vm1.sock"
-  interface = "vnet0"      # learn the guest's addresses from the routes on its tap
-  ct_mark   = 1            # nft: ct state new iifname "vnet0" ct mark set 1
+  interface = "vnet0"      # its addresses: the routes on its tap; hostd marks its connections by it
+  shared_region = true     # a VM: maps the group's region (its ivshmem BAR)
 }
 
 guest "vm2" {
@@ -42,6 +48,7 @@ guest "vm2" {
   group     = "tenant-a"
   control   = "/run/shunt/vm2.sock"
   addresses = ["192.168.100.12"]
+  shared_region = true
 }
 
 policy {

@@ -20,7 +20,22 @@ type Set struct {
 	Setup     prometheus.Histogram   // seconds from the first OPEN of a pair to READY
 	Malformed prometheus.Counter     // control channels closed for malformed input
 	Sessions  *prometheus.GaugeVec   // guest
+
+	// The control plane's defences (hostd/server, hostd/broker).
+	Limited       *prometheus.CounterVec // kind: a guest's request over a limit
+	AcceptErrors  prometheus.Counter     // failed accepts on control sockets, retried
+	ClosedSession *prometheus.CounterVec // reason: sessions hostd closed (silent, not-reading)
+	KicksMerged   prometheus.Counter     // KICKs merged into one already queued
 }
+
+// The kinds of Limited, one per limit in hostd.hcl's limits block.
+const (
+	LimitSessions = "sessions"
+	LimitListens  = "listens"
+	LimitIntents  = "intents"
+	LimitOpens    = "opens"
+	LimitOpenRate = "open-rate"
+)
 
 // New creates the metrics and registers them, with Go and process metrics,
 // in a fresh registry.
@@ -49,11 +64,30 @@ func New() *Set {
 		Sessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "shunt_guest_sessions", Help: "Connected control sessions per guest.",
 		}, []string{"guest"}),
+		Limited: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_control_limited_total", Help: "Guest requests refused or dropped for a per-guest limit, by kind (sessions, listens, intents, opens, open-rate).",
+		}, []string{"kind"}),
+		AcceptErrors: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_control_accept_errors_total", Help: "Failed accepts on control sockets (EMFILE...), retried with backoff.",
+		}),
+		ClosedSession: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_control_closed_total", Help: "Control sessions hostd closed, by reason (silent: no answer to keepalive; not-reading: its writes timed out or its queue filled).",
+		}, []string{"reason"}),
+		KicksMerged: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_control_kicks_merged_total", Help: "Relayed KICKs merged into one already waiting for the same flow side.",
+		}),
 	}
 	s.Registry.MustRegister(s.Fallbacks, s.Revokes, s.Opens, s.Flows, s.Setup, s.Malformed, s.Sessions,
+		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range proto.Reasons() {
 		s.Fallbacks.WithLabelValues(r.String())
+	}
+	for _, k := range []string{LimitSessions, LimitListens, LimitIntents, LimitOpens, LimitOpenRate} {
+		s.Limited.WithLabelValues(k)
+	}
+	for _, r := range []string{"silent", "not-reading"} {
+		s.ClosedSession.WithLabelValues(r)
 	}
 	return s
 }

@@ -9,6 +9,9 @@ import (
 	"os"
 	"strings"
 	"syscall"
+
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/mark"
 )
 
 func checkPrivileges(_ context.Context, e *env) {
@@ -70,9 +73,60 @@ func checkConntrack(_ context.Context, e *env) {
 	}
 }
 
-// checkNftables: hostd itself never runs nft; a guest's ct_mark is set by
-// the operator's firewall rule, usually an nftables one.
+// checkNftables: hostd marks each guest's new connections with its own
+// nftables table (hostd/mark), over netlink, so that a guest's claim to a
+// connection holds only if the connection came in by its interface. A
+// guest's ct_mark, if it has one, is still set by the operator's rule.
 func checkNftables(ctx context.Context, e *env) {
+	if e.nsMissing {
+		return // checkConntrack reported it
+	}
+	var marked, bare []string
+	for _, g := range e.cfg.Guests {
+		if g.Interface != "" {
+			marked = append(marked, g.Name+" ("+g.Interface+")")
+		} else {
+			bare = append(bare, g.Name)
+		}
+	}
+	alone := ""
+	if len(bare) > 0 {
+		alone = "; " + strings.Join(bare, ", ") + " " + map[bool]string{true: "has", false: "have"}[len(bare) == 1] +
+			" no interface, so its claims rest on its addresses alone"
+	}
+	switch {
+	case e.cfg.Ownership == config.OwnershipAddresses:
+		e.warn("ownership = \"addresses\": hostd does not prove where a connection came from, and a guest's claim rests on its source address alone",
+			"remove the ownership line (the default, \"mark\", needs only nftables, which hostd drives itself)")
+	case !e.cfg.Marks():
+		e.ok("ownership = %q: hostd does not mark connections; the eBPF witness proves their origin", e.cfg.Ownership)
+	default:
+		n, err := e.p.Nftables(e.cfg.ConntrackNetns)
+		if err != nil {
+			fix := "modprobe nf_tables nft_ct"
+			if errors.Is(err, os.ErrPermission) {
+				fix = "run as root: nftables needs CAP_NET_ADMIN"
+			}
+			e.problem(fmt.Sprintf("hostd cannot install its nftables table inet %s%s: %v: it would not start", mark.Table, e.inNetns(), err),
+				fix+`; or set ownership = "witness" (eBPF) or "addresses" (no proof of origin)`)
+			break
+		}
+		running := ""
+		if n >= 0 {
+			running = fmt.Sprintf(" (it is installed, with %d guest rules: a hostd runs here)", n)
+		}
+		what := "no guest has an interface to mark"
+		if len(marked) > 0 {
+			what = "it marks the new connections of " + strings.Join(marked, ", ")
+		}
+		e.ok("hostd can install its nftables table inet %s%s%s: %s, in ct mark bits %#08x%s", mark.Table, e.inNetns(), running, what, e.cfg.CTMarkMask, alone)
+	}
+	checkCTMarks(ctx, e)
+}
+
+// checkCTMarks: a guest's ct_mark is set by the operator's firewall rule,
+// usually an nftables one; hostd checks it next to its own marks.
+func checkCTMarks(ctx context.Context, e *env) {
 	var marked []string
 	example := ""
 	for _, g := range e.cfg.Guests {
@@ -86,7 +140,6 @@ func checkNftables(ctx context.Context, e *env) {
 		}
 	}
 	if len(marked) == 0 {
-		e.ok("hostd does not run nft, and no guest has a ct_mark for a firewall rule to set")
 		return
 	}
 	needs := "guests " + strings.Join(marked, ", ") + " need a firewall rule that sets their ct_mark; without it their connections stay on TCP"
@@ -110,20 +163,20 @@ func checkNftables(ctx context.Context, e *env) {
 		return
 	}
 	if !strings.Contains(string(out), "ct mark set") && !strings.Contains(string(out), "CONNMARK") {
-		e.warn(needs+", and no nftables rule sets a ct mark", "add the rule, e.g. "+example+" (ignore this if legacy iptables sets the marks)")
+		e.warn(needs+", and no nftables rule sets a ct mark", "add the rule, e.g. "+example+" (ignore this if legacy iptables sets the marks); or drop ct_mark: hostd marks each guest's connections itself")
 		return
 	}
-	e.ok("nft works, and a rule sets a ct mark (for %s)", strings.Join(marked, ", "))
+	e.ok("a rule sets a ct mark (for %s)", strings.Join(marked, ", "))
 }
 
 func checkWitness(_ context.Context, e *env) {
 	if !e.cfg.Witness {
-		e.ok("witness = false: eBPF not needed")
+		e.ok("ownership = %q: the eBPF witness is off, eBPF not needed", e.cfg.Ownership)
 		return
 	}
 	if err := e.p.Witness(); err != nil {
 		e.problem("the eBPF witness cannot load: "+err.Error(),
-			"run as root (CAP_BPF, CAP_NET_ADMIN) on Linux 6.6 or later for TCX; or set witness = false")
+			`run as root (CAP_BPF, CAP_NET_ADMIN) on Linux 6.6 or later for TCX; or set ownership = "mark" (the default: nftables only)`)
 		return
 	}
 	e.ok("the eBPF witness loads, and TCX attaches programs")
@@ -182,6 +235,16 @@ func checkMetrics(_ context.Context, e *env) {
 	addr := e.cfg.MetricsAddress
 	if addr == "" {
 		e.ok(`metrics_address = "": no metrics listener`)
+		return
+	}
+	if path := config.MetricsUnix(addr); path != "" {
+		// hostd replaces a stale socket there; the directories are
+		// checked as for the other sockets.
+		if st, err := os.Lstat(path); err == nil && st.Mode()&os.ModeSocket == 0 {
+			e.problem(fmt.Sprintf("metrics_address %s: %s exists and is not a socket", addr, path), "remove it, or choose another path")
+			return
+		}
+		e.ok("metrics_address %s: a Unix socket of mode 0600, for root only", addr)
 		return
 	}
 	host, port, err := net.SplitHostPort(addr)

@@ -65,9 +65,13 @@ func checkSpace(_ context.Context, e *env) {
 	}
 }
 
-// checkRegions checks each trust group's region path and, if the file
-// exists, that hostd can adopt it safely.
+// checkRegions checks hostd's state and pair-region directories, each
+// trust group's region path and, if the file exists, that hostd can adopt
+// it safely.
 func checkRegions(_ context.Context, e *env) {
+	for _, d := range []struct{ what, path string }{{"state_dir", e.cfg.StateDir}, {"region_dir", e.cfg.RegionDir}} {
+		e.ownDir(d.what, d.path)
+	}
 	byPath := map[string]string{}
 	for _, g := range e.cfg.Groups {
 		what := "trust group " + g.Name + ": region"
@@ -130,11 +134,18 @@ func (e *env) regionFile(what string, g config.Group) (state string, bad bool) {
 		e.warn(fmt.Sprintf("%s %s has mode %04o: its group (gid %d) can read or write the flows, but region_group is not set", what, path, perm, group(fi)),
 			"chmod 0600 "+path+", or set region_group")
 	}
+	// hostd adopts only a file it created: its record in state_dir names it.
+	rec := filepath.Join(e.cfg.StateDir, g.StateName()+".state")
+	if _, err := os.Lstat(rec); errors.Is(err, os.ErrNotExist) {
+		e.problem(fmt.Sprintf("%s %s exists, but hostd has no record of creating it (no %s): another user may have made it, or an older hostd; hostd would refuse to adopt it", what, path, rec),
+			"stop the guests that map it (libvirt domains: virsh shutdown) and rm "+path+"; hostd creates it afresh")
+		return "", true
+	}
 	l, err := readHeader(path, fi.Size())
 	switch {
 	case err != nil:
-		e.warn(fmt.Sprintf("%s %s is not a Shunt region (%v): hostd will recreate it, empty", what, path, err),
-			"nothing to do if no guest maps it; otherwise stop those guests first")
+		e.warn(fmt.Sprintf("%s %s is not a Shunt region (%v): hostd rewrites its header from its record %s", what, path, err, rec),
+			"nothing to do if no guest wrote there; a guest that did may lose its flows")
 		return "", bad
 	case l.Geometry != g.Geometry:
 		e.problem(fmt.Sprintf("%s %s holds a region of %s, %d slots, but the configuration says %s: hostd would refuse to start", what, path, size(l.Size), l.Slots, geo),
@@ -142,6 +153,22 @@ func (e *env) regionFile(what string, g config.Group) (state string, bad bool) {
 		return "", true
 	}
 	return "exists (" + geo + "): hostd adopts it and its live flows", bad
+}
+
+// ownDir checks a directory that hostd makes for itself (mode 0700): if it
+// exists it must be a directory, not a symlink, owned by hostd's user.
+func (e *env) ownDir(what, dir string) {
+	fi, err := os.Lstat(dir)
+	switch {
+	case errors.Is(err, os.ErrNotExist): // hostd makes it
+	case err != nil:
+		e.problem(fmt.Sprintf("%s %s: %v", what, dir, err), "run as root")
+	case fi.Mode()&os.ModeSymlink != 0 || !fi.IsDir():
+		e.problem(fmt.Sprintf("%s %s is a %s, not a directory of hostd's own: hostd would refuse to start", what, dir, kind(fi)), "rm "+dir+" (hostd makes it, mode 0700)")
+	case owner(fi) != e.p.Euid():
+		e.problem(fmt.Sprintf("%s %s is owned by uid %d, not %s: that user could replace the region files or hostd's record of them; hostd would refuse to start", what, dir, owner(fi), userName(e.p.Euid())),
+			"rm -r "+dir+" (hostd makes it, mode 0700)")
+	}
 }
 
 func readHeader(path string, n int64) (region.Layout, error) {

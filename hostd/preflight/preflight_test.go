@@ -26,6 +26,7 @@ func healthy() Probes {
 		LookPath:    func(f string) (string, error) { return "/usr/sbin/" + f, nil },
 		Command:     func(context.Context, string, ...string) ([]byte, error) { return []byte("ct mark set 0x00000001"), nil },
 		Witness:     func() error { return nil },
+		Nftables:    func(string) (int, error) { return -1, nil },
 		Interface:   func(string, string) error { return nil },
 		Statfs:      func(string) (FS, error) { return FS{Dev: 1, Avail: 1 << 40, Size: 1 << 40, Tmpfs: true}, nil },
 		Writable:    func(string) error { return nil },
@@ -60,6 +61,7 @@ func (c *testConfig) write(t *testing.T) string {
 	t.Helper()
 	var b strings.Builder
 	fmt.Fprintf(&b, "admin_socket = %q\nmetrics_address = %s\n", c.path("run/admin.sock"), c.metrics)
+	fmt.Fprintf(&b, "state_dir = %q\nregion_dir = %q\n", c.path("run/state"), c.path("run/regions"))
 	for _, l := range c.top {
 		b.WriteString(l + "\n")
 	}
@@ -231,8 +233,54 @@ func TestNftables(t *testing.T) {
 		p := healthy()
 		p.LookPath = func(string) (string, error) { return "", os.ErrNotExist }
 		fs := run(t, newConfig(t), p)
-		want(t, fs, "nftables", OK, "hostd does not run nft", "")
+		want(t, fs, "nftables", OK, "hostd can install its nftables table inet shunt_hostd", "")
+		want(t, fs, "nftables", OK, "g1 has no interface, so its claims rest on its addresses alone", "")
 		only(t, fs)
+	})
+}
+
+// TestOwnershipMarks: with the default ownership hostd's own table must
+// install (a problem if not: hostd would not start); a running hostd's
+// table is reported; turning the proof off is a warning.
+func TestOwnershipMarks(t *testing.T) {
+	withIf := func(c *testConfig) {
+		c.guests = []string{fmt.Sprintf("guest \"g1\" {\n  id = 1\n  group = \"a\"\n  control = %q\n  interface = \"vnet0\"\n}\n", c.path("run/g1.sock"))}
+	}
+	t.Run("marks", func(t *testing.T) {
+		c := newConfig(t)
+		withIf(c)
+		fs := run(t, c, healthy())
+		want(t, fs, "nftables", OK, "it marks the new connections of g1 (vnet0), in ct mark bits 0xffff0000", "")
+		only(t, fs)
+	})
+	t.Run("running", func(t *testing.T) {
+		c := newConfig(t)
+		withIf(c)
+		p := healthy()
+		p.Nftables = func(string) (int, error) { return 1, nil }
+		want(t, run(t, c, p), "nftables", OK, "it is installed, with 1 guest rules: a hostd runs here", "")
+	})
+	t.Run("cannot install", func(t *testing.T) {
+		c := newConfig(t)
+		withIf(c)
+		p := healthy()
+		p.Nftables = func(string) (int, error) { return 0, fmt.Errorf("install a table like hostd's: %w", os.ErrPermission) }
+		fs := run(t, c, p)
+		want(t, fs, "nftables", Problem, "hostd cannot install its nftables table inet shunt_hostd", "run as root")
+		only(t, fs, "nftables")
+	})
+	t.Run("addresses only", func(t *testing.T) {
+		c := newConfig(t)
+		withIf(c)
+		c.top = []string{`ownership = "addresses"`}
+		p := healthy()
+		p.Nftables = func(string) (int, error) {
+			t.Error("probed nftables with ownership = addresses")
+			return -1, nil
+		}
+		fs := run(t, c, p)
+		want(t, fs, "nftables", Warning, "hostd does not prove where a connection came from", "remove the ownership line")
+		only(t, fs, "nftables")
 	})
 }
 
@@ -241,12 +289,14 @@ func TestWitness(t *testing.T) {
 	p.Witness = func() error { return errors.New("witness map: operation not permitted") }
 	c := newConfig(t)
 	fs := run(t, c, p)
-	want(t, fs, "witness", OK, "witness = false", "") // not probed when off
+	want(t, fs, "witness", OK, "the eBPF witness is off", "") // not probed when off
 	only(t, fs)
 
-	c.top = []string{"witness = true"}
-	fs = run(t, c, p)
-	want(t, fs, "witness", Problem, "the eBPF witness cannot load: witness map: operation not permitted", "witness = false")
+	for _, top := range []string{"witness = true", `ownership = "witness"`, `ownership = "both"`} {
+		c.top = []string{top}
+		fs = run(t, c, p)
+		want(t, fs, "witness", Problem, "the eBPF witness cannot load: witness map: operation not permitted", `ownership = "mark"`)
+	}
 }
 
 func TestMissingInterface(t *testing.T) {
@@ -294,20 +344,25 @@ func TestRegionSymlink(t *testing.T) {
 }
 
 func TestRegionFile(t *testing.T) {
-	// put puts a region (or junk) at group a's path with the given mode.
+	// put puts a region (or junk) at group a's path with the given mode,
+	// as hostd made it: with its record in state_dir.
 	put := func(t *testing.T, c *testConfig, g region.Geometry, junk bool, mode os.FileMode) {
 		p := c.path("shm/shunt-a")
 		os.MkdirAll(filepath.Dir(p), 0o755)
+		files, err := region.OpenFiles(c.path("run/state"))
+		if err != nil {
+			t.Fatal(err)
+		}
+		pool, f, err := files.Create(p, "group-a", region.Meta{Kind: region.KindGroup}, g, region.NoGroup, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		pool.Close()
+		f.Close()
 		if junk {
 			if err := os.WriteFile(p, []byte("not a region"), mode); err != nil {
 				t.Fatal(err)
 			}
-		} else {
-			r, err := region.Create(p, g, mode)
-			if err != nil {
-				t.Fatal(err)
-			}
-			r.Close()
 		}
 		if err := os.Chmod(p, mode); err != nil {
 			t.Fatal(err)
@@ -332,13 +387,37 @@ func TestRegionFile(t *testing.T) {
 		c := newConfig(t)
 		put(t, c, configured, true, 0o600)
 		fs := run(t, c, healthy())
-		want(t, fs, "regions", Warning, "is not a Shunt region", "stop those guests first")
+		want(t, fs, "regions", Warning, "is not a Shunt region", "a guest that did may lose its flows")
 		only(t, fs, "regions")
 		for _, f := range fs {
 			if f.Check == "regions" && f.Severity == OK {
 				t.Errorf("an OK finding next to the warning: %q", f.What)
 			}
 		}
+	})
+	t.Run("not created by hostd", func(t *testing.T) {
+		c := newConfig(t)
+		p := c.path("shm/shunt-a")
+		os.MkdirAll(filepath.Dir(p), 0o755)
+		r, err := region.Create(p, configured, 0o600) // a region, but hostd has no record of it
+		if err != nil {
+			t.Fatal(err)
+		}
+		r.Close()
+		fs := run(t, c, healthy())
+		want(t, fs, "regions", Problem, "hostd has no record of creating it", "rm "+p)
+		only(t, fs, "regions")
+	})
+	t.Run("state_dir of another user", func(t *testing.T) {
+		c := newConfig(t)
+		if err := os.MkdirAll(c.path("run/state"), 0o700); err != nil {
+			t.Fatal(err)
+		}
+		p := healthy()
+		hostd := os.Geteuid() + 1
+		p.Euid = func() int { return hostd }
+		fs := run(t, c, p)
+		want(t, fs, "regions", Problem, "state_dir "+c.path("run/state")+" is owned by uid", "rm -r "+c.path("run/state"))
 	})
 	t.Run("world-readable", func(t *testing.T) {
 		c := newConfig(t)
@@ -499,6 +578,19 @@ func TestMetrics(t *testing.T) {
 	c.metrics = `"9469"`
 	fs = run(t, c, p)
 	want(t, fs, "metrics", Problem, `metrics_address "9469": address 9469: missing port in address`, "host:port")
+
+	sock := c.path("run/metrics.sock")
+	c.metrics = fmt.Sprintf("%q", "unix:"+sock)
+	fs = run(t, c, p)
+	want(t, fs, "metrics", OK, "a Unix socket of mode 0600", "")
+	if err := os.MkdirAll(filepath.Dir(sock), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	if err := os.WriteFile(sock, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	fs = run(t, c, p)
+	want(t, fs, "metrics", Problem, "exists and is not a socket", "remove it")
 }
 
 func TestReport(t *testing.T) {

@@ -10,6 +10,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/hostd/virt"
 )
 
@@ -33,6 +34,10 @@ type Probes struct {
 	// Witness loads an eBPF program of the witness's kind and checks that
 	// the kernel attaches programs by TCX.
 	Witness func() error
+	// Nftables installs and deletes, in one batch, a table like hostd's in
+	// netns, and returns the rules per chain of hostd's own table there
+	// (-1: none).
+	Nftables func(netns string) (int, error)
 	// Interface reports whether a network interface exists in netns.
 	Interface func(netns, name string) error
 	// Statfs describes the file system that holds dir.
@@ -68,6 +73,7 @@ func Host() Probes {
 			return exec.CommandContext(ctx, name, args...).CombinedOutput()
 		},
 		Witness:     witnessProbe,
+		Nftables:    mark.Probe,
 		Interface:   interfaceProbe,
 		Statfs:      statfsProbe,
 		Writable:    func(dir string) error { return unix.Access(dir, unix.W_OK) },

@@ -29,6 +29,21 @@
 // every session without detaching them, since hostd stopping is not the
 // guests going away.
 //
-// Files: server.go (sockets, accepting, Close), session.go (one session:
-// handshake, dispatch, the writer).
+// No guest can starve the others of the control plane (Options, hostd.hcl's
+// limits block): a guest's sessions are capped (beyond: ERROR(control-limit)
+// and a close) and paced (beyond SessionRate a second they wait in its
+// socket's backlog); an accept that fails (EMFILE) is retried with backoff,
+// never given up. Every session has a keepalive: hostd PINGs a guest quiet
+// for Keepalive and closes one silent for Silence, and every read (HELLO
+// included, and any frame once begun) and write has a deadline that follows
+// it, so a guest that never reads, or stops mid-frame, loses only its own
+// session. Replies wait in a bounded queue; while it is over half full the
+// session stops reading the guest's requests. KICKs relayed from a flow's
+// peer wait in their own lane, at most one per flow side, so a peer's KICK
+// flood can never fill the queue. Repeated failures of one guest's sessions
+// are logged once a minute, and all are counted.
+//
+// Files: server.go (sockets, accepting with backoff and pacing, the session
+// limit, Close), session.go (one session: handshake, dispatch, keepalive and
+// deadlines, the queue, the KICK lane and the writer).
 package server

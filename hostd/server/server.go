@@ -1,17 +1,20 @@
 package server
 
 import (
+	"errors"
 	"fmt"
 	"net"
 	"os"
 	"path/filepath"
 	"slices"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/internal/proto"
 )
 
 // Endpoint is one guest's control socket.
@@ -20,32 +23,172 @@ type Endpoint struct {
 	Path  string
 }
 
+// Options bound what one guest may hold of the control server and how
+// long a session may stay quiet. Zero fields take the defaults of
+// hostd.hcl's limits block (docs/config.md).
+type Options struct {
+	// SessionsPerGuest bounds a guest's sessions at once, over all its
+	// sockets, before HELLO too; a session beyond it gets
+	// ERROR(control-limit) and is closed. Default 256.
+	SessionsPerGuest int
+	// SessionRate bounds how many new sessions a second hostd accepts
+	// from a guest (a burst of as many is allowed); beyond, its
+	// connections wait in the socket's backlog. Default 100.
+	SessionRate int
+	// Keepalive: hostd PINGs a session whose guest said nothing this long
+	// (after WELCOME). Default 2 s.
+	Keepalive time.Duration
+	// Silence: a session whose guest said nothing this long, or whose
+	// HELLO or any frame took this long to arrive, or that did not take a
+	// write for this long, is closed. Default 10 s.
+	Silence time.Duration
+}
+
+func (o Options) withDefaults() Options {
+	if o.SessionsPerGuest <= 0 {
+		o.SessionsPerGuest = 256
+	}
+	if o.SessionRate <= 0 {
+		o.SessionRate = 100
+	}
+	if o.Keepalive <= 0 {
+		o.Keepalive = 2 * time.Second
+	}
+	if o.Silence <= 0 {
+		o.Silence = max(10*time.Second, 2*o.Keepalive)
+	}
+	return o
+}
+
+// Accept errors (EMFILE when the process is out of descriptors, ...) are
+// retried after a backoff that starts at acceptBackoffMin and doubles up
+// to acceptBackoffMax; a successful accept resets it.
+const (
+	acceptBackoffMin = 5 * time.Millisecond
+	acceptBackoffMax = time.Second
+)
+
 // Server owns the control sockets and their sessions. Endpoints can come
 // and go while it runs (libvirt domains starting and stopping). It is safe
 // for concurrent use. Close stops accepting, closes every session and waits
 // for their goroutines.
 type Server struct {
-	log hclog.Logger
-	b   *broker.Broker
-	m   *metrics.Set
-	wg  sync.WaitGroup
+	log  hclog.Logger
+	b    *broker.Broker
+	m    *metrics.Set
+	opts Options
+	wg   sync.WaitGroup
 
 	mu        sync.Mutex
 	listeners map[*broker.Guest][]*listener // a VM has one per control port
 	sessions  map[*session]bool
+	perGuest  map[*broker.Guest]int // sessions of each guest, before HELLO too
+	logged    map[logKey]*logState  // see quiet
+	buckets   map[*broker.Guest]*bucket
 	closed    bool
+}
+
+// bucket paces a guest's new sessions (Options.SessionRate): a token
+// bucket of SessionRate tokens, refilled at SessionRate a second.
+type bucket struct {
+	tokens float64
+	last   time.Time
+}
+
+// pace waits until guest g may have another session, or l closes (then
+// it reports false). A guest that connects faster than SessionRate only
+// fills its own socket's backlog: hostd spends no more on it.
+func (s *Server) pace(l *listener, g *broker.Guest) bool {
+	rate := float64(s.opts.SessionRate)
+	for {
+		s.mu.Lock()
+		if s.buckets == nil {
+			s.buckets = map[*broker.Guest]*bucket{}
+		}
+		b := s.buckets[g]
+		now := time.Now()
+		if b == nil {
+			b = &bucket{tokens: rate, last: now}
+			s.buckets[g] = b
+		}
+		b.tokens = min(rate, b.tokens+now.Sub(b.last).Seconds()*rate)
+		b.last = now
+		if b.tokens >= 1 {
+			b.tokens--
+			s.mu.Unlock()
+			return true
+		}
+		wait := time.Duration((1 - b.tokens) / rate * float64(time.Second))
+		s.mu.Unlock()
+		t := time.NewTimer(wait)
+		select {
+		case <-l.done:
+			t.Stop()
+			return false
+		case <-t.C:
+		}
+	}
+}
+
+// A guest's sessions can fail in the same way thousands of times a second
+// (a flood of malformed reconnects): quiet logs the first at once, and
+// then at most one a minute per guest and kind, with how many there were.
+type logKey struct {
+	g    *broker.Guest
+	what string
+}
+
+type logState struct {
+	last time.Time
+	more int
+}
+
+const quietEvery = time.Minute
+
+// quiet reports whether to log a failure of kind what of guest g, and how
+// many went unlogged before it.
+func (s *Server) quiet(g *broker.Guest, what string) (bool, int) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.logged == nil {
+		s.logged = map[logKey]*logState{}
+	}
+	k := logKey{g, what}
+	st := s.logged[k]
+	now := time.Now()
+	switch {
+	case st == nil:
+		s.logged[k] = &logState{last: now}
+		return true, 0
+	case now.Sub(st.last) < quietEvery:
+		st.more++
+		return false, 0
+	}
+	more := st.more
+	st.last, st.more = now, 0
+	return true, more
 }
 
 type listener struct {
 	net.Listener
 	path string
+	once sync.Once
+	done chan struct{} // closed when the listener is closed (Remove, Close)
+}
+
+func (l *listener) close() {
+	l.once.Do(func() {
+		close(l.done)
+		l.Listener.Close()
+	})
 }
 
 // Listen starts a server with the given endpoints (see Add). The server
 // owns the sockets it creates and removes them in Remove; it uses b and m
 // but does not close them. On error, what was started is closed again.
-func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, eps []Endpoint) (*Server, error) {
-	s := &Server{log: log, b: b, m: m, listeners: map[*broker.Guest][]*listener{}, sessions: map[*session]bool{}}
+func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, opts Options, eps []Endpoint) (*Server, error) {
+	s := &Server{log: log, b: b, m: m, opts: opts.withDefaults(),
+		listeners: map[*broker.Guest][]*listener{}, sessions: map[*session]bool{}, perGuest: map[*broker.Guest]int{}}
 	for _, ep := range eps {
 		if err := s.Add(ep); err != nil {
 			s.Close()
@@ -76,9 +219,10 @@ func (s *Server) Add(ep Endpoint) error {
 		l.Close()
 		return fmt.Errorf("control socket for guest %s: server closed", ep.Guest.Name)
 	}
-	s.listeners[ep.Guest] = append(s.listeners[ep.Guest], &listener{Listener: l, path: ep.Path})
+	ln := &listener{Listener: l, path: ep.Path, done: make(chan struct{})}
+	s.listeners[ep.Guest] = append(s.listeners[ep.Guest], ln)
 	s.wg.Add(1)
-	go s.accept(l, ep.Guest)
+	go s.accept(ln, ep.Guest)
 	return nil
 }
 
@@ -96,34 +240,97 @@ func (s *Server) Remove(g *broker.Guest) {
 	}
 	s.mu.Unlock()
 	for _, l := range ls {
-		l.Close()
+		l.close()
 		_ = os.Remove(l.path)
 	}
+	s.mu.Lock()
+	for k := range s.logged {
+		if k.g == g {
+			delete(s.logged, k)
+		}
+	}
+	delete(s.buckets, g)
+	s.mu.Unlock()
 	for _, x := range ss {
 		x.shutdown()
 	}
 }
 
-func (s *Server) accept(l net.Listener, g *broker.Guest) {
+// accept serves one control socket until it is closed. It never gives up
+// on an error: running out of descriptors (EMFILE, a guest's session flood
+// can cause it) is retried with backoff, counted and logged, so other
+// guests' sockets and this one recover once descriptors are free again.
+func (s *Server) accept(l *listener, g *broker.Guest) {
 	defer s.wg.Done()
+	var delay time.Duration
 	for {
-		c, err := l.Accept()
-		if err != nil {
+		if !s.pace(l, g) {
 			return
 		}
-		ss := newSession(s, c, g)
+		c, err := l.Accept()
+		if err != nil {
+			select {
+			case <-l.done:
+				return
+			default:
+			}
+			if errors.Is(err, net.ErrClosed) {
+				return
+			}
+			s.m.AcceptErrors.Inc()
+			if delay == 0 {
+				s.log.Warn("accept on a control socket failed; retrying with backoff (counted in shunt_control_accept_errors_total)", "guest", g.Name, "error", err)
+			}
+			delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
+			t := time.NewTimer(delay)
+			select {
+			case <-l.done:
+				t.Stop()
+				return
+			case <-t.C:
+			}
+			continue
+		}
+		if delay != 0 {
+			s.log.Info("accepting on the control socket again", "guest", g.Name)
+			delay = 0
+		}
 		s.mu.Lock()
-		if s.closed || !slices.ContainsFunc(s.listeners[g], func(x *listener) bool { return x.Listener == l }) {
+		if s.closed || !slices.Contains(s.listeners[g], l) {
 			s.mu.Unlock() // closed, or the guest was removed meanwhile
 			c.Close()
 			return
 		}
+		if n := s.perGuest[g]; n >= s.opts.SessionsPerGuest {
+			s.mu.Unlock()
+			s.refuse(c, g, n)
+			continue
+		}
+		s.perGuest[g]++
+		ss := newSession(s, c, g)
 		s.sessions[ss] = true
 		s.mu.Unlock()
 		s.wg.Add(2)
 		go ss.writeLoop()
 		go ss.readLoop()
 	}
+}
+
+// refuseWrite bounds the one write to a session refused at accept: a
+// fresh socket takes it at once, so this only guards the accept loop.
+const refuseWrite = 100 * time.Millisecond
+
+// refuse answers a session over the guest's limit with ERROR(control-limit)
+// and closes it, on the accept loop (the write goes to a fresh socket's
+// empty buffer and is bounded by refuseWrite).
+func (s *Server) refuse(c net.Conn, g *broker.Guest, n int) {
+	s.b.Limited(g, metrics.LimitSessions, s.opts.SessionsPerGuest)
+	text := fmt.Sprintf("guest %s has %d control sessions, its limit (limits.sessions_per_guest): close one and connect again", g.Name, n)
+	if b, err := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonControlLimit, Text: text}).Append(nil); err == nil {
+		_ = c.SetWriteDeadline(time.Now().Add(refuseWrite))
+		_, _ = c.Write(b)
+	}
+	c.Close()
 }
 
 // Close stops the server. Sessions are closed without detaching them from
@@ -141,7 +348,7 @@ func (s *Server) Close() {
 	}
 	s.mu.Unlock()
 	for _, l := range ls {
-		l.Close()
+		l.close()
 	}
 	for _, x := range ss {
 		x.shutdown()

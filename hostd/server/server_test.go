@@ -45,13 +45,19 @@ type world struct {
 
 func newWorld(t *testing.T) *world {
 	t.Helper()
+	return newWorldOpts(t, server.Options{}, broker.Options{})
+}
+
+// newWorldOpts is newWorld with server options, and broker limits.
+func newWorldOpts(t *testing.T, sopts server.Options, bopts broker.Options) *world {
+	t.Helper()
 	// Registered first, so it runs last: after the server and the broker
 	// closed, none of their goroutines may be left.
 	ignore := goleak.IgnoreCurrent()
 	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
 
 	r, _ := shmtest.Region(t, region.Geometry{Size: 8 << 20, Slots: 8})
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	grp := &broker.Group{Name: "t", Region: "/dev/shm/shunt-test", Pool: pool}
 	mk := func(name string, id uint32, addr string) *broker.Guest {
 		g := &broker.Guest{Name: name, ID: id, Group: grp}
@@ -66,10 +72,10 @@ func newWorld(t *testing.T) *world {
 		t.Fatal(err)
 	}
 	w.b = broker.New(log.Named("broker"), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2},
-		broker.Options{PairingTimeout: wait, LookupTimeout: 10 * time.Millisecond, IntentGrace: wait})
+		broker.Options{PairingTimeout: wait, LookupTimeout: 10 * time.Millisecond, IntentGrace: wait, Limits: bopts.Limits})
 	dir := t.TempDir()
 	w.socks = map[*broker.Guest]string{w.g1: filepath.Join(dir, "g1.sock"), w.g2: filepath.Join(dir, "g2.sock")}
-	w.srv, err = server.Listen(log.Named("control"), w.b, w.m, []server.Endpoint{
+	w.srv, err = server.Listen(log.Named("control"), w.b, w.m, sopts, []server.Endpoint{
 		{Guest: w.g1, Path: w.socks[w.g1]}, {Guest: w.g2, Path: w.socks[w.g2]},
 	})
 	if err != nil {
@@ -288,7 +294,7 @@ func TestMalformed(t *testing.T) {
 		{"payload longer than its type", append([]byte{proto.Version, byte(proto.Ping), 0, 0, 9, 0, 0, 0}, append(ping[proto.HeaderSize:], 0)...)},
 		{"unknown type", []byte{proto.Version, 99, 0, 0, 0, 0, 0, 0}},
 		{"type zero", []byte{proto.Version, 0, 0, 0, 0, 0, 0, 0}},
-		{"version", append([]byte{2}, ping[1:]...)},
+		{"version", append([]byte{proto.Version - 1}, ping[1:]...)},
 		{"reserved bytes", append([]byte{proto.Version, byte(proto.Ping), 1, 0}, ping[4:]...)},
 		{"bad role", frame(t, proto.Msg{Type: proto.Open, Role: 3})},
 		{"WELCOME from a guest", frame(t, proto.Msg{Type: proto.Welcome, Region: "x"})},

@@ -233,3 +233,42 @@ func TestWatcherStartsWithoutLibvirtd(t *testing.T) {
 	lv.start()
 	eventually(t, "registered once libvirtd is up", func() bool { return slices.Equal(reg.names(), []string{"vm1"}) })
 }
+
+// TestWatcherFollowsTap: a domain that comes back on another tap (it was
+// restarted, or migrated here) is released and registered again with the
+// new tap, so hostd's mark rule follows it; a domain that takes over a tap
+// of a stopped one in the same step is registered only after the stopped
+// one is released (an interface has one guest at a time).
+func TestWatcherFollowsTap(t *testing.T) {
+	onTap := func(name, tap string) string {
+		return strings.Replace(shuntDomain(name, "/run/shunt/"+name+".sock"), "<target dev='shlv1'/>", "<target dev='"+tap+"'/>", 1)
+	}
+	lv := &fakeLibvirt{domains: map[string][]byte{"vm1": []byte(onTap("vm1", "vnet0"))}}
+	reg := &fakeRegistry{guests: map[string]virt.Domain{}}
+	w := virt.NewWatcher(hclog.NewNullLogger(), lv.dial, reg, virt.Options{Retry: time.Millisecond, Tick: time.Hour})
+	if err := w.Start(context.Background(), time.Second); err != nil {
+		t.Fatal(err)
+	}
+	defer w.Close()
+	tapOf := func(name string) string {
+		reg.mu.Lock()
+		defer reg.mu.Unlock()
+		return reg.guests[name].Tap
+	}
+	lv.set("vm1", onTap("vm1", "vnet3"))
+	eventually(t, "vm1 on its new tap", func() bool { return tapOf("vm1") == "vnet3" })
+	// vm1 stops and vm2 starts on vnet3 while libvirtd is away: one step.
+	lv.stop()
+	eventually(t, "disconnected", func() bool { return !w.Status().Connected })
+	lv.mu.Lock()
+	delete(lv.domains, "vm1")
+	lv.domains["vm2"] = []byte(onTap("vm2", "vnet3"))
+	lv.mu.Unlock()
+	lv.start()
+	eventually(t, "vm2 on vnet3", func() bool { return tapOf("vm2") == "vnet3" })
+	reg.mu.Lock()
+	defer reg.mu.Unlock()
+	if want := []string{"+vm1", "-vm1", "+vm1", "-vm1", "+vm2"}; !slices.Equal(reg.log, want) {
+		t.Fatalf("registry calls %v, want %v", reg.log, want)
+	}
+}

@@ -8,10 +8,12 @@ import (
 	"fmt"
 	"net/netip"
 	"sync"
+	"time"
 
 	"github.com/cilium/ebpf"
 	"github.com/cilium/ebpf/asm"
 	"github.com/cilium/ebpf/link"
+	"golang.org/x/sys/unix"
 )
 
 // Offsets in struct __sk_buff (include/uapi/linux/bpf.h).
@@ -21,35 +23,74 @@ const (
 	skbDataEnd = 80
 )
 
-// Witness is the loaded program and its map. It is safe for concurrent use;
-// Close detaches everything.
+// bpfNoExist is BPF_NOEXIST: create a map element only if it is new.
+const bpfNoExist = 1
+
+// Witness is the loaded program and its maps. It is safe for concurrent
+// use; Close detaches everything and stops the sweeper.
 type Witness struct {
-	m    *ebpf.Map
-	prog *ebpf.Program
+	syn   *ebpf.Map // tuple -> record
+	perIf *ebpf.Map // ifindex -> records it holds, for the quota
+	stats *ebpf.Map // counters, by Stat index
+	prog  *ebpf.Program
+	opts  Options
+
+	stop chan struct{}
+	done chan struct{}
 
 	mu    sync.Mutex
 	links map[int]link.Link // by ifindex
 }
 
-// Load creates the map and the program (CAP_BPF and CAP_NET_ADMIN).
-func Load() (*Witness, error) {
-	m, err := ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn", Type: ebpf.LRUHash, KeySize: 12, ValueSize: 4, MaxEntries: 1 << 16})
-	if err != nil {
+// Load creates the maps and the program with the default Options and
+// starts the sweeper (CAP_BPF and CAP_NET_ADMIN).
+func Load() (*Witness, error) { return LoadWith(Options{}) }
+
+// LoadWith is Load with options.
+func LoadWith(o Options) (_ *Witness, err error) {
+	o = o.withDefaults()
+	w := &Witness{opts: o, links: map[int]link.Link{}, stop: make(chan struct{}), done: make(chan struct{})}
+	defer func() {
+		if err != nil {
+			w.closeObjects()
+		}
+	}()
+	// A plain hash, not an LRU: a burst of SYNs cannot evict a live record;
+	// when the map is full, new records are refused and counted.
+	if w.syn, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn", Type: ebpf.Hash, KeySize: 12, ValueSize: 16, MaxEntries: uint32(o.MaxRecords)}); err != nil {
 		return nil, fmt.Errorf("witness map: %w (needs CAP_BPF: run hostd as root)", err)
 	}
-	prog, err := ebpf.NewProgram(&ebpf.ProgramSpec{Name: "shunt_syn", Type: ebpf.SchedCLS, License: "Dual BSD/GPL", Instructions: program(m.FD())})
-	if err != nil {
-		m.Close()
+	if w.perIf, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn_if", Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 4096}); err != nil {
+		return nil, fmt.Errorf("witness map: %w", err)
+	}
+	if w.stats, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn_stat", Type: ebpf.Array, KeySize: 4, ValueSize: 8, MaxEntries: uint32(numStats)}); err != nil {
+		return nil, fmt.Errorf("witness map: %w", err)
+	}
+	ins := program(w.syn.FD(), w.perIf.FD(), w.stats.FD(), o.PerInterface)
+	if w.prog, err = ebpf.NewProgram(&ebpf.ProgramSpec{Name: "shunt_syn", Type: ebpf.SchedCLS, License: "Dual BSD/GPL", Instructions: ins}); err != nil {
 		return nil, fmt.Errorf("witness program: %w", err)
 	}
-	return &Witness{m: m, prog: prog, links: map[int]link.Link{}}, nil
+	go w.sweeper()
+	return w, nil
 }
 
-// program records ifindex by IPv4 tuple for TCP SYNs (SYN set, ACK clear)
-// with a plain 20-byte IP header, and passes every packet on.
-func program(mapFD int) asm.Instructions {
+// program records, for each TCP SYN without ACK that has a plain 20-byte
+// IPv4 header, the interface it came in by, keyed by its tuple, and passes
+// every packet on:
+//
+//   - a new tuple is recorded (BPF_NOEXIST), unless its interface already
+//     holds perIf records (quota) or the map is full: counted, refused;
+//   - a SYN for a recorded tuple from the same interface refreshes the
+//     record's time (a retransmitted SYN);
+//   - a SYN for a recorded tuple from another interface changes nothing:
+//     the first SYN wins, and the conflict is counted.
+//
+// Record: ifindex (u32), pad (u32), time (u64, bpf_ktime_get_ns).
+// Stack: key fp-16..-5, quota key fp-20, count fp-24, record fp-40..-25,
+// stat index fp-44.
+func program(synFD, perIfFD, statsFD int, perIf int) asm.Instructions {
 	const out = "out"
-	return asm.Instructions{
+	ins := asm.Instructions{
 		asm.Mov.Reg(asm.R6, asm.R1),
 		asm.LoadMem(asm.R2, asm.R6, skbData, asm.Word),
 		asm.LoadMem(asm.R3, asm.R6, skbDataEnd, asm.Word),
@@ -65,7 +106,7 @@ func program(mapFD int) asm.Instructions {
 		asm.LoadMem(asm.R5, asm.R2, 14+20+13, asm.Byte), // TCP flags
 		asm.And.Imm(asm.R5, 0x12),
 		asm.JNE.Imm(asm.R5, 0x02, out), // SYN without ACK
-		// key at r10-16: saddr, daddr, sport, dport (wire order)
+		// key: saddr, daddr, sport, dport (wire order)
 		asm.LoadMem(asm.R5, asm.R2, 14+12, asm.Word),
 		asm.StoreMem(asm.RFP, -16, asm.R5, asm.Word),
 		asm.LoadMem(asm.R5, asm.R2, 14+16, asm.Word),
@@ -74,19 +115,73 @@ func program(mapFD int) asm.Instructions {
 		asm.StoreMem(asm.RFP, -8, asm.R5, asm.Half),
 		asm.LoadMem(asm.R5, asm.R2, 14+22, asm.Half),
 		asm.StoreMem(asm.RFP, -6, asm.R5, asm.Half),
-		// value at r10-4: the interface the SYN came in by
-		asm.LoadMem(asm.R5, asm.R6, skbIfindex, asm.Word),
-		asm.StoreMem(asm.RFP, -4, asm.R5, asm.Word),
-		asm.LoadMapPtr(asm.R1, mapFD),
+		asm.LoadMem(asm.R7, asm.R6, skbIfindex, asm.Word), // r7: the interface
+		asm.FnKtimeGetNs.Call(),
+		asm.Mov.Reg(asm.R8, asm.R0), // r8: now
+		// A record for this tuple?
+		asm.LoadMapPtr(asm.R1, synFD),
+		asm.Mov.Reg(asm.R2, asm.RFP),
+		asm.Add.Imm(asm.R2, -16),
+		asm.FnMapLookupElem.Call(),
+		asm.JEq.Imm(asm.R0, 0, "new"),
+		asm.LoadMem(asm.R1, asm.R0, 0, asm.Word),
+		asm.JNE.Reg(asm.R1, asm.R7, "conflict"),
+		asm.StoreMem(asm.R0, 8, asm.R8, asm.DWord), // same interface: refresh
+		asm.Ja.Label(out),
+		// A new tuple: within its interface's quota?
+		asm.StoreMem(asm.RFP, -20, asm.R7, asm.Word).WithSymbol("new"),
+		asm.LoadMapPtr(asm.R1, perIfFD),
+		asm.Mov.Reg(asm.R2, asm.RFP),
+		asm.Add.Imm(asm.R2, -20),
+		asm.FnMapLookupElem.Call(),
+		asm.Mov.Reg(asm.R9, asm.R0), // r9: its count, or NULL
+		asm.JEq.Imm(asm.R9, 0, "insert"),
+		asm.LoadMem(asm.R1, asm.R9, 0, asm.Word),
+		asm.JGE.Imm(asm.R1, int32(perIf), "quota"),
+		asm.StoreMem(asm.RFP, -40, asm.R7, asm.Word).WithSymbol("insert"),
+		asm.StoreImm(asm.RFP, -36, 0, asm.Word),
+		asm.StoreMem(asm.RFP, -32, asm.R8, asm.DWord),
+		asm.LoadMapPtr(asm.R1, synFD),
 		asm.Mov.Reg(asm.R2, asm.RFP),
 		asm.Add.Imm(asm.R2, -16),
 		asm.Mov.Reg(asm.R3, asm.RFP),
-		asm.Add.Imm(asm.R3, -4),
-		asm.Mov.Imm(asm.R4, 0), // BPF_ANY
+		asm.Add.Imm(asm.R3, -40),
+		asm.Mov.Imm(asm.R4, bpfNoExist),
 		asm.FnMapUpdateElem.Call(),
+		asm.JNE.Imm(asm.R0, 0, "full"),
+		asm.JEq.Imm(asm.R9, 0, "first"),
+		asm.Mov.Imm(asm.R1, 1),
+		asm.AddAtomic.Mem(asm.R9, asm.R1, asm.Word, 0),
+		asm.Ja.Label("recorded"),
+		asm.StoreImm(asm.RFP, -24, 1, asm.Word).WithSymbol("first"),
+		asm.LoadMapPtr(asm.R1, perIfFD),
+		asm.Mov.Reg(asm.R2, asm.RFP),
+		asm.Add.Imm(asm.R2, -20),
+		asm.Mov.Reg(asm.R3, asm.RFP),
+		asm.Add.Imm(asm.R3, -24),
+		asm.Mov.Imm(asm.R4, bpfNoExist),
+		asm.FnMapUpdateElem.Call(),
+	}
+	for _, s := range []struct {
+		label string
+		stat  Stat
+	}{{"recorded", StatRecorded}, {"conflict", StatConflicts}, {"full", StatFull}, {"quota", StatOverQuota}} {
+		ins = append(ins,
+			asm.StoreImm(asm.RFP, -44, int64(s.stat), asm.Word).WithSymbol(s.label),
+			asm.LoadMapPtr(asm.R1, statsFD),
+			asm.Mov.Reg(asm.R2, asm.RFP),
+			asm.Add.Imm(asm.R2, -44),
+			asm.FnMapLookupElem.Call(),
+			asm.JEq.Imm(asm.R0, 0, out),
+			asm.Mov.Imm(asm.R1, 1),
+			asm.AddAtomic.Mem(asm.R0, asm.R1, asm.DWord, 0),
+			asm.Ja.Label(out),
+		)
+	}
+	return append(ins,
 		asm.Mov.Imm(asm.R0, 0).WithSymbol(out), // TCX_PASS
 		asm.Return(),
-	}
+	)
 }
 
 // Attach puts the program on the ingress of interface ifindex (in the
@@ -116,38 +211,136 @@ func (w *Witness) Detach(ifindex int) {
 	}
 }
 
-// ErrNoSYN means no SYN with that tuple was seen.
-var ErrNoSYN = errors.New("witness: no SYN seen for this tuple")
+func key(src, dst netip.AddrPort) [12]byte {
+	var k [12]byte
+	s, d := src.Addr().As4(), dst.Addr().As4()
+	copy(k[0:], s[:])
+	copy(k[4:], d[:])
+	binary.BigEndian.PutUint16(k[8:], src.Port())
+	binary.BigEndian.PutUint16(k[10:], dst.Port())
+	return k
+}
 
-// Origin returns the interface the SYN of src->dst came in by.
+// Origin returns the interface the first SYN of src->dst came in by.
 func (w *Witness) Origin(src, dst netip.AddrPort) (int, error) {
+	src, dst = unmap(src), unmap(dst)
 	if !src.Addr().Is4() || !dst.Addr().Is4() {
 		return 0, fmt.Errorf("witness: IPv4 only: %w", ErrNoSYN)
 	}
-	var key [12]byte
-	s, d := src.Addr().As4(), dst.Addr().As4()
-	copy(key[0:], s[:])
-	copy(key[4:], d[:])
-	binary.BigEndian.PutUint16(key[8:], src.Port())
-	binary.BigEndian.PutUint16(key[10:], dst.Port())
-	var ifindex uint32
-	if err := w.m.Lookup(key[:], &ifindex); err != nil {
+	k := key(src, dst)
+	var rec [16]byte
+	if err := w.syn.Lookup(k[:], &rec); err != nil {
 		if errors.Is(err, ebpf.ErrKeyNotExist) {
 			return 0, ErrNoSYN
 		}
 		return 0, err
 	}
-	return int(ifindex), nil
+	return int(binary.NativeEndian.Uint32(rec[0:])), nil
 }
 
-// Close detaches the program everywhere and frees it.
+func unmap(a netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(a.Addr().Unmap(), a.Port()) }
+
+// Stats reads the program's counters.
+func (w *Witness) Stats() Stats {
+	var out Stats
+	for i, p := range []*uint64{&out.Recorded, &out.Conflicts, &out.Full, &out.OverQuota} {
+		_ = w.stats.Lookup(uint32(i), p)
+	}
+	return out
+}
+
+// Sweep deletes the records older than TTL and recounts what each
+// interface holds; it returns how many records it deleted. The sweeper
+// calls it every SweepEvery; tests may call it directly.
+func (w *Witness) Sweep() int {
+	var ts unix.Timespec
+	if err := unix.ClockGettime(unix.CLOCK_MONOTONIC, &ts); err != nil {
+		return 0
+	}
+	oldest := uint64(ts.Nano()) - uint64(w.opts.TTL.Nanoseconds())
+	var (
+		stale  [][12]byte
+		kk     [12]byte
+		rec    [16]byte
+		counts = map[uint32]uint32{}
+	)
+	it := w.syn.Iterate()
+	for it.Next(&kk, &rec) {
+		if binary.NativeEndian.Uint64(rec[8:]) < oldest {
+			stale = append(stale, kk)
+			continue
+		}
+		counts[binary.NativeEndian.Uint32(rec[0:])]++
+	}
+	for _, s := range stale {
+		_ = w.syn.Delete(s[:])
+	}
+	// The counts race with the program's increments between the walk and
+	// these writes: off by the SYNs of those microseconds, and put right
+	// at the next sweep.
+	var ifk, n uint32
+	var seen []uint32
+	ifit := w.perIf.Iterate()
+	for ifit.Next(&ifk, &n) {
+		seen = append(seen, ifk)
+	}
+	for _, i := range seen {
+		if _, ok := counts[i]; !ok {
+			_ = w.perIf.Delete(i)
+		}
+	}
+	for i, c := range counts {
+		_ = w.perIf.Put(i, c)
+	}
+	return len(stale)
+}
+
+func (w *Witness) sweeper() {
+	defer close(w.done)
+	if w.opts.SweepEvery < 0 {
+		<-w.stop
+		return
+	}
+	t := time.NewTicker(w.opts.SweepEvery)
+	defer t.Stop()
+	for {
+		select {
+		case <-w.stop:
+			return
+		case <-t.C:
+			w.Sweep()
+		}
+	}
+}
+
+// Close detaches the program everywhere, stops the sweeper and frees the
+// maps.
 func (w *Witness) Close() error {
 	w.mu.Lock()
-	defer w.mu.Unlock()
 	for i, l := range w.links {
 		l.Close()
 		delete(w.links, i)
 	}
-	w.prog.Close()
-	return w.m.Close()
+	w.mu.Unlock()
+	select {
+	case <-w.stop:
+		return nil
+	default:
+	}
+	close(w.stop)
+	<-w.done
+	return w.closeObjects()
+}
+
+func (w *Witness) closeObjects() error {
+	var errs []error
+	if w.prog != nil {
+		errs = append(errs, w.prog.Close())
+	}
+	for _, m := range []*ebpf.Map{w.syn, w.perIf, w.stats} {
+		if m != nil {
+			errs = append(errs, m.Close())
+		}
+	}
+	return errors.Join(errs...)
 }

@@ -8,6 +8,7 @@
 //	guest i (netns shunt-<rig>-g<i>)       host (netns shunt-<rig>-host)
 //	  eth0 10.77.i.2/24  <---- veth ---->    sh-<rig>-<i> 10.77.i.1/24
 //	  default via 10.77.i.1                  ip_forward=1, nft table inet shunt_rig
+//	                                         (a filter; hostd adds inet shunt_hostd)
 //
 // Links, addresses, routes and namespaces are made with vishvananda/netlink
 // and vishvananda/netns; only the nftables ruleset is loaded with nft(8).

@@ -108,6 +108,12 @@ func (r *Rig) addGuest(hh *netlink.Handle, host netns.NsHandle, g *Guest) error 
 		return err
 	}
 	defer gns.Close()
+	return r.linkGuest(hh, host, gns, g)
+}
+
+// linkGuest joins guest namespace gns to the host by g's veth pair, with
+// its addresses and the guest's default route.
+func (r *Rig) linkGuest(hh *netlink.Handle, host, gns netns.NsHandle, g *Guest) error {
 	gh, err := netlink.NewHandleAt(gns)
 	if err != nil {
 		return fmt.Errorf("netlink in %s: %w", g.NS, err)
@@ -252,18 +258,15 @@ func Run(nsPath string, name string, args ...string) (string, error) {
 	return out.String(), err
 }
 
-// Firewall replaces the host's nftables ruleset for the rig. extra goes into
-// the forward chain after the rules every rig has: established flows pass,
-// and new flows are stamped with the originating guest's index as
-// conntrack mark (so hostd can check which guest a flow came from). nat
-// goes into a nat prerouting chain (DNAT rules).
+// Firewall replaces the rig's nftables table (the operator's firewall; it
+// leaves hostd's own table alone). extra goes into the forward chain after
+// the rule every rig has: established flows pass. nat goes into a nat
+// prerouting chain (DNAT rules). The rig stamps no conntrack marks: hostd
+// marks each guest's new connections itself (hostd/mark).
 func (r *Rig) Firewall(extra string, nat ...string) error {
 	var b strings.Builder
 	b.WriteString("table inet shunt_rig\ndelete table inet shunt_rig\ntable inet shunt_rig {\n")
 	b.WriteString("  chain forward {\n    type filter hook forward priority 0; policy accept;\n")
-	for _, g := range r.Guests {
-		fmt.Fprintf(&b, "    ct state new iifname %q ct mark set %d\n", g.HostIf, g.Index)
-	}
 	b.WriteString("    ct state established,related accept\n")
 	if extra != "" {
 		b.WriteString("    " + extra + "\n")

@@ -3,6 +3,7 @@
 package nsrig_test
 
 import (
+	"net/netip"
 	"os"
 	"os/exec"
 	"strings"
@@ -32,7 +33,7 @@ func TestCreateIdempotentAndClean(t *testing.T) {
 		t.Fatalf("guest 1's route to guest 2: %q, %v", out, err)
 	}
 	rules, err := nsrig.Run(r.HostNSPath(), "nft", "list", "table", "inet", "shunt_rig")
-	if err != nil || !strings.Contains(rules, "ct mark set") {
+	if err != nil || !strings.Contains(rules, "ct state established,related accept") {
 		t.Fatalf("host ruleset: %q, %v", rules, err)
 	}
 	for range 2 {
@@ -124,4 +125,24 @@ func sharedMount(t *testing.T, path string) bool {
 		}
 	}
 	return false
+}
+
+// TestTCPSegmentChecksums: SendTCP's hand-made segments carry correct IPv4
+// and TCP checksums (conntrack drops segments with wrong ones).
+func TestTCPSegmentChecksums(t *testing.T) {
+	src, dst := netip.MustParseAddrPort("10.77.1.2:40000"), netip.MustParseAddrPort("10.77.2.2:5201")
+	b := nsrig.TCPSegment(src, dst, 0x02, 12345)
+	if got := nsrig.Checksum(b[:20], 0); got != 0 {
+		t.Fatalf("IPv4 header checksum does not verify: %#04x", got)
+	}
+	pseudo := uint32(6 + 20)
+	for _, a := range [][]byte{b[12:14], b[14:16], b[16:18], b[18:20]} {
+		pseudo += uint32(a[0])<<8 | uint32(a[1])
+	}
+	if got := nsrig.Checksum(b[20:], pseudo); got != 0 {
+		t.Fatalf("TCP checksum does not verify: %#04x", got)
+	}
+	if b[33] != 0x02 || b[9] != 6 {
+		t.Fatalf("flags %#x protocol %d", b[33], b[9])
+	}
 }

@@ -31,11 +31,14 @@ type Stack struct {
 	Hostd   *exec.Cmd // nil while stopped
 	Clients []*guestlib.Client
 
-	hostdBin string
-	metrics  string
-	extra    string
-	logs     *os.File
-	ownDir   bool
+	hostdBin   string
+	metrics    string
+	extra      string
+	groupExtra string
+	ran        bool // hostd came up once: the region file is its
+	guestCfg   map[int]string
+	logs       *os.File
+	ownDir     bool
 }
 
 // Options describe a stack.
@@ -47,7 +50,14 @@ type Options struct {
 	Policy   string // body of the policy block
 	Metrics  string // hostd's metrics_address; "" = none
 	Extra    string // more configuration (guest blocks for VMs)
-	Logf     func(string, ...any)
+	Group    string // attributes of the trust group besides its region (quotas, pair regions); "" = roomy ones
+	// GuestConfig holds more lines for guest i's block (1-based), e.g.
+	// "ct_mark = 5".
+	GuestConfig map[int]string
+	// Setup, if set, runs on the rig after it is created and before hostd
+	// starts (more links, addresses, routes).
+	Setup func(*nsrig.Rig) error
+	Logf  func(string, ...any)
 }
 
 // Start creates the rig, starts hostd and makes the clients.
@@ -56,7 +66,7 @@ func Start(o Options) (_ *Stack, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra}
+	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra, groupExtra: o.Group, guestCfg: o.GuestConfig}
 	if s.Dir == "" {
 		if s.Dir, err = os.MkdirTemp("", "shunt-"+o.Name); err != nil {
 			return nil, err
@@ -70,6 +80,11 @@ func Start(o Options) (_ *Stack, err error) {
 	}()
 	if err := r.Create(); err != nil {
 		return nil, fmt.Errorf("create rig: %w", err)
+	}
+	if o.Setup != nil {
+		if err := o.Setup(r); err != nil {
+			return nil, fmt.Errorf("set the rig up: %w", err)
+		}
 	}
 	s.Admin = filepath.Join(s.Dir, "admin.sock")
 	if err := s.WriteConfig(o.Policy); err != nil {
@@ -94,15 +109,30 @@ func (s *Stack) Control(g *nsrig.Guest) string { return filepath.Join(s.Dir, g.N
 // RegionPath is the trust group's region file.
 func (s *Stack) RegionPath() string { return "/dev/shm/shunt-" + s.Rig.Name }
 
+// StateDir is hostd's state directory (its shadows of the regions).
+func (s *Stack) StateDir() string { return filepath.Join(s.Dir, "state") }
+
+// RegionDir is where hostd keeps the regions of guest pairs.
+func (s *Stack) RegionDir() string { return filepath.Join(s.Dir, "regions") }
+
 // WriteConfig (re)writes hostd's configuration with the given policy body.
 func (s *Stack) WriteConfig(policy string) error {
 	var b strings.Builder
-	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\nwitness = true\n",
+	// Ownership as by default: hostd marks each guest's connections by
+	// its interface (hostd/mark); the rig's firewall stamps no marks.
+	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
 		s.Admin, s.metrics, s.Rig.HostNSPath())
-	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n}\n", s.RegionPath())
+	fmt.Fprintf(&b, "state_dir = %q\nregion_dir = %q\n", s.StateDir(), s.RegionDir())
+	// Roomy pair regions and quotas: tests hold many flows between two
+	// guests. Options.Group replaces them (the hostile tests set their own).
+	group := "  pair_region_size = \"64MiB\"\n  pair_slots = 1024\n  guest_ring_bytes = \"256MiB\"\n  guest_flows = 1024\n"
+	if s.groupExtra != "" {
+		group = s.groupExtra
+	}
+	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n%s}\n", s.RegionPath(), group)
 	for _, g := range s.Rig.Guests {
-		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  ct_mark = %d\n}\n",
-			g.Name, g.Index, s.Control(g), g.HostIf, g.Index)
+		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  %s\n}\n",
+			g.Name, g.Index, s.Control(g), g.HostIf, s.guestCfg[g.Index])
 	}
 	b.WriteString(s.extra)
 	fmt.Fprintf(&b, "policy {\n%s\n}\n", policy)
@@ -127,12 +157,29 @@ func (s *Stack) StartHostd() error {
 	s.Hostd = cmd
 	deadline := time.Now().Add(10 * time.Second)
 	for admin.Call(s.Admin, admin.Request{Cmd: "status"}, nil) != nil {
+		if exited(cmd.Process.Pid) {
+			err := cmd.Wait()
+			s.Hostd = nil
+			return fmt.Errorf("hostd exited (%v):\n%s", err, s.Log())
+		}
 		if time.Now().After(deadline) {
 			return fmt.Errorf("hostd did not come up in 10s:\n%s", s.Log())
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
+	s.ran = true
 	return nil
+}
+
+// exited reports whether child pid has exited and waits to be reaped.
+func exited(pid int) bool {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return true
+	}
+	// pid (comm) state ...: the state follows the last ')'.
+	i := strings.LastIndexByte(string(b), ')')
+	return i < 0 || i+2 >= len(b) || b[i+2] == 'Z'
 }
 
 // StopHostd stops hostd with SIGTERM (flows keep running).
@@ -203,7 +250,9 @@ func (s *Stack) Close() error {
 	}
 	s.StopHostd()
 	err := s.Rig.Destroy()
-	os.Remove(s.RegionPath())
+	if s.ran {
+		os.Remove(s.RegionPath()) // hostd's; what was there before it ran is left alone
+	}
 	if s.logs != nil {
 		s.logs.Close()
 	}

@@ -1,6 +1,6 @@
 // Package region is Shunt's shared-memory region format, version 1: the file
-// (a /dev/shm file, a memfd, or an ivshmem BAR seen from a VM) that carries a
-// trust group's flows.
+// (a pair region in hostd's region_dir, a trust group's /dev/shm file, a
+// memfd, or an ivshmem BAR seen from a VM) that carries flows.
 //
 //	0        header     4 KiB    magic, version, size, geometry, generation
 //	4096     directory  slots x 128 B, rounded up to 4 KiB
@@ -10,9 +10,13 @@
 // owners (guest ids), its tuple, and where its ring pair lies in the heap.
 // hostd is the only legitimate writer of the header and the directory;
 // guests only read them (but they can write the mapping, so every reader
-// validates). The allocator's state is the directory itself: a restarted
-// hostd rebuilds the heap map by scanning the slots (Pool), so there is no
-// second copy to fall out of step.
+// validates, and hostd never reads them back). hostd's truth is private: a
+// Pool keeps the allocation table (each slot's state, generation, rings,
+// owners; the heap bitmap) in hostd's memory and publishes it to the
+// directory, and a Shadow keeps a copy in a root-only file for a restarted
+// hostd to adopt (AdoptShadow). Files creates and reopens region files so
+// that no other local user can plant one (O_EXCL, O_NOFOLLOW, fstat, and
+// the shadow's record of the file's identity).
 //
 // A slot is published like a seqlock: hostd sets the state to Reserved,
 // writes the fields, bumps the generation and sets Ready. A reader loads

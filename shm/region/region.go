@@ -45,7 +45,9 @@ func Attach(mem []byte) (*Region, error) {
 }
 
 // Create creates (or truncates) the file at path with mode perm, sizes it,
-// maps it and formats it. Close unmaps it; the file stays for guests.
+// maps it and formats it. Close unmaps it; the file stays for guests. For
+// tests and tools: hostd makes its regions with Files, which never follows
+// a symlink or takes over a file that exists.
 func Create(path string, g Geometry, perm os.FileMode) (*Region, error) {
 	f, err := os.OpenFile(path, os.O_RDWR|os.O_CREATE|os.O_TRUNC, perm)
 	if err != nil {

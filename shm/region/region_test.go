@@ -1,7 +1,6 @@
 package region_test
 
 import (
-	"encoding/binary"
 	"errors"
 	"net/netip"
 	"path/filepath"
@@ -43,10 +42,7 @@ func TestCreateOpenFile(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	pool, problems := region.Adopt(r, nil)
-	if len(problems) != 0 {
-		t.Fatalf("fresh region has problems: %v", problems)
-	}
+	pool := region.NewPool(r, nil)
 	slot, e, err := pool.Alloc(req(64 << 10))
 	if err != nil {
 		t.Fatal(err)
@@ -95,7 +91,7 @@ func TestOpenRejectsNonRegion(t *testing.T) {
 
 func TestAllocReleaseReuse(t *testing.T) {
 	r, _ := shmtest.Region(t, geo)
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	var slots []int
 	var gens []uint64
 	for {
@@ -138,7 +134,7 @@ func TestAllocReleaseReuse(t *testing.T) {
 
 func TestSlotsExhausted(t *testing.T) {
 	r, _ := shmtest.Region(t, region.Geometry{Size: 4 << 20, Slots: 2})
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	for range 2 {
 		if _, _, err := pool.Alloc(req(ring.MinCapacity)); err != nil {
 			t.Fatal(err)
@@ -149,47 +145,9 @@ func TestSlotsExhausted(t *testing.T) {
 	}
 }
 
-// TestAdoptRebuilds: a restarted hostd rebuilds the heap map from the
-// directory, and drops slots that a hostile guest corrupted.
-func TestAdoptRebuilds(t *testing.T) {
-	r, _ := shmtest.Region(t, geo)
-	pool, _ := region.Adopt(r, nil)
-	s1, e1, _ := pool.Alloc(req(64 << 10))
-	s2, e2, _ := pool.Alloc(req(64 << 10))
-	s3, _, _ := pool.Alloc(req(64 << 10))
-	// Corrupt slot 3: its ring offset now points into slot 1's rings.
-	l := r.Layout()
-	b := r.Mem()[l.DirOff+int64(s3)*region.SlotSize:]
-	binary.LittleEndian.PutUint64(b[24:], uint64(e1.RingAB))
-	binary.LittleEndian.PutUint64(b[32:], uint64(e1.RingAB+int64(ring.Size(64<<10))))
-
-	again, problems := region.Adopt(r, nil)
-	if len(problems) != 1 {
-		t.Fatalf("adopt reported %v, want one problem (slot %d overlaps)", problems, s3)
-	}
-	live := again.Live()
-	if len(live) != 2 || live[0].Index != s1 || live[1].Index != s2 || live[1].Gen != e2.Gen {
-		t.Fatalf("adopted live flows %+v, want slots %d and %d", live, s1, s2)
-	}
-	flows, heap := again.Usage()
-	if flows != 2 || heap != 2*region.PairSize(64<<10) {
-		t.Fatalf("usage %d flows %d bytes", flows, heap)
-	}
-	// The adopted pool does not hand out used space.
-	_, e4, err := again.Alloc(req(64 << 10))
-	if err != nil {
-		t.Fatal(err)
-	}
-	for _, e := range []region.Entry{e1, e2} {
-		if s, en := e.Span(); e4.RingAB < en && s < e4.RingAB+region.PairSize(64<<10) {
-			t.Fatalf("new flow at %d overlaps a live flow at [%d, %d)", e4.RingAB, s, en)
-		}
-	}
-}
-
 func TestRevokeResetsBothRings(t *testing.T) {
 	r, _ := shmtest.Region(t, geo)
-	pool, _ := region.Adopt(r, nil)
+	pool := region.NewPool(r, nil)
 	s, e, _ := pool.Alloc(req(64 << 10))
 	if err := pool.Revoke(s, e.Gen, 42); err != nil {
 		t.Fatal(err)

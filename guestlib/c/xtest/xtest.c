@@ -6,6 +6,12 @@
  *   shunt-xtest reasons                      every reason's name, one a line
  *   shunt-xtest ring-read  FILE SLOT GEN SIDE        read to EOF; "bytes N crc C"
  *   shunt-xtest ring-write FILE SLOT GEN SIDE N SEED  write N bytes, FIN; "crc C"
+ *   shunt-xtest session CONTROL              a session with a (fake) hostd: OPEN,
+ *                                            attach the READY's flow in whatever
+ *                                            region it names, read to EOF
+ *                                            ("bytes N crc C"), write "done", CLOSE,
+ *                                            and report the regions mapped before
+ *                                            and after UNREGION ("regions 1 0")
  *
  * SIDE is the flow side this process plays (A writes ring AB, reads BA). */
 #define _GNU_SOURCE
@@ -18,6 +24,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <time.h>
 #include <unistd.h>
 
 static uint32_t crc_table[256];
@@ -101,9 +108,67 @@ static int ring_open(const char *path, uint32_t slot, uint64_t gen, int side, in
 	return 0;
 }
 
+static void logline(void *arg, const char *line)
+{
+	(void)arg;
+	fprintf(stderr, "%s\n", line);
+}
+
+/* session plays a process guest's side of a flow in a region that hostd
+ * hands over as a descriptor. */
+static int session(const char *control)
+{
+	struct shunt_session_config c = {.control = control, .log = logline};
+	struct shunt_session *s = shunt_session_new(&c);
+	if (!s || shunt_session_ensure(s))
+		return perror("session"), 1;
+	struct shunt_msg open = {.type = SHUNT_OPEN, .role = SHUNT_ROLE_ACTIVE}, v;
+	open.local.port = 1;
+	open.remote.port = 2;
+	shunt_session_request(s, &open, &v, 5000);
+	struct shunt_flow f;
+	if (v.type != SHUNT_READY || shunt_flow_attach(s, &v, &f))
+		return fprintf(stderr, "verdict %u (reason %u), region %u: no flow\n", v.type, v.reason, v.region_id), 1;
+	static uint8_t buf[64 << 10];
+	uint64_t total = 0;
+	uint32_t crc = 0;
+	for (;;) {
+		ssize_t n = shunt_ring_read(&f.r, buf, sizeof buf);
+		if (n == SHUNT_EAGAIN) {
+			shunt_ring_wait(&f.r, 1, 25000, -1);
+			continue;
+		}
+		if (n < 0)
+			return fprintf(stderr, "read: %zd\n", n), 1;
+		if (n == 0)
+			break;
+		crc = crc_update(crc, buf, n);
+		total += n;
+	}
+	printf("bytes %" PRIu64 " crc %" PRIu32 "\n", total, crc);
+	fflush(stdout);
+	if (shunt_ring_write(&f.w, "done", 4) != 4)
+		return fprintf(stderr, "write failed\n"), 1;
+	shunt_ring_close_write(&f.w);
+	int before = shunt_session_regions(s);
+	shunt_flow_close(&f);
+	shunt_flow_detach(&f);
+	int after = before;
+	for (int i = 0; i < 5000 && after; i++) { /* UNREGION comes from the test, within 5 s */
+		struct timespec ms = {0, 1000000};
+		nanosleep(&ms, NULL);
+		after = shunt_session_regions(s);
+	}
+	printf("regions %d %d\n", before, after);
+	fflush(stdout);
+	return 0;
+}
+
 int main(int argc, char **argv)
 {
 	crc_init();
+	if (argc == 3 && !strcmp(argv[1], "session"))
+		return session(argv[2]);
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))
 		return vectors();
 	if (argc >= 2 && !strcmp(argv[1], "reasons")) {

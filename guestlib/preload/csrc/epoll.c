@@ -109,6 +109,35 @@ void ep_forget(int fd, int was_fast)
 	pthread_mutex_unlock(&ep_mu);
 }
 
+/* ep_fork takes ep_mu and every set's mu before fork, and lets them go in
+ * the parent, or makes them new in the child (lifetime.c). A thread that
+ * holds a set's mu waits for no other lock of ours (scan lets go of it
+ * before it takes a nested set's), so taking them all cannot deadlock. */
+static void fork_set(struct ep *e, int phase)
+{
+	if (phase == FORK_PREPARE)
+		pthread_mutex_lock(&e->mu);
+	else if (phase == FORK_PARENT)
+		pthread_mutex_unlock(&e->mu);
+	else
+		pthread_mutex_init(&e->mu, NULL);
+}
+
+void ep_fork(int phase)
+{
+	if (phase == FORK_PREPARE)
+		pthread_mutex_lock(&ep_mu);
+	for (int i = 0; i < eps_top; i++)
+		if (eps[i])
+			fork_set(eps[i], phase);
+	for (struct ep *e = eps_high; e; e = e->next)
+		fork_set(e, phase);
+	if (phase == FORK_PARENT)
+		pthread_mutex_unlock(&ep_mu);
+	else if (phase == FORK_CHILD)
+		pthread_mutex_init(&ep_mu, NULL);
+}
+
 /* add appends x to e (e->mu held): 0, or -1 with ENOMEM. */
 static int add(struct ep *e, struct epi x)
 {

@@ -7,7 +7,9 @@
  * exec: the library's state goes with the old image, so a flow whose fd
  * stays open is reset first (before_exec).
  * exit: FIN and CLOSE for the flows still open, as the kernel sends FIN
- * (fini). */
+ * (fini).
+ * Flows themselves: references, release and reuse (preload.h, struct
+ * flow). */
 #include "preload.h"
 
 #include <errno.h>
@@ -16,20 +18,96 @@
 #include <stdlib.h>
 #include <sys/ioctl.h>
 
-/* ---- close and dup ---- */
+/* ---- flows: references, release, reuse ---- */
 
+static pthread_mutex_t free_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct flow *free_flows; /* under free_mu */
+
+struct flow *flow_new(void)
+{
+	pthread_mutex_lock(&free_mu);
+	struct flow *f = free_flows;
+	if (f)
+		free_flows = f->next_free;
+	pthread_mutex_unlock(&free_mu);
+	if (!f)
+		return calloc(1, sizeof *f);
+	/* Reused: everything but sf (replaced whole when READY is attached,
+	 * so a stale poll never finds it half-written) and users (0). */
+	f->refs = f->nonblock = f->revoked = f->finished = 0;
+	f->owner = 0;
+	f->next_free = NULL;
+	__atomic_store_n(&f->closed, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&f->rd_shut, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&f->wr_shut, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&f->rcvtimeo, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&f->sndtimeo, 0, __ATOMIC_RELAXED);
+	return f;
+}
+
+void flow_discard(struct flow *f)
+{
+	if (!f)
+		return;
+	pthread_mutex_lock(&free_mu);
+	f->next_free = free_flows;
+	free_flows = f;
+	pthread_mutex_unlock(&free_mu);
+}
+
+void flow_publish(int fd, struct flow *f)
+{
+	pthread_mutex_init(&f->rmu, NULL);
+	pthread_mutex_init(&f->wmu, NULL);
+	f->refs = 1;
+	__atomic_store_n(&f->users, 1, __ATOMIC_RELEASE);
+	__atomic_store_n(&fds[fd], f, __ATOMIC_RELEASE);
+}
+
+/* flow_get: a flow's users only grow from above zero, so a reference is
+ * never taken on a flow being released; a flow that left fd (closed, or
+ * reused for another fd) between the two loads is let go again. Freed
+ * flows are never unmapped, so a stale pointer is safe to look at. */
+struct flow *flow_get(int fd)
+{
+	for (;;) {
+		struct flow *f = flow_of(fd);
+		if (!f)
+			return NULL;
+		int u = __atomic_load_n(&f->users, __ATOMIC_ACQUIRE);
+		while (u > 0 && !__atomic_compare_exchange_n(&f->users, &u, u + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+			;
+		if (u > 0 && flow_of(fd) == f)
+			return f;
+		if (u > 0)
+			flow_put(f);
+	}
+}
+
+/* release ends a flow nobody uses any more: FIN (unless it was reset) and
+ * CLOSE to hostd; a fork child's copy is only forgotten. */
 static void release(struct flow *f)
 {
-	if (f->owner != my_pid) { /* a fork child's copy: only forget it */
-		free(f);
-		return;
+	if (f->owner == my_pid && !f->finished) {
+		if (!f->revoked && !shunt_flow_reset(&f->sf))
+			shunt_ring_close_write(&f->sf.w);
+		shunt_ring_close_read(&f->sf.r);
+		shunt_flow_close(&f->sf);
 	}
-	if (!f->revoked && !shunt_flow_reset(&f->sf))
-		shunt_ring_close_write(&f->sf.w);
-	shunt_ring_close_read(&f->sf.r);
-	shunt_flow_close(&f->sf);
-	free(f);
+	shunt_flow_detach(&f->sf); /* its region may go now (regions.c) */
+	flow_discard(f);
 }
+
+void flow_put(struct flow *f)
+{
+	if (__atomic_sub_fetch(&f->users, 1, __ATOMIC_ACQ_REL))
+		return;
+	int e = errno;
+	release(f);
+	errno = e;
+}
+
+/* ---- close and dup ---- */
 
 /* forget drops fd's reference to its flow (the last one releases it), its
  * listener registration and its epoll interests, before the kernel close. */
@@ -54,8 +132,16 @@ static void forget(int fd)
 			shunt_session_send(session, &m);
 	}
 	ep_forget(fd, f != NULL);
-	if (last)
-		release(f);
+	if (!last)
+		return;
+	/* Calls still inside (other threads) end with EBADF; the last one
+	 * out releases the flow. */
+	if (f->owner == my_pid) {
+		__atomic_store_n(&f->closed, 1, __ATOMIC_SEQ_CST);
+		shunt_ring_stop(&f->sf.r, 1);
+		shunt_ring_stop(&f->sf.w, 0);
+	}
+	flow_put(f);
 }
 
 INTERPOSE int close(int fd)
@@ -134,9 +220,11 @@ static void set_nonblock(int fd, int on)
 	if (fd < 0 || fd >= FD_MAX)
 		return;
 	nonblk[fd] = on;
-	struct flow *f = flow_of(fd);
-	if (f)
+	struct flow *f = flow_get(fd);
+	if (f) {
 		f->nonblock = on;
+		flow_put(f);
+	}
 }
 
 INTERPOSE int fcntl(int fd, int cmd, ...)
@@ -164,10 +252,11 @@ INTERPOSE int ioctl(int fd, unsigned long req, ...)
 	va_start(ap, req);
 	void *arg = va_arg(ap, void *);
 	va_end(ap);
-	struct flow *f = flow_of(fd);
-	if (f && req == FIONREAD) {
+	struct flow *f = req == FIONREAD ? flow_get(fd) : NULL;
+	if (f) {
 		ssize_t n = shunt_ring_buffered(&f->sf.r);
 		*(int *)arg = n > 0 ? (int)n : 0;
+		flow_put(f);
 		return 0;
 	}
 	int r = real_ioctl(fd, req, arg);
@@ -176,15 +265,43 @@ INTERPOSE int ioctl(int fd, unsigned long req, ...)
 	return r;
 }
 
-/* ---- fork and exit ---- */
+/* ---- fork and exit ----
+ *
+ * fork: the child gets a copy of memory but only the forking thread, so a
+ * lock another thread held at that moment would stay held in the child
+ * for good. The prepare handler takes every lock of the library (in the
+ * order preload.h gives; the core's handler, registered before this one,
+ * runs after it and takes the session's), the parent's handler lets them
+ * go, and the child's makes them new. The child's own first connection
+ * then opens its own session (the core's handler marks the session as the
+ * parent's). */
 
-static void after_fork(void)
+static void fork_prepare(void)
 {
+	ep_fork(FORK_PREPARE);
+	pthread_mutex_lock(&tab_mu);
+	pthread_mutex_lock(&free_mu);
+}
+
+static void fork_parent(void)
+{
+	pthread_mutex_unlock(&free_mu);
+	pthread_mutex_unlock(&tab_mu);
+	ep_fork(FORK_PARENT);
+}
+
+static void fork_child(void)
+{
+	pthread_mutex_init(&free_mu, NULL);
+	pthread_mutex_init(&tab_mu, NULL);
+	ep_fork(FORK_CHILD);
 	my_pid = getpid();
 	wait_after_fork();
 }
 
-void lifetime_init(void) { pthread_atfork(NULL, NULL, after_fork); }
+/* After the session is made (preload.c), so that these prepare handlers
+ * run before the core's: tab_mu comes before the session's lock. */
+void lifetime_init(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
 /* At exit() the kernel sends FIN on every socket the program left open.
  * Do the same for fast-path flows: FIN on the ring and CLOSE to hostd, so

@@ -39,6 +39,7 @@ REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
 REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
+REAL(setsockopt);
 #undef REAL
 
 static void resolve(void)
@@ -48,7 +49,7 @@ static void resolve(void)
 	R(recv); R(send); R(recvfrom); R(sendto); R(recvmsg); R(sendmsg); R(readv); R(writev);
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll);
 	R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
-	R(sendfile); R(execve); R(execvp); R(execvpe);
+	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt);
 #undef R
 }
 
@@ -117,7 +118,7 @@ static void on_revoke(void *arg, const struct shunt_msg *m)
 	pthread_mutex_lock(&tab_mu);
 	for (int fd = 0; fd < FD_MAX; fd++) {
 		struct flow *f = fds[fd];
-		if (f && f->sf.slot == m->slot && f->sf.gen == m->gen && !f->revoked) {
+		if (f && f->sf.region_id == m->region_id && f->sf.slot == m->slot && f->sf.gen == m->gen && !f->revoked) {
 			f->revoked = 1;
 			plog("shunt: fd %d revoked: %s", fd, shunt_reason_name(m->reason));
 		}
@@ -160,10 +161,12 @@ static void announce(void *arg, struct shunt_session *s)
 		} else if (f && f->owner == my_pid && !f->revoked) {
 			int dup = 0;
 			for (int i = 0; i < n && !dup; i++)
-				dup = ms[i].type == SHUNT_REATTACH && ms[i].slot == f->sf.slot && ms[i].gen == f->sf.gen;
+				dup = ms[i].type == SHUNT_REATTACH && ms[i].region_id == f->sf.region_id && ms[i].slot == f->sf.slot &&
+				      ms[i].gen == f->sf.gen;
 			if (dup)
 				continue;
-			m = (struct shunt_msg){.type = SHUNT_REATTACH, .slot = f->sf.slot, .gen = f->sf.gen, .side = f->sf.side};
+			m = (struct shunt_msg){.type = SHUNT_REATTACH, .region_id = f->sf.region_id, .slot = f->sf.slot, .gen = f->sf.gen,
+					       .side = f->sf.side};
 			if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
 				continue;
 		} else {

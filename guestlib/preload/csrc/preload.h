@@ -12,8 +12,13 @@
  * Locks: tab_mu (the fd table) and ep_mu (the epoll sets, epoll.c) are
  * never held together; ep_mu comes before a set's mu, and a set's mu is
  * dropped before another set's is taken (nesting). A flow's rmu and wmu
- * are taken alone. The core's session lock is innermost: messages are sent
- * under tab_mu, and the session calls back without its lock. */
+ * are taken alone, around ring copies and a blocking call's first spin
+ * (io.c): never while it sleeps, so a second reader, a non-blocking call,
+ * shutdown and close never wait behind a sleeper. free_mu (freed flows, lifetime.c) is a leaf. The core's
+ * session lock is innermost: messages are sent under tab_mu, and the
+ * session calls back without its lock. fork: lifetime.c's atfork handlers
+ * take every lock above (ep_mu and the sets, tab_mu, free_mu; then the
+ * core's take the session's), so the child starts with none held. */
 #ifndef SHUNT_PRELOAD_H
 #define SHUNT_PRELOAD_H
 
@@ -48,6 +53,7 @@ REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
 REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
+REAL(setsockopt);
 #undef REAL
 
 /* ---- configuration (environment, read once at load) ---- */
@@ -76,15 +82,32 @@ extern struct shunt_session *session;
  * kernel socket. Epoll sets of any fd number work (epoll.c). */
 #define FD_MAX 65536
 
-/* A fast-path flow, shared by the fds that dup made of one socket. */
+/* A fast-path flow, shared by the fds that dup made of one socket.
+ *
+ * Lifetime (lifetime.c): a call takes a reference (flow_get) for as long
+ * as it is inside, and the fds hold one together; whoever drops the last
+ * one releases the flow (FIN, CLOSE to hostd). So close() from another
+ * thread never frees a flow under a sleeping call: it marks it closed and
+ * wakes the sleepers, which return EBADF. Freed flows are kept for reuse,
+ * never given back to malloc, and sf is only ever replaced whole, so the
+ * lock-free readers of fds[] (poll, epoll) always find a struct flow whose
+ * rings are mapped ring memory. */
 struct flow {
 	struct shunt_flow sf;
 	int refs;       /* fds pointing here; guarded by tab_mu */
+	int users;      /* atomic: 1 while refs > 0, plus 1 per call inside */
 	pid_t owner;    /* the process that may use it (see fork) */
 	int nonblock;
 	int revoked;    /* REVOKE came */
 	int finished;   /* FIN and CLOSE sent at exit (lifetime.c) */
-	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time (the rings are SPSC) */
+	int closed;     /* atomic: its last fd was closed; calls still inside fail with EBADF */
+	int rd_shut;    /* atomic: shutdown(SHUT_RD): reads return what is buffered, then 0 */
+	int wr_shut;    /* atomic: shutdown(SHUT_WR): writes fail with EPIPE */
+	/* atomic: the kernel socket's SO_RCVTIMEO and SO_SNDTIMEO in ns (0:
+	 * none), read back from the kernel at READY and at each setsockopt */
+	int64_t rcvtimeo, sndtimeo;
+	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time in the rings (SPSC); held while a call spins, not while it sleeps */
+	struct flow *next_free;   /* on the free list; under free_mu */
 };
 
 enum { FD_NONE, FD_TCP, FD_LISTENER }; /* kind[]: a TCP socket, a listener registered with hostd */
@@ -99,15 +122,28 @@ static inline struct flow *flow_of(int fd)
 	return fd >= 0 && fd < FD_MAX ? __atomic_load_n(&fds[fd], __ATOMIC_ACQUIRE) : NULL;
 }
 
+/* lifetime.c: flow_new gives an unpublished flow (NULL without memory),
+ * flow_discard takes one back, flow_publish makes it fd's (one fd, one
+ * reference). flow_get returns fd's flow with a reference for the caller,
+ * or NULL; flow_put drops it (the last one releases the flow) and keeps
+ * errno. */
+struct flow *flow_new(void);
+void flow_discard(struct flow *f);
+void flow_publish(int fd, struct flow *f);
+struct flow *flow_get(int fd);
+void flow_put(struct flow *f);
+
 /* ---- shared helpers ---- */
 
 /* socket.c */
 int local_of(int fd, struct shunt_addr *a);
 int remote_of(int fd, struct shunt_addr *a);
 
-/* io.c: the ring side of recv and send, for any flags. */
+/* io.c: the ring side of recv and send, for any flags; flow_timeouts
+ * reads fd's SO_RCVTIMEO and SO_SNDTIMEO back from the kernel into f. */
 ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags);
 ssize_t fast_send(struct flow *f, const void *buf, size_t n, int flags);
+void flow_timeouts(int fd, struct flow *f);
 
 /* wait.c: poll events a fast-path fd has for interest ev. */
 short fast_events(struct flow *f, short ev);
@@ -143,6 +179,9 @@ void wait_after_fork(void);
 /* epoll.c: drop fd from every set, and forget the set if fd is one. */
 void ep_forget(int fd, int was_fast);
 int ep_is_set(int fd);
+/* epoll.c: its locks across fork (lifetime.c's atfork handlers). */
+enum { FORK_PREPARE, FORK_PARENT, FORK_CHILD };
+void ep_fork(int phase);
 
 /* lifetime.c */
 void lifetime_init(void);

@@ -72,22 +72,23 @@ static void adopt(int fd, const struct shunt_msg *v, const char *who)
 		plog("shunt: fd %d %s [%s]:%u: tcp (%s)", fd, who, ip, r.port, shunt_reason_name(v->reason));
 		return;
 	}
-	struct flow *f = calloc(1, sizeof *f);
-	if (!f || shunt_flow_attach(session, v, &f->sf)) {
+	struct flow *f = flow_new();
+	struct shunt_flow sf;
+	if (!f || shunt_flow_attach(session, v, &sf)) {
 		plog("shunt: fd %d: %s; tcp", fd, f ? "READY does not match the region" : "out of memory");
-		struct shunt_flow id = {.slot = v->slot, .gen = v->gen, .side = v->side, .session = session};
+		struct shunt_flow id = {.region_id = v->region_id, .slot = v->slot, .gen = v->gen, .side = v->side, .session = session};
 		shunt_flow_close(&id);
-		free(f);
+		flow_discard(f);
 		return;
 	}
-	f->refs = 1;
+	f->sf = sf; /* whole (preload.h, struct flow) */
+	f->sf.w.owner = f->sf.r.owner = &f->sf;
 	f->owner = my_pid;
 	f->nonblock = nonblk[fd];
-	pthread_mutex_init(&f->rmu, NULL);
-	pthread_mutex_init(&f->wmu, NULL);
 	int one = 1;
 	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one); /* the lease */
-	__atomic_store_n(&fds[fd], f, __ATOMIC_RELEASE);
+	flow_timeouts(fd, f); /* set on the socket before READY: the kernel has them */
+	flow_publish(fd, f);
 	plog("shunt: fd %d %s [%s]:%u: shunt (slot %u, ring %llu bytes)", fd, who, ip, r.port, v->slot,
 	     (unsigned long long)f->sf.r.cap);
 }

@@ -1,0 +1,114 @@
+package mark
+
+import (
+	"errors"
+	"fmt"
+	"math/bits"
+	"strconv"
+	"strings"
+)
+
+// DefaultMask is the part of the conntrack mark hostd owns unless
+// configured otherwise: the high 16 bits, room for 65535 guests.
+const DefaultMask uint32 = 0xffff0000
+
+// Field is the part of the conntrack mark that hostd owns: a contiguous run
+// of bits. A plain value, safe to copy.
+type Field struct {
+	Mask uint32
+}
+
+// ParseMask reads a mask such as "0xffff0000": a non-empty, contiguous run
+// of set bits.
+func ParseMask(s string) (uint32, error) {
+	v, err := strconv.ParseUint(strings.TrimSpace(s), 0, 32)
+	if err != nil {
+		return 0, fmt.Errorf("%q: want a 32-bit number such as \"0xffff0000\"", s)
+	}
+	m := uint32(v)
+	if err := CheckMask(m); err != nil {
+		return 0, err
+	}
+	return m, nil
+}
+
+// CheckMask reports whether m is a usable field: at least 2 bits, all
+// adjacent.
+func CheckMask(m uint32) error {
+	if bits.OnesCount32(m) < 2 {
+		return fmt.Errorf("ct mark mask %#08x: want at least 2 bits, e.g. 0xffff0000", m)
+	}
+	if shifted := m >> bits.TrailingZeros32(m); shifted&(shifted+1) != 0 {
+		return fmt.Errorf("ct mark mask %#08x: want one run of adjacent bits, e.g. 0xffff0000", m)
+	}
+	return nil
+}
+
+func (f Field) shift() int { return bits.TrailingZeros32(f.Mask) }
+
+// MaxID is the largest mark id that fits in the field.
+func (f Field) MaxID() uint32 { return f.Mask >> f.shift() }
+
+// Value is the mark bits of id: id shifted into the field.
+func (f Field) Value(id uint32) uint32 { return id << f.shift() & f.Mask }
+
+// ID is the mark id a conntrack mark carries; 0 means none.
+func (f Field) ID(mark uint32) uint32 { return mark & f.Mask >> f.shift() }
+
+// ErrNoIDs means every mark id of the field is in use.
+var ErrNoIDs = errors.New("no free mark id: widen ct_mark_mask")
+
+// ids hands out mark ids: the guest's own id if it fits and is free, else
+// the id the guest had before, else the next free one counting down from
+// the top, so an id that was just freed is reused as late as possible. Not
+// safe for concurrent use.
+type ids struct {
+	max    uint32
+	used   map[uint32]string // id -> guest name
+	before map[string]uint32 // guest name -> its last id, kept after it goes
+	next   uint32            // where the countdown goes on
+}
+
+func newIDs(max uint32) *ids {
+	return &ids{max: max, used: map[uint32]string{}, before: map[string]uint32{}, next: max}
+}
+
+// take gives guest name (guest id want) a mark id.
+func (a *ids) take(name string, want uint32) (uint32, error) {
+	free := func(id uint32) bool { _, ok := a.used[id]; return id >= 1 && id <= a.max && !ok }
+	id := uint32(0)
+	switch {
+	case free(want):
+		id = want
+	case free(a.before[name]):
+		id = a.before[name]
+	default:
+		for range a.max {
+			c := a.next
+			if a.next--; a.next == 0 {
+				a.next = a.max
+			}
+			if free(c) {
+				id = c
+				break
+			}
+		}
+	}
+	if id == 0 {
+		return 0, ErrNoIDs
+	}
+	a.used[id] = name
+	a.before[name] = id
+	if len(a.before) > 4*int(min(a.max, 1<<16)) {
+		// Forget names that are gone, so the map stays bounded.
+		for n, old := range a.before {
+			if a.used[old] != n {
+				delete(a.before, n)
+			}
+		}
+	}
+	return id, nil
+}
+
+// give returns id.
+func (a *ids) give(id uint32) { delete(a.used, id) }

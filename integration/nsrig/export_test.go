@@ -1,0 +1,9 @@
+//go:build linux
+
+package nsrig
+
+// For tests.
+var (
+	TCPSegment = tcpSegment
+	Checksum   = checksum
+)
