@@ -94,6 +94,11 @@ int channel_recv(int fd, int port, struct shunt_msg *m, struct shunt_fdq *q);
 int shunt_fdq_take(struct shunt_fdq *q); /* the oldest, or -1 */
 void shunt_fdq_close(struct shunt_fdq *q);
 
+/* The region table's own lock across fork, taken after the sessions'. */
+void regions_fork_prepare(void);
+void regions_fork_parent(void);
+void regions_fork_child(void);
+
 /* Regions by id (regions.c). shunt_region_msg handles REGION (taking a
  * descriptor from q) and UNREGION, without the session lock held.
  * shunt_region_hold copies region id's layout to g and holds its mapping

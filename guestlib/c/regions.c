@@ -50,6 +50,13 @@ static struct spare {
 	struct spare *next;
 } *spares;
 
+/* Fork: spare_mu is taken after the session locks (session.c's handlers
+ * call these), so a fork while another thread holds it cannot leave it
+ * held in the child. */
+void regions_fork_prepare(void) { pthread_mutex_lock(&spare_mu); }
+void regions_fork_parent(void) { pthread_mutex_unlock(&spare_mu); }
+void regions_fork_child(void) { pthread_mutex_init(&spare_mu, NULL); }
+
 /* spare_take returns a spare range of size bytes, or NULL. */
 static void *spare_take(uint64_t size)
 {

@@ -51,10 +51,12 @@ static void fork_prepare(void)
 	pthread_mutex_lock(&all_mu);
 	for (size_t i = 0; i < nall; i++)
 		pthread_mutex_lock(&all[i]->mu);
+	regions_fork_prepare();
 }
 
 static void fork_parent(void)
 {
+	regions_fork_parent();
 	for (size_t i = 0; i < nall; i++)
 		pthread_mutex_unlock(&all[i]->mu);
 	pthread_mutex_unlock(&all_mu);
@@ -76,6 +78,7 @@ static void fork_child(void)
 		s->tried = 0;
 	}
 	pthread_condattr_destroy(&ca);
+	regions_fork_child();
 	pthread_mutex_init(&all_mu, NULL);
 }
 

@@ -69,3 +69,11 @@ policy {
     ring_size = "4MiB"
   }
 }
+
+# What one guest may hold of hostd's control plane (docs/config.md,
+# "limits"); the defaults suit an MPI job's wire-up from one busy guest.
+limits {
+  sessions_per_guest = 256
+  keepalive          = "2s"
+  silence            = "10s"
+}
