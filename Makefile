@@ -39,11 +39,20 @@ $(BIN)/shunt-run: guestlib/preload/shunt-run
 	@mkdir -p $(@D)
 	install -m 0755 $< $@
 
-ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge ## build the C test programs into bin/: shunt-xtest (cross-language checks), shunt-edge (integration/ctest)
+ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early ## build the C test programs into bin/: shunt-xtest (cross-language checks), shunt-edge and shunt-early (integration/ctest)
 
 $(BIN)/shunt-xtest: $(CORE_DIR)/xtest/xtest.c $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -o $@ $< $(CORE_SRC)
+
+# A program whose library's constructor does I/O before the preload
+# library's constructor runs (early_lib.c); rpath finds the library.
+$(BIN)/libshunt-early.so: integration/ctest/early_lib.c
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -fPIC -shared -o $@ $<
+
+$(BIN)/shunt-early: integration/ctest/early.c $(BIN)/libshunt-early.so
+	$(CC) $(SHUNT_CFLAGS) -o $@ $< -L$(BIN) -lshunt-early -Wl,-rpath,'$$ORIGIN'
 
 # The edge suite's servers ignore some write results on purpose.
 $(BIN)/shunt-edge: integration/ctest/edge.c

@@ -271,8 +271,8 @@ func TestHostileRingOffsetsRedirect(t *testing.T) {
 		t.Fatalf("victim's slot %d: %+v, %v", vslot, victim, err)
 	}
 	ac, as := e.pair(1, 2, 7201)
-	if !ac.Path().Fast {
-		t.Fatalf("attacker's flow: %s", ac.Path())
+	if !ac.Path().Fast || !as.Path().Fast {
+		t.Fatalf("attacker's flow: %s / %s", ac.Path(), as.Path())
 	}
 	_, _, aslot, _ := e.rgFlow(t, ac)
 	b := rgSlot(r, aslot)
@@ -313,8 +313,10 @@ func TestHostileGenerationRewrite(t *testing.T) {
 	testenv.NeedTool(t, "conntrack", "conntrack")
 	e := rgEnv(t, 3, true, "")
 	vc, vs := e.pair(3, 2, 7300)
-	if !vc.Path().Fast {
-		t.Fatalf("victim's flow: %s", vc.Path())
+	// Both ends must have checked their READY against the directory
+	// before the attacker rewrites it.
+	if !vc.Path().Fast || !vs.Path().Fast {
+		t.Fatalf("victim's flow: %s / %s, want the fast path", vc.Path(), vs.Path())
 	}
 	_, _, vslot, vgen := e.rgFlow(t, vc)
 	r := e.rgRegion(t)

@@ -362,6 +362,25 @@ func (e *env) regionSlots(n int) {
 	e.startHostd()
 }
 
+// TestPreloadEarlyCaller: a shared library whose constructor reads and
+// writes before the preload library's constructor has run (OpenSSH's sshd
+// through libcap-ng) must not crash: every wrapper resolves the real
+// symbols on first use. The library before that crashed with SIGSEGV.
+func TestPreloadEarlyCaller(t *testing.T) {
+	needPreload(t)
+	dir := t.TempDir()
+	early := filepath.Join(dir, "shunt-early")
+	if err := makeC(dir, early); err != nil {
+		testenv.Missing(t, "cannot build the early-caller program: "+err.Error(), "apt-get install make gcc libc6-dev")
+	}
+	cmd := exec.Command(shuntRun, early)
+	cmd.Env = append(os.Environ(), "SHUNT_PRELOAD="+preloadLib, "SHUNT_CONTROL="+filepath.Join(dir, "no-hostd.sock"))
+	out, err := cmd.CombinedOutput()
+	if err != nil || !strings.Contains(string(out), "PASS early") {
+		t.Fatalf("shunt-run %s: %v\n%s", early, err, out)
+	}
+}
+
 // TestPreloadEdgeCases runs the C edge-semantics suite (ctest/edge.c):
 // MSG_PEEK and MSG_DONTWAIT, MSG_WAITALL, half-close, dup/dup2/F_DUPFD,
 // non-blocking connect, epoll with fast-path and kernel fds in one set,
@@ -418,7 +437,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	server("7701")
 	e.waitListening(2, 7700)
 	e.waitListening(2, 7701)
-	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "epoll", "nested", "fork", "exec"} {
+	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "nonblock64", "sendfile64", "epoll", "nested", "fork", "exec"} {
 		t.Run(test, func(t *testing.T) {
 			out := e.runT(t, 1, client(test))
 			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {

@@ -11,7 +11,8 @@
  * acted on from another: signals, timeouts, shutdown, close)
  * sigsend sndtimeo shutwr (the same for a send on a full ring; a second
  * connection lets the server read) forkloop (fork while another thread
- * connects; FORKS children connect) */
+ * connects; FORKS children connect) nonblock64 sendfile64 (the calls
+ * programs built with 64-bit file offsets make: fcntl64, sendfile64) */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
 #include <errno.h>
@@ -26,6 +27,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/epoll.h>
+#include <sys/sendfile.h>
 #include <sys/socket.h>
 #include <sys/time.h>
 #include <sys/wait.h>
@@ -103,7 +105,7 @@ static void serve(int c)
 			usleep(2000);
 		}
 		drain(c);
-	} else if (!strcmp(name, "halfclose")) {
+	} else if (!strcmp(name, "halfclose") || !strcmp(name, "sendfile64")) {
 		int n = 0, k;
 		while ((k = read(c, buf, sizeof buf)) > 0)
 			n += k;
@@ -697,6 +699,43 @@ static int client(const char *ip, int port, const char *t)
 		if (d3 != 50 || !echo_ok(50, "via dup2"))
 			return fail(t, "I/O through dup2");
 		fd = 50;
+	} else if (!strcmp(t, "nonblock64")) {
+		/* fcntl64 is fcntl's name under _FILE_OFFSET_BITS=64 (nginx):
+		 * a recv on the empty connection must say EAGAIN at once. */
+		if (fcntl64(fd, F_SETFL, fcntl64(fd, F_GETFL) | O_NONBLOCK) < 0)
+			return fail(t, "fcntl64");
+		alarm(5);
+		int r = recv(fd, b, 5, 0);
+		int e = errno;
+		alarm(0);
+		if (r != -1 || e != EAGAIN)
+			return fail(t, "recv after fcntl64(O_NONBLOCK) is not EAGAIN");
+	} else if (!strcmp(t, "sendfile64")) {
+		/* nginx with sendfile on: the body must go the way the header
+		 * went (the ring), or the peer hangs. */
+		char path[] = "/tmp/shunt-edge-XXXXXX";
+		int in = mkstemp(path);
+		if (in < 0)
+			return fail(t, "mkstemp");
+		unlink(path);
+		for (int i = 0; i < 100; i++) {
+			memset(b, 'a' + i % 26, 1000);
+			if (write(in, b, 1000) != 1000)
+				return fail(t, "write the file");
+		}
+		off64_t off = 0;
+		while (off < 100000) {
+			ssize_t k = sendfile64(fd, in, &off, 100000 - off);
+			if (k <= 0)
+				return fail(t, "sendfile64");
+		}
+		close(in);
+		if (shutdown(fd, SHUT_WR) < 0)
+			return fail(t, "shutdown");
+		int n = read(fd, b, sizeof b - 1);
+		b[n > 0 ? n : 0] = 0;
+		if (n <= 0 || strcmp(b, "ack:100000"))
+			return fail(t, "the server did not get the file's 100000 bytes");
 	} else if (!strcmp(t, "nonblock")) {
 		struct pollfd p = {.fd = fd, .events = POLLIN};
 		write(fd, "nb", 2);

@@ -185,6 +185,7 @@ static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
 
 INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 {
+	REAL_READY();
 	if (ep_is_set(fd))
 		return ctl_nested(epfd, op, fd, ev);
 	struct flow *f = flow_of(fd);
@@ -344,10 +345,15 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 	}
 }
 
-INTERPOSE int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout) { return do_epoll_wait(epfd, ev, max, timeout, NULL); }
+INTERPOSE int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout)
+{
+	REAL_READY();
+	return do_epoll_wait(epfd, ev, max, timeout, NULL);
+}
 
 INTERPOSE int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
 {
+	REAL_READY();
 	return do_epoll_wait(epfd, ev, max, timeout, mask);
 }
 
@@ -355,6 +361,7 @@ INTERPOSE int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout
  * another is recognized even before it holds fast-path fds. */
 INTERPOSE int epoll_create1(int flags)
 {
+	REAL_READY();
 	int fd = real_epoll_create1(flags);
 	if (fd >= 0 && !ep_get(fd, 1))
 		plog("shunt: out of memory: epoll set %d cannot hold fast-path fds", fd);
@@ -363,6 +370,7 @@ INTERPOSE int epoll_create1(int flags)
 
 INTERPOSE int epoll_create(int size)
 {
+	REAL_READY();
 	int fd = real_epoll_create(size);
 	if (fd >= 0 && !ep_get(fd, 1))
 		plog("shunt: out of memory: epoll set %d cannot hold fast-path fds", fd);

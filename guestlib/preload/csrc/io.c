@@ -76,6 +76,7 @@ static int is_timeo(int level, int name)
 /* The core also calls this, for its control socket: it takes no lock. */
 INTERPOSE int setsockopt(int fd, int level, int name, const void *val, socklen_t len)
 {
+	REAL_READY();
 	int r = real_setsockopt(fd, level, name, val, len);
 	if (r == 0 && is_timeo(level, name)) {
 		struct flow *f = flow_get(fd);
@@ -295,30 +296,35 @@ static ssize_t done_with(struct flow *f, ssize_t r)
 
 INTERPOSE ssize_t read(int fd, void *buf, size_t n)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_recv(f, buf, n, 0)) : real_read(fd, buf, n);
 }
 
 INTERPOSE ssize_t write(int fd, const void *buf, size_t n)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_send(f, buf, n, 0)) : real_write(fd, buf, n);
 }
 
 INTERPOSE ssize_t recv(int fd, void *buf, size_t n, int flags)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_recv(f, buf, n, flags)) : real_recv(fd, buf, n, flags);
 }
 
 INTERPOSE ssize_t send(int fd, const void *buf, size_t n, int flags)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_send(f, buf, n, flags)) : real_send(fd, buf, n, flags);
 }
 
 INTERPOSE ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockaddr *addr, socklen_t *len)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	if (!f)
 		return real_recvfrom(fd, buf, n, flags, addr, len);
@@ -329,6 +335,7 @@ INTERPOSE ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockad
 
 INTERPOSE ssize_t sendto(int fd, const void *buf, size_t n, int flags, const struct sockaddr *addr, socklen_t len)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_send(f, buf, n, flags)) : real_sendto(fd, buf, n, flags, addr, len);
 }
@@ -368,18 +375,21 @@ static ssize_t fast_writev(struct flow *f, const struct iovec *iov, int cnt, int
 
 INTERPOSE ssize_t readv(int fd, const struct iovec *iov, int cnt)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_readv(f, iov, cnt, 0)) : real_readv(fd, iov, cnt);
 }
 
 INTERPOSE ssize_t writev(int fd, const struct iovec *iov, int cnt)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_writev(f, iov, cnt, 0)) : real_writev(fd, iov, cnt);
 }
 
 INTERPOSE ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	if (!f)
 		return real_recvmsg(fd, msg, flags);
@@ -390,12 +400,14 @@ INTERPOSE ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
 
 INTERPOSE ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	return f ? done_with(f, fast_writev(f, msg->msg_iov, msg->msg_iovlen, flags)) : real_sendmsg(fd, msg, flags);
 }
 
 INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
 {
+	REAL_READY();
 	struct flow *f = flow_get(out);
 	if (!f)
 		return real_sendfile(out, in, off, count);
@@ -420,6 +432,7 @@ INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
  * the flow is the parent's: ENOTCONN. */
 INTERPOSE int shutdown(int fd, int how)
 {
+	REAL_READY();
 	struct flow *f = flow_get(fd);
 	if (!f)
 		return real_shutdown(fd, how);
@@ -443,4 +456,11 @@ INTERPOSE int shutdown(int fd, int how)
 		shunt_ring_stop(&f->sf.r, 1);
 	}
 	return done_with(f, 0);
+}
+
+/* sendfile64 is what programs built with 64-bit file offsets call (nginx
+ * with sendfile on): the same call on 64-bit targets. */
+INTERPOSE ssize_t sendfile64(int out, int in, off64_t *off, size_t count)
+{
+	return sendfile(out, in, (off_t *)off, count);
 }

@@ -146,6 +146,7 @@ static void forget(int fd)
 
 INTERPOSE int close(int fd)
 {
+	REAL_READY();
 	forget(fd);
 	return real_close(fd);
 }
@@ -180,6 +181,7 @@ static int beyond(int old, int fd, int err)
 
 INTERPOSE int dup(int old)
 {
+	REAL_READY();
 	int fd = real_dup(old);
 	if (fd >= 0 && beyond(old, fd, EMFILE)) {
 		real_close(fd);
@@ -192,6 +194,7 @@ INTERPOSE int dup(int old)
 
 INTERPOSE int dup2(int old, int fd)
 {
+	REAL_READY();
 	if (beyond(old, fd, EBADF))
 		return -1;
 	if (old != fd)
@@ -204,6 +207,7 @@ INTERPOSE int dup2(int old, int fd)
 
 INTERPOSE int dup3(int old, int fd, int flags)
 {
+	REAL_READY();
 	if (beyond(old, fd, EBADF))
 		return -1;
 	forget(fd);
@@ -229,6 +233,7 @@ static void set_nonblock(int fd, int on)
 
 INTERPOSE int fcntl(int fd, int cmd, ...)
 {
+	REAL_READY();
 	va_list ap;
 	va_start(ap, cmd);
 	long arg = va_arg(ap, long);
@@ -246,8 +251,20 @@ INTERPOSE int fcntl(int fd, int cmd, ...)
 	return r;
 }
 
+/* Programs built with 64-bit file offsets (nginx, redis, python3) call
+ * fcntl64; on 64-bit targets it is the same call. */
+INTERPOSE int fcntl64(int fd, int cmd, ...)
+{
+	va_list ap;
+	va_start(ap, cmd);
+	long arg = va_arg(ap, long);
+	va_end(ap);
+	return fcntl(fd, cmd, arg);
+}
+
 INTERPOSE int ioctl(int fd, unsigned long req, ...)
 {
+	REAL_READY();
 	va_list ap;
 	va_start(ap, req);
 	void *arg = va_arg(ap, void *);
@@ -356,12 +373,14 @@ static void before_exec(void)
 
 INTERPOSE int execve(const char *path, char *const argv[], char *const envp[])
 {
+	REAL_READY();
 	before_exec();
 	return real_execve(path, argv, envp);
 }
 
 INTERPOSE int execv(const char *path, char *const argv[])
 {
+	REAL_READY();
 	extern char **environ;
 	return execve(path, argv, environ);
 }
@@ -389,6 +408,7 @@ static char **argv_from(const char *first, va_list ap, char ***envp)
 
 INTERPOSE int execl(const char *path, const char *arg, ...)
 {
+	REAL_READY();
 	extern char **environ;
 	va_list ap;
 	va_start(ap, arg);
@@ -403,6 +423,7 @@ INTERPOSE int execl(const char *path, const char *arg, ...)
 
 INTERPOSE int execle(const char *path, const char *arg, ...)
 {
+	REAL_READY();
 	char **envp;
 	va_list ap;
 	va_start(ap, arg);
@@ -417,6 +438,7 @@ INTERPOSE int execle(const char *path, const char *arg, ...)
 
 INTERPOSE int execlp(const char *file, const char *arg, ...)
 {
+	REAL_READY();
 	va_list ap;
 	va_start(ap, arg);
 	char **argv = argv_from(arg, ap, NULL);
@@ -430,12 +452,14 @@ INTERPOSE int execlp(const char *file, const char *arg, ...)
 
 INTERPOSE int execvpe(const char *file, char *const argv[], char *const envp[])
 {
+	REAL_READY();
 	before_exec();
 	return real_execvpe(file, argv, envp);
 }
 
 INTERPOSE int execvp(const char *file, char *const argv[])
 {
+	REAL_READY();
 	before_exec();
 	return real_execvp(file, argv);
 }

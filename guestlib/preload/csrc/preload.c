@@ -24,6 +24,7 @@
 #include "preload.h"
 
 #include <dlfcn.h>
+#include <pthread.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -44,13 +45,26 @@ REAL(setsockopt);
 
 static void resolve(void)
 {
-#define R(name) real_##name = dlsym(RTLD_NEXT, #name)
+#define R(name) __atomic_store_n(&real_##name, (__typeof__(real_##name))dlsym(RTLD_NEXT, #name), __ATOMIC_RELEASE)
 	R(socket); R(connect); R(listen); R(accept4); R(close); R(read); R(write);
 	R(recv); R(send); R(recvfrom); R(sendto); R(recvmsg); R(sendmsg); R(readv); R(writev);
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll);
 	R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
 	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt);
 #undef R
+}
+
+/* Wrappers can run before this library's constructor: another shared
+ * library's constructor (OpenSSH's sshd through libcap-ng calls read() at
+ * load time), or a signal handler or atexit handler of an early caller.
+ * So every wrapper resolves the real symbols on first use, once. */
+static pthread_once_t resolved = PTHREAD_ONCE_INIT;
+int real_ready;
+
+void resolve_real(void)
+{
+	pthread_once(&resolved, resolve);
+	__atomic_store_n(&real_ready, 1, __ATOMIC_RELEASE);
 }
 
 /* ---- configuration and logging ---- */
@@ -193,7 +207,7 @@ static void announce(void *arg, struct shunt_session *s)
 
 __attribute__((constructor)) static void init(void)
 {
-	resolve();
+	resolve_real();
 	const char *s, *control = DEFAULT_CONTROL;
 	if ((s = getenv("SHUNT_VERBOSE")) && *s >= '1' && *s <= '9')
 		verbose = *s - '0';

@@ -46,6 +46,16 @@
 
 /* ---- libc: the next definition of each interposed symbol (preload.c) ---- */
 
+/* REAL_READY makes sure the real_* pointers are set: it is the first line
+ * of every interposed function (see resolve_real in preload.c). */
+extern int real_ready;
+void resolve_real(void);
+#define REAL_READY()                                                      \
+	do {                                                              \
+		if (__builtin_expect(!__atomic_load_n(&real_ready, __ATOMIC_ACQUIRE), 0)) \
+			resolve_real();                                   \
+	} while (0)
+
 #define REAL(name) extern __typeof__(name) *real_##name
 REAL(socket); REAL(connect); REAL(listen); REAL(accept4); REAL(close);
 REAL(read); REAL(write); REAL(recv); REAL(send); REAL(recvfrom); REAL(sendto);

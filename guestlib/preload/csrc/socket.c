@@ -106,6 +106,7 @@ static void open_side(int fd, uint8_t role, const char *who)
 
 INTERPOSE int socket(int domain, int type, int protocol)
 {
+	REAL_READY();
 	int fd = real_socket(domain, type, protocol);
 	if (fd >= 0 && fd < FD_MAX && (domain == AF_INET || domain == AF_INET6) && (type & 0xf) == SOCK_STREAM) {
 		kind[fd] = FD_TCP;
@@ -139,6 +140,7 @@ static int source_for(const struct sockaddr *dst, socklen_t len, struct sockaddr
 
 INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 {
+	REAL_READY();
 	struct shunt_addr remote, local;
 	if (fd < 0 || fd >= FD_MAX || kind[fd] != FD_TCP || disabled || !addr || to_addr(addr, &remote))
 		return real_connect(fd, addr, len);
@@ -189,6 +191,7 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 
 INTERPOSE int listen(int fd, int backlog)
 {
+	REAL_READY();
 	int r = real_listen(fd, backlog);
 	if (r == 0 && fd >= 0 && fd < FD_MAX && kind[fd] == FD_TCP && !disabled && shunt_session_ensure(session) == 0) {
 		struct shunt_msg m = {.type = SHUNT_LISTEN};
@@ -202,6 +205,7 @@ INTERPOSE int listen(int fd, int backlog)
 
 INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 {
+	REAL_READY();
 	int c = real_accept4(fd, addr, len, flags);
 	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == FD_LISTENER) {
 		kind[c] = FD_TCP;

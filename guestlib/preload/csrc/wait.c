@@ -414,11 +414,13 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 
 INTERPOSE int poll(struct pollfd *p, nfds_t n, int timeout)
 {
+	REAL_READY();
 	return do_poll(p, n, timeout < 0 ? -1 : (int64_t)timeout * 1000000, NULL);
 }
 
 INTERPOSE int ppoll(struct pollfd *p, nfds_t n, const struct timespec *ts, const sigset_t *mask)
 {
+	REAL_READY();
 	return do_poll(p, n, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
 }
 
@@ -456,11 +458,13 @@ static int do_select(int nfds, fd_set *r, fd_set *w, fd_set *e, int64_t timeout_
 
 INTERPOSE int select(int nfds, fd_set *r, fd_set *w, fd_set *e, struct timeval *tv)
 {
+	REAL_READY();
 	int64_t t = tv ? (int64_t)tv->tv_sec * 1000000000 + tv->tv_usec * 1000 : -1;
 	return do_select(nfds, r, w, e, t, NULL);
 }
 
 INTERPOSE int pselect(int nfds, fd_set *r, fd_set *w, fd_set *e, const struct timespec *ts, const sigset_t *mask)
 {
+	REAL_READY();
 	return do_select(nfds, r, w, e, ts ? (int64_t)ts->tv_sec * 1000000000 + ts->tv_nsec : -1, mask);
 }
