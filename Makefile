@@ -55,9 +55,11 @@ $(BIN)/shunt-early: integration/ctest/early.c $(BIN)/libshunt-early.so
 	$(CC) $(SHUNT_CFLAGS) -o $@ $< -L$(BIN) -lshunt-early -Wl,-rpath,'$$ORIGIN'
 
 # The edge suite's servers ignore some write results on purpose.
-$(BIN)/shunt-edge: integration/ctest/edge.c
+EDGE_SRC := integration/ctest/edge.c integration/ctest/edge_blocking.c
+
+$(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	@mkdir -p $(@D)
-	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $<
+	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $(EDGE_SRC)
 
 # Debian packages (packaging/, nfpm as a Go module): shunt-host and
 # shunt-guest into bin/, versioned from git describe (or make deb VERSION=1.2.3).

@@ -1,0 +1,45 @@
+/* edge.h: what the edge suite's two files share (edge.c: the server, the
+ * client's basic tests and main; edge_blocking.c: many connections in one
+ * wait set, blocked calls acted on from another thread, fork loops). */
+#ifndef SHUNT_EDGE_H
+#define SHUNT_EDGE_H
+
+#define _GNU_SOURCE
+#include <arpa/inet.h>
+#include <errno.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <poll.h>
+#include <pthread.h>
+#include <semaphore.h>
+#include <signal.h>
+#include <stdint.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/sendfile.h>
+#include <sys/socket.h>
+#include <sys/time.h>
+#include <sys/wait.h>
+#include <time.h>
+#include <unistd.h>
+
+
+/* epollmany, pollmany: fast-path connections in one wait set. More than a
+ * wait once watched (64 rings; data on the others slept until the
+ * timeout), and more than one futex_waitv call takes (127 rings). */
+#define MANY 200
+
+int fail(const char *t, const char *why);
+int full(int fd, char *buf, int n);
+void drain(int fd);
+int dial(const char *ip, int port, int nonblock);
+int echo_ok(int fd, const char *msg);
+
+/* edge_blocking.c */
+int many(const char *ip, int port, const char *t);
+int signals(const char *ip, int port, const char *t);
+int forkloop(const char *ip, int port, const char *t);
+
+#endif
