@@ -437,7 +437,8 @@ func TestPreloadEdgeCases(t *testing.T) {
 	server("7701")
 	e.waitListening(2, 7700)
 	e.waitListening(2, 7701)
-	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "nonblock64", "sendfile64", "epoll", "nested", "fork", "exec"} {
+	for _, test := range []string{"peek", "waitall", "halfclose", "dup", "nonblock", "nonblock64", "sendfile64", "epoll", "nested", "fork", "exec",
+		"rst", "chk", "mmsg", "splice", "iov"} {
 		t.Run(test, func(t *testing.T) {
 			out := e.runT(t, 1, client(test))
 			if !strings.Contains(out, "PASS "+test) || fastLines(out) != 1 {
@@ -461,6 +462,31 @@ func TestPreloadEdgeCases(t *testing.T) {
 		eventually(t, 5*time.Second, "the server's verdict", func() bool { return strings.Contains(srvOut.String(), "exitopen-server") })
 		if !strings.Contains(srvOut.String(), "PASS exitopen-server") {
 			t.Fatalf("server, after the client exited with the connection open:\n%s", srvOut.String())
+		}
+	})
+	// A raw write(2) to a fast-path fd lands on its kernel socket: the
+	// library must end the flow with ECONNRESET on both ends, not hang.
+	t.Run("rawwrite", func(t *testing.T) {
+		out := e.runT(t, 1, client("rawwrite"))
+		if !strings.Contains(out, "PASS rawwrite") || fastLines(out) != 1 {
+			t.Fatalf("client:\n%s", out)
+		}
+		eventually(t, 10*time.Second, "the server's verdict", func() bool { return strings.Contains(srvOut.String(), "rawwrite-server") })
+		if !strings.Contains(srvOut.String(), "PASS rawwrite-server") {
+			t.Fatalf("server, after the client's raw write:\n%s", srvOut.String())
+		}
+	})
+	// Nothing listens on 7799: the kernel's errors, kept (no fast path).
+	t.Run("connrefused", func(t *testing.T) {
+		out := e.runT(t, 1, clientAt("7799", "connrefused"))
+		if !strings.Contains(out, "PASS connrefused") || fastLines(out) != 0 {
+			t.Fatalf("connrefused:\n%s", out)
+		}
+	})
+	t.Run("uring", func(t *testing.T) {
+		out := e.runT(t, 1, client("uring"))
+		if !strings.Contains(out, "PASS uring") || fastLines(out) != 0 || !strings.Contains(out, "tcp (io_uring") {
+			t.Fatalf("after io_uring_setup, the connection must stay on TCP:\n%s", out)
 		}
 	})
 	t.Run("revoke", func(t *testing.T) {
@@ -492,7 +518,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 		test, port string
 		fast       int
 	}{
-		{"eintr", "7700", 1}, {"restart", "7700", 1}, {"rcvtimeo", "7700", 1},
+		{"waiteintr", "7700", 1}, {"eintr", "7700", 1}, {"restart", "7700", 1}, {"rcvtimeo", "7700", 1},
 		{"sigsend", "7701", 2}, {"sndtimeo", "7701", 2}, {"shutwr", "7701", 2},
 		{"threads", "7700", 1}, {"closewake", "7700", 2}, {"forkloop", "7700", -1},
 	} {

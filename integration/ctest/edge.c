@@ -12,8 +12,25 @@
  * sigsend sndtimeo shutwr (the same for a send on a full ring; a second
  * connection lets the server read) forkloop (fork while another thread
  * connects; FORKS children connect) nonblock64 sendfile64 (the calls
- * programs built with 64-bit file offsets make: fcntl64, sendfile64) */
+ * programs built with 64-bit file offsets make: fcntl64, sendfile64)
+ * rst (the server closes with SO_LINGER {1, 0}: ECONNRESET) chk mmsg
+ * splice iov (fortified reads, sendmmsg/recvmmsg, splice both ways, IOV_MAX
+ * iovecs) rawwrite (a raw write(2) to a fast-path fd: both ends fail with
+ * ECONNRESET, none hangs; the server prints "PASS rawwrite-server")
+ * connrefused (PORT closed: a non-blocking connect says EINPROGRESS, then
+ * POLLERR and ECONNREFUSED in SO_ERROR; a blocking one ECONNREFUSED)
+ * uring (after io_uring_setup, connections stay on TCP)
+ * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR) */
 #include "edge.h"
+
+#include <limits.h>
+#include <sys/syscall.h>
+#include <sys/uio.h>
+
+/* The fortified reads (glibc declares them only under _FORTIFY_SOURCE). */
+extern ssize_t __read_chk(int fd, void *buf, size_t n, size_t buflen);
+extern ssize_t __recv_chk(int fd, void *buf, size_t n, size_t buflen, int flags);
+extern ssize_t __recvfrom_chk(int fd, void *buf, size_t n, size_t buflen, int flags, struct sockaddr *addr, socklen_t *len);
 
 
 int fail(const char *t, const char *why)
@@ -122,6 +139,27 @@ static void serve(int c)
 		else
 			printf("FAIL exitopen-server: got %d bytes, then %d (errno %d %s)\n", got, eof, errno, strerror(errno));
 		fflush(stdout);
+	} else if (!strcmp(name, "rst")) {
+		/* Close with RST: the client's read must fail with ECONNRESET. */
+		struct linger lg = {.l_onoff = 1, .l_linger = 0};
+		setsockopt(c, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+	} else if (!strcmp(name, "rawwrite")) {
+		/* The client writes to its fast-path fd with a raw write(2):
+		 * this read must end with an error, not wait for ever. "k"
+		 * says the name was read (a reset flow drops what it holds). */
+		write(c, "k", 1);
+		struct timespec t0, t1;
+		clock_gettime(CLOCK_MONOTONIC, &t0);
+		struct pollfd p = {.fd = c, .events = POLLIN};
+		int ready = poll(&p, 1, 5000);
+		int k = ready == 1 ? read(c, buf, 1) : -2;
+		int e = errno;
+		clock_gettime(CLOCK_MONOTONIC, &t1);
+		if (k == -1 && e == ECONNRESET)
+			printf("PASS rawwrite-server (%ld ms)\n", (long)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000));
+		else
+			printf("FAIL rawwrite-server: poll %d, read %d (errno %d %s), want -1 (ECONNRESET)\n", ready, k, e, strerror(e));
+		fflush(stdout);
 	} else if (!strcmp(name, "many")) {
 		/* One of MANY connections: on "d", answer after a while (the
 		 * client is asleep in its wait by then). */
@@ -173,16 +211,72 @@ int echo_ok(int fd, const char *msg)
 	return write(fd, msg, n) == n && full(fd, b, n) == n && !memcmp(b, msg, n);
 }
 
+/* connrefused: PORT is closed on the peer. As with plain TCP, a
+ * non-blocking connect says EINPROGRESS, then poll (or epoll) reports
+ * POLLERR and SO_ERROR holds ECONNREFUSED; a blocking connect fails with
+ * ECONNREFUSED at once. */
+static int connrefused(const char *ip, int port, const char *t)
+{
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+	inet_pton(AF_INET, ip, &a.sin_addr);
+	for (int use_epoll = 0; use_epoll < 2; use_epoll++) {
+		int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+		if (connect(fd, (struct sockaddr *)&a, sizeof a) != -1 || errno != EINPROGRESS)
+			return fail(t, "a non-blocking connect to a closed port did not say EINPROGRESS");
+		unsigned got;
+		if (use_epoll) {
+			int ep = epoll_create1(0);
+			struct epoll_event ev = {.events = EPOLLOUT, .data.fd = fd}, out;
+			if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev) || epoll_wait(ep, &out, 1, 5000) != 1)
+				return fail(t, "epoll_wait did not report the failed connect");
+			got = (out.events & EPOLLERR ? POLLERR : 0) | (out.events & EPOLLHUP ? POLLHUP : 0);
+			close(ep);
+		} else {
+			struct pollfd p = {.fd = fd, .events = POLLOUT};
+			if (poll(&p, 1, 5000) != 1)
+				return fail(t, "poll did not report the failed connect");
+			got = p.revents;
+		}
+		if (!(got & POLLERR) || !(got & POLLHUP))
+			return printf("FAIL %s: %s reported %#x, want POLLERR and POLLHUP\n", t, use_epoll ? "epoll" : "poll", got), 1;
+		int err = 0;
+		socklen_t l = sizeof err;
+		if (getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &l) || err != ECONNREFUSED)
+			return printf("FAIL %s: SO_ERROR %d (%s), want ECONNREFUSED\n", t, err, strerror(err)), 1;
+		close(fd);
+	}
+	int fd = socket(AF_INET, SOCK_STREAM, 0);
+	struct timespec t0, t1;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	int r = connect(fd, (struct sockaddr *)&a, sizeof a);
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	if (r != -1 || errno != ECONNREFUSED)
+		return fail(t, "a blocking connect to a closed port is not ECONNREFUSED");
+	if (t1.tv_sec - t0.tv_sec > 1)
+		return fail(t, "a blocking connect to a closed port took more than a second");
+	close(fd);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
 static int client(const char *ip, int port, const char *t)
 {
 	if (!strcmp(t, "epollmany") || !strcmp(t, "pollmany"))
 		return many(ip, port, t);
-	static const char *blocking[] = {"eintr", "restart", "rcvtimeo", "sigsend", "sndtimeo", "shutwr", "threads", "closewake"};
+	static const char *blocking[] = {"waiteintr", "eintr", "restart", "rcvtimeo", "sigsend", "sndtimeo", "shutwr", "threads", "closewake"};
 	for (size_t i = 0; i < sizeof blocking / sizeof *blocking; i++)
 		if (!strcmp(t, blocking[i]))
 			return signals(ip, port, t);
 	if (!strcmp(t, "forkloop"))
 		return forkloop(ip, port, t);
+	if (!strcmp(t, "connrefused"))
+		return connrefused(ip, port, t);
+	if (!strcmp(t, "uring")) {
+		/* Fails (no params), but the process has asked for io_uring. */
+		long r = syscall(SYS_io_uring_setup, 0, NULL);
+		(void)r;
+	}
+	alarm(10); /* a call that sends past the ring would hang: fail instead */
 	int fd = dial(ip, port, !strcmp(t, "nonblock"));
 	if (fd < 0)
 		return fail(t, "connect");
@@ -337,6 +431,107 @@ static int client(const char *ip, int port, const char *t)
 		printf("PASS %s\n", t);
 		fflush(stdout);
 		exit(0); /* fd still open: the library's exit path sends FIN */
+	} else if (!strcmp(t, "rst")) {
+		int n = read(fd, b, 1);
+		if (n != -1 || errno != ECONNRESET)
+			return fail(t, "a read after the peer's close with SO_LINGER 0 is not ECONNRESET");
+	} else if (!strcmp(t, "chk")) {
+		struct sockaddr_storage ss;
+		socklen_t sl = sizeof ss;
+		if (write(fd, "abc", 3) != 3 || __read_chk(fd, b, 3, sizeof b) != 3 || memcmp(b, "abc", 3))
+			return fail(t, "__read_chk");
+		if (write(fd, "def", 3) != 3 || __recv_chk(fd, b, 3, sizeof b, MSG_WAITALL) != 3 || memcmp(b, "def", 3))
+			return fail(t, "__recv_chk");
+		if (write(fd, "ghi", 3) != 3 || __recvfrom_chk(fd, b, 3, sizeof b, MSG_WAITALL, (struct sockaddr *)&ss, &sl) != 3 ||
+		    memcmp(b, "ghi", 3))
+			return fail(t, "__recvfrom_chk");
+	} else if (!strcmp(t, "mmsg")) {
+		char *words[] = {"one", "two", "three"};
+		struct iovec iv[3];
+		struct mmsghdr mv[3];
+		memset(mv, 0, sizeof mv);
+		for (int i = 0; i < 3; i++) {
+			iv[i] = (struct iovec){words[i], strlen(words[i])};
+			mv[i].msg_hdr.msg_iov = &iv[i];
+			mv[i].msg_hdr.msg_iovlen = 1;
+		}
+		if (sendmmsg(fd, mv, 3, 0) != 3 || mv[2].msg_len != 5)
+			return fail(t, "sendmmsg");
+		char in[3][8];
+		int got = 0;
+		while (got < 11) {
+			struct iovec ri[3];
+			struct mmsghdr rv[3];
+			memset(rv, 0, sizeof rv);
+			for (int i = 0; i < 3; i++) {
+				ri[i] = (struct iovec){in[i], sizeof in[i]};
+				rv[i].msg_hdr.msg_iov = &ri[i];
+				rv[i].msg_hdr.msg_iovlen = 1;
+			}
+			int n = recvmmsg(fd, rv, 3, MSG_WAITFORONE, NULL);
+			if (n <= 0)
+				return fail(t, "recvmmsg");
+			for (int i = 0; i < n && got + (int)rv[i].msg_len <= 11; i++) {
+				memcpy(b + got, in[i], rv[i].msg_len);
+				got += rv[i].msg_len;
+			}
+		}
+		if (memcmp(b, "onetwothree", 11))
+			return fail(t, "the bytes through sendmmsg and recvmmsg");
+	} else if (!strcmp(t, "splice")) {
+		int in[2], out[2];
+		if (pipe(in) || pipe(out) || write(in[1], "spliced", 7) != 7)
+			return fail(t, "pipe");
+		if (splice(in[0], NULL, fd, NULL, 7, 0) != 7)
+			return fail(t, "splice from a pipe to the socket");
+		int got = 0;
+		while (got < 7) {
+			ssize_t k = splice(fd, NULL, out[1], NULL, 7 - got, 0);
+			if (k <= 0)
+				return fail(t, "splice from the socket to a pipe");
+			got += k;
+		}
+		if (full(out[0], b, 7) != 7 || memcmp(b, "spliced", 7))
+			return fail(t, "the bytes through splice");
+	} else if (!strcmp(t, "iov")) {
+		/* IOV_MAX one-byte iovecs each way; one more is EINVAL. */
+		static struct iovec iv[IOV_MAX + 1];
+		static char out[IOV_MAX + 1], in[IOV_MAX + 1];
+		for (int i = 0; i <= IOV_MAX; i++) {
+			out[i] = 'a' + i % 26;
+			iv[i] = (struct iovec){&out[i], 1};
+		}
+		if (writev(fd, iv, IOV_MAX + 1) != -1 || errno != EINVAL)
+			return fail(t, "writev with IOV_MAX + 1 iovecs is not EINVAL");
+		if (writev(fd, iv, IOV_MAX) != IOV_MAX)
+			return fail(t, "writev with IOV_MAX iovecs");
+		for (int i = 0; i <= IOV_MAX; i++)
+			iv[i] = (struct iovec){&in[i], 1};
+		int got = 0;
+		while (got < IOV_MAX) {
+			ssize_t k = readv(fd, iv + got, IOV_MAX - got);
+			if (k <= 0)
+				return fail(t, "readv");
+			got += k;
+		}
+		if (memcmp(in, out, IOV_MAX))
+			return fail(t, "the bytes through writev and readv");
+	} else if (!strcmp(t, "rawwrite")) {
+		/* Past the library: the bytes land on the kernel socket. */
+		if (read(fd, b, 1) != 1 || b[0] != 'k')
+			return fail(t, "the server's go-ahead");
+		if (syscall(SYS_write, fd, "raw", 3) != 3)
+			return fail(t, "raw write");
+		alarm(0);
+		struct pollfd p = {.fd = fd, .events = POLLIN};
+		int ready = poll(&p, 1, 5000);
+		int n = ready == 1 ? read(fd, b, 1) : -2;
+		if (n != -1 || errno != ECONNRESET)
+			return printf("FAIL %s: after a raw write: poll %d, read %d (errno %d %s), want -1 (ECONNRESET)\n", t,
+				      ready, n, errno, strerror(errno)), 1;
+	} else if (!strcmp(t, "uring")) {
+		if (!echo_ok(fd, "after io_uring"))
+			return fail(t, "echo");
 	} else if (!strcmp(t, "plain")) {
 		if (!echo_ok(fd, "plain tcp"))
 			return fail(t, "echo");

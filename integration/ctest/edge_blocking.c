@@ -63,7 +63,8 @@ int many(const char *ip, int port, const char *t)
 #define FORKS    30 /* forkloop */
 
 struct call {
-	int fd, op, flags; /* op: 'r' recv, 's' send, 'S' shutdown(fd, flags) */
+	int fd, op, flags; /* op: 'r' recv, 's' send, 'S' shutdown(fd, flags), 'e' epoll_wait and
+			    * 'E' epoll_pwait on the set flags, 'p' poll, 'x' select (for input on fd) */
 	char buf[65536];
 	size_t n;
 	ssize_t ret;
@@ -85,8 +86,19 @@ static void *run_call(void *arg)
 	struct call *c = arg;
 	__atomic_store_n(&c->tid, gettid(), __ATOMIC_SEQ_CST);
 	int64_t t0 = mono_ns();
+	struct epoll_event ev;
+	struct pollfd p = {.fd = c->fd, .events = POLLIN};
+	fd_set rs;
+	FD_ZERO(&rs);
+	FD_SET(c->fd, &rs);
+	sigset_t none;
+	sigemptyset(&none);
 	c->ret = c->op == 'r' ? recv(c->fd, c->buf, c->n, c->flags)
-		 : c->op == 's' ? send(c->fd, c->buf, c->n, c->flags) : shutdown(c->fd, c->flags);
+		 : c->op == 's' ? send(c->fd, c->buf, c->n, c->flags)
+		 : c->op == 'e' ? epoll_wait(c->flags, &ev, 1, -1)
+		 : c->op == 'E' ? epoll_pwait(c->flags, &ev, 1, -1, &none)
+		 : c->op == 'p' ? poll(&p, 1, -1)
+		 : c->op == 'x' ? select(c->fd + 1, &rs, NULL, NULL, NULL) : shutdown(c->fd, c->flags);
 	c->err = errno;
 	c->took_ns = mono_ns() - t0;
 	return NULL;
@@ -242,7 +254,28 @@ int signals(const char *ip, int port, const char *t)
 	signal(SIGPIPE, SIG_IGN);
 	int fd = -1;
 	static struct call c;
-	if (!strcmp(t, "eintr")) {
+	if (!strcmp(t, "waiteintr")) {
+		/* A wait for input on a fast-path fd, interrupted by a handler
+		 * without SA_RESTART: -1/EINTR, as the kernel's (nginx logged
+		 * "epoll_wait() failed (11: Resource temporarily unavailable)"). */
+		if ((fd = dial(ip, port, 0)) < 0 || say(fd, "cmd"))
+			return fail(t, "connect");
+		int ep = epoll_create1(0);
+		struct epoll_event ev = {.events = EPOLLIN, .data.fd = fd};
+		if (epoll_ctl(ep, EPOLL_CTL_ADD, fd, &ev))
+			return fail(t, "epoll_ctl");
+		handle(0);
+		static const struct {
+			int op;
+			const char *what;
+		} waits[] = {{'e', "epoll_wait"}, {'E', "epoll_pwait"}, {'p', "poll"}, {'x', "select"}};
+		for (size_t i = 0; i < sizeof waits / sizeof *waits; i++) {
+			c = (struct call){.fd = fd, .op = waits[i].op, .flags = ep};
+			if (interrupted(t, &c, EINTR, waits[i].what))
+				return 1;
+		}
+		close(ep);
+	} else if (!strcmp(t, "eintr")) {
 		/* Without SA_RESTART a blocked read fails with EINTR; with some
 		 * bytes already read, it returns them. */
 		if ((fd = dial(ip, port, 0)) < 0 || say(fd, "cmd"))

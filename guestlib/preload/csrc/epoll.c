@@ -19,6 +19,7 @@ struct epi {
 	struct epoll_event ev;
 	uint64_t seen;   /* EPOLLET: the ring positions last reported, plus 1 */
 	struct ep *in;   /* a nested set */
+	int pend;        /* a socket whose connect is under way: in the kernel's set too, until settled */
 };
 
 /* The library's side of one epoll set. Sets are never freed: closing one
@@ -31,6 +32,7 @@ struct ep {
 	pthread_mutex_t mu; /* guards the fields below */
 	struct epi *it;
 	int n, cap;
+	int pend;          /* interests with pend set */
 	int64_t kernel_at; /* when epoll_wait(0) last asked the kernel */
 };
 
@@ -80,8 +82,10 @@ static void drop_locked(struct ep *e, int fd)
 {
 	pthread_mutex_lock(&e->mu);
 	for (int j = 0; j < e->n; j++)
-		if (e->it[j].fd == fd)
+		if (e->it[j].fd == fd) {
+			e->pend -= e->it[j].pend;
 			e->it[j--] = e->it[--e->n];
+		}
 	pthread_mutex_unlock(&e->mu);
 }
 
@@ -101,7 +105,7 @@ void ep_forget(int fd, int was_fast)
 	}
 	if (self) {
 		pthread_mutex_lock(&self->mu);
-		self->n = 0;
+		self->n = self->pend = 0;
 		self->kernel_at = 0;
 		self->live = 0;
 		pthread_mutex_unlock(&self->mu);
@@ -183,11 +187,72 @@ static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
 	return r;
 }
 
+/* ctl_pending registers a socket whose non-blocking connect is under way
+ * with the kernel as usual and also here, so that the set's waits settle
+ * it (socket.c) and then move it here if it takes the fast path. */
+static int ctl_pending(int epfd, int op, int fd, struct epoll_event *ev)
+{
+	int r = real_epoll_ctl(epfd, op, fd, ev);
+	struct ep *e = r < 0 ? NULL : ep_get(epfd, 1);
+	if (!e)
+		return r;
+	pthread_mutex_lock(&e->mu);
+	int at = find(e, fd);
+	if (op == EPOLL_CTL_DEL && at >= 0) {
+		e->pend -= e->it[at].pend;
+		e->it[at] = e->it[--e->n];
+	} else if (op == EPOLL_CTL_MOD && at >= 0) {
+		e->it[at].ev = *ev;
+	} else if (op == EPOLL_CTL_ADD && at < 0) {
+		if (add(e, (struct epi){.fd = fd, .ev = *ev, .pend = 1})) {
+			pthread_mutex_unlock(&e->mu);
+			real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL); /* all or nothing */
+			return errno = ENOMEM, -1;
+		}
+		e->pend++;
+	}
+	pthread_mutex_unlock(&e->mu);
+	return r;
+}
+
+/* settle_set settles e's sockets whose connect was under way (outside
+ * e->mu: settling waits for hostd), then takes a fast-path one out of the
+ * kernel's set (its interest is here now) and forgets one left on TCP
+ * (the kernel's set has it). */
+static void settle_set(struct ep *e)
+{
+	int fd[16], k = 0;
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < e->n && k < 16; i++)
+		if (e->it[i].pend)
+			fd[k++] = e->it[i].fd;
+	pthread_mutex_unlock(&e->mu);
+	for (int i = 0; i < k; i++)
+		settle(fd[i]);
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < e->n; i++) {
+		struct epi *x = &e->it[i];
+		if (!x->pend || pending(x->fd))
+			continue;
+		x->pend = 0;
+		e->pend--;
+		if (flow_of(x->fd)) {
+			real_epoll_ctl(e->fd, EPOLL_CTL_DEL, x->fd, NULL);
+			x->seen = 0;
+		} else {
+			e->it[i--] = e->it[--e->n];
+		}
+	}
+	pthread_mutex_unlock(&e->mu);
+}
+
 INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 {
 	REAL_READY();
 	if (ep_is_set(fd))
 		return ctl_nested(epfd, op, fd, ev);
+	if (pending(fd))
+		return ctl_pending(epfd, op, fd, ev);
 	struct flow *f = flow_of(fd);
 	struct ep *e = ep_get(epfd, f != NULL);
 	if (!e && f) /* in the kernel's set, the idle kernel socket would never be ready */
@@ -204,8 +269,13 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 		r = -1, errno = EEXIST;
 	else if (op != EPOLL_CTL_ADD && at < 0)
 		r = -1, errno = ENOENT;
-	else if (op == EPOLL_CTL_DEL)
+	else if (op == EPOLL_CTL_DEL) {
+		if (e->it[at].pend) { /* settled since, and still in the kernel's set */
+			real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL);
+			e->pend--;
+		}
 		e->it[at] = e->it[--e->n];
+	}
 	else if (op == EPOLL_CTL_MOD)
 		e->it[at].ev = *ev, e->it[at].seen = 0;
 	else
@@ -246,7 +316,7 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 			k += ready;
 			continue;
 		}
-		struct flow *f = flow_of(x->fd);
+		struct flow *f = x->pend ? NULL : flow_of(x->fd);
 		if (!f || !(x->ev.events & ~(EPOLLET | EPOLLONESHOT)))
 			continue;
 		short want = (x->ev.events & EPOLLIN ? POLLIN : 0) | (x->ev.events & EPOLLOUT ? POLLOUT : 0) |
@@ -297,6 +367,8 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		return real_epoll_pwait(epfd, ev, max, timeout, mask);
 	int64_t start = now_ns(), deadline = timeout < 0 ? -1 : start + (int64_t)timeout * 1000000;
 	for (unsigned turn = 0;; turn++) {
+		if (__atomic_load_n(&e->pend, __ATOMIC_RELAXED))
+			settle_set(e);
 		int k = scan(e, ev, max, REPORT, NULL);
 		/* Non-blocking progress loops (MPI) call epoll_wait(0) back to
 		 * back: ask the kernel at most every KERNEL_POLL_NS then. */
@@ -334,10 +406,16 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		if (h && real_epoll_ctl(epfd, EPOLL_CTL_ADD, helper_efd(h), &m) < 0 && errno != EEXIST)
 			h = NULL; /* then the wait is sliced */
 		int64_t left = block_start(h, &a, deadline < 0 ? -1 : deadline - now_ns());
+		/* A connect under way wakes nothing in a set that waits for
+		 * input: re-check it every millisecond until it is settled. */
+		if (__atomic_load_n(&e->pend, __ATOMIC_RELAXED) && (left < 0 || left > 1000000))
+			left = 1000000;
 		int r = real_epoll_pwait(epfd, ev, max, left < 0 ? -1 : (int)((left + 999999) / 1000000), mask);
-		block_stop(h);
+		int err = errno;
+		block_stop(h); /* it drains the eventfd: errno is EAGAIN after */
 		arm_set(&a, 0);
 		arm_free(&a);
+		errno = err;
 		if (r < 0)
 			return r;
 		if ((r = drop_magic(ev, r)))

@@ -4,6 +4,7 @@
 #include "preload.h"
 
 #include <errno.h>
+#include <limits.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/time.h>
@@ -340,8 +341,13 @@ INTERPOSE ssize_t sendto(int fd, const void *buf, size_t n, int flags, const str
 	return f ? done_with(f, fast_send(f, buf, n, flags)) : real_sendto(fd, buf, n, flags, addr, len);
 }
 
+/* fast_readv and fast_writev take any number of iovecs, one at a time (no
+ * local copy, so none is cut off); more than IOV_MAX fails with EINVAL,
+ * as readv(2) and writev(2) do. */
 static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int flags)
 {
+	if (cnt < 0 || cnt > IOV_MAX)
+		return errno = EINVAL, -1;
 	ssize_t total = 0;
 	int64_t deadline = 0;
 	for (int i = 0; i < cnt; i++) {
@@ -360,6 +366,8 @@ static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int 
 
 static ssize_t fast_writev(struct flow *f, const struct iovec *iov, int cnt, int flags)
 {
+	if (cnt < 0 || cnt > IOV_MAX)
+		return errno = EINVAL, -1;
 	ssize_t total = 0;
 	int64_t deadline = 0;
 	for (int i = 0; i < cnt; i++) {
@@ -463,4 +471,148 @@ INTERPOSE int shutdown(int fd, int how)
 INTERPOSE ssize_t sendfile64(int out, int in, off64_t *off, size_t count)
 {
 	return sendfile(out, in, (off_t *)off, count);
+}
+
+/* ---- fortified variants ----
+ *
+ * _FORTIFY_SOURCE builds call these instead of read, recv and recvfrom
+ * when the buffer's size is known: the same calls, after the size check. */
+
+extern void __chk_fail(void) __attribute__((noreturn));
+
+INTERPOSE ssize_t __read_chk(int fd, void *buf, size_t n, size_t buflen)
+{
+	REAL_READY();
+	if (n > buflen)
+		__chk_fail();
+	return read(fd, buf, n);
+}
+
+INTERPOSE ssize_t __recv_chk(int fd, void *buf, size_t n, size_t buflen, int flags)
+{
+	REAL_READY();
+	if (n > buflen)
+		__chk_fail();
+	return recv(fd, buf, n, flags);
+}
+
+INTERPOSE ssize_t __recvfrom_chk(int fd, void *buf, size_t n, size_t buflen, int flags, struct sockaddr *addr, socklen_t *len)
+{
+	REAL_READY();
+	if (n > buflen)
+		__chk_fail();
+	return recvfrom(fd, buf, n, flags, addr, len);
+}
+
+/* ---- several messages at once ----
+ *
+ * On a stream socket these are a loop over sendmsg and recvmsg, and so
+ * here: the count of messages moved, or -1 when the first fails. Only the
+ * first recvmsg may block when MSG_WAITFORONE is set; timeout is ignored
+ * (as the kernel checks it only between messages). */
+
+INTERPOSE int sendmmsg(int fd, struct mmsghdr *v, unsigned int n, int flags)
+{
+	REAL_READY();
+	struct flow *f = flow_get(fd);
+	if (!f)
+		return real_sendmmsg(fd, v, n, flags);
+	unsigned int i;
+	for (i = 0; i < n && i < UIO_MAXIOV; i++) {
+		ssize_t k = fast_writev(f, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, flags);
+		if (k < 0)
+			break;
+		v[i].msg_len = k;
+	}
+	return done_with(f, i ? (int)i : -1);
+}
+
+INTERPOSE int recvmmsg(int fd, struct mmsghdr *v, unsigned int n, int flags, struct timespec *timeout)
+{
+	REAL_READY();
+	struct flow *f = flow_get(fd);
+	if (!f)
+		return real_recvmmsg(fd, v, n, flags, timeout);
+	unsigned int i;
+	int fl = flags & ~MSG_WAITFORONE;
+	for (i = 0; i < n && i < UIO_MAXIOV; i++) {
+		v[i].msg_hdr.msg_controllen = 0;
+		v[i].msg_hdr.msg_flags = 0;
+		ssize_t k = fast_readv(f, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, fl);
+		if (k < 0)
+			break;
+		v[i].msg_len = k;
+		if (k == 0) { /* EOF: this message is the last */
+			i++;
+			break;
+		}
+		if (flags & MSG_WAITFORONE)
+			fl |= MSG_DONTWAIT;
+	}
+	return done_with(f, i ? (int)i : -1);
+}
+
+/* ---- splice ----
+ *
+ * With a fast-path socket at either end (the other is a pipe), splice
+ * copies through a buffer, as sendfile does, and never takes from one end
+ * more than the other can take now: from the ring it peeks, writes, and
+ * then consumes what was written; into the ring it reads at most the
+ * ring's free space when the call must not block. copy_file_range and
+ * vmsplice take no socket (EINVAL, EBADF from the kernel): no byte moves,
+ * so they are left to libc. */
+
+static size_t ring_space(struct flow *f)
+{
+	uint64_t head = __atomic_load_n((uint64_t *)(f->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST);
+	uint64_t used = f->sf.w.own - head;
+	return used < f->sf.w.cap ? f->sf.w.cap - used : 0;
+}
+
+INTERPOSE ssize_t splice(int in, loff_t *off_in, int out, loff_t *off_out, size_t len, unsigned int flags)
+{
+	REAL_READY();
+	struct flow *fi = flow_get(in), *fo = fi ? NULL : flow_get(out);
+	if (!fi && !fo)
+		return real_splice(in, off_in, out, off_out, len, flags);
+	int nb = (flags & SPLICE_F_NONBLOCK) != 0;
+	char buf[SENDFILE_CHUNK];
+	size_t n = len < sizeof buf ? len : sizeof buf;
+	ssize_t r;
+	if (fi) { /* ring -> pipe */
+		struct flow *both = flow_get(out);
+		if (both) { /* both fast: a pipe must be one end (EINVAL) */
+			flow_put(both);
+			errno = EINVAL;
+			return done_with(fi, -1);
+		}
+		ssize_t k = fast_recv(fi, buf, n, MSG_PEEK | (nb ? MSG_DONTWAIT : 0));
+		if (k <= 0)
+			return done_with(fi, k);
+		r = off_out ? pwrite(out, buf, k, *off_out) : real_write(out, buf, k);
+		if (r > 0) {
+			fast_recv(fi, buf, r, 0); /* consume what went out */
+			if (off_out)
+				*off_out += r;
+		}
+		return done_with(fi, r);
+	}
+	/* pipe -> ring */
+	if (nb || fo->nonblock) {
+		size_t space = ring_space(fo);
+		if (!space) {
+			errno = EAGAIN;
+			return done_with(fo, -1);
+		}
+		n = n < space ? n : space;
+	}
+	ssize_t k = off_in ? pread(in, buf, n, *off_in) : real_read(in, buf, n);
+	if (k <= 0)
+		return done_with(fo, k);
+	if (off_in)
+		*off_in += k;
+	r = fast_send(fo, buf, k, 0);
+	if (r >= 0 && r < k)
+		plog("shunt: splice: %zd of %zd bytes taken from fd %d could not go out (%s)", k - r, k, in, strerror(errno));
+	return done_with(fo, r);
 }

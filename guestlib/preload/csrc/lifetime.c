@@ -34,7 +34,7 @@ struct flow *flow_new(void)
 		return calloc(1, sizeof *f);
 	/* Reused: everything but sf (replaced whole when READY is attached,
 	 * so a stale poll never finds it half-written) and users (0). */
-	f->refs = f->nonblock = f->revoked = f->finished = 0;
+	f->refs = f->nonblock = f->revoked = f->finished = f->rst = 0;
 	f->owner = 0;
 	f->next_free = NULL;
 	__atomic_store_n(&f->closed, 0, __ATOMIC_RELAXED);
@@ -70,6 +70,7 @@ void flow_publish(int fd, struct flow *f)
  * flows are never unmapped, so a stale pointer is safe to look at. */
 struct flow *flow_get(int fd)
 {
+	settle(fd);
 	for (;;) {
 		struct flow *f = flow_of(fd);
 		if (!f)
@@ -85,11 +86,21 @@ struct flow *flow_get(int fd)
 }
 
 /* release ends a flow nobody uses any more: FIN (unless it was reset) and
- * CLOSE to hostd; a fork child's copy is only forgotten. */
+ * CLOSE to hostd; a fork child's copy is only forgotten. A close with
+ * SO_LINGER {1, 0}, where the kernel sends RST, resets both rings
+ * instead: the peer's reads and writes fail with ECONNRESET, as after an
+ * RST (a reset ring is how the ring says "aborted"; hostd's revoke is the
+ * other way one comes). */
 static void release(struct flow *f)
 {
 	if (f->owner == my_pid && !f->finished) {
-		if (!f->revoked && !shunt_flow_reset(&f->sf))
+		if (f->rst && !f->revoked) {
+			/* Both reset flags first, then the wake-ups (as hostd does). */
+			__atomic_store_n((uint32_t *)(f->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+			__atomic_store_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+			shunt_ring_abort(&f->sf.w);
+			shunt_ring_abort(&f->sf.r);
+		} else if (!f->revoked && !shunt_flow_reset(&f->sf))
 			shunt_ring_close_write(&f->sf.w);
 		shunt_ring_close_read(&f->sf.r);
 		shunt_flow_close(&f->sf);
@@ -116,13 +127,14 @@ static void forget(int fd)
 	if (fd < 0)
 		return;
 	struct flow *f = NULL;
-	int last = 0, listener = 0;
+	int last = 0, listener = 0, was_pending = 0;
 	if (fd < FD_MAX) {
 		pthread_mutex_lock(&tab_mu);
 		f = fds[fd];
 		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
 		last = f && --f->refs == 0;
 		listener = kind[fd] == FD_LISTENER;
+		was_pending = kind[fd] == FD_PENDING;
 		kind[fd] = FD_NONE;
 		pthread_mutex_unlock(&tab_mu);
 	}
@@ -131,9 +143,13 @@ static void forget(int fd)
 		if (local_of(fd, &m.local) == 0)
 			shunt_session_send(session, &m);
 	}
-	ep_forget(fd, f != NULL);
+	ep_forget(fd, f != NULL || was_pending);
 	if (!last)
 		return;
+	struct linger lg;
+	socklen_t ll = sizeof lg;
+	if (real_getsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, &ll) == 0 && lg.l_onoff && !lg.l_linger)
+		f->rst = 1;
 	/* Calls still inside (other threads) end with EBADF; the last one
 	 * out releases the flow. */
 	if (f->owner == my_pid) {
@@ -314,6 +330,7 @@ static void fork_child(void)
 	ep_fork(FORK_CHILD);
 	my_pid = getpid();
 	wait_after_fork();
+	guard_after_fork();
 }
 
 /* After the session is made (preload.c), so that these prepare handlers

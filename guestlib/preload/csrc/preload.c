@@ -40,7 +40,7 @@ REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
 REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
-REAL(setsockopt);
+REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
 #undef REAL
 
 static void resolve(void)
@@ -50,7 +50,8 @@ static void resolve(void)
 	R(recv); R(send); R(recvfrom); R(sendto); R(recvmsg); R(sendmsg); R(readv); R(writev);
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll);
 	R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
-	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt);
+	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt); R(getsockopt);
+	R(recvmmsg); R(sendmmsg); R(splice);
 #undef R
 }
 

@@ -8,6 +8,8 @@
  *   wait.c      poll, select, and the helper threads that sleep on rings
  *   epoll.c     epoll
  *   lifetime.c  close, dup, fcntl, ioctl, fork, exec, exit
+ *   guard.c     the safety net (bytes on a flow's kernel socket) and
+ *               io_uring detection
  *
  * Locks: tab_mu (the fd table) and ep_mu (the epoll sets, epoll.c) are
  * never held together; ep_mu comes before a set's mu, and a set's mu is
@@ -63,7 +65,7 @@ REAL(recvmsg); REAL(sendmsg); REAL(readv); REAL(writev); REAL(shutdown);
 REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(ppoll);
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
-REAL(setsockopt);
+REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
 #undef REAL
 
 /* ---- configuration (environment, read once at load) ---- */
@@ -116,11 +118,14 @@ struct flow {
 	/* atomic: the kernel socket's SO_RCVTIMEO and SO_SNDTIMEO in ns (0:
 	 * none), read back from the kernel at READY and at each setsockopt */
 	int64_t rcvtimeo, sndtimeo;
+	int rst;        /* SO_LINGER {1, 0} at the last close: reset the rings, not FIN (lifetime.c) */
 	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time in the rings (SPSC); held while a call spins, not while it sleeps */
 	struct flow *next_free;   /* on the free list; under free_mu */
 };
 
-enum { FD_NONE, FD_TCP, FD_LISTENER }; /* kind[]: a TCP socket, a listener registered with hostd */
+/* kind[]: a TCP socket, a listener registered with hostd, a socket whose
+ * non-blocking connect is under way (socket.c: settle). */
+enum { FD_NONE, FD_TCP, FD_LISTENER, FD_PENDING };
 
 extern struct flow *fds[FD_MAX];  /* written under tab_mu, read atomically (flow_of) */
 extern uint8_t kind[FD_MAX];      /* under tab_mu, or by the thread that just got the fd */
@@ -148,6 +153,15 @@ void flow_put(struct flow *f);
 /* socket.c */
 int local_of(int fd, struct shunt_addr *a);
 int remote_of(int fd, struct shunt_addr *a);
+/* settle: fd's non-blocking connect, if it was under way and has ended,
+ * gets hostd's verdict now (connected) or stays on TCP (failed, the error
+ * left in SO_ERROR). Every call that looks at a socket's flow calls it
+ * first (flow_get, poll, epoll), so no byte moves before the verdict. */
+void settle(int fd);
+static inline int pending(int fd)
+{
+	return fd >= 0 && fd < FD_MAX && __atomic_load_n(&kind[fd], __ATOMIC_ACQUIRE) == FD_PENDING;
+}
 
 /* io.c: the ring side of recv and send, for any flags; flow_timeouts
  * reads fd's SO_RCVTIMEO and SO_SNDTIMEO back from the kernel into f. */
@@ -195,5 +209,13 @@ void ep_fork(int phase);
 
 /* lifetime.c */
 void lifetime_init(void);
+
+/* guard.c: guard watches fd, a new flow's kernel socket: bytes arriving
+ * there mean the program wrote past the library (a raw syscall), and the
+ * flow is ended with ECONNRESET instead of hanging. uring_seen is set once
+ * the process sets up io_uring: new connections stay on TCP. */
+void guard(int fd);
+void guard_after_fork(void);
+extern int uring_seen;
 
 #endif

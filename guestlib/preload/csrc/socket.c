@@ -9,9 +9,6 @@
 #include <stdlib.h>
 #include <string.h>
 
-/* Non-blocking connect: how long connect() waits for the (local)
- * handshake before it leaves the connection on TCP (see connect). */
-#define NONBLOCK_CONNECT_MS 200
 /* How long connect() and accept() wait for hostd's verdict. */
 #define VERDICT_TIMEOUT_MS  5000
 
@@ -89,6 +86,7 @@ static void adopt(int fd, const struct shunt_msg *v, const char *who)
 	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one); /* the lease */
 	flow_timeouts(fd, f); /* set on the socket before READY: the kernel has them */
 	flow_publish(fd, f);
+	guard(fd);
 	plog("shunt: fd %d %s [%s]:%u: shunt (slot %u, ring %llu bytes)", fd, who, ip, r.port, v->slot,
 	     (unsigned long long)f->sf.r.cap);
 }
@@ -148,6 +146,10 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 		plog("shunt: fd %d connect: tcp (loopback)", fd);
 		return real_connect(fd, addr, len);
 	}
+	if (__atomic_load_n(&uring_seen, __ATOMIC_RELAXED)) {
+		plog("shunt: fd %d connect: tcp (io_uring: the process set up io_uring, which the library cannot see)", fd);
+		return real_connect(fd, addr, len);
+	}
 	if (shunt_session_ensure(session)) {
 		plog("shunt: fd %d connect: tcp (no-hostd)", fd);
 		return real_connect(fd, addr, len);
@@ -165,28 +167,54 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 		open_side(fd, SHUNT_ROLE_ACTIVE, "connect");
 		return 0;
 	}
-	if (errno != EINPROGRESS)
-		return r;
-	/* Non-blocking connect: a connection to a guest on this host completes
-	 * in well under a millisecond, so wait for it (bounded) and take the
-	 * verdict now; the program sees an immediate success, which
-	 * non-blocking connect may always report. A slower connection is not
-	 * to a local guest: it stays on TCP, as EINPROGRESS. */
+	/* Non-blocking connect: exactly the kernel's answer. The verdict is
+	 * asked for once the connection is up (settle), by the first call
+	 * that looks at the socket; a failed connect keeps its error in
+	 * SO_ERROR and POLLERR, as on plain TCP. */
+	if (errno == EINPROGRESS)
+		__atomic_store_n(&kind[fd], FD_PENDING, __ATOMIC_RELEASE);
+	return r;
+}
+
+/* settle_mu makes one thread settle a socket while the others that look at
+ * it wait, so none of them moves a byte over TCP before the verdict.
+ * settling is set in the thread that settles: the calls it makes on the
+ * socket meanwhile (getsockopt, setsockopt) must not wait for itself. */
+static pthread_mutex_t settle_mu = PTHREAD_MUTEX_INITIALIZER;
+static __thread int settling;
+
+void settle(int fd)
+{
+	if (!pending(fd) || settling)
+		return;
 	struct pollfd p = {.fd = fd, .events = POLLOUT};
-	if (real_poll(&p, 1, NONBLOCK_CONNECT_MS) != 1) {
-		plog("shunt: fd %d connect: tcp (slow non-blocking connect)", fd);
-		errno = EINPROGRESS;
-		return -1;
+	if (real_poll(&p, 1, 0) != 1)
+		return; /* still connecting */
+	pthread_mutex_lock(&settle_mu);
+	if (!pending(fd)) {
+		pthread_mutex_unlock(&settle_mu);
+		return;
 	}
-	int err = 0;
-	socklen_t el = sizeof err;
-	getsockopt(fd, SOL_SOCKET, SO_ERROR, &err, &el);
-	if (err) {
-		errno = err;
-		return -1;
-	}
-	open_side(fd, SHUNT_ROLE_ACTIVE, "connect");
-	return 0;
+	int e = errno;
+	settling = 1;
+	if (p.revents & (POLLERR | POLLHUP))
+		plog("shunt: fd %d connect: tcp (the connect failed; its error stays in SO_ERROR)", fd);
+	else
+		open_side(fd, SHUNT_ROLE_ACTIVE, "connect");
+	__atomic_store_n(&kind[fd], FD_TCP, __ATOMIC_RELEASE);
+	settling = 0;
+	pthread_mutex_unlock(&settle_mu);
+	errno = e;
+}
+
+/* getsockopt: SO_ERROR of a socket whose non-blocking connect was under
+ * way is the usual way to learn it ended: settle it first. The core and
+ * this library call it too. */
+INTERPOSE int getsockopt(int fd, int level, int name, void *val, socklen_t *len)
+{
+	REAL_READY();
+	settle(fd);
+	return real_getsockopt(fd, level, name, val, len);
 }
 
 INTERPOSE int listen(int fd, int backlog)
@@ -211,7 +239,9 @@ INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 		kind[c] = FD_TCP;
 		nonblk[c] = (flags & SOCK_NONBLOCK) != 0;
 		struct shunt_addr r;
-		if (remote_of(c, &r) == 0 && !is_loopback(&r))
+		if (__atomic_load_n(&uring_seen, __ATOMIC_RELAXED))
+			plog("shunt: fd %d accept: tcp (io_uring: the process set up io_uring)", c);
+		else if (remote_of(c, &r) == 0 && !is_loopback(&r))
 			open_side(c, SHUNT_ROLE_PASSIVE, "accept");
 	}
 	return c;

@@ -323,10 +323,13 @@ int remaining_ms(int64_t deadline)
 /* do_poll is poll(2) over a set that may contain fast-path fds. */
 static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_t *mask)
 {
-	int fast = 0;
-	for (nfds_t i = 0; i < n; i++)
+	int fast = 0, pend = 0;
+	for (nfds_t i = 0; i < n; i++) {
+		settle(p[i].fd);
 		fast += flow_of(p[i].fd) != NULL;
-	if (!fast) {
+		pend += pending(p[i].fd);
+	}
+	if (!fast && !pend) {
 		struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
 		return real_ppoll(p, n, timeout_ns < 0 ? NULL : &ts, mask);
 	}
@@ -338,6 +341,8 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 	for (unsigned turn = 0;; turn++) {
 		int ready = 0;
 		for (nfds_t i = 0; i < n; i++) {
+			if (pend)
+				settle(p[i].fd);
 			struct flow *f = flow_of(p[i].fd);
 			kp[i] = p[i];
 			kp[i].revents = 0;
@@ -346,6 +351,8 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 				kp[i].fd = -1;
 			} else {
 				p[i].revents = 0;
+				if (pending(p[i].fd))
+					kp[i].events |= POLLOUT; /* wake when the connect ends, to settle it */
 			}
 		}
 		int k = 0;
@@ -354,7 +361,7 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 		ask_kernel = 0;
 		for (nfds_t i = 0; i < n; i++) {
 			if (kp[i].fd >= 0)
-				p[i].revents = kp[i].revents;
+				p[i].revents = kp[i].revents & (p[i].events | POLLERR | POLLHUP | POLLNVAL);
 			ready += p[i].revents != 0;
 		}
 		if (ready || k < 0) {
@@ -394,11 +401,15 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 			int64_t left = block_start(h, &a, deadline < 0 ? -1 : deadline - now_ns());
 			struct timespec ts = {left / 1000000000, left % 1000000000};
 			r = real_ppoll(kp, kn, left < 0 ? NULL : &ts, mask);
-			block_stop(h);
+			int saved = errno;
+			block_stop(h); /* it drains the eventfd: errno is EAGAIN after */
+			errno = saved;
 			ask_kernel = 1;
 		}
+		int e = errno;
 		arm_set(&a, 0);
 		arm_free(&a);
+		errno = e;
 		if (r < 0) { /* a signal (the kernel poll would say EINTR too) */
 			result = -1;
 			break;
