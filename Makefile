@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb
+.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb mpi mpi-xtest bench-mpi
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -36,6 +36,31 @@ $(BIN)/libshunt-preload.so: $(CORE_SRC) $(CORE_HDR) $(PRELOAD_SRC) $(PRELOAD_HDR
 	$(CC) $(SHUNT_CFLAGS) -fPIC -shared -fvisibility=hidden -I$(CORE_DIR) -o $@ $(CORE_SRC) $(PRELOAD_SRC) -ldl
 
 $(BIN)/shunt-run: guestlib/preload/shunt-run
+	@mkdir -p $(@D)
+	install -m 0755 $< $@
+
+# btl/shunt, the Open MPI transport (guestlib/mpi/csrc, docs/mpi.md): the core
+# plus the component, against the distribution's Open MPI headers
+# (libopenmpi-dev); OMPI_INC and OMPI_LIB point at another Open MPI 4.1.
+OMPI_INC    ?= /usr/lib/x86_64-linux-gnu/openmpi/include
+OMPI_LIB    ?= /usr/lib/x86_64-linux-gnu/openmpi/lib
+MPI_DIR     := guestlib/mpi/csrc
+MPI_SRC     := $(wildcard $(MPI_DIR)/*.c)
+MPI_HDR     := $(wildcard $(MPI_DIR)/*.h)
+
+mpi: $(BIN)/mca_btl_shunt.so $(BIN)/shunt-mpirun ## build btl/shunt (mca_btl_shunt.so, for Open MPI 4.1) and shunt-mpirun into bin/
+
+$(BIN)/mca_btl_shunt.so: $(CORE_SRC) $(CORE_HDR) $(MPI_SRC) $(MPI_HDR)
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -fPIC -shared -fvisibility=hidden -I$(CORE_DIR) -isystem $(OMPI_INC) -isystem $(OMPI_INC)/openmpi -o $@ $(CORE_SRC) $(MPI_SRC) -L$(OMPI_LIB) -lopen-pal -ldl
+
+mpi-xtest: $(BIN)/shunt-mpi-xtest ## build the unit tests of btl/shunt's ring records into bin/ (guestlib/mpi/records_test.go runs them)
+
+$(BIN)/shunt-mpi-xtest: guestlib/mpi/xtest/records_test.c $(MPI_DIR)/records.c $(MPI_HDR) $(CORE_SRC) $(CORE_HDR)
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -I$(MPI_DIR) -isystem $(OMPI_INC) -isystem $(OMPI_INC)/openmpi -o $@ $< $(MPI_DIR)/records.c $(CORE_SRC)
+
+$(BIN)/shunt-mpirun: guestlib/mpi/shunt-mpirun
 	@mkdir -p $(@D)
 	install -m 0755 $< $@
 
@@ -120,6 +145,16 @@ bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and 
 	cd integration && for i in $$(seq 3); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkPreload' -test.benchtime 1x >> ../$(BIN)/bench-preload.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-preload.txt
 	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-preload' $(BIN)/bench-preload.txt
+
+# Open MPI: every transport once per round (MPICOUNT rounds), so vader,
+# the TCP BTL and btl/shunt are compared within one run; benchstat medians.
+MPICOUNT    ?= 5
+
+bench-mpi: ## Open MPI latency, bandwidth and a stencil kernel: vader, the TCP BTL, TCP under shunt-run, btl/shunt (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-mpi.txt
+	cd integration && for i in $$(seq $(MPICOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkMPI(BTL|App)$$' -test.benchtime 1x >> ../$(BIN)/bench-mpi.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-mpi.txt
 
 bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodified programs, virtio-net TCP vs Shunt (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/

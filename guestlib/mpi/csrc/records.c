@@ -1,0 +1,204 @@
+/* Records in a Shunt ring, in place (btl_shunt.h).
+ *
+ * The ring is the core's (shunt.h, docs/region.md): the same header, the
+ * same free-running head and tail, reset and close flags, so hostd's
+ * counters and revocation work unchanged. What this file adds is what the
+ * core's copy API cannot do: write a record where it will be read (ob1
+ * packs straight into the ring) and hand ob1 a pointer into the ring, and
+ * a reader that sees a small record with one cache-line transfer:
+ *
+ *   - every record starts on a 64-byte line and never wraps: a PAD record
+ *     fills the rest of the ring when the next one does not fit;
+ *   - the header's stamp (epoch + record number) is stored last, after the
+ *     payload, with release order; the reader polls the stamp at its head
+ *     instead of the tail (which lives on another line), so an 8-byte
+ *     message costs one line;
+ *   - before it publishes a record, the writer zeroes the header line after
+ *     it when the reader is done with that line, so the reader polling
+ *     there never finds a stale stamp of this ring's own epoch; a fresh
+ *     ring's stale bytes (an earlier flow's) carry another epoch, which is
+ *     random. The tail is still published after each record, for hostd's
+ *     counters and the writer's room accounting.
+ *
+ * Both ends validate what they read: a stamp matches only its own record
+ * number, a length must fit before the ring's end, the head may only move
+ * forward and never past the writer's own count. What the core should gain
+ * is exactly this (zero-copy reserve/commit and peek/release, as Go's
+ * shm/ring has, plus this record mode); it lives here until it does. */
+#include "btl_shunt.h"
+
+#include <linux/futex.h>
+#include <string.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+
+#define SC __ATOMIC_SEQ_CST
+
+static inline uint64_t *w64(const struct shunt_ring *r, int off) { return (uint64_t *)(r->hdr + off); }
+static inline uint32_t *w32(const struct shunt_ring *r, int off) { return (uint32_t *)(r->hdr + off); }
+
+/* poke wakes the peer if it published "waiting" on flag (the core's
+ * waker's half, shm/wait). The BTL's ends never sleep (they poll from
+ * opal_progress), so the index stores before it are release stores, not
+ * the sequentially consistent ones the core's Dekker protocol needs: a
+ * full fence per record would stall the writer on the reader's copy of the
+ * line it just wrote. Should a sleeping end ever read these rings, publish
+ * and rr_consume must store with __ATOMIC_SEQ_CST again. */
+static void poke(struct shunt_ring *r, int off)
+{
+	uint32_t *flag = w32(r, off), one = 1;
+	if (__atomic_load_n(flag, __ATOMIC_RELAXED) == 0)
+		return;
+	if (__atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC)) {
+		if (shunt_remote_wake)
+			shunt_remote_wake(r);
+		else
+			syscall(SYS_futex, flag, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+	}
+}
+
+int rr_broken(const struct rring *w)
+{
+	return __atomic_load_n(w32(w->r, SHUNT_OFF_RESET), __ATOMIC_ACQUIRE) ||
+	       (__atomic_load_n(w32(w->r, SHUNT_OFF_RFLAGS), __ATOMIC_ACQUIRE) & 1);
+}
+
+uint16_t rr_reason(const struct rring *w)
+{
+	uint32_t r = __atomic_load_n(w32(w->r, SHUNT_OFF_REASON), __ATOMIC_ACQUIRE);
+	return r && r < 0xffff ? (uint16_t)r : R_RING_BROKEN;
+}
+
+/* refresh loads the reader's head: 0, or SHUNT_ECORRUPT if it moved back or
+ * past what this end wrote. */
+static int refresh(struct shunt_ring *r)
+{
+	uint64_t h = __atomic_load_n(w64(r, SHUNT_OFF_HEAD), __ATOMIC_ACQUIRE);
+	if (h < r->peer || h > r->own)
+		return SHUNT_ECORRUPT;
+	r->peer = h;
+	return 0;
+}
+
+/* publish stores the tail after records up to r->own. */
+static void publish(struct shunt_ring *r)
+{
+	r->msgs++;
+	__atomic_store_n(w64(r, SHUNT_OFF_TAIL), r->own, __ATOMIC_RELEASE);
+	__atomic_store_n(w64(r, SHUNT_OFF_WMSGS), r->msgs, __ATOMIC_RELAXED);
+	poke(r, SHUNT_OFF_RWAIT);
+}
+
+/* clear_ahead zeroes the header line that follows a record ending at the
+ * absolute position end, if the reader is done with it (see the file
+ * comment). It is not when the reader's head is exactly there: then the
+ * line holds an unread record of this ring, whose stamp is older than any
+ * the reader will look for there. */
+static void clear_ahead(struct shunt_ring *r, uint64_t end)
+{
+	if (end + sizeof(struct rec) > r->peer + r->cap) {
+		if (refresh(r) || end + sizeof(struct rec) > r->peer + r->cap)
+			return;
+	}
+	struct rec *n = (struct rec *)(r->data + (end & r->mask));
+	__atomic_store_n(&n->stamp, 0, __ATOMIC_RELAXED);
+}
+
+/* put_stamp stores h's stamp last: payload and header before it. memcpy
+ * uses non-temporal stores, which a release store alone does not order on
+ * x86, only for copies far larger than a fragment (glibc: a fraction of
+ * the shared cache); an sfence covers those. */
+static void put_stamp(struct rring *w, struct rec *h, size_t len)
+{
+#if defined(__x86_64__)
+	if (len >= (1u << 20))
+		__builtin_ia32_sfence();
+#else
+	(void)len;
+#endif
+	__atomic_store_n(&h->stamp, w->epoch + w->next, __ATOMIC_RELEASE);
+	w->next++;
+}
+
+struct rec *rr_reserve(struct rring *w, size_t len, int *err)
+{
+	struct shunt_ring *r = w->r;
+	if (rr_broken(w)) {
+		*err = __atomic_load_n(w32(r, SHUNT_OFF_RESET), __ATOMIC_RELAXED) ? SHUNT_ERESET : SHUNT_EPIPE;
+		return NULL;
+	}
+	size_t span = rec_span(len);
+	uint64_t off = r->own & r->mask, to_end = r->cap - off;
+	uint64_t need = span <= to_end ? span : to_end + span;
+	if (span > r->cap / 2) {
+		*err = SHUNT_EINVAL;
+		return NULL;
+	}
+	if (r->cap - (r->own - r->peer) < need) {
+		if ((*err = refresh(r)))
+			return NULL;
+		if (r->cap - (r->own - r->peer) < need) {
+			*err = SHUNT_EAGAIN;
+			return NULL;
+		}
+	}
+	if (span > to_end) {
+		/* PAD to the end; published at once, so head never passes tail. */
+		struct rec *pad = (struct rec *)(r->data + off);
+		pad->len = to_end - sizeof(struct rec);
+		pad->kind = REC_PAD;
+		pad->tag = 0;
+		pad->pad = 0;
+		r->own += to_end;
+		clear_ahead(r, r->own);
+		put_stamp(w, pad, 0);
+		publish(r);
+		off = 0;
+	}
+	w->resv = 1;
+	w->resv_at = r->own;
+	return (struct rec *)(r->data + off);
+}
+
+void rr_commit(struct rring *w, struct rec *h, size_t len, uint16_t pad, uint8_t kind, uint8_t tag)
+{
+	struct shunt_ring *r = w->r;
+	h->len = len;
+	h->kind = kind;
+	h->tag = tag;
+	h->pad = pad;
+	r->own += rec_span(pad + len);
+	clear_ahead(r, r->own);
+	put_stamp(w, h, len);
+	w->resv = 0;
+	publish(r);
+}
+
+void rr_cancel(struct rring *w) { w->resv = 0; }
+
+struct rec *rr_poll(struct rring *rd, int *err)
+{
+	struct shunt_ring *r = rd->r;
+	uint64_t off = r->own & r->mask;
+	struct rec *h = (struct rec *)(r->data + off);
+	if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != rd->epoch + rd->next)
+		return NULL;
+	uint64_t len = (uint64_t)__atomic_load_n(&h->len, __ATOMIC_RELAXED) + h->pad;
+	uint8_t kind = h->kind;
+	if (len > r->cap || off + rec_span(len) > r->cap || (kind != REC_DATA && kind != REC_PAD)) {
+		*err = SHUNT_ECORRUPT;
+		return NULL;
+	}
+	return h;
+}
+
+void rr_consume(struct rring *rd, const struct rec *h)
+{
+	struct shunt_ring *r = rd->r;
+	r->own += rec_span((size_t)h->pad + h->len);
+	r->msgs++;
+	rd->next++;
+	__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, __ATOMIC_RELEASE);
+	__atomic_store_n(w64(r, SHUNT_OFF_RMSGS), r->msgs, __ATOMIC_RELAXED);
+	poke(r, SHUNT_OFF_WWAIT);
+}
