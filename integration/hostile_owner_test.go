@@ -3,9 +3,7 @@ package integration
 import (
 	"context"
 	"fmt"
-	"hash/crc32"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -124,67 +122,8 @@ func secondLink(r *nsrig.Rig, xIf string) error {
 // of it arrived intact and that the flow stayed on the fast path.
 func (w *ownRig) ownSteady(t *testing.T, a, b, port int) (stop func()) {
 	t.Helper()
-	c, s := w.pair(a, b, port)
-	if !c.Path().Fast || !s.Path().Fast {
-		t.Fatalf("honest flow %d->%d: paths %s and %s, want the fast path", a, b, c.Path(), s.Path())
-	}
-	quit, werr := make(chan struct{}), make(chan error, 1)
-	var sent uint32
-	var n int64
-	go func() {
-		src := rand.NewChaCha8([32]byte{byte(a), byte(b), 0x0e})
-		buf := make([]byte, 32<<10)
-		tick := time.NewTicker(2 * time.Millisecond)
-		defer tick.Stop()
-		for first := true; ; first = false {
-			if !first {
-				select {
-				case <-quit:
-					werr <- c.CloseWrite()
-					return
-				case <-tick.C:
-				}
-			}
-			src.Read(buf)
-			sent = crc32.Update(sent, crc32.IEEETable, buf)
-			n += int64(len(buf))
-			if _, err := c.Write(buf); err != nil {
-				werr <- err
-				return
-			}
-		}
-	}()
-	type result struct {
-		n   int64
-		sum uint32
-		err error
-	}
-	rc := make(chan result, 1)
-	go func() {
-		h := crc32.NewIEEE()
-		k, err := io.Copy(h, s)
-		rc <- result{k, h.Sum32(), err}
-	}()
-	return func() {
-		t.Helper()
-		close(quit)
-		if err := <-werr; err != nil {
-			t.Errorf("honest flow %d->%d: writer: %v", a, b, err)
-			return
-		}
-		var r result
-		select {
-		case r = <-rc:
-		case <-time.After(30 * time.Second):
-			t.Fatalf("honest flow %d->%d: the reader did not finish in 30s", a, b)
-		}
-		if r.err != nil || r.n != n || r.sum != sent || n == 0 {
-			t.Errorf("honest flow %d->%d: received %d bytes crc %08x (%v); sent %d crc %08x", a, b, r.n, r.sum, r.err, n, sent)
-		}
-		if !c.Path().Fast || !s.Path().Fast {
-			t.Errorf("honest flow %d->%d left the fast path: %s, %s", a, b, c.Path(), s.Path())
-		}
-	}
+	_, stop = w.steady(t, a, b, port, 0)
+	return stop
 }
 
 // ownHonest checks that a new connection between honest guests still

@@ -5,7 +5,6 @@ import (
 	"fmt"
 	"hash/crc32"
 	"io"
-	"math/rand/v2"
 	"net"
 	"net/netip"
 	"os"
@@ -71,80 +70,7 @@ func rgEnv(t *testing.T, n int, shared bool, group string) *env {
 // client's end, to find the flow.
 func (e *env) rgSteady(t *testing.T, a, b, port int) (c *guestlib.Conn, stop func()) {
 	t.Helper()
-	c, s := e.pair(a, b, port)
-	if !c.Path().Fast || !s.Path().Fast {
-		t.Fatalf("honest flow %d->%d: paths %s and %s, want the fast path", a, b, c.Path(), s.Path())
-	}
-	quit, warm := make(chan struct{}), make(chan struct{})
-	var sent uint32
-	var n int64
-	werr := make(chan error, 1)
-	go func() {
-		defer func() {
-			select {
-			case <-warm:
-			default:
-				close(warm)
-			}
-		}()
-		src := rand.NewChaCha8([32]byte{byte(a), byte(b), byte(port)})
-		buf := make([]byte, 32<<10)
-		tick := time.NewTicker(time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-quit:
-				werr <- c.CloseWrite()
-				return
-			case <-tick.C:
-			}
-			src.Read(buf)
-			sent = crc32.Update(sent, crc32.IEEETable, buf)
-			if _, err := c.Write(buf); err != nil {
-				werr <- err
-				return
-			}
-			if n += int64(len(buf)); n >= 4<<20 && n-int64(len(buf)) < 4<<20 {
-				close(warm) // enough moved, across the attack, to stop
-			}
-		}
-	}()
-	type result struct {
-		n   int64
-		sum uint32
-		err error
-	}
-	rc := make(chan result, 1)
-	go func() {
-		h := crc32.NewIEEE()
-		k, err := io.Copy(h, s)
-		rc <- result{k, h.Sum32(), err}
-	}()
-	return c, func() {
-		t.Helper()
-		select {
-		case <-warm:
-		case <-time.After(30 * time.Second):
-			t.Fatalf("honest flow %d->%d: not 4 MiB moved in 30s", a, b)
-		}
-		close(quit)
-		if err := <-werr; err != nil {
-			t.Errorf("honest flow %d->%d: writer: %v", a, b, err)
-			return
-		}
-		var r result
-		select {
-		case r = <-rc:
-		case <-time.After(30 * time.Second):
-			t.Fatalf("honest flow %d->%d: the reader did not finish in 30s", a, b)
-		}
-		if r.err != nil || r.n != n || r.sum != sent || n == 0 {
-			t.Errorf("honest flow %d->%d: received %d bytes crc %08x (%v); sent %d crc %08x", a, b, r.n, r.sum, r.err, n, sent)
-		}
-		if !c.Path().Fast || !s.Path().Fast {
-			t.Errorf("honest flow %d->%d left the fast path: %s, %s", a, b, c.Path(), s.Path())
-		}
-	}
+	return e.steady(t, a, b, port, 4<<20) // 4 MiB moved, across the attack, before stopping
 }
 
 // rgRoundTrip makes a new connection from guest a to guest b's listener
