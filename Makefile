@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb mpi mpi-xtest bench-mpi
+.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb mpi bench-mpi
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -54,21 +54,17 @@ $(BIN)/mca_btl_shunt.so: $(CORE_SRC) $(CORE_HDR) $(MPI_SRC) $(MPI_HDR)
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -fPIC -shared -fvisibility=hidden -I$(CORE_DIR) -isystem $(OMPI_INC) -isystem $(OMPI_INC)/openmpi -o $@ $(CORE_SRC) $(MPI_SRC) -L$(OMPI_LIB) -lopen-pal -ldl
 
-mpi-xtest: $(BIN)/shunt-mpi-xtest ## build the unit tests of btl/shunt's ring records into bin/ (guestlib/mpi/records_test.go runs them)
-
-$(BIN)/shunt-mpi-xtest: guestlib/mpi/xtest/records_test.c $(MPI_DIR)/records.c $(MPI_HDR) $(CORE_SRC) $(CORE_HDR)
-	@mkdir -p $(@D)
-	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -I$(MPI_DIR) -isystem $(OMPI_INC) -isystem $(OMPI_INC)/openmpi -o $@ $< $(MPI_DIR)/records.c $(CORE_SRC)
-
 $(BIN)/shunt-mpirun: guestlib/mpi/shunt-mpirun
 	@mkdir -p $(@D)
 	install -m 0755 $< $@
 
-ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early ## build the C test programs into bin/: shunt-xtest (cross-language checks), shunt-edge and shunt-early (integration/ctest)
+ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early ## build the C test programs into bin/: shunt-xtest (cross-language checks, the core's record tests), shunt-edge and shunt-early (integration/ctest)
 
-$(BIN)/shunt-xtest: $(CORE_DIR)/xtest/xtest.c $(CORE_SRC) $(CORE_HDR)
+XTEST_SRC := $(wildcard $(CORE_DIR)/xtest/*.c)
+
+$(BIN)/shunt-xtest: $(XTEST_SRC) $(CORE_SRC) $(CORE_HDR)
 	@mkdir -p $(@D)
-	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -o $@ $< $(CORE_SRC)
+	$(CC) $(SHUNT_CFLAGS) -I$(CORE_DIR) -o $@ $(XTEST_SRC) $(CORE_SRC)
 
 # A program whose library's constructor does I/O before the preload
 # library's constructor runs (early_lib.c); rpath finds the library.

@@ -1,12 +1,14 @@
 /* libshunt core: Shunt's guest side in C, shared by the LD_PRELOAD library
- * (guestlib/preload) and, later, an Open MPI transport. It holds the same
- * ring format v1 (docs/region.md) and control protocol v1 (docs/protocol.md)
- * as the Go packages shm/ring, shm/region and internal/proto, and the
- * session with hostd that guestlib's Client keeps in Go: connect, HELLO and
- * WELCOME, requests and their verdicts, reconnect and re-announce, and in a
- * VM the virtio-serial port, the ivshmem BAR and kicks. Cross-language tests
- * (guestlib/preload/preload_test.go, with xtest/xtest.c) keep the two
- * implementations in step.
+ * (guestlib/preload) and the Open MPI transport (guestlib/mpi). It holds
+ * the same ring format v1 (docs/region.md) and control protocol v1
+ * (docs/protocol.md) as the Go packages shm/ring, shm/region and
+ * internal/proto, and the session with hostd that guestlib's Client keeps
+ * in Go: connect, HELLO and WELCOME, requests and their verdicts, reconnect
+ * and re-announce, and in a VM the virtio-serial port, the ivshmem BAR and
+ * kicks. Cross-language tests (guestlib/preload/preload_test.go, with
+ * xtest/xtest.c) keep the two implementations in step. On top of the ring
+ * it adds records in place (records.c), which only C uses so far; their
+ * tests are xtest/records.c (guestlib/preload/records_test.go).
  *
  * Everything read from shared memory is validated, as in Go: a corrupt or
  * hostile peer makes its own flow fail (SHUNT_ECORRUPT), never this process
@@ -141,6 +143,83 @@ static inline uint32_t *shunt_ring_wait_word(struct shunt_ring *r, int reader)
 {
 	return (uint32_t *)(r->hdr + (reader ? SHUNT_OFF_RWAIT : SHUNT_OFF_WWAIT));
 }
+
+/* ---- records: one cache line per small message (records.c) ----
+ *
+ * A mode of the same ring for callers that poll: records written and read
+ * in place instead of copied bytes. A record is a 16-byte header and len
+ * bytes of payload; every record starts on a SHUNT_REC_LINE line and never
+ * wraps (a PAD fills the end), so a small record is one line: header and
+ * payload arrive with one cache-line transfer, and the reader detects it
+ * by the header's stamp instead of the ring's tail. Native byte order:
+ * both ends share the host. The MPI transport also uses the header on its
+ * leases, with kinds of its own after SHUNT_REC_PAD; in a ring a record is
+ * DATA or PAD. */
+
+#define SHUNT_REC_LINE 64
+
+enum { SHUNT_REC_DATA = 1, SHUNT_REC_PAD = 2 }; /* kinds in a ring; callers number theirs from 3 */
+
+struct shunt_rec {
+	uint32_t len;   /* payload bytes */
+	uint8_t kind;
+	uint8_t tag;    /* the caller's (the MPI transport: the BTL tag) */
+	uint16_t pad;   /* ring: bytes between the header and the payload (below) */
+	uint64_t stamp; /* ring: epoch + record number, stored last */
+};
+
+/* Larger payloads in a ring start where the bulk of their data lands on a
+ * 64-byte boundary: the header is padded so that the caller's own header
+ * (of hdr bytes, at the payload's start) ends on one. Unaligned
+ * destinations make the string copies that memcpy uses several times
+ * slower on this kind of machine (measured: the sender copied at a fifth
+ * of the receiver's speed). Small payloads are not padded, so that they
+ * share the header's line. */
+#define SHUNT_REC_ALIGN_FROM 1024
+static inline uint16_t shunt_rec_pad(size_t hdr, size_t len)
+{
+	return len < SHUNT_REC_ALIGN_FROM ? 0 : (uint16_t)((SHUNT_REC_LINE - (sizeof(struct shunt_rec) + hdr) % SHUNT_REC_LINE) % SHUNT_REC_LINE);
+}
+
+/* The ring bytes of a record: header, pad and payload, to whole lines. */
+static inline size_t shunt_rec_span(size_t len)
+{
+	return (sizeof(struct shunt_rec) + len + SHUNT_REC_LINE - 1) & ~(size_t)(SHUNT_REC_LINE - 1);
+}
+static inline void *shunt_rec_payload(struct shunt_rec *h) { return (uint8_t *)(h + 1) + h->pad; }
+
+/* Records in one ring, as one end sees them: r is an attached end
+ * (shunt_ring_writer or shunt_ring_reader), epoch the writer's random base
+ * for stamps, which both ends must agree on (the MPI transport sends it
+ * in its SWITCH mark); next starts at 0. Not safe for concurrent use
+ * (SPSC), and not to be mixed with the copy API on the same ring. */
+struct shunt_rec_ring {
+	struct shunt_ring *r;
+	uint64_t epoch; /* the writer's random base for stamps */
+	uint64_t next;  /* number of the next record */
+	int resv;       /* writer: a reservation is open */
+	uint64_t resv_at;
+};
+
+/* Writer: room for a record of len bytes after its header (pad and
+ * payload), in place, or NULL with *err set (SHUNT_EAGAIN: no room now;
+ * SHUNT_ERESET, SHUNT_EPIPE, SHUNT_ECORRUPT, SHUNT_EINVAL: larger than
+ * half the ring). At most one reservation is open; shunt_rec_commit or
+ * shunt_rec_cancel ends it. */
+struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *err);
+/* Publishes the reserved record: pad bytes, then len payload bytes (pad +
+ * len no more than reserved). */
+void shunt_rec_commit(struct shunt_rec_ring *w, struct shunt_rec *h, size_t len, uint16_t pad, uint8_t kind, uint8_t tag);
+void shunt_rec_cancel(struct shunt_rec_ring *w);
+/* Reader: the next record if it has arrived, else NULL; *err is set to
+ * SHUNT_ECORRUPT if the ring holds an impossible record. */
+struct shunt_rec *shunt_rec_poll(struct shunt_rec_ring *r, int *err);
+void shunt_rec_consume(struct shunt_rec_ring *r, const struct shunt_rec *h);
+/* Whether the ring was reset (revoked) or its reader closed. */
+int shunt_rec_broken(const struct shunt_rec_ring *w);
+/* Why the ring was reset: the reason hostd wrote with the reset, or 0
+ * (SHUNT_REASON_NONE) if it wrote none. */
+uint16_t shunt_rec_reason(const struct shunt_rec_ring *w);
 
 /* ---- region (shm/region) ---- */
 

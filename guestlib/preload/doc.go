@@ -3,8 +3,8 @@
 // script that runs a program under it (docs/preload.md).
 //
 // The library is the C core in guestlib/c (rings, region, control protocol,
-// the session with hostd, VM discovery and kicks; shunt.h), which an Open
-// MPI transport will link too, plus the interposition files in csrc/: the
+// the session with hostd, VM discovery and kicks; shunt.h), which the Open
+// MPI transport (guestlib/mpi) links too, plus the interposition files in csrc/: the
 // fd table and configuration (preload.c, preload.h), sockets (socket.c),
 // I/O (io.c), poll and select (wait.c), epoll (epoll.c), close, dup,
 // fork, exec and exit (lifetime.c), and the safety net that resets a flow
@@ -16,10 +16,11 @@
 // programs. Both use the Makefile's one set of compiler flags, and so do
 // the tests, which build through those targets.
 //
-// The Go file here only carries the cross-language tests: they build the C
-// test tool (guestlib/c/xtest) and check, against the Go implementations,
-// that both sides encode and decode the same frames, name the same
-// reasons, and move the same bytes through one ring in shared memory, in
-// both directions. The library itself is tested with real programs in
+// The Go files here only carry the core's tests: they build the C test tool
+// (guestlib/c/xtest) and check, against the Go implementations, that both
+// sides encode and decode the same frames, name the same reasons, and move
+// the same bytes through one ring in shared memory, in both directions;
+// and they run the C tests of the core's records in a ring (records.c),
+// which only C uses. The library itself is tested with real programs in
 // integration/preload_test.go.
 package preload

@@ -1,11 +1,13 @@
 /* shunt-xtest: the C side of the cross-language tests
- * (guestlib/preload/preload_test.go), built against the core (make ctest).
+ * (guestlib/preload/preload_test.go) and the core's own C tests
+ * (records.c), built against the core (make ctest).
  *
  *   shunt-xtest vectors                      frames in hex on stdin; for each,
  *                                            "OK <re-encoded hex> <fields>" or "ERR"
  *   shunt-xtest reasons                      every reason's name, one a line
  *   shunt-xtest ring-read  FILE SLOT GEN SIDE        read to EOF; "bytes N crc C"
  *   shunt-xtest ring-write FILE SLOT GEN SIDE N SEED  write N bytes, FIN; "crc C"
+ *   shunt-xtest records NAME                 one case of records.c's tests
  *   shunt-xtest session CONTROL              a session with a (fake) hostd: OPEN,
  *                                            attach the READY's flow in whatever
  *                                            region it names, read to EOF
@@ -164,9 +166,13 @@ static int session(const char *control)
 	return 0;
 }
 
+int records(const char *name); /* records.c */
+
 int main(int argc, char **argv)
 {
 	crc_init();
+	if (argc == 3 && !strcmp(argv[1], "records"))
+		return records(argv[2]);
 	if (argc == 3 && !strcmp(argv[1], "session"))
 		return session(argv[2]);
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))

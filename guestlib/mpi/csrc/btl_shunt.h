@@ -10,12 +10,15 @@
  *                progress, finalize, messages to the job's output
  *   module.c     the module: add_procs (the lease connect), alloc, free,
  *                prepare_src, send, sendi, the error callback
- *   conn.c       connections: accept, HELLO, lease I/O, the path state
- *                machine (lease, ring, handover, downgrade, re-lease)
+ *   conn.c       connections: new and freed, the lease connect, accept,
+ *                HELLO
+ *   lease.c      lease I/O: the write queue, reading and parsing records
+ *   handover.c   the path state machine of each direction (lease, ring,
+ *                handover, downgrade, re-lease) and the ring's receiver
  *   hostd.c      the session with hostd: INTENT, OPEN and its verdict,
  *                REVOKE, LISTEN and REATTACH after a hostd restart
- *   records.c    records in a ring: reserve and commit in place, poll and
- *                consume in place (what shunt.h's copy API lacks)
+ *
+ * Records in a ring, in place, are the core's (shunt.h, records.c).
  *
  * Paths. Between two ranks each direction has its own kernel TCP
  * connection, the lease, opened by the sender on its first send (ob1's
@@ -53,19 +56,20 @@
 #include "shunt.h"
 
 #include <stdint.h>
+#include <string.h>
 #include <sys/uio.h>
 
 /* ---- records: the unit on leases and rings ----
  *
- * A record is a 16-byte header and len bytes of payload. On a lease they
- * follow each other unaligned. In a ring every record starts on a 64-byte
- * line and never wraps (a PAD fills the end), so a small fragment is one
- * line: header and payload arrive with one cache-line transfer, and the
- * reader detects it by the header's stamp instead of the ring's tail
- * (records.c). Native byte order: both ends share the host. */
+ * A record is the core's (shunt.h, "records"): a 16-byte header (struct
+ * shunt_rec) and len bytes of payload. On a lease they follow each other
+ * unaligned, the header's pad is 0 and its stamp is the fragment's number
+ * (DATA); in a ring they are the core's records in place (records.c), one
+ * 64-byte line for a small fragment. The kinds after DATA and PAD are
+ * marks and control records, which travel on leases only. */
 enum rec_kind {
-	REC_DATA = 1, /* an ob1 fragment: tag, payload */
-	REC_PAD,      /* ring only: skip to the end of the ring */
+	REC_DATA = SHUNT_REC_DATA, /* an ob1 fragment: tag, payload */
+	REC_PAD = SHUNT_REC_PAD,   /* ring only: skip to the end of the ring */
 	REC_HELLO,    /* first on a lease, from the connecting end: who it is */
 	REC_SWITCH,   /* the stream goes on in this lease's ring (struct rec_switch) */
 	REC_DOWN,     /* the ring ended (struct rec_down); the stream goes on here */
@@ -75,27 +79,6 @@ enum rec_kind {
 	REC_BYE,      /* this end closes the lease on purpose */
 	REC_KINDS
 };
-
-struct rec {
-	uint32_t len;   /* payload bytes */
-	uint8_t kind;
-	uint8_t tag;    /* REC_DATA: the BTL tag */
-	uint16_t pad;   /* ring: bytes between the header and the payload (below); lease: 0 */
-	uint64_t stamp; /* ring: epoch + record number, stored last; lease: frag number (DATA) */
-};
-#define REC_LINE 64
-
-/* Larger payloads in a ring start where the bulk of their data lands on a
- * 64-byte boundary: the header is padded so that ob1's own header (of
- * hdr bytes) ends on one. Unaligned destinations make the string copies
- * that memcpy uses several times slower on this kind of machine (measured:
- * the sender copied at a fifth of the receiver's speed). Small payloads are
- * not padded, so that they share the header's line. */
-#define REC_ALIGN_FROM 1024
-static inline uint16_t rec_pad(size_t hdr, size_t len)
-{
-	return len < REC_ALIGN_FROM ? 0 : (uint16_t)((REC_LINE - (sizeof(struct rec) + hdr) % REC_LINE) % REC_LINE);
-}
 
 #define SHUNT_BTL_MAGIC   0x42534853u /* "SHSB" */
 #define SHUNT_BTL_VERSION 1
@@ -107,39 +90,6 @@ struct rec_move { uint32_t lease, zero; uint64_t frags; };
 struct rec_no { uint16_t reason, zero[3]; };
 struct rec_bye { uint64_t frags; };
 
-/* The ring bytes of a record: header, pad and payload, to whole lines. */
-static inline size_t rec_span(size_t len) { return (sizeof(struct rec) + len + REC_LINE - 1) & ~(size_t)(REC_LINE - 1); }
-static inline void *rec_payload(struct rec *h) { return (uint8_t *)(h + 1) + h->pad; }
-
-/* Records in one ring, as one end sees them (records.c). SPSC. */
-struct rring {
-	struct shunt_ring *r;
-	uint64_t epoch; /* the writer's random base for stamps (from SWITCH) */
-	uint64_t next;  /* number of the next record */
-	int resv;       /* writer: a reservation is open */
-	uint64_t resv_at;
-};
-
-/* Writer: room for a record of len bytes after its header (pad and
- * payload), in place, or NULL with *err set (SHUNT_EAGAIN: no room now;
- * SHUNT_ERESET, SHUNT_EPIPE, SHUNT_ECORRUPT, SHUNT_EINVAL: larger than
- * half the ring). At most one reservation is open; rr_commit or rr_cancel
- * ends it. */
-struct rec *rr_reserve(struct rring *w, size_t len, int *err);
-/* Publishes the reserved record: pad bytes, then len payload bytes (pad +
- * len no more than reserved). */
-void rr_commit(struct rring *w, struct rec *h, size_t len, uint16_t pad, uint8_t kind, uint8_t tag);
-void rr_cancel(struct rring *w);
-/* Reader: the next record if it has arrived, else NULL; *err is set to
- * SHUNT_ECORRUPT if the ring holds an impossible record. */
-struct rec *rr_poll(struct rring *r, int *err);
-void rr_consume(struct rring *r, const struct rec *h);
-/* Whether the ring was reset (revoked) or its reader closed. */
-int rr_broken(const struct rring *w);
-/* Why the ring was reset: the reason hostd wrote with the reset, else
- * R_RING_BROKEN. */
-uint16_t rr_reason(const struct rring *w);
-
 /* ---- fragments: ob1's descriptors ---- */
 
 enum { FRAG_HEAP, FRAG_RING };
@@ -149,14 +99,14 @@ struct frag {
 	mca_btl_base_segment_t seg;
 	struct frag *next;                   /* in a queue or a free list */
 	struct mca_btl_base_endpoint_t *ep;
-	struct rec hdr;                      /* the record header on a lease */
+	struct shunt_rec hdr;                      /* the record header on a lease */
 	size_t done;                         /* bytes of header + payload written to a lease */
 	uint8_t where;                       /* FRAG_HEAP: buf; FRAG_RING: reserved in the ring */
 	uint8_t internal;                    /* our own record: no callback; freed once written */
 	uint8_t large;                       /* from the large pool */
 	size_t cap;                          /* bytes buf holds */
 	uint8_t *buf;
-	struct rec *rh;                      /* FRAG_RING: the reserved record */
+	struct shunt_rec *rh;                      /* FRAG_RING: the reserved record */
 	uint16_t rpad;                       /* FRAG_RING: its pad */
 };
 
@@ -180,7 +130,7 @@ static inline struct frag *fq_pop(struct fragq *q)
 	return f;
 }
 
-/* ---- connections (conn.c) ---- */
+/* ---- connections (conn.c, lease.c, handover.c) ---- */
 
 enum { F_NONE, F_ASKING, F_READY, F_TCP, F_CLOSED }; /* a connection's standing with hostd */
 
@@ -211,7 +161,7 @@ struct conn {
 	struct shunt_flow sf;
 	int peer_ok, peer_no; /* the other end's RING_OK / RING_NO */
 	uint16_t peer_reason;
-	struct rring rr;      /* out: writer of sf.w; in: reader of sf.r */
+	struct shunt_rec_ring rr;      /* out: writer of sf.w; in: reader of sf.r */
 };
 
 /* ---- endpoints: one per peer rank ---- */
@@ -305,16 +255,50 @@ struct mca_btl_base_endpoint_t *ep_of(uint32_t vpid);
 struct conn *conn_new(int fd, int out);
 void conn_free(struct conn *c);
 int lease_open(struct mca_btl_base_endpoint_t *ep, int wait_ms); /* tx lease; 0 or -errno */
+void accept_all(void);
+void conn_set_pollout(struct conn *c, int on);
+/* An accepted lease's first record, which must be HELLO (lease.c's parser
+ * calls it): 1, or -1 if it is not or names no rank of this job. */
+int conn_hello(struct conn *c, const struct shunt_rec *h, const uint8_t *p);
+
+/* lease.c */
 void lease_push(struct conn *c, struct frag *f); /* append and try to write */
 int lease_flush(struct conn *c);                 /* write what can be; 1 if the queue is empty */
 void conn_event(struct conn *c, uint32_t events);
-void accept_all(void);
+/* A record of our own on c (HELLO, marks, RING_OK/NO, BYE), in order with
+ * its data; a lack of memory fails the peer (conn.c, handover.c). */
+void push_control(struct conn *c, uint8_t kind, const void *p, size_t n);
+/* Ends our use of c: BYE, then shutdown once written (lease_flush), then
+ * close at EOF (handover.c, when a lease is replaced or given up). */
+void finish(struct conn *c);
+
+/* handover.c */
 void paths_step(struct mca_btl_base_endpoint_t *ep); /* handover, downgrade, re-lease */
-int ring_rx_poll(struct mca_btl_base_endpoint_t *ep);
-void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *what);
-void conn_set_pollout(struct conn *c, int on);
 void rx_step(struct conn *c); /* the receiver answers its verdict (RING_OK, RING_NO) */
+int ring_rx_poll(struct mca_btl_base_endpoint_t *ep);
+/* Takes ep off the module's ring reader list (conn.c when its rx conn goes,
+ * lease.c at BYE). */
+void ring_rx_del(struct mca_btl_base_endpoint_t *ep);
+/* The marks that move ep's incoming stream onto c's ring (SWITCH) and back
+ * (DOWN), as lease.c's parser reads them on c: 1, or -1 (the peer failed
+ * or the record is out of order). */
+int rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p);
+int rx_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p);
+void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *what);
 const char *reason_name(uint16_t r);
+
+/* deliver hands a received fragment to ob1's callback for its tag (lease.c
+ * from a lease, handover.c from a ring). */
+static inline void deliver(uint8_t tag, void *p, size_t len)
+{
+	mca_btl_active_message_callback_t *reg = mca_btl_base_active_message_trigger + tag;
+	mca_btl_base_segment_t seg = {.seg_addr.pval = p, .seg_len = len};
+	mca_btl_base_descriptor_t d;
+	memset(&d, 0, sizeof d);
+	d.des_segments = &seg;
+	d.des_segment_count = 1;
+	reg->cbfunc(&shunt_btl.super, tag, &d, reg->cbdata);
+}
 
 /* Reasons of our own, after proto's (shunt_reason_name says "?" for them). */
 enum {

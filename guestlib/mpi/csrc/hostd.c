@@ -283,7 +283,7 @@ void hostd_take(struct conn *c)
 	}
 	c->region_id = m.region_id;
 	c->fstate = F_READY;
-	c->rr = (struct rring){.r = c->out ? &c->sf.w : &c->sf.r};
+	c->rr = (struct shunt_rec_ring){.r = c->out ? &c->sf.w : &c->sf.r};
 	reg_add(c);
 }
 

@@ -55,7 +55,7 @@ struct frag *frag_get(size_t size)
 	f->seg.seg_len = size;
 	f->next = NULL;
 	f->ep = NULL;
-	f->hdr = (struct rec){0};
+	f->hdr = (struct shunt_rec){0};
 	f->done = 0;
 	f->where = FRAG_HEAP;
 	f->internal = 0;
@@ -78,7 +78,7 @@ struct frag *frag_control(uint8_t kind, const void *payload, size_t len)
 	if (len)
 		memcpy(f->buf, payload, len);
 	f->internal = 1;
-	f->hdr = (struct rec){.len = len, .kind = kind};
+	f->hdr = (struct shunt_rec){.len = len, .kind = kind};
 	return f;
 }
 
@@ -121,12 +121,12 @@ static int ring_put(struct mca_btl_base_endpoint_t *ep, struct frag *f)
 {
 	struct conn *c = ep->tx;
 	int err;
-	uint16_t pad = rec_pad(0, f->seg.seg_len);
-	struct rec *h = rr_reserve(&c->rr, pad + f->seg.seg_len, &err);
+	uint16_t pad = shunt_rec_pad(0, f->seg.seg_len);
+	struct shunt_rec *h = shunt_rec_reserve(&c->rr, pad + f->seg.seg_len, &err);
 	if (!h)
 		return 0;
 	memcpy((uint8_t *)(h + 1) + pad, f->seg.seg_addr.pval, f->seg.seg_len);
-	rr_commit(&c->rr, h, f->seg.seg_len, pad, REC_DATA, f->hdr.tag);
+	shunt_rec_commit(&c->rr, h, f->seg.seg_len, pad, REC_DATA, f->hdr.tag);
 	ep->tx_frags++;
 	return 1;
 }
@@ -269,7 +269,7 @@ static int shunt_free(struct mca_btl_base_module_t *btl, mca_btl_base_descriptor
 	struct frag *f = (struct frag *)des;
 	SHUNT_LOCK();
 	if (f->where == FRAG_RING && f->ep && f->ep->tx)
-		rr_cancel(&f->ep->tx->rr);
+		shunt_rec_cancel(&f->ep->tx->rr);
 	frag_put(f);
 	SHUNT_UNLOCK();
 	return OPAL_SUCCESS;
@@ -299,8 +299,8 @@ static mca_btl_base_descriptor_t *shunt_prepare_src(struct mca_btl_base_module_t
 	struct conn *c = ep->tx;
 	if (ep->tx_ring && c && !ep->q.head && !c->rr.resv) {
 		int err;
-		uint16_t pad = rec_pad(reserve, *size);
-		struct rec *h = rr_reserve(&c->rr, pad + reserve + *size, &err);
+		uint16_t pad = shunt_rec_pad(reserve, *size);
+		struct shunt_rec *h = shunt_rec_reserve(&c->rr, pad + reserve + *size, &err);
 		if (h && (f = frag_get(0))) {
 			f->where = FRAG_RING;
 			f->rh = h;
@@ -309,7 +309,7 @@ static mca_btl_base_descriptor_t *shunt_prepare_src(struct mca_btl_base_module_t
 			goto packed;
 		}
 		if (h)
-			rr_cancel(&c->rr);
+			shunt_rec_cancel(&c->rr);
 		if (err == SHUNT_EAGAIN) {
 			/* The ring is full: ob1 keeps the request and asks again
 			 * from its own progress, rather than packing into a buffer
@@ -327,7 +327,7 @@ packed:
 	f->base.des_flags = flags;
 	if (pack(cv, (uint8_t *)f->seg.seg_addr.pval + reserve, size)) {
 		if (f->where == FRAG_RING)
-			rr_cancel(&c->rr);
+			shunt_rec_cancel(&c->rr);
 		frag_put(f);
 		SHUNT_UNLOCK();
 		return NULL;
@@ -344,10 +344,10 @@ static int shunt_send(struct mca_btl_base_module_t *btl, struct mca_btl_base_end
 	struct frag *f = (struct frag *)des;
 	int r;
 	f->ep = ep;
-	f->hdr = (struct rec){.len = f->seg.seg_len, .kind = REC_DATA, .tag = tag};
+	f->hdr = (struct shunt_rec){.len = f->seg.seg_len, .kind = REC_DATA, .tag = tag};
 	SHUNT_LOCK();
 	if (f->where == FRAG_RING) { /* packed in place: publish it */
-		rr_commit(&ep->tx->rr, f->rh, f->seg.seg_len, f->rpad, REC_DATA, tag);
+		shunt_rec_commit(&ep->tx->rr, f->rh, f->seg.seg_len, f->rpad, REC_DATA, tag);
 		ep->tx_frags++;
 		r = done_now(f);
 	} else if (ep->tx_ring && ep->tx) {
@@ -411,9 +411,9 @@ static int shunt_sendi(struct mca_btl_base_module_t *btl, struct mca_btl_base_en
 	if (ep->tx_ring && c) {
 		/* The fast path: one record, built in the ring. */
 		int err;
-		struct rec *h;
-		uint16_t pad = rec_pad(hsize, psize);
-		if (!ep->q.head && !c->rr.resv && (h = rr_reserve(&c->rr, pad + hsize + psize, &err))) {
+		struct shunt_rec *h;
+		uint16_t pad = shunt_rec_pad(hsize, psize);
+		if (!ep->q.head && !c->rr.resv && (h = shunt_rec_reserve(&c->rr, pad + hsize + psize, &err))) {
 			uint8_t *p = (uint8_t *)(h + 1) + pad;
 			memcpy(p, header, hsize);
 			size_t n = psize;
@@ -423,11 +423,11 @@ static int shunt_sendi(struct mca_btl_base_module_t *btl, struct mca_btl_base_en
 				memcpy(p + hsize, data, psize);
 			}
 			if (data || pack(cv, p + hsize, &n) == 0) {
-				rr_commit(&c->rr, h, hsize + n, pad, REC_DATA, tag);
+				shunt_rec_commit(&c->rr, h, hsize + n, pad, REC_DATA, tag);
 				ep->tx_frags++;
 				r = OPAL_SUCCESS;
 			} else {
-				rr_cancel(&c->rr);
+				shunt_rec_cancel(&c->rr);
 			}
 		}
 	} else if (c) {
@@ -440,7 +440,7 @@ static int shunt_sendi(struct mca_btl_base_module_t *btl, struct mca_btl_base_en
 				f->seg.seg_len = hsize + n;
 				f->internal = 1;
 				f->ep = ep;
-				f->hdr = (struct rec){.len = hsize + n, .kind = REC_DATA, .tag = tag};
+				f->hdr = (struct shunt_rec){.len = hsize + n, .kind = REC_DATA, .tag = tag};
 				lease_push(c, f);
 				r = OPAL_SUCCESS;
 			} else {

@@ -1,11 +1,12 @@
-/* Records in a Shunt ring, in place (btl_shunt.h).
+/* Records in a ring, in place (shunt.h, "records").
  *
- * The ring is the core's (shunt.h, docs/region.md): the same header, the
- * same free-running head and tail, reset and close flags, so hostd's
- * counters and revocation work unchanged. What this file adds is what the
- * core's copy API cannot do: write a record where it will be read (ob1
- * packs straight into the ring) and hand ob1 a pointer into the ring, and
- * a reader that sees a small record with one cache-line transfer:
+ * The ring is the same as the copy API's (ring.c, docs/region.md): the
+ * same header, the same free-running head and tail, reset and close flags,
+ * so hostd's counters and revocation work unchanged. What this file adds is
+ * what the copy API cannot do: write a record where it will be read (the
+ * MPI transport's ob1 packs straight into the ring) and hand the reader a
+ * pointer into the ring, and a reader that sees a small record with one
+ * cache-line transfer:
  *
  *   - every record starts on a 64-byte line and never wraps: a PAD record
  *     fills the rest of the ring when the next one does not fit;
@@ -22,10 +23,9 @@
  *
  * Both ends validate what they read: a stamp matches only its own record
  * number, a length must fit before the ring's end, the head may only move
- * forward and never past the writer's own count. What the core should gain
- * is exactly this (zero-copy reserve/commit and peek/release, as Go's
- * shm/ring has, plus this record mode); it lives here until it does. */
-#include "btl_shunt.h"
+ * forward and never past the writer's own count. */
+#define _GNU_SOURCE
+#include "internal.h"
 
 #include <linux/futex.h>
 #include <string.h>
@@ -34,16 +34,19 @@
 
 #define SC __ATOMIC_SEQ_CST
 
+_Static_assert(sizeof(struct shunt_rec) == 16, "struct shunt_rec is 16 bytes (shunt.h)");
+
 static inline uint64_t *w64(const struct shunt_ring *r, int off) { return (uint64_t *)(r->hdr + off); }
 static inline uint32_t *w32(const struct shunt_ring *r, int off) { return (uint32_t *)(r->hdr + off); }
 
-/* poke wakes the peer if it published "waiting" on flag (the core's
- * waker's half, shm/wait). The BTL's ends never sleep (they poll from
- * opal_progress), so the index stores before it are release stores, not
- * the sequentially consistent ones the core's Dekker protocol needs: a
- * full fence per record would stall the writer on the reader's copy of the
- * line it just wrote. Should a sleeping end ever read these rings, publish
- * and rr_consume must store with __ATOMIC_SEQ_CST again. */
+/* poke wakes the peer if it published "waiting" on flag (the waker's half
+ * of ring.c's wake, shm/wait). Record rings' ends never sleep (the MPI
+ * transport polls them from opal_progress), so the index stores before it
+ * are release stores, not the sequentially consistent ones ring.c's
+ * Dekker protocol needs: a full fence per record would stall the writer on
+ * the reader's copy of the line it just wrote. Should a sleeping end ever
+ * read these rings, publish and shunt_rec_consume must store with
+ * __ATOMIC_SEQ_CST again. */
 static void poke(struct shunt_ring *r, int off)
 {
 	uint32_t *flag = w32(r, off), one = 1;
@@ -57,16 +60,16 @@ static void poke(struct shunt_ring *r, int off)
 	}
 }
 
-int rr_broken(const struct rring *w)
+int shunt_rec_broken(const struct shunt_rec_ring *w)
 {
 	return __atomic_load_n(w32(w->r, SHUNT_OFF_RESET), __ATOMIC_ACQUIRE) ||
 	       (__atomic_load_n(w32(w->r, SHUNT_OFF_RFLAGS), __ATOMIC_ACQUIRE) & 1);
 }
 
-uint16_t rr_reason(const struct rring *w)
+uint16_t shunt_rec_reason(const struct shunt_rec_ring *w)
 {
 	uint32_t r = __atomic_load_n(w32(w->r, SHUNT_OFF_REASON), __ATOMIC_ACQUIRE);
-	return r && r < 0xffff ? (uint16_t)r : R_RING_BROKEN;
+	return r < 0xffff ? (uint16_t)r : 0;
 }
 
 /* refresh loads the reader's head: 0, or SHUNT_ECORRUPT if it moved back or
@@ -96,11 +99,11 @@ static void publish(struct shunt_ring *r)
  * the reader will look for there. */
 static void clear_ahead(struct shunt_ring *r, uint64_t end)
 {
-	if (end + sizeof(struct rec) > r->peer + r->cap) {
-		if (refresh(r) || end + sizeof(struct rec) > r->peer + r->cap)
+	if (end + sizeof(struct shunt_rec) > r->peer + r->cap) {
+		if (refresh(r) || end + sizeof(struct shunt_rec) > r->peer + r->cap)
 			return;
 	}
-	struct rec *n = (struct rec *)(r->data + (end & r->mask));
+	struct shunt_rec *n = (struct shunt_rec *)(r->data + (end & r->mask));
 	__atomic_store_n(&n->stamp, 0, __ATOMIC_RELAXED);
 }
 
@@ -108,7 +111,7 @@ static void clear_ahead(struct shunt_ring *r, uint64_t end)
  * uses non-temporal stores, which a release store alone does not order on
  * x86, only for copies far larger than a fragment (glibc: a fraction of
  * the shared cache); an sfence covers those. */
-static void put_stamp(struct rring *w, struct rec *h, size_t len)
+static void put_stamp(struct shunt_rec_ring *w, struct shunt_rec *h, size_t len)
 {
 #if defined(__x86_64__)
 	if (len >= (1u << 20))
@@ -120,14 +123,14 @@ static void put_stamp(struct rring *w, struct rec *h, size_t len)
 	w->next++;
 }
 
-struct rec *rr_reserve(struct rring *w, size_t len, int *err)
+struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *err)
 {
 	struct shunt_ring *r = w->r;
-	if (rr_broken(w)) {
+	if (shunt_rec_broken(w)) {
 		*err = __atomic_load_n(w32(r, SHUNT_OFF_RESET), __ATOMIC_RELAXED) ? SHUNT_ERESET : SHUNT_EPIPE;
 		return NULL;
 	}
-	size_t span = rec_span(len);
+	size_t span = shunt_rec_span(len);
 	uint64_t off = r->own & r->mask, to_end = r->cap - off;
 	uint64_t need = span <= to_end ? span : to_end + span;
 	if (span > r->cap / 2) {
@@ -144,9 +147,9 @@ struct rec *rr_reserve(struct rring *w, size_t len, int *err)
 	}
 	if (span > to_end) {
 		/* PAD to the end; published at once, so head never passes tail. */
-		struct rec *pad = (struct rec *)(r->data + off);
-		pad->len = to_end - sizeof(struct rec);
-		pad->kind = REC_PAD;
+		struct shunt_rec *pad = (struct shunt_rec *)(r->data + off);
+		pad->len = to_end - sizeof(struct shunt_rec);
+		pad->kind = SHUNT_REC_PAD;
 		pad->tag = 0;
 		pad->pad = 0;
 		r->own += to_end;
@@ -157,45 +160,45 @@ struct rec *rr_reserve(struct rring *w, size_t len, int *err)
 	}
 	w->resv = 1;
 	w->resv_at = r->own;
-	return (struct rec *)(r->data + off);
+	return (struct shunt_rec *)(r->data + off);
 }
 
-void rr_commit(struct rring *w, struct rec *h, size_t len, uint16_t pad, uint8_t kind, uint8_t tag)
+void shunt_rec_commit(struct shunt_rec_ring *w, struct shunt_rec *h, size_t len, uint16_t pad, uint8_t kind, uint8_t tag)
 {
 	struct shunt_ring *r = w->r;
 	h->len = len;
 	h->kind = kind;
 	h->tag = tag;
 	h->pad = pad;
-	r->own += rec_span(pad + len);
+	r->own += shunt_rec_span(pad + len);
 	clear_ahead(r, r->own);
 	put_stamp(w, h, len);
 	w->resv = 0;
 	publish(r);
 }
 
-void rr_cancel(struct rring *w) { w->resv = 0; }
+void shunt_rec_cancel(struct shunt_rec_ring *w) { w->resv = 0; }
 
-struct rec *rr_poll(struct rring *rd, int *err)
+struct shunt_rec *shunt_rec_poll(struct shunt_rec_ring *rd, int *err)
 {
 	struct shunt_ring *r = rd->r;
 	uint64_t off = r->own & r->mask;
-	struct rec *h = (struct rec *)(r->data + off);
+	struct shunt_rec *h = (struct shunt_rec *)(r->data + off);
 	if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != rd->epoch + rd->next)
 		return NULL;
 	uint64_t len = (uint64_t)__atomic_load_n(&h->len, __ATOMIC_RELAXED) + h->pad;
 	uint8_t kind = h->kind;
-	if (len > r->cap || off + rec_span(len) > r->cap || (kind != REC_DATA && kind != REC_PAD)) {
+	if (len > r->cap || off + shunt_rec_span(len) > r->cap || (kind != SHUNT_REC_DATA && kind != SHUNT_REC_PAD)) {
 		*err = SHUNT_ECORRUPT;
 		return NULL;
 	}
 	return h;
 }
 
-void rr_consume(struct rring *rd, const struct rec *h)
+void shunt_rec_consume(struct shunt_rec_ring *rd, const struct shunt_rec *h)
 {
 	struct shunt_ring *r = rd->r;
-	r->own += rec_span((size_t)h->pad + h->len);
+	r->own += shunt_rec_span((size_t)h->pad + h->len);
 	r->msgs++;
 	rd->next++;
 	__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, __ATOMIC_RELEASE);

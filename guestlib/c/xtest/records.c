@@ -1,7 +1,7 @@
-/* shunt-mpi-xtest: records.c over plain memory, no hostd and no MPI
- * (guestlib/mpi/records_test.go runs it; make mpi-xtest builds it).
- *
- *   shunt-mpi-xtest NAME    one case; exit 0 if it holds, else 1 and why
+/* shunt-xtest records NAME: the core's records in a ring (records.c) over
+ * plain memory, no hostd (guestlib/preload/records_test.go runs each
+ * case; make ctest builds shunt-xtest). Exit 0 if the case holds, else 1
+ * and why.
  *
  * Cases:
  *   stream    a writer and a reader thread move 200000 records of seeded
@@ -12,11 +12,13 @@
  *             flow's bytes), and after a lap the writer's own old records:
  *             the reader never takes one of them for a new record
  *   corrupt   a record with a valid stamp and an impossible length:
- *             rr_poll says SHUNT_ECORRUPT, and reads nothing outside
- *   drain     the writer stops after a reset (DOWN): the reader reads
- *             exactly to the writer's final count, then finds nothing
+ *             shunt_rec_poll says SHUNT_ECORRUPT, and reads nothing outside
+ *   drain     the writer stops after a reset (the MPI transport's DOWN):
+ *             the reader reads exactly to the writer's final count, then
+ *             finds nothing
  *   half      a record larger than half the ring is refused (SHUNT_EINVAL) */
-#include "btl_shunt.h"
+#define _GNU_SOURCE
+#include "shunt.h"
 
 #include <pthread.h>
 #include <stdio.h>
@@ -27,7 +29,7 @@
 
 static uint8_t *mem;
 static struct shunt_ring wr, rd;
-static struct rring w, r;
+static struct shunt_rec_ring w, r;
 
 static int fail(const char *why, unsigned long long a, unsigned long long b)
 {
@@ -46,8 +48,8 @@ static void setup(uint64_t wepoch, uint64_t repoch)
 	*(uint64_t *)(mem + SHUNT_OFF_CAPACITY) = CAP;
 	if (shunt_ring_writer(&wr, mem, SHUNT_RING_HEADER + CAP, CAP) || shunt_ring_reader(&rd, mem, SHUNT_RING_HEADER + CAP, CAP))
 		fail("attach", 0, 0);
-	w = (struct rring){.r = &wr, .epoch = wepoch};
-	r = (struct rring){.r = &rd, .epoch = repoch};
+	w = (struct shunt_rec_ring){.r = &wr, .epoch = wepoch};
+	r = (struct shunt_rec_ring){.r = &rd, .epoch = repoch};
 }
 
 static uint64_t rnd(uint64_t *s)
@@ -68,16 +70,16 @@ static void *writer(void *arg)
 	uint64_t seed = 42;
 	for (uint64_t n = 0; n < N; n++) {
 		size_t len = rnd(&seed) % 4 ? rnd(&seed) % 200 : rnd(&seed) % (16u << 10);
-		uint16_t pad = rec_pad(24, len);
-		struct rec *h;
+		uint16_t pad = shunt_rec_pad(24, len);
+		struct shunt_rec *h;
 		int err;
-		while (!(h = rr_reserve(&w, pad + len, &err)))
+		while (!(h = shunt_rec_reserve(&w, pad + len, &err)))
 			if (err != SHUNT_EAGAIN)
 				fail("reserve", (unsigned long long)err, n);
 		uint8_t *p = (uint8_t *)(h + 1) + pad;
 		for (size_t i = 0; i < len; i++)
 			p[i] = pat(n, i);
-		rr_commit(&w, h, len, pad, REC_DATA, (uint8_t)n);
+		shunt_rec_commit(&w, h, len, pad, SHUNT_REC_DATA, (uint8_t)n);
 	}
 	return NULL;
 }
@@ -90,31 +92,31 @@ static int stream(void)
 	uint64_t seed = 42, pads = 0;
 	for (uint64_t n = 0; n < N;) {
 		int err = 0;
-		struct rec *h = rr_poll(&r, &err);
+		struct shunt_rec *h = shunt_rec_poll(&r, &err);
 		if (err)
 			fail("poll", (unsigned long long)err, n);
 		if (!h)
 			continue;
-		if (h->kind == REC_PAD) {
+		if (h->kind == SHUNT_REC_PAD) {
 			pads++;
-			rr_consume(&r, h);
+			shunt_rec_consume(&r, h);
 			continue;
 		}
 		size_t want = rnd(&seed) % 4 ? rnd(&seed) % 200 : rnd(&seed) % (16u << 10);
 		if (h->len != want || h->tag != (uint8_t)n)
 			fail("length or tag", h->len, want);
-		uint8_t *p = rec_payload(h);
-		if (want >= REC_ALIGN_FROM && ((uintptr_t)(p + 24) % REC_LINE))
-			fail("large payload not aligned after the header", (uintptr_t)p % REC_LINE, 0);
+		uint8_t *p = shunt_rec_payload(h);
+		if (want >= SHUNT_REC_ALIGN_FROM && ((uintptr_t)(p + 24) % SHUNT_REC_LINE))
+			fail("large payload not aligned after the header", (uintptr_t)p % SHUNT_REC_LINE, 0);
 		for (size_t i = 0; i < want; i++)
 			if (p[i] != pat(n, i))
 				fail("byte", n, i);
-		rr_consume(&r, h);
+		shunt_rec_consume(&r, h);
 		n++;
 	}
 	pthread_join(th, NULL);
 	int err = 0;
-	if (rr_poll(&r, &err) || err)
+	if (shunt_rec_poll(&r, &err) || err)
 		fail("a record after the last", 0, 0);
 	if (!pads)
 		fail("no PAD: the ring never wrapped mid-record", 0, 0);
@@ -128,44 +130,44 @@ static int stale(void)
 	 * own epoch: the new flow starts at record 0 too. */
 	const uint64_t E = 0x777700000000ull;
 	setup(E, E);
-	for (uint64_t off = 0, k = 0; off < CAP; off += REC_LINE, k++) {
-		struct rec *h = (struct rec *)(mem + SHUNT_RING_HEADER + off);
-		*h = (struct rec){.len = 8, .kind = REC_DATA, .stamp = 0x555500000000ull + k};
+	for (uint64_t off = 0, k = 0; off < CAP; off += SHUNT_REC_LINE, k++) {
+		struct shunt_rec *h = (struct shunt_rec *)(mem + SHUNT_RING_HEADER + off);
+		*h = (struct shunt_rec){.len = 8, .kind = SHUNT_REC_DATA, .stamp = 0x555500000000ull + k};
 	}
 	int err = 0;
-	if (rr_poll(&r, &err) || err)
+	if (shunt_rec_poll(&r, &err) || err)
 		fail("took an earlier flow's record", 0, 0);
 	/* Record 0: a payload that holds, at every line where a one-line
 	 * record will start a lap later, exactly the stamp that record will
 	 * have (the worst an application's data can do). */
 	size_t big = 16u << 10;
-	uint16_t pad = rec_pad(0, big);
-	struct rec *h = rr_reserve(&w, pad + big, &err);
+	uint16_t pad = shunt_rec_pad(0, big);
+	struct shunt_rec *h = shunt_rec_reserve(&w, pad + big, &err);
 	if (!h)
 		fail("reserve", (unsigned long long)err, 0);
-	uint64_t span = rec_span(pad + big);
+	uint64_t span = shunt_rec_span(pad + big);
 	uint8_t *p = (uint8_t *)(h + 1) + pad;
 	memset(p, 0, big);
-	for (uint64_t x = REC_LINE; x < span; x += REC_LINE) {
-		uint64_t k = 1 + (CAP + x - span) / REC_LINE, at = x + 8 - sizeof(struct rec) - pad;
+	for (uint64_t x = SHUNT_REC_LINE; x < span; x += SHUNT_REC_LINE) {
+		uint64_t k = 1 + (CAP + x - span) / SHUNT_REC_LINE, at = x + 8 - sizeof(struct shunt_rec) - pad;
 		if (at + 8 <= big)
 			memcpy(p + at, &(uint64_t){E + k}, 8);
 	}
-	rr_commit(&w, h, big, pad, REC_DATA, 0);
-	if (!(h = rr_poll(&r, &err)))
+	shunt_rec_commit(&w, h, big, pad, SHUNT_REC_DATA, 0);
+	if (!(h = shunt_rec_poll(&r, &err)))
 		fail("record 0", (unsigned long long)err, 0);
-	rr_consume(&r, h);
+	shunt_rec_consume(&r, h);
 	/* One-line records for two laps; after each, the reader looks at the
 	 * next line, which the writer has not written: it must see nothing. */
-	for (uint64_t n = 1; n < 2 * CAP / REC_LINE; n++) {
-		if (!(h = rr_reserve(&w, 8, &err)))
+	for (uint64_t n = 1; n < 2 * CAP / SHUNT_REC_LINE; n++) {
+		if (!(h = shunt_rec_reserve(&w, 8, &err)))
 			fail("reserve", (unsigned long long)err, n);
 		memcpy(h + 1, &n, 8);
-		rr_commit(&w, h, 8, 0, REC_DATA, 0);
-		if (!(h = rr_poll(&r, &err)) || *(uint64_t *)rec_payload(h) != n)
+		shunt_rec_commit(&w, h, 8, 0, SHUNT_REC_DATA, 0);
+		if (!(h = shunt_rec_poll(&r, &err)) || *(uint64_t *)shunt_rec_payload(h) != n)
 			fail("record", n, 0);
-		rr_consume(&r, h);
-		if (rr_poll(&r, &err) || err)
+		shunt_rec_consume(&r, h);
+		if (shunt_rec_poll(&r, &err) || err)
 			fail("took stale bytes of this ring for a new record", n, 0);
 	}
 	printf("stale: ok\n");
@@ -175,14 +177,14 @@ static int stale(void)
 static int corrupt(void)
 {
 	setup(0x4200000000ull, 0x4200000000ull);
-	struct rec *h = (struct rec *)(mem + SHUNT_RING_HEADER);
-	*h = (struct rec){.len = CAP, .kind = REC_DATA, .stamp = 0x4200000000ull};
+	struct shunt_rec *h = (struct shunt_rec *)(mem + SHUNT_RING_HEADER);
+	*h = (struct shunt_rec){.len = CAP, .kind = SHUNT_REC_DATA, .stamp = 0x4200000000ull};
 	int err = 0;
-	if (rr_poll(&r, &err) || err != SHUNT_ECORRUPT)
+	if (shunt_rec_poll(&r, &err) || err != SHUNT_ECORRUPT)
 		fail("impossible length accepted", (unsigned long long)err, 0);
-	*h = (struct rec){.len = 8, .kind = 99, .stamp = 0x4200000000ull};
+	*h = (struct shunt_rec){.len = 8, .kind = 99, .stamp = 0x4200000000ull};
 	err = 0;
-	if (rr_poll(&r, &err) || err != SHUNT_ECORRUPT)
+	if (shunt_rec_poll(&r, &err) || err != SHUNT_ECORRUPT)
 		fail("unknown kind accepted", (unsigned long long)err, 0);
 	printf("corrupt: ok\n");
 	return 0;
@@ -193,24 +195,24 @@ static int drain(void)
 	setup(0x99900000000ull, 0x99900000000ull);
 	int err;
 	for (uint64_t n = 0; n < 100; n++) {
-		struct rec *h = rr_reserve(&w, 300, &err);
+		struct shunt_rec *h = shunt_rec_reserve(&w, 300, &err);
 		if (!h)
 			fail("reserve", (unsigned long long)err, n);
-		rr_commit(&w, h, 300, 0, REC_DATA, 0);
+		shunt_rec_commit(&w, h, 300, 0, SHUNT_REC_DATA, 0);
 	}
 	shunt_ring_abort(&wr); /* hostd's revocation */
-	if (rr_reserve(&w, 8, &err) || err != SHUNT_ERESET || !rr_broken(&w))
+	if (shunt_rec_reserve(&w, 8, &err) || err != SHUNT_ERESET || !shunt_rec_broken(&w))
 		fail("a reset ring took a record", (unsigned long long)err, 0);
 	uint64_t bytes = wr.own, records = w.next; /* what DOWN carries */
 	while (rd.own < bytes) {
 		err = 0;
-		struct rec *h = rr_poll(&r, &err);
+		struct shunt_rec *h = shunt_rec_poll(&r, &err);
 		if (!h)
 			fail("drain stopped short", rd.own, bytes);
-		rr_consume(&r, h);
+		shunt_rec_consume(&r, h);
 	}
 	err = 0;
-	if (rd.own != bytes || r.next != records || rr_poll(&r, &err))
+	if (rd.own != bytes || r.next != records || shunt_rec_poll(&r, &err))
 		fail("drain count", r.next, records);
 	printf("drain: ok\n");
 	return 0;
@@ -220,25 +222,15 @@ static int half(void)
 {
 	setup(0x10000000000ull, 0x10000000000ull);
 	int err = 0;
-	if (rr_reserve(&w, CAP / 2, &err) || err != SHUNT_EINVAL)
+	if (shunt_rec_reserve(&w, CAP / 2, &err) || err != SHUNT_EINVAL)
 		fail("a record of half the ring was reserved", (unsigned long long)err, 0);
 	printf("half: ok\n");
 	return 0;
 }
 
-/* say: records.c does not call it; the header declares it. */
-void say(int level, const char *fmt, ...)
+/* records runs one case (xtest.c's main calls it). */
+int records(const char *c)
 {
-	(void)level, (void)fmt;
-}
-
-int main(int argc, char **argv)
-{
-	if (argc != 2) {
-		fprintf(stderr, "usage: shunt-mpi-xtest stream|stale|corrupt|drain|half\n");
-		return 2;
-	}
-	const char *c = argv[1];
 	if (!strcmp(c, "stream"))
 		return stream();
 	if (!strcmp(c, "stale"))
@@ -249,6 +241,6 @@ int main(int argc, char **argv)
 		return drain();
 	if (!strcmp(c, "half"))
 		return half();
-	fprintf(stderr, "unknown case %s\n", c);
+	fprintf(stderr, "unknown case %s: stream|stale|corrupt|drain|half\n", c);
 	return 2;
 }

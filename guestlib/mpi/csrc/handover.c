@@ -1,0 +1,331 @@
+/* Handover (btl_shunt.h): the path state machine of each direction, which
+ * moves its stream between the lease and the ring, marking every move in
+ * the stream itself (SWITCH, DOWN, MOVE).
+ *
+ * Sender's side of a direction (paths_step):
+ *
+ *   lease k, asking hostd --READY + RING_OK--> SWITCH, ring k
+ *        |                                          |
+ *        | TCP(reason) or RING_NO                   | reset (REVOKE) or broken
+ *        v                                          v
+ *   lease k, on TCP  <------------------------ DOWN(bytes, records)
+ *        |
+ *        | retry (backoff): lease k+1 gets READY + RING_OK
+ *        v
+ *   MOVE(k+1) and BYE on lease k; SWITCH on lease k+1, ring k+1
+ *
+ * Receiver's side: it reads the one place where the stream goes on (ep->rx
+ * and ep->rx_ring) and follows the marks; it attaches a ring when hostd says
+ * READY and answers RING_OK (or RING_NO) on the lease's reverse direction
+ * (rx_step), so the sender never writes a ring that its reader cannot
+ * read. */
+#include "btl_shunt.h"
+
+#include <errno.h>
+#include <stdio.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/random.h>
+
+/* ---- reasons ---- */
+
+const char *reason_name(uint16_t r)
+{
+	switch (r) {
+	case R_REFUSED: return "connection refused";
+	case R_UNREACHABLE: return "unreachable";
+	case R_RING_SMALL: return "ring too small";
+	case R_RING_BROKEN: return "ring reset";
+	case R_LEASE_ONLY: return "btl_shunt_ring=0";
+	case R_PEER: return "peer said no";
+	}
+	return shunt_reason_name(r);
+}
+
+/* permanent: a new lease would get the same answer. */
+static int permanent(uint16_t r)
+{
+	return r == SHUNT_REASON_LOOPBACK || r == SHUNT_REASON_NOT_LOCAL || r == SHUNT_REASON_CROSS_GROUP ||
+	       r == SHUNT_REASON_DISABLED || r == SHUNT_REASON_VERSION || r == R_RING_SMALL || r == R_LEASE_ONLY;
+}
+
+void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *what)
+{
+	if (ep->said && ep->said_reason == reason)
+		return;
+	ep->said = 1;
+	ep->said_reason = reason;
+	say(reason == SHUNT_REASON_NONE ? 1 : 0, "to %s: %s%s%s%s", ep->who, what, reason ? " (" : "",
+	    reason ? reason_name(reason) : "", reason ? ")" : "");
+}
+
+/* ---- the receiver's ring ---- */
+
+static void ring_rx_add(struct mca_btl_base_endpoint_t *ep)
+{
+	if (ep->rx_index >= 0)
+		return;
+	if (shunt_btl.nring_rx == shunt_btl.ring_rx_cap) {
+		int cap = shunt_btl.ring_rx_cap ? 2 * shunt_btl.ring_rx_cap : 16;
+		void *n = realloc(shunt_btl.ring_rx, cap * sizeof *shunt_btl.ring_rx);
+		if (!n) {
+			peer_failed(ep, "out of memory");
+			return;
+		}
+		shunt_btl.ring_rx = n;
+		shunt_btl.ring_rx_cap = cap;
+	}
+	ep->rx_index = shunt_btl.nring_rx;
+	shunt_btl.ring_rx[shunt_btl.nring_rx++] = ep;
+}
+
+void ring_rx_del(struct mca_btl_base_endpoint_t *ep)
+{
+	int i = ep->rx_index;
+	if (i < 0)
+		return;
+	struct mca_btl_base_endpoint_t *last = shunt_btl.ring_rx[--shunt_btl.nring_rx];
+	shunt_btl.ring_rx[i] = last;
+	last->rx_index = i;
+	ep->rx_index = -1;
+}
+
+/* ring_rx_poll delivers what arrived in ep's incoming ring: records. */
+int ring_rx_poll(struct mca_btl_base_endpoint_t *ep)
+{
+	struct conn *c = ep->rx;
+	int n = 0, err = 0;
+	while (n < 32) {
+		struct shunt_rec *h = shunt_rec_poll(&c->rr, &err);
+		if (!h) {
+			if (err)
+				peer_failed(ep, "its ring holds an impossible record (corrupt)");
+			break;
+		}
+		if (h->kind == REC_DATA) {
+			ep->rx_frags++;
+			deliver(h->tag, shunt_rec_payload(h), h->len);
+			n++;
+		}
+		shunt_rec_consume(&c->rr, h);
+		if (ep->rx != c || !ep->rx_ring)
+			break;
+	}
+	return n;
+}
+
+/* drain reads ep's ring up to the writer's final count (DOWN). */
+static int drain(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct rec_down *d)
+{
+	int err = 0;
+	while (c->sf.r.own < d->bytes) {
+		struct shunt_rec *h = shunt_rec_poll(&c->rr, &err);
+		if (!h)
+			return -1;
+		if (h->kind == REC_DATA) {
+			ep->rx_frags++;
+			deliver(h->tag, shunt_rec_payload(h), h->len);
+		}
+		shunt_rec_consume(&c->rr, h);
+	}
+	return c->sf.r.own == d->bytes && c->rr.next == d->records && ep->rx_frags == d->frags ? 0 : -1;
+}
+
+/* rx_switch takes SWITCH on ep's lease c: the stream goes on in c's ring. */
+int rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p)
+{
+	struct rec_switch s;
+	if (h->len < sizeof s || c->fstate != F_READY)
+		return -1;
+	memcpy(&s, p, sizeof s);
+	if (s.frags != ep->rx_frags) {
+		peer_failed(ep, "its ring starts at another count than its lease ended");
+		return -1;
+	}
+	c->rr.epoch = s.epoch;
+	c->rr.next = 0;
+	ep->rx_ring = 1;
+	ring_rx_add(ep);
+	return 1;
+}
+
+/* rx_down takes the record that ends ep's ring on its lease c, which must
+ * be DOWN: it drains the ring to DOWN's count, then reads the lease. */
+int rx_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p)
+{
+	struct rec_down d;
+	if (h->kind != REC_DOWN || h->len < sizeof d)
+		return -1;
+	memcpy(&d, p, sizeof d);
+	if (drain(ep, c, &d)) {
+		peer_failed(ep, "its ring ended short of the count it announced (data lost)");
+		return -1;
+	}
+	ep->rx_ring = 0;
+	ring_rx_del(ep);
+	hostd_close(c);
+	say(1, "from %s: ring ended after %llu fragments; on the lease", ep->who, (unsigned long long)d.frags);
+	return 1;
+}
+
+/* ---- the sender's path ---- */
+
+static uint64_t new_epoch(void)
+{
+	uint64_t e = 0;
+	if (getrandom(&e, sizeof e, GRND_NONBLOCK) != sizeof e)
+		e = (uint64_t)now_ns() * 0x9e3779b97f4a7c15ull ^ (uintptr_t)&e;
+	return (e | 1ull << 32) & ~(1ull << 63);
+}
+
+static void schedule_retry(struct mca_btl_base_endpoint_t *ep, uint16_t reason)
+{
+	if (permanent(reason) || shunt_btl.finalizing) {
+		ep->retry_at = 0;
+		return;
+	}
+	int ms = ep->retry_ms ? ep->retry_ms : mca_btl_shunt_component.retry_ms;
+	ep->retry_at = now_ns() + (int64_t)ms * 1000000;
+	ep->retry_ms = 2 * ms < mca_btl_shunt_component.retry_max_ms ? 2 * ms : mca_btl_shunt_component.retry_max_ms;
+}
+
+/* ring_fits: the largest fragment's record fits in half the ring, as
+ * shunt_rec_reserve requires (so a record never waits for the whole ring). */
+static int ring_fits(struct conn *c) { return shunt_rec_span(shunt_btl.super.btl_max_send_size + SHUNT_REC_LINE) <= c->sf.w.cap / 2; }
+
+/* ring_reason: why c's ring ended, as the ring says, else R_RING_BROKEN. */
+static uint16_t ring_reason(struct conn *c)
+{
+	uint16_t r = shunt_rec_reason(&c->rr);
+	return r ? r : R_RING_BROKEN;
+}
+
+static void switch_up(struct mca_btl_base_endpoint_t *ep, struct conn *c)
+{
+	if (!ring_fits(c)) {
+		push_control(c, REC_RING_NO, &(struct rec_no){.reason = R_RING_SMALL}, sizeof(struct rec_no));
+		hostd_close(c);
+		c->reason = R_RING_SMALL;
+		c->fstate = F_TCP;
+		say(0, "to %s: the ring (%llu bytes) is too small for fragments of %zu bytes; raise ring_size in hostd's policy or lower btl_shunt_max_send_size",
+		    ep->who, (unsigned long long)c->sf.w.cap, (size_t)shunt_btl.super.btl_max_send_size);
+		return;
+	}
+	struct rec_switch s = {.epoch = new_epoch(), .frags = ep->tx_frags};
+	c->rr.epoch = s.epoch;
+	c->rr.next = 0;
+	push_control(c, REC_SWITCH, &s, sizeof s);
+	ep->tx_ring = 1;
+	ep->retry_ms = 0;
+	char what[80];
+	snprintf(what, sizeof what, "ring (slot %u, %llu bytes)", c->sf.slot, (unsigned long long)c->sf.w.cap);
+	say_path(ep, SHUNT_REASON_NONE, what);
+}
+
+/* go_down moves ep's stream from the ring back to its lease. */
+static void go_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, uint16_t reason)
+{
+	struct rec_down d = {.bytes = c->sf.w.own, .records = c->rr.next, .frags = ep->tx_frags};
+	push_control(c, REC_DOWN, &d, sizeof d);
+	ep->tx_ring = 0;
+	hostd_close(c);
+	c->fstate = F_TCP;
+	c->reason = reason;
+	struct frag *f;
+	while ((f = fq_pop(&ep->q))) {
+		f->hdr = (struct shunt_rec){.len = f->seg.seg_len, .kind = REC_DATA, .tag = f->hdr.tag};
+		lease_push(c, f);
+	}
+	char what[64];
+	snprintf(what, sizeof what, "ring ended, back on the lease");
+	ep->said = 0;
+	say_path(ep, reason, what);
+	schedule_retry(ep, reason);
+}
+
+void paths_step(struct mca_btl_base_endpoint_t *ep)
+{
+	struct conn *c = ep->tx, *n = ep->tx_next;
+	if (!c)
+		return;
+	hostd_take(c);
+	if (n)
+		hostd_take(n);
+	if (c->closing)
+		return;
+	uint16_t why;
+	if (ep->tx_ring) {
+		if (c->rr.resv)
+			return;
+		if (conn_revoked(c, &why))
+			go_down(ep, c, why);
+		else if (shunt_rec_broken(&c->rr))
+			go_down(ep, c, ring_reason(c));
+		return;
+	}
+	if (c->fstate == F_READY && c->peer_ok) {
+		switch_up(ep, c);
+		return;
+	}
+	if (c->fstate == F_READY && c->peer_no) {
+		hostd_close(c);
+		c->fstate = F_TCP;
+		c->reason = c->peer_reason;
+	}
+	if (c->fstate == F_READY && conn_revoked(c, &why)) { /* revoked before it was used */
+		push_control(c, REC_RING_NO, &(struct rec_no){.reason = why}, sizeof(struct rec_no));
+		hostd_close(c);
+		c->fstate = F_TCP;
+		c->reason = why;
+	}
+	if (c->fstate == F_TCP) {
+		say_path(ep, c->reason, "tcp");
+		if (!n && !ep->retry_at)
+			schedule_retry(ep, c->reason);
+		c->fstate = F_CLOSED; /* said; retries go by ep->retry_at */
+	}
+	if (n) {
+		if (n->fstate == F_READY && n->peer_ok && ring_fits(n)) {
+			struct rec_move m = {.lease = n->lease, .frags = ep->tx_frags};
+			push_control(c, REC_MOVE, &m, sizeof m);
+			finish(c);
+			ep->tx = n;
+			ep->tx_next = NULL;
+			ep->said = 0;
+			switch_up(ep, n);
+			return;
+		}
+		int gave_up = n->fstate == F_TCP || n->fstate == F_CLOSED || n->peer_no ||
+			      (n->fstate == F_READY && conn_revoked(n, &why));
+		if (gave_up) {
+			uint16_t r = n->fstate == F_TCP ? n->reason : n->peer_no ? n->peer_reason : R_RING_BROKEN;
+			push_control(n, REC_RING_NO, &(struct rec_no){.reason = r}, sizeof(struct rec_no));
+			finish(n);
+			ep->tx_next = NULL;
+			say(1, "to %s: a new lease got tcp (%s); staying on the old one", ep->who, reason_name(r));
+			schedule_retry(ep, r);
+		}
+		return;
+	}
+	if (ep->retry_at && now_ns() >= ep->retry_at) {
+		ep->retry_at = 0;
+		int r = hostd_ready() ? lease_open(ep, mca_btl_shunt_component.connect_ms) : -ENOTCONN;
+		if (r < 0)
+			schedule_retry(ep, SHUNT_REASON_NO_HOSTD);
+	}
+}
+
+/* rx_step: the receiving side of c answers hostd's verdict on the lease's
+ * reverse direction. */
+
+void rx_step(struct conn *c)
+{
+	int was = c->fstate;
+	hostd_take(c);
+	if (was != F_ASKING || c->fstate == F_ASKING || c->closing)
+		return;
+	if (c->fstate == F_READY)
+		push_control(c, REC_RING_OK, NULL, 0);
+	else
+		push_control(c, REC_RING_NO, &(struct rec_no){.reason = c->reason}, sizeof(struct rec_no));
+}

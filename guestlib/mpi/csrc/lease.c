@@ -1,0 +1,273 @@
+/* Lease I/O (btl_shunt.h): a lease's non-blocking writes (a queue of
+ * records, the head maybe partly written) and reads (a buffer parsed into
+ * records), and what the records on a lease mean.
+ *
+ * A lease carries, from sender to receiver, HELLO first, then the
+ * direction's stream while it is on this lease (DATA, numbered by the
+ * stream's count) and its marks (SWITCH, DOWN, MOVE; handover.c), and BYE;
+ * in the reverse direction the receiver's RING_OK or RING_NO and its BYE.
+ * A record on a lease that is not (or not yet) where the stream goes on
+ * waits in the buffer until it is (MOVE). Any record out of order fails
+ * the peer. */
+#include "btl_shunt.h"
+
+#include <errno.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/epoll.h>
+#include <sys/socket.h>
+#include <unistd.h>
+
+static size_t max_record(void) { return sizeof(struct shunt_rec) + shunt_btl.super.btl_max_send_size + 1024; }
+
+/* ---- writing a lease ---- */
+
+/* lease_flush writes queued records: 1 when the queue is empty, 0 when the
+ * socket is full (EPOLLOUT then resumes), -1 when the connection failed. */
+int lease_flush(struct conn *c)
+{
+	struct frag *f;
+	while ((f = c->lq.head)) {
+		struct iovec iov[2] = {{&f->hdr, sizeof f->hdr}, {f->seg.seg_addr.pval, f->seg.seg_len}};
+		size_t total = sizeof f->hdr + f->seg.seg_len, skip = f->done;
+		int i = 0;
+		if (skip >= sizeof f->hdr) {
+			skip -= sizeof f->hdr;
+			i = 1;
+		}
+		iov[i].iov_base = (uint8_t *)iov[i].iov_base + skip;
+		iov[i].iov_len -= skip;
+		ssize_t n = writev(c->fd, iov + i, 2 - i);
+		if (n < 0) {
+			if (errno == EINTR)
+				continue;
+			if (errno == EAGAIN || errno == EWOULDBLOCK) {
+				conn_set_pollout(c, 1);
+				return 0;
+			}
+			return -1;
+		}
+		f->done += n;
+		if (f->done < total)
+			continue;
+		fq_pop(&c->lq);
+		if (f->internal)
+			frag_put(f);
+		else
+			frag_done(f);
+	}
+	conn_set_pollout(c, 0);
+	if (c->closing == 1) {
+		shutdown(c->fd, SHUT_WR);
+		c->closing = 2;
+	}
+	return 1;
+}
+
+void lease_push(struct conn *c, struct frag *f)
+{
+	f->done = 0;
+	if (f->hdr.kind == REC_DATA && c->ep)
+		f->hdr.stamp = c->ep->tx_frags++;
+	int was_empty = !c->lq.head;
+	fq_push(&c->lq, f);
+	shunt_btl.lease_busy = 1;
+	if (was_empty && lease_flush(c) < 0 && c->ep && !c->closing)
+		peer_failed(c->ep, "its lease failed on write");
+}
+
+void push_control(struct conn *c, uint8_t kind, const void *p, size_t n)
+{
+	struct frag *f = frag_control(kind, p, n);
+	if (!f) {
+		if (c->ep)
+			peer_failed(c->ep, "out of memory for a control record");
+		return;
+	}
+	lease_push(c, f);
+}
+
+/* finish ends our use of c: BYE, then shutdown once written (lease_flush),
+ * then close at EOF (conn_read). */
+void finish(struct conn *c)
+{
+	if (c->closing)
+		return;
+	hostd_close(c);
+	push_control(c, REC_BYE, NULL, 0);
+	c->closing = 1;
+	if (!c->lq.head || lease_flush(c) == 1) {
+		if (c->closing == 1) {
+			shutdown(c->fd, SHUT_WR);
+			c->closing = 2;
+		}
+	}
+}
+
+/* ---- reading a lease ---- */
+
+/* handle processes one record of c: 1 done, 0 not yet (c is not where the
+ * stream goes on), -1 c or its peer failed. */
+static int handle(struct conn *c, struct shunt_rec *h, uint8_t *p)
+{
+	struct mca_btl_base_endpoint_t *ep = c->ep;
+	if (c->out) { /* the reverse direction of our own lease */
+		switch (h->kind) {
+		case REC_RING_OK:
+			c->peer_ok = 1;
+			return 1;
+		case REC_RING_NO:
+			c->peer_no = 1;
+			c->peer_reason = h->len >= sizeof(struct rec_no) ? ((struct rec_no *)p)->reason : R_PEER;
+			return 1;
+		case REC_BYE:
+			c->bye = 1;
+			return 1;
+		}
+		return -1;
+	}
+	if (!c->hello)
+		return conn_hello(c, h, p);
+	if (h->kind == REC_RING_NO) { /* the sender will not use the ring: let it go */
+		hostd_close(c);
+		return 1;
+	}
+	if (h->kind == REC_BYE) {
+		c->bye = 1;
+		if (ep->rx == c) {
+			ep->bye = 1;
+			if (ep->rx_ring) {
+				/* The sender wrote BYE after its last record: take
+				 * those before the flow goes (finish closes it). */
+				while (ep->rx == c && ep->rx_ring && ring_rx_poll(ep) > 0)
+					;
+				ep->rx_ring = 0;
+				ring_rx_del(ep);
+			}
+		}
+		finish(c);
+		return 1;
+	}
+	if (ep->rx != c)
+		return 0;
+	if (ep->rx_ring) /* the stream is in the ring: only its end comes here */
+		return rx_down(ep, c, h, p);
+	switch (h->kind) {
+	case REC_DATA:
+		if (h->stamp != ep->rx_frags) {
+			peer_failed(ep, "a fragment is missing on its lease");
+			return -1;
+		}
+		ep->rx_frags++;
+		deliver(h->tag, p, h->len);
+		return 1;
+	case REC_SWITCH:
+		return rx_switch(ep, c, h, p);
+	case REC_MOVE: {
+		struct rec_move m;
+		if (h->len < sizeof m)
+			return -1;
+		memcpy(&m, p, sizeof m);
+		if (m.frags != ep->rx_frags) {
+			peer_failed(ep, "its new lease starts at another count than the old one ended");
+			return -1;
+		}
+		struct conn *n = NULL;
+		for (struct conn *o = shunt_btl.conns; o; o = o->next)
+			if (o->ep == ep && !o->out && o->hello && o->lease == m.lease && o != c)
+				n = o;
+		if (!n)
+			return -1;
+		ep->rx = n;
+		hostd_close(c);
+		if (n->in_len)
+			shunt_btl.reparse = n; /* its SWITCH may be waiting (conn_parse) */
+		return 1;
+	}
+	}
+	return -1;
+}
+
+static void conn_parse(struct conn *c)
+{
+	size_t pos = 0;
+	while (c->in_len - pos >= sizeof(struct shunt_rec) && !c->dead) {
+		struct shunt_rec h;
+		memcpy(&h, c->in + pos, sizeof h);
+		if (h.len > max_record()) {
+			if (c->ep)
+				peer_failed(c->ep, "a record on its lease is too long");
+			c->dead = 1;
+			break;
+		}
+		if (c->in_len - pos < sizeof h + h.len)
+			break;
+		int r = handle(c, (struct shunt_rec *)(c->in + pos), c->in + pos + sizeof h);
+		if (r == 0)
+			break;
+		if (r < 0) {
+			if (c->ep && !c->dead)
+				peer_failed(c->ep, "its lease carried a record out of order");
+			c->dead = 1;
+			break;
+		}
+		pos += sizeof h + h.len;
+	}
+	if (pos) {
+		memmove(c->in, c->in + pos, c->in_len - pos);
+		c->in_len -= pos;
+	}
+	struct conn *n = shunt_btl.reparse;
+	if (n && n != c) {
+		shunt_btl.reparse = NULL;
+		conn_parse(n);
+	}
+}
+
+/* conn_read reads what the socket has and handles it. */
+static void conn_read(struct conn *c)
+{
+	for (;;) {
+		if (!c->in) {
+			c->in_cap = 2 * max_record();
+			if (!(c->in = malloc(c->in_cap))) {
+				peer_failed(c->ep, "out of memory for a lease buffer");
+				c->dead = 1;
+				return;
+			}
+		}
+		if (c->in_len == c->in_cap) { /* a full buffer that waits for its turn */
+			conn_parse(c);
+			if (c->in_len == c->in_cap)
+				return;
+		}
+		ssize_t n = read(c->fd, c->in + c->in_len, c->in_cap - c->in_len);
+		if (n > 0) {
+			c->in_len += n;
+			conn_parse(c);
+			if (c->dead)
+				return;
+			continue;
+		}
+		if (n < 0 && errno == EINTR)
+			continue;
+		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
+			return;
+		c->eof = 1;
+		if (!c->closing && !c->bye && !shunt_btl.finalizing && c->ep)
+			peer_failed(c->ep, "its lease closed without goodbye: did the process die?");
+		c->dead = 1;
+		return;
+	}
+}
+
+void conn_event(struct conn *c, uint32_t events)
+{
+	if (events & (EPOLLIN | EPOLLERR | EPOLLHUP))
+		conn_read(c);
+	if (!c->dead && (events & EPOLLOUT) && lease_flush(c) < 0) {
+		if (c->ep && !c->closing && !shunt_btl.finalizing)
+			peer_failed(c->ep, "its lease failed on write");
+		c->dead = 1;
+	}
+}
