@@ -127,7 +127,9 @@ func (c *Client) unmapLocked(mp *mapping) {
 	if c.regions[mp.id] == mp {
 		delete(c.regions, mp.id)
 	}
-	mp.r.Close()
+	// Retired, not unmapped: a Conn call racing with its Close may still
+	// touch its ring views, and must not fault.
+	mp.r.Retire()
 	mp.r = nil
 }
 

@@ -15,6 +15,7 @@ var ErrUnsupported = errors.New("shunt: shared memory and futexes need Linux")
 func Memfd(name string, size int64) (*os.File, error)             { return nil, ErrUnsupported }
 func Map(f *os.File, size int) ([]byte, error)                    { return nil, ErrUnsupported }
 func Unmap(mem []byte) error                                      { return ErrUnsupported }
+func Retire(mem []byte) error                                     { return ErrUnsupported }
 func Yield()                                                      {}
 func FutexWait(w *atomic.Uint32, v uint32, t time.Duration) error { return ErrUnsupported }
 func FutexWake(w *atomic.Uint32, n int) (int, error)              { return 0, ErrUnsupported }

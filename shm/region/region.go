@@ -113,6 +113,16 @@ func (r *Region) Close() error {
 	return r.unmap()
 }
 
+// Retire ends the region like Close, but leaves private anonymous memory
+// at its addresses instead of unmapping them (sys.Retire): for a guest
+// whose ring views may still be touched by a call racing with Close.
+func (r *Region) Retire() error {
+	if r.unmap == nil || !r.closed.CompareAndSwap(false, true) {
+		return nil
+	}
+	return sys.Retire(r.mem)
+}
+
 // Layout returns the validated layout.
 func (r *Region) Layout() Layout { return r.layout }
 
