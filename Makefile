@@ -151,6 +151,7 @@ bench-mpi: ## Open MPI latency, bandwidth and a stencil kernel: vader, the TCP B
 	@rm -f $(BIN)/bench-mpi.txt
 	cd integration && for i in $$(seq $(MPICOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkMPI(BTL|App)$$' -test.benchtime 1x >> ../$(BIN)/bench-mpi.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-mpi.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-mpi' $(BIN)/bench-mpi.txt
 
 bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodified programs, virtio-net TCP vs Shunt (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/

@@ -81,6 +81,9 @@ var Transports = map[string]Transport{
 	"shunt":           {"Shunt", vermillion},
 	"tcp-shunt":       {"Shunt (TCP BTL under shunt-run)", vermillion},
 	"vader":           {"Open MPI vader (shared memory)", green},
+	"vader-nocma":     {"Open MPI vader, no CMA", yellow},
+	"tcp-shunt-run":   {"TCP BTL under shunt-run", orange},
+	"shunt-1MiB":      {"btl/shunt, 1 MiB rings", purple},
 	"spin":            {"spin", vermillion},
 	"adaptive":        {"adaptive", purple},
 	"block":           {"block", orange},
@@ -120,6 +123,14 @@ var Specs = []Spec{
 	{File: "preload-iperf3", Title: "iperf3, one stream, unmodified",
 		YLabel: "throughput (Gbit/s)"},
 
+	// make bench-mpi (integration/mpi_bench_test.go)
+	{File: "mpi-latency", Title: "Open MPI across guests: btl/shunt vs vader and the TCP BTL, latency",
+		XLabel: "message size", YLabel: "one-way latency (us)", Sizes: true, LogY: true},
+	{File: "mpi-bandwidth", Title: "Open MPI across guests: btl/shunt vs vader and the TCP BTL, bandwidth",
+		XLabel: "message size", YLabel: "bandwidth (MB/s)", Sizes: true, LogY: true},
+	{File: "mpi-stencil", Title: "2D stencil halo exchange: communication time per iteration",
+		XLabel: "ranks", YLabel: "communication (us per iteration)"},
+
 	// make bench-vm (integration/vm_test.go)
 	{File: "vm-latency", Title: "Between two QEMU (TCG) VMs: one-way latency",
 		XLabel: "program", YLabel: "one-way latency (us)", LogY: true},
@@ -158,6 +169,13 @@ var Rules = []Rule{
 	rule(`^BenchmarkPreloadSockperf/(?P<series>[^/]+)$`, `^us/oneway-p50$`, "preload-sockperf-latency", "", "14B", 0),
 	rule(`^BenchmarkPreloadSockperf/(?P<series>[^/]+)$`, `^MBps@(?P<x>.+)$`, "preload-sockperf-bandwidth", "", "", 0),
 	rule(`^BenchmarkPreloadIperf3/(?P<series>[^/]+)$`, `^Gbit/s$`, "preload-iperf3", "", "one TCP stream, 3 s", 0),
+
+	// mpi: in BenchmarkMPIBTL "shunt" has 4 MiB rings (a policy rule), as
+	// docs/mpi.md recommends for MPI ports.
+	rule(`^BenchmarkMPIBTL/(?P<series>[^/]+)$`, `^us@(?P<x>.+)$`, "mpi-latency", "", "", 0),
+	rule(`^BenchmarkMPIBTL/(?P<series>[^/]+)$`, `^MB/s@(?P<x>.+)$`, "mpi-bandwidth", "", "", 0),
+	rule(`^BenchmarkMPIApp/(?P<series>[^/]+)/ranks=(?P<x>[0-9]+)$`, `^comm-us/iter$`, "mpi-stencil", "", "", 0),
+	rule(`^BenchmarkMPIApp/`, `^total-ms$`, "", "", "", 0), // compute included: the communication time is the figure
 
 	// vm: the Go agent's ping-pong is 8 B, sockperf's 14 B; the Go and
 	// iperf3 streams move 64 MiB.
