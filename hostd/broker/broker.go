@@ -40,7 +40,15 @@ type Options struct {
 	MarkMask uint32
 	// Limits bound what one guest may hold (zero fields: DefaultLimits).
 	Limits Limits
+	// PairRegionLinger is how long a pair region (and the guests'
+	// mappings of it) outlives its last flow, so that a pair that opens
+	// short connections one after the other does not make, hand over and
+	// map a region for each; 0 = DefaultPairRegionLinger, < 0 = none.
+	PairRegionLinger time.Duration
 }
+
+// DefaultPairRegionLinger is Options.PairRegionLinger's default.
+const DefaultPairRegionLinger = 10 * time.Second
 
 // Broker is the flow broker. It is safe for concurrent use; Close stops its
 // timers and goroutines and waits for them.

@@ -251,6 +251,7 @@ func (b *Broker) Detach(s Session) {
 			b.goneLocked(f, region.SideB)
 		}
 	}
+	delete(b.rgLocked().held, s) // regions it kept while they linger
 }
 
 // Listen records that s accepts connections on addr (the unspecified

@@ -3,6 +3,7 @@ package broker
 import (
 	"fmt"
 	"os"
+	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
@@ -20,7 +21,8 @@ type Region struct {
 	File  *os.File // a pair region's file, to hand to its guests; nil for a group region
 	A, B  *Guest   // a pair region's guests, A with the lower id; nil for a group region
 
-	flows int // live flows in it; guarded by the broker's mutex
+	flows  int         // live flows in it; guarded by the broker's mutex
+	linger *time.Timer // drops it once it has had no flow for a while; guarded by the broker's mutex
 }
 
 // Name is how logs and listings name the region.
@@ -197,14 +199,16 @@ func (b *Broker) holdLocked(s Session, r *Region, give bool) {
 		h = map[*Region]int{}
 		rg.held[s] = h
 	}
-	if h[r] == 0 && give {
+	if _, has := h[r]; !has && give {
 		s.(FileSender).SendFile(proto.Msg{Type: proto.RegionMsg, RegionID: r.ID, RegionSize: uint64(r.Pool.Region().Layout().Size)}, r.File)
 	}
 	h[r]++
 }
 
-// unholdLocked counts one flow side less of session s in region r; when
-// none is left, a session still attached gets UNREGION.
+// unholdLocked counts one flow side less of session s in region r. The
+// session keeps the region while it lingers (dropRegionLocked sends the
+// UNREGION); without lingering, a session still attached gets UNREGION
+// when none of its flows is left in it.
 func (b *Broker) unholdLocked(s Session, r *Region) {
 	if r.ID == 0 || s == nil {
 		return
@@ -214,7 +218,7 @@ func (b *Broker) unholdLocked(s Session, r *Region) {
 	if h[r] == 0 {
 		return
 	}
-	if h[r]--; h[r] > 0 {
+	if h[r]--; h[r] > 0 || b.linger() > 0 {
 		return
 	}
 	delete(h, r)
@@ -229,6 +233,10 @@ func (b *Broker) unholdLocked(s Session, r *Region) {
 // flowAddedLocked counts a new (or adopted) flow against its region and
 // its opener's quota.
 func (b *Broker) flowAddedLocked(f *Flow) {
+	if t := f.Region.linger; t != nil {
+		t.Stop()
+		f.Region.linger = nil
+	}
 	f.Region.flows++
 	u := b.useLocked(f.GuestA)
 	u.flows++
@@ -246,7 +254,29 @@ func (b *Broker) flowFreedLocked(f *Flow) {
 	if r.flows--; r.flows > 0 || r.ID == 0 {
 		return
 	}
-	b.dropRegionLocked(r)
+	d := b.linger()
+	if d <= 0 {
+		b.dropRegionLocked(r)
+		return
+	}
+	var t *time.Timer
+	t = time.AfterFunc(d, func() {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if r.linger == t && r.flows == 0 && !b.closed {
+			r.linger = nil
+			b.dropRegionLocked(r)
+		}
+	})
+	r.linger = t
+}
+
+// linger is how long a pair region outlives its last flow (<= 0: not at all).
+func (b *Broker) linger() time.Duration {
+	if d := b.opts.PairRegionLinger; d != 0 {
+		return d
+	}
+	return DefaultPairRegionLinger
 }
 
 func (b *Broker) dropRegionLocked(r *Region) {
@@ -257,7 +287,7 @@ func (b *Broker) dropRegionLocked(r *Region) {
 	}
 	delete(rg.byID, r.ID)
 	for s, h := range rg.held {
-		if h[r] > 0 {
+		if _, has := h[r]; has {
 			delete(h, r)
 			if b.sessions[s] != nil {
 				s.Send(proto.Msg{Type: proto.Unregion, RegionID: r.ID})

@@ -1,9 +1,11 @@
 package broker_test
 
 import (
+	"fmt"
 	"os"
 	"sync"
 	"testing"
+	"time"
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
@@ -56,8 +58,14 @@ func (s *fileSession) SendFile(m proto.Msg, f *os.File) {
 	s.Send(m)
 }
 
-func pairWorld(t *testing.T, spec policy.Spec) (*world, *fakePairs, *fileSession, *fileSession) {
-	w := newWorld(t, spec)
+// pairWorld is a world of two process guests whose pair regions go with
+// their last flow (no lingering), unless opts say otherwise.
+func pairWorld(t *testing.T, spec policy.Spec, opts ...broker.Options) (*world, *fakePairs, *fileSession, *fileSession) {
+	o := broker.Options{PairRegionLinger: -1}
+	if len(opts) > 0 {
+		o = opts[0]
+	}
+	w := newWorldOpts(t, spec, o)
 	w.g1.SharedRegion, w.g2.SharedRegion = false, false
 	p := &fakePairs{t: t}
 	w.b.UsePairRegions(p)
@@ -66,6 +74,57 @@ func pairWorld(t *testing.T, spec policy.Spec) (*world, *fakePairs, *fileSession
 	w.b.Attach(sb)
 	w.b.Listen(sb, ap("10.0.0.2:80"), true)
 	return w, p, sa, sb
+}
+
+// TestPairRegionLingers: a pair region outlives its last flow for a
+// while, so the next connection of the pair reuses it (no new REGION, no
+// new mapping: short connections one after another stay cheap); once it
+// has had no flow for the linger time, both get UNREGION and it is dropped.
+func TestPairRegionLingers(t *testing.T) {
+	w, p, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: 200 * time.Millisecond})
+	var id uint32
+	flow := func(port string, req uint32, first bool) []proto.Msg {
+		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
+		w.b.Intent(sa, ta)
+		w.b.Open(sa, open(proto.Active, ta, req))
+		w.b.Open(sb, open(proto.Passive, tb, req+1))
+		var readies []proto.Msg
+		for _, s := range []*fileSession{sa, sb} {
+			m := s.next(t)
+			if first {
+				if m.Type != proto.RegionMsg {
+					t.Fatalf("first flow: %+v, want REGION", m)
+				}
+				<-s.files
+				id = m.RegionID
+				m = s.next(t)
+			}
+			if m.Type != proto.Ready || m.RegionID != id {
+				t.Fatalf("%+v, want READY in region %d (and no REGION after the first)", m, id)
+			}
+			readies = append(readies, m)
+		}
+		return readies
+	}
+	closeBoth := func(r []proto.Msg) {
+		w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, RegionID: id, Slot: r[0].Slot, Gen: r[0].Gen, Side: proto.SideA})
+		w.b.CloseFlow(sb, proto.Msg{Type: proto.Close, RegionID: id, Slot: r[1].Slot, Gen: r[1].Gen, Side: proto.SideB})
+	}
+	closeBoth(flow("4000", 1, true))
+	for i := range 3 {
+		closeBoth(flow(fmt.Sprint(4001+i), uint32(10+2*i), false))
+	}
+	if made, dropped := p.counts(); made != 1 || dropped != 0 {
+		t.Fatalf("made %d, dropped %d regions while the pair kept connecting; want 1 and 0", made, dropped)
+	}
+	for _, s := range []*fileSession{sa, sb} {
+		if m := s.next(t); m.Type != proto.Unregion || m.RegionID != id {
+			t.Fatalf("after the linger: %+v, want UNREGION %d", m, id)
+		}
+	}
+	if made, dropped := p.counts(); made != 1 || dropped != 1 {
+		t.Fatalf("made %d, dropped %d regions; want 1 and 1", made, dropped)
+	}
 }
 
 // TestPairRegionHandedOver: two process guests get a region of their own,
