@@ -276,15 +276,25 @@ func (h *Hostd) Pair(t testing.TB, active, passive proto.Msg) Flow {
 
 func pairIn(t testing.TB, pool *region.Pool, id uint32, active, passive proto.Msg) Flow {
 	t.Helper()
-	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
+	f, err := alloc(pool, id, active, passive)
 	if err != nil {
 		t.Fatalf("guesttest: allocate: %v", err)
+	}
+	return f
+}
+
+// alloc allocates a 64 KiB ring pair in pool for one connection's active
+// and passive OPEN and returns the READY each side gets.
+func alloc(pool *region.Pool, id uint32, active, passive proto.Msg) (Flow, error) {
+	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
+	if err != nil {
+		return Flow{}, err
 	}
 	r := proto.Msg{Type: proto.Ready, RegionID: id, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
 	a, b := r, r
 	a.ReqID, a.Side = active.ReqID, proto.SideA
 	b.ReqID, b.Side = passive.ReqID, proto.SideB
-	return Flow{a, b}
+	return Flow{a, b}, nil
 }
 
 // SameConn reports whether an active and a passive OPEN describe one
@@ -357,17 +367,14 @@ func (a *auto) openLocked(s *Session, m proto.Msg) {
 			continue
 		}
 		a.wait = append(a.wait[:i], a.wait[i+1:]...)
-		slot, e, err := a.h.Pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: act.m.Local, Dst: act.m.Remote, Capacity: 64 << 10})
+		f, err := alloc(a.h.Pool, 0, act.m, pas.m)
 		if err != nil {
 			act.s.write(proto.Msg{Type: proto.TCP, ReqID: act.m.ReqID, Reason: proto.ReasonNoSpace})
 			pas.s.write(proto.Msg{Type: proto.TCP, ReqID: pas.m.ReqID, Reason: proto.ReasonNoSpace})
 			return
 		}
-		r := proto.Msg{Type: proto.Ready, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity), RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
-		r.ReqID, r.Side = act.m.ReqID, proto.SideA
-		act.s.write(r)
-		r.ReqID, r.Side = pas.m.ReqID, proto.SideB
-		pas.s.write(r)
+		act.s.write(f.A)
+		pas.s.write(f.B)
 		return
 	}
 	a.wait = append(a.wait, opener{s, m})
