@@ -185,6 +185,21 @@ static struct timespec deadline(int ms)
 
 struct thread_arg { struct shunt_session *s; int fd; };
 
+int shunt_thread_detached(void *(*fn)(void *), void *arg)
+{
+	pthread_t th;
+	pthread_attr_t at;
+	pthread_attr_init(&at);
+	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old);
+	int err = pthread_create(&th, &at, fn, arg);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&at);
+	return err;
+}
+
 /* spawn starts a detached thread for the channel fd, with all signals
  * blocked (the program's handlers never run on it). */
 static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
@@ -193,19 +208,11 @@ static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
 	if (!a)
 		return -1;
 	*a = (struct thread_arg){s, fd};
-	pthread_t th;
-	pthread_attr_t at;
-	pthread_attr_init(&at);
-	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	int err = pthread_create(&th, &at, fn, a);
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&at);
-	if (err)
+	if (shunt_thread_detached(fn, a)) {
 		free(a);
-	return err ? -1 : 0;
+		return -1;
+	}
+	return 0;
 }
 
 /* keepalive PINGs hostd every SHUNT_KEEPALIVE_NS on a port, as the Go

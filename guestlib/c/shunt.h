@@ -385,6 +385,9 @@ void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct 
 /* Waits until hostd has processed everything sent so far (PING/PONG), up
  * to SHUNT_SYNC_TIMEOUT_MS: a LISTEN is in effect before it returns. */
 void shunt_session_sync(struct shunt_session *s);
+/* Starts fn(arg) on a detached thread with all signals blocked (the
+ * program's handlers never run on it): 0, or pthread_create's error. */
+int shunt_thread_detached(void *(*fn)(void *), void *arg);
 
 /* ---- flows ---- */
 

@@ -17,15 +17,11 @@ import (
 // both up. Tests use it to send a guest's packets in by an interface that
 // is not the guest's own (a second NIC, or another guest's path).
 func (r *Rig) AddLink(g *Guest, hostIf, ifname string, hostAddr, guestAddr netip.Addr) error {
-	host, err := netnsAt(r.HostNSPath())
+	host, gns, err := r.namespaces(g)
 	if err != nil {
 		return err
 	}
 	defer host.Close()
-	gns, err := netnsAt(g.NSPath())
-	if err != nil {
-		return err
-	}
 	defer gns.Close()
 	hh, err := netlink.NewHandleAt(host)
 	if err != nil {
@@ -127,19 +123,28 @@ func netnsAt(path string) (netns.NsHandle, error) {
 	return h, nil
 }
 
+// namespaces opens the host's namespace and guest g's: the caller closes
+// both.
+func (r *Rig) namespaces(g *Guest) (host, gns netns.NsHandle, err error) {
+	if host, err = netnsAt(r.HostNSPath()); err != nil {
+		return 0, 0, err
+	}
+	if gns, err = netnsAt(g.NSPath()); err != nil {
+		host.Close()
+		return 0, 0, err
+	}
+	return host, gns, nil
+}
+
 // Relink replaces guest g's veth pair with a new one of the same names,
 // addresses and routes, as a container restarted with a new veth has: the
 // host-side interface keeps its name and gets a new index.
 func (r *Rig) Relink(g *Guest) error {
-	host, err := netnsAt(r.HostNSPath())
+	host, gns, err := r.namespaces(g)
 	if err != nil {
 		return err
 	}
 	defer host.Close()
-	gns, err := netnsAt(g.NSPath())
-	if err != nil {
-		return err
-	}
 	defer gns.Close()
 	hh, err := netlink.NewHandleAt(host)
 	if err != nil {

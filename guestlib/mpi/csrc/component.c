@@ -51,18 +51,20 @@ void say(int level, const char *fmt, ...)
 
 /* ---- parameters ---- */
 
+static int reg(const char *name, const char *help, mca_base_var_type_t type, void *v, int level)
+{
+	return mca_base_component_var_register(&mca_btl_shunt_component.super.btl_version, name, help, type, NULL, 0,
+					       MCA_BASE_VAR_FLAG_SETTABLE, level, MCA_BASE_VAR_SCOPE_LOCAL, v);
+}
+
 static int reg_int(const char *name, const char *help, int *v, int level)
 {
-	return mca_base_component_var_register(&mca_btl_shunt_component.super.btl_version, name, help,
-					       MCA_BASE_VAR_TYPE_INT, NULL, 0, MCA_BASE_VAR_FLAG_SETTABLE, level,
-					       MCA_BASE_VAR_SCOPE_LOCAL, v);
+	return reg(name, help, MCA_BASE_VAR_TYPE_INT, v, level);
 }
 
 static int reg_string(const char *name, const char *help, char **v, int level)
 {
-	return mca_base_component_var_register(&mca_btl_shunt_component.super.btl_version, name, help,
-					       MCA_BASE_VAR_TYPE_STRING, NULL, 0, MCA_BASE_VAR_FLAG_SETTABLE, level,
-					       MCA_BASE_VAR_SCOPE_LOCAL, v);
+	return reg(name, help, MCA_BASE_VAR_TYPE_STRING, v, level);
 }
 
 static int shunt_register(void)

@@ -22,7 +22,6 @@
 #include <dlfcn.h>
 #include <errno.h>
 #include <pthread.h>
-#include <signal.h>
 #include <stdlib.h>
 #include <string.h>
 
@@ -233,17 +232,7 @@ void hostd_open(struct conn *c, uint8_t role)
 	}
 	v->req = (struct shunt_msg){.type = SHUNT_OPEN, .role = role, .local = c->local, .remote = c->remote};
 	v->refs = 2;
-	pthread_t th;
-	pthread_attr_t at;
-	pthread_attr_init(&at);
-	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old);
-	int err = pthread_create(&th, &at, verdict_main, v);
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&at);
-	if (err) {
+	if (shunt_thread_detached(verdict_main, v)) {
 		free(v);
 		c->fstate = F_TCP;
 		c->reason = SHUNT_REASON_INTERNAL;

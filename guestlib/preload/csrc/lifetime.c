@@ -423,6 +423,17 @@ static char **argv_from(const char *first, va_list ap, char ***envp)
 	return argv;
 }
 
+/* exec_list runs the argv built by argv_from (NULL: out of memory) with
+ * execvp when search is set, else execve with envp, and frees it. */
+static int exec_list(const char *path, char **argv, char **envp, int search)
+{
+	if (!argv)
+		return errno = ENOMEM, -1;
+	int r = search ? execvp(path, argv) : execve(path, argv, envp);
+	free(argv);
+	return r;
+}
+
 INTERPOSE int execl(const char *path, const char *arg, ...)
 {
 	REAL_READY();
@@ -431,11 +442,7 @@ INTERPOSE int execl(const char *path, const char *arg, ...)
 	va_start(ap, arg);
 	char **argv = argv_from(arg, ap, NULL);
 	va_end(ap);
-	if (!argv)
-		return errno = ENOMEM, -1;
-	int r = execve(path, argv, environ);
-	free(argv);
-	return r;
+	return exec_list(path, argv, environ, 0);
 }
 
 INTERPOSE int execle(const char *path, const char *arg, ...)
@@ -446,11 +453,7 @@ INTERPOSE int execle(const char *path, const char *arg, ...)
 	va_start(ap, arg);
 	char **argv = argv_from(arg, ap, &envp);
 	va_end(ap);
-	if (!argv)
-		return errno = ENOMEM, -1;
-	int r = execve(path, argv, envp);
-	free(argv);
-	return r;
+	return exec_list(path, argv, envp, 0);
 }
 
 INTERPOSE int execlp(const char *file, const char *arg, ...)
@@ -460,11 +463,7 @@ INTERPOSE int execlp(const char *file, const char *arg, ...)
 	va_start(ap, arg);
 	char **argv = argv_from(arg, ap, NULL);
 	va_end(ap);
-	if (!argv)
-		return errno = ENOMEM, -1;
-	int r = execvp(file, argv);
-	free(argv);
-	return r;
+	return exec_list(file, argv, NULL, 1);
 }
 
 INTERPOSE int execvpe(const char *file, char *const argv[], char *const envp[])
