@@ -59,6 +59,13 @@ func await[T any](t *testing.T, ch <-chan T, what string) T {
 // HELLO, LISTEN and PING as hostd would.
 func listen(t *testing.T, c *Client, h *guesttest.Hostd) (*Listener, *guesttest.Session) {
 	t.Helper()
+	return listenAfter(t, c, func() *guesttest.Session { return h.Greet(t) })
+}
+
+// listenAfter starts a guestlib listener on loopback; greet answers the
+// session's HELLO, and LISTEN and PING are answered as hostd would.
+func listenAfter(t *testing.T, c *Client, greet func() *guesttest.Session) (*Listener, *guesttest.Session) {
+	t.Helper()
 	type res struct {
 		l   *Listener
 		err error
@@ -67,7 +74,7 @@ func listen(t *testing.T, c *Client, h *guesttest.Hostd) (*Listener, *guesttest.
 		l, err := (&ListenConfig{Client: c}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
 		return res{l, err}
 	})
-	s := h.Greet(t)
+	s := greet()
 	s.Expect(t, proto.Listen)
 	ping := s.Expect(t, proto.Ping)
 	s.Send(t, proto.Msg{Type: proto.Pong, Nonce: ping.Nonce})
@@ -103,6 +110,15 @@ func accepted(t *testing.T, l *Listener, s *guesttest.Session) (*Conn, net.Conn,
 // fakeActive is the OPEN a peer guest would send for the same connection.
 func fakeActive(passive proto.Msg) proto.Msg {
 	return proto.Msg{Type: proto.Open, Role: proto.Active, Local: passive.Remote, Remote: passive.Local, ReqID: 99}
+}
+
+// verdict pairs the accepted open with a peer's and sends the passive
+// side's READY (the verdict for it).
+func verdict(t *testing.T, h *guesttest.Hostd, s *guesttest.Session, open proto.Msg) guesttest.Flow {
+	t.Helper()
+	f := h.Pair(t, fakeActive(open), open)
+	s.Send(t, f.B)
+	return f
 }
 
 // waitFor polls cond (internal state has no event to wait on) for at most
@@ -152,8 +168,7 @@ func TestReadyAfterCloseIsGivenBack(t *testing.T) {
 	l, s := listen(t, c, h)
 	conn, _, open := accepted(t, l, s)
 	conn.Close()
-	f := h.Pair(t, fakeActive(open), open)
-	s.Send(t, f.B)
+	f := verdict(t, h, s, open)
 	cl := s.Expect(t, proto.Close)
 	if cl.Slot != f.B.Slot || cl.Gen != f.B.Gen || cl.Side != proto.SideB {
 		t.Fatalf("CLOSE = %+v, want slot %d gen %d side B", cl, f.B.Slot, f.B.Gen)
@@ -218,8 +233,7 @@ func TestReadDeadlineBeforeVerdict(t *testing.T) {
 	if err := conn.SetReadDeadline(time.Now().Add(100 * time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	f := h.Pair(t, fakeActive(open), open)
-	s.Send(t, f.B)
+	verdict(t, h, s, open)
 	if p := conn.Path(); !p.Fast {
 		t.Fatalf("path = %s, want shunt", p)
 	}
@@ -238,7 +252,7 @@ func TestWriteDeadlineBeforeVerdict(t *testing.T) {
 	if err := conn.SetWriteDeadline(time.Now().Add(100 * time.Millisecond)); err != nil {
 		t.Fatal(err)
 	}
-	s.Send(t, h.Pair(t, fakeActive(open), open).B)
+	verdict(t, h, s, open)
 	write := async(func() error { _, err := conn.Write(make([]byte, 1<<20)); return err })
 	if err := await(t, write, "Write past its deadline"); !errors.Is(err, os.ErrDeadlineExceeded) {
 		t.Fatalf("Write = %v, want a deadline error", err)
@@ -268,7 +282,7 @@ func TestPassiveVerdictTimeout(t *testing.T) {
 	if p := await(t, async(conn.Path), "Path"); p.String() != "tcp(timeout)" {
 		t.Fatalf("path = %s, want tcp(timeout)", p)
 	}
-	s.Send(t, h.Pair(t, fakeActive(open), open).B)
+	verdict(t, h, s, open)
 	s.Expect(t, proto.Close)
 }
 
@@ -279,8 +293,7 @@ func TestReannounceAfterReconnect(t *testing.T) {
 	c := newClient(t, h, Options{})
 	l, s := listen(t, c, h)
 	conn, _, open := accepted(t, l, s)
-	f := h.Pair(t, fakeActive(open), open)
-	s.Send(t, f.B)
+	f := verdict(t, h, s, open)
 	if !conn.Path().Fast {
 		t.Fatalf("path = %s, want shunt", conn.Path())
 	}
@@ -308,8 +321,7 @@ func TestCloseWhileDisconnectedIsDelivered(t *testing.T) {
 	c := newClient(t, h, Options{})
 	l, s := listen(t, c, h)
 	conn, _, open := accepted(t, l, s)
-	f := h.Pair(t, fakeActive(open), open)
-	s.Send(t, f.B)
+	f := verdict(t, h, s, open)
 	conn.Path()
 	s.Close()
 	waitFor(t, "the client to notice hostd went away", func() bool {

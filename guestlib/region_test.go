@@ -1,7 +1,6 @@
 package guestlib
 
 import (
-	"context"
 	"io"
 	"slices"
 	"testing"
@@ -28,26 +27,12 @@ func processClient(t *testing.T, h *guesttest.Hostd) *Client {
 // listenBare is listen, with a WELCOME that names no region.
 func listenBare(t *testing.T, c *Client, h *guesttest.Hostd) (*Listener, *guesttest.Session) {
 	t.Helper()
-	type res struct {
-		l   *Listener
-		err error
-	}
-	ch := async(func() res {
-		l, err := (&ListenConfig{Client: c}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
-		return res{l, err}
+	return listenAfter(t, c, func() *guesttest.Session {
+		s := h.Accept(t)
+		s.Expect(t, proto.Hello)
+		s.WelcomeNoRegion(t)
+		return s
 	})
-	s := h.Accept(t)
-	s.Expect(t, proto.Hello)
-	s.WelcomeNoRegion(t)
-	s.Expect(t, proto.Listen)
-	ping := s.Expect(t, proto.Ping)
-	s.Send(t, proto.Msg{Type: proto.Pong, Nonce: ping.Nonce})
-	r := await(t, ch, "Listen")
-	if r.err != nil {
-		t.Fatal(r.err)
-	}
-	t.Cleanup(func() { r.l.Close() })
-	return r.l, s
 }
 
 // TestRegionByDescriptor: a process guest maps a region that hostd hands

@@ -63,11 +63,18 @@ func newEnv(t testing.TB, n int, policy string) *env {
 	t.Helper()
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
+	return startEnv(t, "e", stack.Options{Guests: n, HostdBin: hostdBin, Policy: policy})
+}
+
+// startEnv starts a stack with o (named from prefix, in a temporary
+// directory, logging to t) for a test, as newEnv says.
+func startEnv(t testing.TB, prefix string, o stack.Options) *env {
+	t.Helper()
 	rigSeq++
-	s, err := stack.Start(stack.Options{
-		Name: fmt.Sprintf("e%d%d", os.Getpid()%1000, rigSeq), Guests: n, HostdBin: hostdBin,
-		Dir: t.TempDir(), Policy: policy, Logf: t.Logf,
-	})
+	o.Name = fmt.Sprintf("%s%d%d", prefix, os.Getpid()%1000, rigSeq)
+	o.Dir = t.TempDir()
+	o.Logf = t.Logf
+	s, err := stack.Start(o)
 	if err != nil {
 		t.Fatalf("start stack: %v", err)
 	}

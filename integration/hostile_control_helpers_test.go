@@ -36,27 +36,10 @@ func newCtlEnv(t testing.TB, n int, extra string, nofile int) *env {
 			t.Fatal(err)
 		}
 	}
-	rigSeq++
-	s, err := stack.Start(stack.Options{
-		Name: fmt.Sprintf("c%d%d", os.Getpid()%1000, rigSeq), Guests: n, HostdBin: bin,
-		Dir: t.TempDir(), Extra: extra, Logf: t.Logf,
-	})
-	if err != nil {
-		t.Fatalf("start stack: %v", err)
-	}
-	e := &env{Stack: s, rig: s.Rig, lns: map[[2]int]*guestlib.Listener{}}
-	if tt, ok := t.(*testing.T); ok {
-		e.t = tt
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("hostd log:\n%s", s.Log())
-		}
+	e := startEnv(t, "c", stack.Options{Guests: n, HostdBin: bin, Extra: extra})
+	t.Cleanup(func() { // runs before startEnv's: listeners first, then the stack
 		for _, l := range e.lns {
 			l.Close()
-		}
-		if err := s.Close(); err != nil {
-			t.Errorf("close stack: %v", err)
 		}
 	})
 	return e

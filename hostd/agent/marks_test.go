@@ -79,7 +79,7 @@ trust_group "t" {
 		}
 		return strings.Join(out, " ")
 	}
-	ln := listenIn(t, g2)
+	ln := g2.Listen(t)
 	f := a.marks.Field()
 
 	vm1 := dom("vm1", 101, g1.HostIf)
@@ -133,42 +133,11 @@ trust_group "t" {
 	}
 }
 
-// listenIn accepts connections in guest g (and drops them).
-func listenIn(t *testing.T, g *nsrig.Guest) netip.AddrPort {
-	t.Helper()
-	var l net.Listener
-	err := nsrig.In(g.NSPath(), func() (err error) {
-		l, err = net.Listen("tcp4", g.Addr.String()+":0")
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
-	return l.Addr().(*net.TCPAddr).AddrPort()
-}
-
 // markOf connects from guest g to to and returns the connection's
 // conntrack mark.
 func markOf(t *testing.T, ct *ctrack.Netlink, g *nsrig.Guest, to netip.AddrPort) uint32 {
 	t.Helper()
-	var c net.Conn
-	err := nsrig.In(g.NSPath(), func() (err error) {
-		c, err = net.DialTimeout("tcp4", to.String(), 5*time.Second)
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := g.Dial(t, to)
 	defer c.Close()
 	e, err := ct.Lookup(ctrack.Tuple{Src: c.LocalAddr().(*net.TCPAddr).AddrPort(), Dst: to})
 	if err != nil {

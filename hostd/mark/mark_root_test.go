@@ -72,7 +72,7 @@ func TestMarksConnections(t *testing.T) {
 	if out, _ := nsrig.Run(r.HostNSPath(), "nft", "list", "tables"); strings.Contains(out, mark.Table+"_check") {
 		t.Fatalf("the probe left its table: %s", out)
 	}
-	ln := listen(t, g2)
+	ln := g2.Listen(t)
 	if got := connMark(t, ct, g1, ln); got != 0x10005 {
 		t.Fatalf("mark of g1's connection %#x, want 0x10005 (a's id 1 and the operator's 0x5)", got)
 	}
@@ -172,42 +172,11 @@ func checkRules(t *testing.T, r *nsrig.Rig, guests []string) {
 	}
 }
 
-// listen accepts connections in guest g (and drops them).
-func listen(t *testing.T, g *nsrig.Guest) netip.AddrPort {
-	t.Helper()
-	var l net.Listener
-	err := nsrig.In(g.NSPath(), func() (err error) {
-		l, err = net.Listen("tcp4", g.Addr.String()+":0")
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	go func() {
-		for {
-			c, err := l.Accept()
-			if err != nil {
-				return
-			}
-			c.Close()
-		}
-	}()
-	return l.Addr().(*net.TCPAddr).AddrPort()
-}
-
 // connMark connects from guest g to to and returns the conntrack mark of
 // the connection.
 func connMark(t *testing.T, ct *ctrack.Netlink, g *nsrig.Guest, to netip.AddrPort) uint32 {
 	t.Helper()
-	var c net.Conn
-	err := nsrig.In(g.NSPath(), func() (err error) {
-		c, err = net.DialTimeout("tcp4", to.String(), 5*time.Second)
-		return err
-	})
-	if err != nil {
-		t.Fatal(err)
-	}
+	c := g.Dial(t, to)
 	defer c.Close()
 	tu := ctrack.Tuple{Src: c.LocalAddr().(*net.TCPAddr).AddrPort(), Dst: to}
 	e, err := ct.Lookup(tu)
