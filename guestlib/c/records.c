@@ -159,7 +159,6 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 		off = 0;
 	}
 	w->resv = 1;
-	w->resv_at = r->own;
 	return (struct shunt_rec *)(r->data + off);
 }
 

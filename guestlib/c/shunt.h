@@ -198,7 +198,6 @@ struct shunt_rec_ring {
 	uint64_t epoch; /* the writer's random base for stamps */
 	uint64_t next;  /* number of the next record */
 	int resv;       /* writer: a reservation is open */
-	uint64_t resv_at;
 };
 
 /* Writer: room for a record of len bytes after its header (pad and
