@@ -34,7 +34,23 @@ struct verdict {
 	struct shunt_msg req, reply;
 	int done;  /* atomic: reply is set */
 	int refs;  /* atomic: the thread and the connection */
+	int taken; /* the connection applied the reply (progress loop only) */
 };
+
+/* verdict_put drops one reference to v. The last one gives back a READY
+ * that no connection took (its connection closed or gave up first), so
+ * hostd frees that flow now instead of when the session ends. */
+static void verdict_put(struct verdict *v)
+{
+	if (__atomic_sub_fetch(&v->refs, 1, __ATOMIC_ACQ_REL) != 0)
+		return;
+	if (__atomic_load_n(&v->done, __ATOMIC_ACQUIRE) && !v->taken && v->reply.type == SHUNT_READY) {
+		struct shunt_flow id = {.region_id = v->reply.region_id, .slot = v->reply.slot, .gen = v->reply.gen,
+					.side = v->reply.side, .session = session};
+		shunt_flow_close(&id);
+	}
+	free(v);
+}
 
 /* ---- the registry ---- */
 
@@ -203,8 +219,7 @@ static void *verdict_main(void *arg)
 	struct verdict *v = arg;
 	shunt_session_request(session, &v->req, &v->reply, mca_btl_shunt_component.verdict_ms);
 	__atomic_store_n(&v->done, 1, __ATOMIC_RELEASE);
-	if (__atomic_sub_fetch(&v->refs, 1, __ATOMIC_ACQ_REL) == 0)
-		free(v);
+	verdict_put(v);
 	return NULL;
 }
 
@@ -244,8 +259,8 @@ void hostd_open(struct conn *c, uint8_t role)
 /* give_up drops the connection's claim on its verdict. */
 static void give_up(struct conn *c)
 {
-	if (c->v && __atomic_sub_fetch(&c->v->refs, 1, __ATOMIC_ACQ_REL) == 0)
-		free(c->v);
+	if (c->v)
+		verdict_put(c->v);
 	c->v = NULL;
 }
 
@@ -254,8 +269,10 @@ void hostd_take(struct conn *c)
 	if (!c->v || !__atomic_load_n(&c->v->done, __ATOMIC_ACQUIRE))
 		return;
 	struct shunt_msg m = c->v->reply;
+	int use = c->fstate == F_ASKING;
+	c->v->taken = use; /* otherwise the last reference gives a READY back */
 	give_up(c);
-	if (c->fstate != F_ASKING)
+	if (!use)
 		return;
 	if (m.type != SHUNT_READY) {
 		c->fstate = F_TCP;
