@@ -1,22 +1,25 @@
-/* Control protocol v2 frames, field for field as Go's internal/proto. */
+/* Control protocol v3 frames, field for field as Go's internal/proto. A
+ * guest library speaks only the newest version; a frame of an older one
+ * from hostd (an older hostd) is SHUNT_EVERSION, and the session stays on
+ * TCP with reason version. */
 #define _GNU_SOURCE
 #include "shunt.h"
 
 #include <string.h>
 
 enum f { F_REQ, F_ROLE, F_SIDE, F_REASON, F_LOCAL, F_REMOTE, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA,
-	 F_RID, F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_END };
+	 F_RID, F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_FORMATS, F_END };
 
 static const signed char layouts[SHUNT_NUM_TYPES][9] = {
-	[SHUNT_HELLO] = {F_PID, F_END},
-	[SHUNT_WELCOME] = {F_GUEST, F_GEN, F_RSIZE, F_REGION, F_END},
+	[SHUNT_HELLO] = {F_PID, F_FORMATS, F_END},
+	[SHUNT_WELCOME] = {F_GUEST, F_GEN, F_RSIZE, F_REGION, F_FORMATS, F_END},
 	[SHUNT_LISTEN] = {F_LOCAL, F_END},
 	[SHUNT_UNLISTEN] = {F_LOCAL, F_END},
 	[SHUNT_INTENT] = {F_LOCAL, F_REMOTE, F_END},
 	[SHUNT_OPEN] = {F_REQ, F_ROLE, F_LOCAL, F_REMOTE, F_END},
 	[SHUNT_READY] = {F_REQ, F_RID, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA, F_SIDE, F_END},
 	[SHUNT_TCP] = {F_REQ, F_REASON, F_END},
-	[SHUNT_CLOSE] = {F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
+	[SHUNT_CLOSE] = {F_REQ, F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
 	[SHUNT_RELEASE] = {F_RID, F_SLOT, F_GEN, F_END},
 	[SHUNT_REVOKE] = {F_RID, F_SLOT, F_GEN, F_REASON, F_END},
 	[SHUNT_KICK] = {F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
@@ -26,6 +29,8 @@ static const signed char layouts[SHUNT_NUM_TYPES][9] = {
 	[SHUNT_ERROR] = {F_REASON, F_TEXT, F_END},
 	[SHUNT_REGION] = {F_RID, F_RSIZE, F_END},
 	[SHUNT_UNREGION] = {F_RID, F_END},
+	[SHUNT_DOWN] = {F_REQ, F_RID, F_SLOT, F_GEN, F_REASON, F_END},
+	[SHUNT_LEFT] = {F_REQ, F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
 };
 
 struct out { uint8_t *p; size_t n, cap; int bad; };
@@ -81,6 +86,7 @@ ssize_t shunt_msg_encode(const struct shunt_msg *m, uint8_t *buf, size_t cap)
 		case F_PID: put_le(&o, m->pid, 4); break;
 		case F_NONCE: put_le(&o, m->nonce, 8); break;
 		case F_TEXT: put_str(&o, m->text); break;
+		case F_FORMATS: put_le(&o, m->formats, 4); break;
 		}
 	}
 	if (o.bad || o.n - 8 > SHUNT_PROTO_MAX)
@@ -93,7 +99,9 @@ ssize_t shunt_msg_encode(const struct shunt_msg *m, uint8_t *buf, size_t cap)
 
 ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type)
 {
-	if (h[0] != SHUNT_PROTO_VERSION || h[1] == 0 || h[1] >= SHUNT_NUM_TYPES || h[2] || h[3])
+	if (h[0] != SHUNT_PROTO_VERSION)
+		return h[0] >= 1 && h[0] < SHUNT_PROTO_VERSION ? SHUNT_EVERSION : SHUNT_ECORRUPT;
+	if (h[1] == 0 || h[1] >= SHUNT_NUM_TYPES || h[2] || h[3])
 		return SHUNT_ECORRUPT;
 	uint32_t n = h[4] | h[5] << 8 | h[6] << 16 | (uint32_t)h[7] << 24;
 	if (n > SHUNT_PROTO_MAX)
@@ -146,7 +154,9 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 	if (len < SHUNT_PROTO_HEADER)
 		return SHUNT_ECORRUPT;
 	ssize_t n = shunt_msg_header(frame, &type);
-	if (n < 0 || (size_t)n != len - SHUNT_PROTO_HEADER)
+	if (n < 0)
+		return n;
+	if ((size_t)n != len - SHUNT_PROTO_HEADER)
 		return SHUNT_ECORRUPT;
 	memset(m, 0, sizeof *m);
 	m->type = type;
@@ -179,6 +189,7 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 		case F_PID: m->pid = get_le(&in, 4); break;
 		case F_NONCE: m->nonce = get_le(&in, 8); break;
 		case F_TEXT: get_str(&in, m->text); break;
+		case F_FORMATS: m->formats = get_le(&in, 4); break;
 		}
 	}
 	return in.bad || in.n ? SHUNT_ECORRUPT : 0;
@@ -188,6 +199,6 @@ static const char *const reason_names[SHUNT_NUM_REASONS] = {
 	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
-	"no-hostd", "disabled", "guest-quota", "version", "control-limit"};
+	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown"};
 
 const char *shunt_reason_name(unsigned r) { return r < SHUNT_NUM_REASONS ? reason_names[r] : "?"; }

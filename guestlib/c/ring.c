@@ -107,7 +107,9 @@ ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n)
 {
 	if (__atomic_load_n(w32(w, SHUNT_OFF_RESET), SC))
 		return SHUNT_ERESET;
-	if (w->fin || (__atomic_load_n(w32(w, SHUNT_OFF_RFLAGS), SC) & 1))
+	if (w->left)
+		return SHUNT_ELEFT;
+	if (w->fin || (__atomic_load_n(w32(w, SHUNT_OFF_RFLAGS), SC) & (SHUNT_RF_CLOSED | SHUNT_RF_LEFT)))
 		return SHUNT_EPIPE;
 	const uint8_t *p = buf;
 	size_t done = 0;
@@ -158,13 +160,14 @@ ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
 	if (a < 0)
 		return a;
 	if (a == 0) {
-		/* FIN is loaded before the tail (the writer stores them the
-		 * other way round), so FIN with no new data really is the end. */
-		int fin = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1;
+		/* The flags are loaded before the tail (the writer stores them
+		 * the other way round), so FIN or leave with no new data really
+		 * is the end. */
+		uint32_t fl = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC);
 		if ((a = avail(r, 1)) < 0)
 			return a;
 		if (a == 0)
-			return fin ? 0 : SHUNT_EAGAIN;
+			return fl & SHUNT_WF_FIN ? 0 : fl & SHUNT_WF_LEFT ? SHUNT_ELEFT : SHUNT_EAGAIN;
 	}
 	uint8_t *p = buf;
 	size_t done = 0;
@@ -195,12 +198,12 @@ ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n)
 {
 	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
 		return SHUNT_ERESET;
-	int fin = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1;
+	uint32_t fl = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC);
 	int64_t a = avail(r, n);
 	if (a < 0)
 		return a;
 	if (a == 0)
-		return fin ? 0 : SHUNT_EAGAIN;
+		return fl & SHUNT_WF_FIN ? 0 : fl & SHUNT_WF_LEFT ? SHUNT_ELEFT : SHUNT_EAGAIN;
 	size_t k = n < (uint64_t)a ? n : (size_t)a;
 	size_t off = r->own & r->mask, first = r->cap - off;
 	if (first > k)
@@ -243,6 +246,58 @@ int shunt_ring_close_read(struct shunt_ring *r)
 	return 0;
 }
 
+/* ---- path switching (shunt.h; Go: shm/ring/switch.go) ---- */
+
+void shunt_ring_start(struct shunt_ring *w, uint64_t off)
+{
+	__atomic_store_n(w64(w, SHUNT_OFF_START), off, SC);
+	__atomic_fetch_or(w32(w, SHUNT_OFF_WFLAGS), SHUNT_WF_STARTED, SC);
+	wake(w, w32(w, SHUNT_OFF_RWAIT));
+}
+
+void shunt_ring_leave(struct shunt_ring *w)
+{
+	if (w->left)
+		return;
+	w->left = 1;
+	__atomic_fetch_or(w32(w, SHUNT_OFF_WFLAGS), SHUNT_WF_LEFT, SC);
+	wake(w, w32(w, SHUNT_OFF_RWAIT));
+}
+
+int shunt_ring_reader_attached(const struct shunt_ring *w)
+{
+	return (__atomic_load_n(w32(w, SHUNT_OFF_RFLAGS), SC) & SHUNT_RF_ATTACHED) != 0;
+}
+
+int shunt_ring_reader_left(const struct shunt_ring *w)
+{
+	return (__atomic_load_n(w32(w, SHUNT_OFF_RFLAGS), SC) & SHUNT_RF_LEFT) != 0;
+}
+
+void shunt_ring_attach_reader(struct shunt_ring *r)
+{
+	__atomic_fetch_or(w32(r, SHUNT_OFF_RFLAGS), SHUNT_RF_ATTACHED, SC);
+}
+
+int shunt_ring_started(const struct shunt_ring *r, uint64_t *off)
+{
+	if (!(__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & SHUNT_WF_STARTED))
+		return 0;
+	*off = __atomic_load_n(w64(r, SHUNT_OFF_START), SC);
+	return 1;
+}
+
+int shunt_ring_writer_left(const struct shunt_ring *r)
+{
+	return (__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & SHUNT_WF_LEFT) != 0;
+}
+
+void shunt_ring_leave_read(struct shunt_ring *r)
+{
+	__atomic_fetch_or(w32(r, SHUNT_OFF_RFLAGS), SHUNT_RF_LEFT, SC);
+	wake(r, w32(r, SHUNT_OFF_WWAIT));
+}
+
 int shunt_ring_ready(struct shunt_ring *r, int reader)
 {
 	if (__atomic_load_n(&r->stop, SC) || __atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
@@ -253,8 +308,8 @@ int shunt_ring_ready(struct shunt_ring *r, int reader)
 	uint64_t own = __atomic_load_n(&r->own, __ATOMIC_RELAXED);
 	if (reader)
 		return __atomic_load_n(w64(r, SHUNT_OFF_TAIL), SC) != own ||
-		       (__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & 1);
-	if (__atomic_load_n(w32(r, SHUNT_OFF_RFLAGS), SC) & 1)
+		       (__atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC) & (SHUNT_WF_FIN | SHUNT_WF_LEFT));
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RFLAGS), SC) & (SHUNT_RF_CLOSED | SHUNT_RF_LEFT))
 		return 1;
 	return r->cap - (own - __atomic_load_n(w64(r, SHUNT_OFF_HEAD), SC)) > 0;
 }

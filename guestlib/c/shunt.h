@@ -41,6 +41,8 @@
 #define SHUNT_EPIPE    (-32)  /* the reader closed (EPIPE) */
 #define SHUNT_EINVAL   (-22)
 #define SHUNT_EINTR    (-4)   /* a signal handler interrupted a wait (EINTR) */
+#define SHUNT_ELEFT    (-1000) /* not an errno: the ring's writer left, the stream goes on over TCP */
+#define SHUNT_EVERSION (-1001) /* not an errno: a control frame of an older protocol version (an older hostd) */
 
 /* ---- ring (shm/ring) ---- */
 
@@ -51,11 +53,20 @@
 
 enum {
 	SHUNT_OFF_MAGIC = 0, SHUNT_OFF_CAPACITY = 8,
-	SHUNT_OFF_TAIL = 128, SHUNT_OFF_WMSGS = 136, SHUNT_OFF_WFLAGS = 144,
+	SHUNT_OFF_TAIL = 128, SHUNT_OFF_WMSGS = 136, SHUNT_OFF_WFLAGS = 144, SHUNT_OFF_START = 152,
 	SHUNT_OFF_HEAD = 256, SHUNT_OFF_RMSGS = 264,
 	SHUNT_OFF_RWAIT = 384, SHUNT_OFF_WWAIT = 448,
 	SHUNT_OFF_RESET = 512, SHUNT_OFF_REASON = 516, SHUNT_OFF_RFLAGS = 520,
 };
+
+/* Ring flags (shm/ring): the writer's (OFF_WFLAGS) and the reader's
+ * (OFF_RFLAGS). STARTED, LEFT, READER_ATTACHED and READER_LEFT are ring
+ * format 2, path switching (see shunt_ring_start below). */
+enum {
+	SHUNT_WF_FIN = 1, SHUNT_WF_STARTED = 2, SHUNT_WF_LEFT = 4,
+	SHUNT_RF_CLOSED = 1, SHUNT_RF_ATTACHED = 2, SHUNT_RF_LEFT = 4,
+};
+#define SHUNT_RING_FORMAT 2 /* HELLO and WELCOME carry 1 << SHUNT_RING_FORMAT */
 
 /* One end of a ring. Each end keeps its own index privately and checks the
  * peer's on every load. Not safe for concurrent use (SPSC). */
@@ -67,6 +78,7 @@ struct shunt_ring {
 	uint64_t peer;  /* last validated peer index */
 	uint64_t msgs;
 	int fin;        /* writer: FIN published */
+	int left;       /* writer: shunt_ring_leave called */
 	void *owner;    /* the struct shunt_flow it belongs to, for kicks */
 	/* This process's own, never shared, read and written atomically by
 	 * any of its threads: */
@@ -133,6 +145,26 @@ void shunt_ring_stop(struct shunt_ring *r, int reader);
  * runnable a yield is one system call. Same rule as Go's shm/wait. */
 #define SHUNT_YIELD_AFTER_NS 500
 void shunt_spin_yield(int64_t spun_ns);
+/* Path switching (ring format 2; Go: shm/ring/switch.go, docs/region.md).
+ * Each ring carries one stretch of a direction's stream: the writer
+ * announces the stream offset of its first byte (start) before writing it
+ * and marks the end (leave) before its next byte goes over TCP; the reader
+ * reads TCP up to the start, the ring up to the end (a read of the drained
+ * ring then returns SHUNT_ELEFT), then TCP again. The writer may start only
+ * once the reader attached (so no byte goes to a ring nobody reads); the
+ * reader marks that it left once drained (or when hostd says the writer's
+ * process is gone). After leave, writes return SHUNT_ELEFT; after the
+ * reader left, SHUNT_EPIPE. */
+void shunt_ring_start(struct shunt_ring *w, uint64_t off);
+void shunt_ring_leave(struct shunt_ring *w);
+int shunt_ring_reader_attached(const struct shunt_ring *w);
+int shunt_ring_reader_left(const struct shunt_ring *w);
+void shunt_ring_attach_reader(struct shunt_ring *r);
+/* 1 and *off set once the writer started, else 0. */
+int shunt_ring_started(const struct shunt_ring *r, uint64_t *off);
+int shunt_ring_writer_left(const struct shunt_ring *r);
+void shunt_ring_leave_read(struct shunt_ring *r);
+
 /* Readable/writable/ended (for poll): 1 if a read or write would not return
  * SHUNT_EAGAIN. */
 int shunt_ring_ready(struct shunt_ring *r, int reader);
@@ -246,7 +278,7 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 
 /* ---- control protocol (internal/proto) ---- */
 
-#define SHUNT_PROTO_VERSION 2
+#define SHUNT_PROTO_VERSION 3
 #define SHUNT_PROTO_HEADER  8
 #define SHUNT_PROTO_MAX     4096
 #define SHUNT_PROTO_STRING_MAX 1024 /* region and text; Go's maxString: longer ones are cut when encoded */
@@ -254,7 +286,8 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 enum shunt_msg_type {
 	SHUNT_HELLO = 1, SHUNT_WELCOME, SHUNT_LISTEN, SHUNT_UNLISTEN, SHUNT_INTENT, SHUNT_OPEN,
 	SHUNT_READY, SHUNT_TCP, SHUNT_CLOSE, SHUNT_RELEASE, SHUNT_REVOKE, SHUNT_KICK, SHUNT_PING,
-	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_REGION, SHUNT_UNREGION, SHUNT_NUM_TYPES
+	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_REGION, SHUNT_UNREGION, SHUNT_DOWN, SHUNT_LEFT,
+	SHUNT_NUM_TYPES
 };
 
 /* Why a flow is on TCP or ended (proto.Reason; the same numbers). */
@@ -265,7 +298,7 @@ enum shunt_reason {
 	SHUNT_REASON_GUEST_LIMIT, SHUNT_REASON_INTERNAL, SHUNT_REASON_CONNTRACK_GONE,
 	SHUNT_REASON_POLICY_RELOAD, SHUNT_REASON_PEER_GONE, SHUNT_REASON_ADMIN, SHUNT_REASON_MALFORMED,
 	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_REASON_GUEST_QUOTA, SHUNT_REASON_VERSION,
-	SHUNT_REASON_CONTROL_LIMIT, SHUNT_NUM_REASONS
+	SHUNT_REASON_CONTROL_LIMIT, SHUNT_REASON_FIREWALL, SHUNT_REASON_SHUTDOWN, SHUNT_NUM_REASONS
 };
 
 /* The reason's name as Go prints it ("no-hostd"), or "?". */
@@ -297,6 +330,7 @@ struct shunt_msg {
 	uint32_t pid;
 	uint64_t nonce;
 	char text[SHUNT_PROTO_STRING_MAX + 1];
+	uint32_t formats; /* HELLO: ring formats read and written, a bit each; WELCOME: hostd's choice */
 };
 
 /* Encodes m into buf (at least SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX bytes);

@@ -8,10 +8,18 @@ import (
 	"net/netip"
 )
 
-// Version is the protocol version this package speaks. Version 2 names the
-// region of every flow (RegionID) and adds REGION and UNREGION: process
-// guests get a region per guest pair as a file descriptor (docs/protocol.md).
-const Version = 2
+// Version is the protocol version this package speaks. Version 2 named the
+// region of every flow (RegionID) and added REGION and UNREGION: process
+// guests get a region per guest pair as a file descriptor. Version 3 is
+// path switching: a connection starts on TCP, READY moves it to the rings
+// and DOWN back, any number of times (DOWN, LEFT; CLOSE names the request;
+// HELLO and WELCOME carry the ring formats). docs/protocol.md.
+const Version = 3
+
+// MinVersion is the oldest version this package decodes and encodes, so
+// that hostd can tell an older guest library why it stays on TCP
+// (ReasonVersion) instead of dropping it.
+const MinVersion = 2
 
 // HeaderSize is the frame header; MaxPayload bounds a payload so a peer
 // cannot make the receiver allocate without limit.
@@ -46,10 +54,12 @@ const (
 	Error          // hostd -> guest: Reason, Text; the channel closes after it (but see docs/protocol.md)
 	RegionMsg      // hostd -> guest: RegionID, RegionSize; the region's fd rides along (SCM_RIGHTS)
 	Unregion       // hostd -> guest: RegionID: no flow of this guest uses it any more; unmap it
+	Down           // v3, hostd -> guest: ReqID, RegionID, Slot, Gen, Reason: leave the rings, go on over TCP
+	Left           // v3, guest -> hostd: ReqID, RegionID, Slot, Gen, Side: this end has left both rings
 	numTypes
 )
 
-var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION"}
+var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION", "DOWN", "LEFT"}
 
 func (t Type) String() string {
 	if t > 0 && t < numTypes {
@@ -77,6 +87,10 @@ const (
 // Msg is one decoded message. Only the fields its Type lists are encoded;
 // the rest are zero after Decode.
 type Msg struct {
+	// Version is the frame's protocol version when it is an older one
+	// (MinVersion..Version-1); 0 means Version. Append encodes with it.
+	Version uint8
+
 	Type   Type
 	ReqID  uint32
 	Role   Role
@@ -100,6 +114,10 @@ type Msg struct {
 	PID        uint32
 	Nonce      uint64
 	Text       string
+	// Formats (v3 HELLO) is the set of ring formats the guest reads and
+	// writes, a bit per format (1<<ring.FormatVersion); in WELCOME, the one
+	// hostd chose (a single bit), or 0 if none is common.
+	Formats uint32
 }
 
 // field kinds, in encoding order, for each type.
@@ -124,18 +142,20 @@ const (
 	fPID
 	fNonce
 	fText
+	fFormats
 )
 
+// layouts are version 3's; layoutV2 gives version 2's.
 var layouts = [numTypes][]field{
-	Hello:     {fPID},
-	Welcome:   {fGuestID, fGen, fRegionSize, fRegion},
+	Hello:     {fPID, fFormats},
+	Welcome:   {fGuestID, fGen, fRegionSize, fRegion, fFormats},
 	Listen:    {fLocal},
 	Unlisten:  {fLocal},
 	Intent:    {fLocal, fRemote},
 	Open:      {fReqID, fRole, fLocal, fRemote},
 	Ready:     {fReqID, fRegionID, fSlot, fGen, fCapacity, fRingAB, fRingBA, fSide},
 	TCP:       {fReqID, fReason},
-	Close:     {fRegionID, fSlot, fGen, fSide},
+	Close:     {fReqID, fRegionID, fSlot, fGen, fSide},
 	Release:   {fRegionID, fSlot, fGen},
 	Revoke:    {fRegionID, fSlot, fGen, fReason},
 	Kick:      {fRegionID, fSlot, fGen, fSide},
@@ -145,6 +165,31 @@ var layouts = [numTypes][]field{
 	Error:     {fReason, fText},
 	RegionMsg: {fRegionID, fRegionSize},
 	Unregion:  {fRegionID},
+	Down:      {fReqID, fRegionID, fSlot, fGen, fReason},
+	Left:      {fReqID, fRegionID, fSlot, fGen, fSide},
+}
+
+// layoutV2 returns version 2's fields for t, and whether v2 had the type.
+func layoutV2(t Type) ([]field, bool) {
+	switch t {
+	case Hello:
+		return []field{fPID}, true
+	case Welcome:
+		return []field{fGuestID, fGen, fRegionSize, fRegion}, true
+	case Close:
+		return []field{fRegionID, fSlot, fGen, fSide}, true
+	case Down, Left:
+		return nil, false
+	}
+	return layouts[t], true
+}
+
+// layoutOf returns the fields of t in version v.
+func layoutOf(v uint8, t Type) ([]field, bool) {
+	if v == 2 {
+		return layoutV2(t)
+	}
+	return layouts[t], true
 }
 
 var le = binary.LittleEndian
@@ -160,12 +205,20 @@ func appendAddrPort(b []byte, ap netip.AddrPort) []byte {
 
 // Append encodes m as a frame appended to b.
 func (m *Msg) Append(b []byte) ([]byte, error) {
-	if m.Type == 0 || m.Type >= numTypes {
-		return b, fmt.Errorf("encode %s: %w", m.Type, ErrMalformed)
+	v := m.Version
+	if v == 0 {
+		v = Version
+	}
+	fields, ok := []field(nil), false
+	if m.Type != 0 && m.Type < numTypes && v >= MinVersion && v <= Version {
+		fields, ok = layoutOf(v, m.Type)
+	}
+	if !ok {
+		return b, fmt.Errorf("encode %s in version %d: %w", m.Type, v, ErrMalformed)
 	}
 	start := len(b)
-	b = append(b, Version, byte(m.Type), 0, 0, 0, 0, 0, 0)
-	for _, f := range layouts[m.Type] {
+	b = append(b, v, byte(m.Type), 0, 0, 0, 0, 0, 0)
+	for _, f := range fields {
 		switch f {
 		case fReqID:
 			b = le.AppendUint32(b, m.ReqID)
@@ -203,6 +256,8 @@ func (m *Msg) Append(b []byte) ([]byte, error) {
 			b = le.AppendUint64(b, m.Nonce)
 		case fText:
 			b = appendString(b, m.Text)
+		case fFormats:
+			b = le.AppendUint32(b, m.Formats)
 		}
 	}
 	n := len(b) - start - HeaderSize
@@ -224,27 +279,43 @@ func appendString(b []byte, s string) []byte {
 	return append(b, s...)
 }
 
+// ErrVersion marks a frame of a protocol version this package does not
+// speak (it also wraps ErrMalformed): a guest library that sees it from
+// hostd stays on TCP with ReasonVersion.
+var ErrVersion = fmt.Errorf("unsupported protocol version: %w", ErrMalformed)
+
 // ParseHeader validates a frame header and returns the type and payload
-// length.
+// length. The frame's version is h[0]; see ParseHeaderVersion.
 func ParseHeader(h []byte) (Type, int, error) {
+	_, t, n, err := ParseHeaderVersion(h)
+	return t, n, err
+}
+
+// ParseHeaderVersion is ParseHeader that also returns the frame's version
+// (MinVersion..Version).
+func ParseHeaderVersion(h []byte) (uint8, Type, int, error) {
 	if len(h) < HeaderSize {
-		return 0, 0, fmt.Errorf("header of %d bytes: %w", len(h), ErrMalformed)
+		return 0, 0, 0, fmt.Errorf("header of %d bytes: %w", len(h), ErrMalformed)
 	}
-	if h[0] != Version {
-		return 0, 0, fmt.Errorf("version %d, want %d: %w", h[0], Version, ErrMalformed)
+	v := h[0]
+	if v < MinVersion || v > Version {
+		return 0, 0, 0, fmt.Errorf("version %d, want %d to %d: %w", v, MinVersion, Version, ErrVersion)
 	}
 	t := Type(h[1])
 	if t == 0 || t >= numTypes {
-		return 0, 0, fmt.Errorf("unknown message type %d: %w", h[1], ErrMalformed)
+		return 0, 0, 0, fmt.Errorf("unknown message type %d: %w", h[1], ErrMalformed)
+	}
+	if _, ok := layoutOf(v, t); !ok {
+		return 0, 0, 0, fmt.Errorf("%s in version %d: %w", t, v, ErrMalformed)
 	}
 	if h[2] != 0 || h[3] != 0 {
-		return 0, 0, fmt.Errorf("%s: reserved bytes set: %w", t, ErrMalformed)
+		return 0, 0, 0, fmt.Errorf("%s: reserved bytes set: %w", t, ErrMalformed)
 	}
 	n := le.Uint32(h[4:])
 	if n > MaxPayload {
-		return 0, 0, fmt.Errorf("%s: payload %d bytes over %d: %w", t, n, MaxPayload, ErrMalformed)
+		return 0, 0, 0, fmt.Errorf("%s: payload %d bytes over %d: %w", t, n, MaxPayload, ErrMalformed)
 	}
-	return t, int(n), nil
+	return v, t, int(n), nil
 }
 
 // decoder reads fields from a payload, remembering the first shortfall.
@@ -283,22 +354,35 @@ func (d *decoder) str() string {
 
 // Decode decodes one whole frame (header and payload).
 func Decode(frame []byte) (Msg, error) {
-	t, n, err := ParseHeader(frame)
+	v, t, n, err := ParseHeaderVersion(frame)
 	if err != nil {
 		return Msg{}, err
 	}
 	if len(frame) != HeaderSize+n {
 		return Msg{}, fmt.Errorf("%s: frame of %d bytes, header says %d: %w", t, len(frame), HeaderSize+n, ErrMalformed)
 	}
-	return DecodePayload(t, frame[HeaderSize:])
+	return DecodePayloadVersion(v, t, frame[HeaderSize:])
 }
 
-// DecodePayload decodes the payload of a message of type t. The payload must
-// be exactly as long as the type's fields.
+// DecodePayload decodes the payload of a version-3 message of type t. The
+// payload must be exactly as long as the type's fields.
 func DecodePayload(t Type, p []byte) (Msg, error) {
+	return DecodePayloadVersion(Version, t, p)
+}
+
+// DecodePayloadVersion decodes the payload of a message of type t in
+// protocol version v.
+func DecodePayloadVersion(v uint8, t Type, p []byte) (Msg, error) {
+	fields, ok := layoutOf(v, t)
+	if v < MinVersion || v > Version || t == 0 || t >= numTypes || !ok {
+		return Msg{}, fmt.Errorf("%s in version %d: %w", t, v, ErrMalformed)
+	}
 	m := Msg{Type: t}
+	if v != Version {
+		m.Version = v
+	}
 	d := decoder{b: p}
-	for _, f := range layouts[t] {
+	for _, f := range fields {
 		switch f {
 		case fReqID:
 			m.ReqID = le.Uint32(d.take(4))
@@ -342,6 +426,8 @@ func DecodePayload(t Type, p []byte) (Msg, error) {
 			m.Nonce = le.Uint64(d.take(8))
 		case fText:
 			m.Text = d.str()
+		case fFormats:
+			m.Formats = le.Uint32(d.take(4))
 		}
 	}
 	if d.err || len(d.b) != 0 {
@@ -359,7 +445,7 @@ func Read(r io.Reader, buf []byte) (Msg, []byte, error) {
 	if _, err := io.ReadFull(r, buf); err != nil {
 		return Msg{}, buf, err
 	}
-	t, n, err := ParseHeader(buf)
+	v, t, n, err := ParseHeaderVersion(buf)
 	if err != nil {
 		return Msg{}, buf, err
 	}
@@ -367,7 +453,7 @@ func Read(r io.Reader, buf []byte) (Msg, []byte, error) {
 	if _, err := io.ReadFull(r, buf[HeaderSize:]); err != nil {
 		return Msg{}, buf, fmt.Errorf("read %s payload: %w", t, err)
 	}
-	m, err := DecodePayload(t, buf[HeaderSize:])
+	m, err := DecodePayloadVersion(v, t, buf[HeaderSize:])
 	return m, buf, err
 }
 

@@ -39,9 +39,10 @@ func TestRoundTrip(t *testing.T) {
 // TestWireSizes pins the frame sizes: the C library encodes the same bytes.
 func TestWireSizes(t *testing.T) {
 	want := map[proto.Type]int{
-		proto.Hello: 4, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
-		proto.Ready: 4 + 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 17, proto.Revoke: 18,
+		proto.Hello: 8, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
+		proto.Ready: 4 + 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 21, proto.Revoke: 18,
 		proto.Kick: 17, proto.Ping: 8, proto.Reattach: 53, proto.RegionMsg: 12, proto.Unregion: 4,
+		proto.Down: 22, proto.Left: 21,
 	}
 	for _, m := range samples() {
 		n, ok := want[m.Type]
@@ -61,7 +62,7 @@ func TestMalformed(t *testing.T) {
 	tests := map[string][]byte{
 		"short header":    good[:5],
 		"old version":     mod(func(b []byte) []byte { b[0] = 1; return b }),
-		"bad version":     mod(func(b []byte) []byte { b[0] = 3; return b }),
+		"bad version":     mod(func(b []byte) []byte { b[0] = 4; return b }),
 		"unknown type":    mod(func(b []byte) []byte { b[1] = 200; return b }),
 		"reserved set":    mod(func(b []byte) []byte { b[2] = 1; return b }),
 		"length too big":  mod(func(b []byte) []byte { b[4], b[5] = 0xff, 0xff; return b }),
@@ -74,6 +75,44 @@ func TestMalformed(t *testing.T) {
 		if _, err := proto.Decode(frame); !errors.Is(err, proto.ErrMalformed) {
 			t.Errorf("%s: Decode = %v, want ErrMalformed", name, err)
 		}
+	}
+}
+
+// TestVersion2 checks that version-2 frames (an older guest library) still
+// decode, with their own layouts, and that version 3's new types do not
+// exist in version 2.
+func TestVersion2(t *testing.T) {
+	for _, m := range prototest.SamplesV2() {
+		frame, err := m.Append(nil)
+		if err != nil {
+			t.Fatalf("%s: %v", m.Type, err)
+		}
+		if frame[0] != 2 {
+			t.Fatalf("%s: frame version %d, want 2", m.Type, frame[0])
+		}
+		got, err := proto.Decode(frame)
+		if err != nil || got != m {
+			t.Fatalf("%s: Decode = %+v, %v; want %+v", m.Type, got, err, m)
+		}
+	}
+	hello, _ := (&proto.Msg{Version: 2, Type: proto.Hello, PID: 1}).Append(nil)
+	if len(hello) != proto.HeaderSize+4 {
+		t.Fatalf("v2 HELLO is %d bytes, want %d", len(hello), proto.HeaderSize+4)
+	}
+	for _, typ := range []proto.Type{proto.Down, proto.Left} {
+		if _, err := (&proto.Msg{Version: 2, Type: typ}).Append(nil); !errors.Is(err, proto.ErrMalformed) {
+			t.Errorf("v2 %s encoded: %v", typ, err)
+		}
+		frame, _ := (&proto.Msg{Type: typ, Side: proto.SideA}).Append(nil)
+		frame[0] = 2
+		if _, err := proto.Decode(frame); !errors.Is(err, proto.ErrMalformed) {
+			t.Errorf("v2 %s decoded: %v", typ, err)
+		}
+	}
+	frame, _ := (&proto.Msg{Type: proto.Ping}).Append(nil)
+	frame[0] = 1
+	if _, err := proto.Decode(frame); !errors.Is(err, proto.ErrVersion) {
+		t.Errorf("v1 frame: %v, want ErrVersion", err)
 	}
 }
 

@@ -31,6 +31,8 @@ const (
 	ReasonGuestQuota            // the guest has used its quota of ring memory or flow slots
 	ReasonVersion               // the guest library and hostd share no protocol version
 	ReasonControlLimit          // the guest is over a control-plane limit (sessions, listeners, intents, pending opens)
+	ReasonFirewall              // v3: the firewall's ruleset changed; back on the rings once the lease carried packets both ways under it
+	ReasonShutdown              // v3: hostd is stopping (or gave up the flow's region)
 	numReasons
 )
 
@@ -38,7 +40,7 @@ var reasonNames = [...]string{
 	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
-	"no-hostd", "disabled", "guest-quota", "version", "control-limit",
+	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
 }
 
 func (r Reason) String() string {

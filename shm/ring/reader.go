@@ -50,18 +50,21 @@ func (rd *Reader) avail(want int) (int, error) {
 	return int(t - rd.head), nil
 }
 
-// empty returns the error for an empty ring: reset, EOF after FIN, local
-// close, or nil when data may still come. FIN is loaded before the tail
-// (the writer stores them the other way round), so a FIN seen with an
-// unchanged tail really is the end.
+// empty returns the error for an empty ring: reset, EOF after FIN, ErrLeft
+// after the writer left, local close, or nil when data may still come. The
+// flags are loaded before the tail (the writer stores them the other way
+// round), so a FIN or a leave seen with an unchanged tail really is the end.
 func (rd *Reader) empty() (int, error) {
-	fin := rd.r.wflags.Load()&FlagFIN != 0
+	fl := rd.r.wflags.Load()
 	a, err := rd.avail(1)
 	if err != nil || a > 0 {
 		return a, err
 	}
-	if fin {
+	switch {
+	case fl&FlagFIN != 0:
 		return 0, io.EOF
+	case fl&FlagLeft != 0:
+		return 0, ErrLeft
 	}
 	return 0, nil
 }
@@ -200,7 +203,7 @@ func (rd *Reader) Buffered() (int, error) { return rd.avail(len(rd.r.data)) }
 func (rd *Reader) Ready() bool {
 	touch(rd.r.data, rd.head&rd.r.mask, &rd.sink)
 	return rd.r.tail.Load() != rd.tail || rd.interrupted() || rd.closed.Load() ||
-		rd.r.reset.Load() != 0 || rd.r.wflags.Load()&FlagFIN != 0
+		rd.r.reset.Load() != 0 || rd.r.wflags.Load()&(FlagFIN|FlagLeft) != 0
 }
 
 func (rd *Reader) waitData() error {

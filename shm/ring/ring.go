@@ -20,14 +20,15 @@ const (
 	OffCapacity = 8   // u64, hostd at Format; read once at Attach
 	OffTail     = 128 // u64, writer: bytes written, monotonic
 	OffWMsgs    = 136 // u64, writer: publications, monotonic
-	OffWFlags   = 144 // u32, writer: FlagFIN
+	OffWFlags   = 144 // u32, writer: FlagFIN, FlagStarted, FlagLeft
+	OffStart    = 152 // u64, writer: the stream offset of the ring's first byte (format 2; valid once FlagStarted)
 	OffHead     = 256 // u64, reader: bytes read, monotonic
 	OffRMsgs    = 264 // u64, reader: reads that consumed bytes, monotonic
 	OffRWait    = 384 // u32, reader sets 1 before sleeping; writer swaps to 0 and wakes
 	OffWWait    = 448 // u32, writer sets 1 before sleeping; reader swaps to 0 and wakes
 	OffReset    = 512 // u32, anyone: non-zero = flow reset (revoked or aborted)
 	OffReason   = 516 // u32, who reset and why (informational)
-	OffRFlags   = 520 // u32, reader: FlagReaderClosed (here, not on the consumer line, because the writer checks it on every write)
+	OffRFlags   = 520 // u32, reader: FlagReaderClosed, FlagReaderAttached, FlagReaderLeft (here, not on the consumer line, because the writer checks it on every write)
 
 	// Magic marks a formatted ring header ("SHRG").
 	Magic = 0x47524853
@@ -42,6 +43,17 @@ const (
 
 	FlagFIN          = 1
 	FlagReaderClosed = 1
+
+	// Path switching (ring format 2, switch.go): the writer's and the
+	// reader's marks for moving a stream between TCP and the ring.
+	FlagStarted        = 2 // wflags: OffStart holds the offset; ring bytes follow
+	FlagLeft           = 4 // wflags: no byte follows the tail; the stream goes on over TCP
+	FlagReaderAttached = 2 // rflags: the reader reads this ring; the writer may start
+	FlagReaderLeft     = 4 // rflags: the reader has left (drained, or told its writer is gone)
+
+	// FormatVersion is the ring format: 2 adds the switching marks above.
+	// HELLO and WELCOME carry it (proto.Msg.Formats, a bit per format).
+	FormatVersion = 2
 )
 
 var (
@@ -94,6 +106,7 @@ type Ring struct {
 
 	tail, wmsgs   *atomic.Uint64
 	wflags        *atomic.Uint32
+	start         *atomic.Uint64
 	head, rmsgs   *atomic.Uint64
 	rflags        *atomic.Uint32
 	rwait, wwait  *atomic.Uint32
@@ -121,6 +134,7 @@ func Attach(mem []byte, want int) (*Ring, error) {
 		tail:   word64(mem, OffTail),
 		wmsgs:  word64(mem, OffWMsgs),
 		wflags: word32(mem, OffWFlags),
+		start:  word64(mem, OffStart),
 		head:   word64(mem, OffHead),
 		rmsgs:  word64(mem, OffRMsgs),
 		rflags: word32(mem, OffRFlags),
@@ -142,6 +156,11 @@ type Stats struct {
 	FIN, ReaderClosed     bool
 	Reset                 bool
 	Reason                uint32
+	// Path switching: the writer started at Start (stream offset) and has
+	// left, the reader is attached and has left.
+	Started, Left              bool
+	Start                      uint64
+	ReaderAttached, ReaderLeft bool
 }
 
 // Stats reads the counters without disturbing either end (loads only).
@@ -157,6 +176,12 @@ func (r *Ring) Stats() Stats {
 		ReaderClosed: r.rflags.Load()&FlagReaderClosed != 0,
 		Reset:        r.reset.Load() != 0,
 		Reason:       r.reason.Load(),
+		Started:      r.wflags.Load()&FlagStarted != 0,
+		Left:         r.wflags.Load()&FlagLeft != 0,
+		Start:        r.start.Load(),
+
+		ReaderAttached: r.rflags.Load()&FlagReaderAttached != 0,
+		ReaderLeft:     r.rflags.Load()&FlagReaderLeft != 0,
 	}
 }
 

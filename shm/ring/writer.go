@@ -16,6 +16,7 @@ type Writer struct {
 	msgs     uint64
 	reserved int  // bytes handed out by the last Reserve
 	fin      bool // CloseWrite was called
+	left     bool // Leave was called
 }
 
 // NewWriter takes the producing end of r. The tail and head are read once
@@ -53,9 +54,11 @@ func (w *Writer) check() error {
 	switch {
 	case w.r.reset.Load() != 0:
 		return ErrReset
+	case w.left:
+		return ErrLeft
 	case w.closed.Load() || w.fin:
 		return ErrClosed
-	case w.r.rflags.Load()&FlagReaderClosed != 0:
+	case w.r.rflags.Load()&(FlagReaderClosed|FlagReaderLeft) != 0:
 		return ErrPeerClosed
 	}
 	return nil
