@@ -58,7 +58,7 @@ $(BIN)/shunt-mpirun: guestlib/mpi/shunt-mpirun
 	@mkdir -p $(@D)
 	install -m 0755 $< $@
 
-ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early ## build the C test programs into bin/: shunt-xtest (cross-language checks, the core's record tests), shunt-edge and shunt-early (integration/ctest)
+ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early $(BIN)/shunt-connrate ## build the C test programs into bin/: shunt-xtest (cross-language checks, the core's record tests), shunt-edge, shunt-early and shunt-connrate (integration/ctest)
 
 XTEST_SRC := $(wildcard $(CORE_DIR)/xtest/*.c)
 
@@ -81,6 +81,10 @@ EDGE_SRC := integration/ctest/edge.c integration/ctest/edge_blocking.c
 $(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $(EDGE_SRC)
+
+$(BIN)/shunt-connrate: integration/ctest/connrate.c
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -o $@ $<
 
 # Debian packages (packaging/, nfpm as a Go module): shunt-host and
 # shunt-guest into bin/, versioned from git describe (or make deb VERSION=1.2.3).

@@ -19,7 +19,7 @@ import (
 func (e *env) steady(t testing.TB, a, b, port int, warm int64) (c *guestlib.Conn, stop func()) {
 	t.Helper()
 	c, s := e.pair(a, b, port)
-	if !c.Path().Fast || !s.Path().Fast {
+	if !fastSoon(t, c, s) {
 		t.Fatalf("honest flow %d->%d: paths %s and %s, want the fast path", a, b, c.Path(), s.Path())
 	}
 	quit, warmed, werr := make(chan struct{}), make(chan struct{}), make(chan error, 1)
@@ -82,7 +82,7 @@ func (e *env) steady(t testing.TB, a, b, port int, warm int64) (c *guestlib.Conn
 		if r.err != nil || r.n != n || r.sum != sent || n == 0 {
 			t.Errorf("honest flow %d->%d: received %d bytes crc %08x (%v); sent %d crc %08x", a, b, r.n, r.sum, r.err, n, sent)
 		}
-		if !c.Path().Fast || !s.Path().Fast {
+		if !fastSoon(t, c, s) {
 			t.Errorf("honest flow %d->%d left the fast path: %s, %s", a, b, c.Path(), s.Path())
 		}
 	}

@@ -19,6 +19,7 @@ import (
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/testenv"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // newCtlEnv is newEnv with more hostd configuration (a limits block)
@@ -95,7 +96,7 @@ func (r *ctlRogue) verdict(d time.Duration) (proto.Msg, error) {
 
 // hello says HELLO and waits for WELCOME.
 func (r *ctlRogue) hello() error {
-	if err := r.send(proto.Msg{Type: proto.Hello, PID: 1}); err != nil {
+	if err := r.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: 1 << ring.FormatVersion}); err != nil {
 		return err
 	}
 	m, err := r.next(5 * time.Second)
@@ -195,7 +196,7 @@ func (e *env) ctlTryRoundTrip(a, b, port int) (time.Duration, error) {
 	if _, err := io.ReadFull(c, one); err != nil {
 		return 0, err
 	}
-	if !c.Path().Fast || !s.Path().Fast {
+	if !fastSoon(e.t, c, s) {
 		return 0, fmt.Errorf("paths %s and %s, want the fast path", c.Path(), s.Path())
 	}
 	return d, nil

@@ -17,6 +17,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // Attacks on hostd's control plane (docs/SECURITY.md, "control plane"):
@@ -54,7 +55,7 @@ func TestHostileSessionFlood(t *testing.T) {
 			held = append(held, r)
 			// A refused session may be closed before HELLO is written;
 			// its ERROR is there to read all the same.
-			_ = r.send(proto.Msg{Type: proto.Hello, PID: 1})
+			_ = r.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: 1 << ring.FormatVersion})
 			m, err := r.next(5 * time.Second)
 			switch {
 			case err == nil && m.Type == proto.Welcome:
@@ -336,7 +337,7 @@ func TestHostileKickFlood(t *testing.T) {
 		t.Fatalf("attacker's OPEN: %+v, %v; want READY", ready, err)
 	}
 	victim := <-acc
-	if victim == nil || !victim.Path().Fast {
+	if victim == nil || !fastSoon(t, victim) {
 		t.Fatalf("the victim's end of the attacker's flow is not on the fast path")
 	}
 	defer victim.Close()

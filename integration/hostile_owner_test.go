@@ -19,6 +19,7 @@ import (
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/testenv"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // Attacks on the proof of a connection's origin (docs/SECURITY.md,
@@ -131,7 +132,7 @@ func (w *ownRig) ownSteady(t *testing.T, a, b, port int) (stop func()) {
 func (w *ownRig) ownHonest(t *testing.T, port int) {
 	t.Helper()
 	c, s := w.pair(1, 2, port)
-	if !c.Path().Fast || !s.Path().Fast {
+	if !fastSoon(t, c, s) {
 		t.Fatalf("a new honest connection: paths %s and %s, want the fast path", c.Path(), s.Path())
 	}
 	ownRoundTrip(t, c, s)
@@ -180,7 +181,7 @@ func (w *ownRig) rogue(t *testing.T) *ownRogue {
 	}
 	t.Cleanup(func() { c.Close() })
 	r := &ownRogue{t: t, c: c}
-	r.send(proto.Msg{Type: proto.Hello, PID: 1})
+	r.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: 1 << ring.FormatVersion})
 	if m := r.next(); m.Type != proto.Welcome {
 		t.Fatalf("answer to HELLO: %+v", m)
 	}
@@ -310,7 +311,7 @@ func TestOwnershipMarksByDefault(t *testing.T) {
 	check := func(port int) {
 		t.Helper()
 		c, s := e.pair(1, 2, port)
-		if !c.Path().Fast || !s.Path().Fast {
+		if !fastSoon(t, c, s) {
 			t.Fatalf("paths %s and %s, want the fast path", c.Path(), s.Path())
 		}
 		ownRoundTrip(t, c, s)
@@ -348,10 +349,10 @@ func TestHostileOwnerSpoofedInterface(t *testing.T) {
 	}
 	defer c.Close()
 	s := accepted(t, acc)
-	if p := c.Path(); p.Fast || p.Reason != "not-owner" {
+	if p := settled(t, c); p.Fast || p.Reason != "not-owner" {
 		t.Fatalf("the hostile guest's path %s, want tcp(not-owner)", p)
 	}
-	if p := s.Path(); p.Fast {
+	if p := settled(t, s); p.Fast {
 		t.Fatalf("its peer's path %s, want TCP", p)
 	}
 	ownRoundTrip(t, c, s)
@@ -389,7 +390,7 @@ func TestHostileOwnerPassiveFirst(t *testing.T) {
 		t.Fatalf("the hostile active claim after a waiting passive side: %+v; want TCP(not-owner)", m)
 	}
 	s := accepted(t, acc)
-	if p := s.Path(); p.Fast {
+	if p := settled(t, s); p.Fast {
 		t.Fatalf("guest 2's side of the hostile connection: %s, want TCP", p)
 	}
 	ownRoundTrip(t, kc, s)
@@ -431,7 +432,7 @@ func TestHostileOwnerLaterSYN(t *testing.T) {
 		t.Fatalf("witness conflicts %v, want %v", got, conflicts+1)
 	}
 	s := accepted(t, acc)
-	if p := s.Path(); p.Fast {
+	if p := settled(t, s); p.Fast {
 		t.Fatalf("guest 2's side of the hostile connection: %s, want TCP", p)
 	}
 	ownRoundTrip(t, kc, s)
@@ -498,7 +499,7 @@ func TestHostileOwnerOperatorMark(t *testing.T) {
 	}
 	stop := w.ownSteady(t, 1, 2, 5651)
 	c, s := w.pair(1, 2, 5652)
-	if !c.Path().Fast || !s.Path().Fast {
+	if !fastSoon(t, c, s) {
 		t.Fatalf("paths %s and %s, want the fast path", c.Path(), s.Path())
 	}
 	ownRoundTrip(t, c, s)

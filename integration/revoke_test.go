@@ -7,6 +7,7 @@ import (
 	"os"
 	"os/exec"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -14,77 +15,234 @@ import (
 	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
 
-// blockedReads starts a blocked Read on each conn and returns a channel that
-// yields each one's error and how long after `since()` it came.
-func blockedReads(conns ...*guestlib.Conn) chan error {
-	errc := make(chan error, len(conns))
-	for _, c := range conns {
-		go func() {
-			buf := make([]byte, 64<<10)
-			for {
-				if _, err := c.Read(buf); err != nil {
-					errc <- err
+// Every revocation is a downgrade now (docs/DESIGN.md, "Flow lifecycle:
+// path switching"): hostd moves the connection to TCP and the application
+// sees no error; whether the connection lives is the kernel's business.
+
+// fastSoon reports whether every conn is on the fast path within 5 s (READY
+// comes in the background: a connection starts on TCP).
+func fastSoon(t testing.TB, conns ...*guestlib.Conn) bool {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		all := true
+		for _, c := range conns {
+			all = all && c.Path().Fast
+		}
+		if all {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// settled waits (5 s at most) until hostd answered for c: it is on the fast
+// path, or on TCP for a reason hostd gave (not the library's own while it
+// waits for hostd's answer), and returns its path.
+func settled(t testing.TB, c *guestlib.Conn) guestlib.Path {
+	t.Helper()
+	deadline := time.Now().Add(5 * time.Second)
+	for {
+		p := c.Path()
+		switch {
+		case p.Fast, p.Reason != "" && p.Reason != "pending" && p.Reason != "no-hostd":
+			return p
+		case time.Now().After(deadline):
+			return p
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
+// onTCP waits until no conn is on the fast path.
+func onTCP(t *testing.T, what string, conns ...*guestlib.Conn) {
+	t.Helper()
+	eventually(t, 5*time.Second, what, func() bool {
+		for _, c := range conns {
+			if c.Path().Fast {
+				return false
+			}
+		}
+		return true
+	})
+}
+
+// pat is byte off of stream seed: any reader can check any stretch.
+func pat(seed, off uint64) byte { return byte(((off + seed) * 0x9E3779B97F4A7C15) >> 56) }
+
+// stream writes a seeded byte stream from w to r and checks every byte at
+// r, whatever path it takes, until finish.
+type stream struct {
+	t            *testing.T
+	seed         uint64
+	quit         chan struct{}
+	wdone, rdone chan error
+	sent, got    atomic.Int64
+}
+
+func startStream(t *testing.T, w, r *guestlib.Conn, seed uint64) *stream {
+	s := &stream{t: t, seed: seed, quit: make(chan struct{}), wdone: make(chan error, 1), rdone: make(chan error, 1)}
+	go func() {
+		buf := make([]byte, 64<<10)
+		var off uint64
+		for i := 0; ; i++ {
+			select {
+			case <-s.quit:
+				s.wdone <- nil
+				return
+			default:
+			}
+			n := 1 + (i*7919)%len(buf) // small and large writes
+			for j := range n {
+				buf[j] = pat(seed, off+uint64(j))
+			}
+			if _, err := w.Write(buf[:n]); err != nil {
+				s.wdone <- fmt.Errorf("write at %d: %w", off, err)
+				return
+			}
+			off += uint64(n)
+			s.sent.Store(int64(off))
+		}
+	}()
+	go func() {
+		buf := make([]byte, 64<<10)
+		var off uint64
+		for {
+			n, err := r.Read(buf)
+			for j := range n {
+				if buf[j] != pat(seed, off+uint64(j)) {
+					s.rdone <- fmt.Errorf("byte %d is %#x, want %#x", off+uint64(j), buf[j], pat(seed, off+uint64(j)))
 					return
 				}
 			}
-		}()
-	}
-	return errc
+			off += uint64(n)
+			s.got.Store(int64(off))
+			if err != nil {
+				s.rdone <- fmt.Errorf("read at %d: %w", off, err)
+				return
+			}
+		}
+	}()
+	return s
 }
 
-// expectResets waits for n ECONNRESETs and logs how long they took.
-func expectResets(t *testing.T, errc chan error, n int, start time.Time) {
-	t.Helper()
-	for range n {
+// progress waits until n more bytes arrived, intact.
+func (s *stream) progress(n int64) {
+	s.t.Helper()
+	want := s.got.Load() + n
+	deadline := time.Now().Add(20 * time.Second)
+	for s.got.Load() < want {
 		select {
-		case err := <-errc:
-			if !errors.Is(err, syscall.ECONNRESET) {
-				t.Fatalf("blocked read ended with %v, want ECONNRESET", err)
+		case err := <-s.rdone:
+			s.t.Fatalf("stream %d: %v", s.seed, err)
+		case err := <-s.wdone:
+			if err != nil {
+				s.t.Fatalf("stream %d: %v", s.seed, err)
 			}
-			t.Logf("ECONNRESET after %s", time.Since(start))
-		case <-time.After(5 * time.Second):
-			t.Fatal("a blocked read did not see ECONNRESET within 5s of the revocation")
+			s.wdone <- nil
+		case <-time.After(5 * time.Millisecond):
+		}
+		if time.Now().After(deadline) {
+			s.t.Fatalf("stream %d: %d bytes in 20 s, want %d", s.seed, s.got.Load(), want)
 		}
 	}
 }
 
-func TestConntrackDeleteRevokes(t *testing.T) {
+// finish stops the writer and waits until the reader checked every byte
+// written.
+func (s *stream) finish() {
+	s.t.Helper()
+	close(s.quit)
+	if err := <-s.wdone; err != nil {
+		s.t.Fatalf("stream %d: %v", s.seed, err)
+	}
+	want := s.sent.Load()
+	eventually(s.t, 20*time.Second, fmt.Sprintf("stream %d: all %d bytes read", s.seed, want), func() bool {
+		select {
+		case err := <-s.rdone:
+			s.t.Fatalf("stream %d: %v", s.seed, err)
+		default:
+		}
+		return s.got.Load() >= want
+	})
+}
+
+// both starts a stream each way between c and s.
+func both(t *testing.T, c, s *guestlib.Conn, seed uint64) (*stream, *stream) {
+	return startStream(t, c, s, seed), startStream(t, s, c, seed+1)
+}
+
+func progress(n int64, ss ...*stream) {
+	for _, s := range ss {
+		s.progress(n)
+	}
+}
+
+// connOn is hostd's record of the connection to port.
+func (e *env) connOn(port int) (fi struct {
+	Path, Reason string
+	Switches     int
+	Attached     string
+}, ok bool) {
+	e.t.Helper()
+	f, ok, err := e.ConnOn(port)
+	if err != nil {
+		e.t.Fatal(err)
+	}
+	fi.Path, fi.Reason, fi.Switches, fi.Attached = f.Path, f.Reason, f.Switches, f.Attached
+	return fi, ok
+}
+
+// TestConntrackDeleteDowngrades: deleting a live connection's conntrack
+// entry moves it to TCP (conntrack-gone); the streams both ways go on
+// without an error, and the ring pair is freed.
+func TestConntrackDeleteDowngrades(t *testing.T) {
 	testenv.NeedTool(t, "conntrack", "conntrack")
 	e := newEnv(t, 2, "")
 	c, s := e.pair(1, 2, 5204)
-	if !c.Path().Fast || !s.Path().Fast {
+	if !fastSoon(t, c, s) {
 		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
 	}
-	errc := blockedReads(c, s)
-	start := time.Now()
+	ab, ba := both(t, c, s, 10)
+	progress(4<<20, ab, ba)
 	e.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "5204")
-	expectResets(t, errc, 2, start)
-	if _, err := c.Write([]byte("x")); !errors.Is(err, syscall.ECONNRESET) {
-		t.Fatalf("write after revocation = %v, want ECONNRESET", err)
+	onTCP(t, "both ends on TCP after the conntrack entry went", c, s)
+	progress(4<<20, ab, ba)
+	eventually(t, 5*time.Second, "the record on TCP (conntrack-gone), rings freed", func() bool {
+		r, ok := e.connOn(5204)
+		return ok && r.Path == "tcp" && r.Reason == "conntrack-gone"
+	})
+	if got := e.counter("shunt_switches_total{reason=conntrack-gone,to=tcp}"); got != 1 {
+		t.Fatalf("switches to tcp (conntrack-gone) = %v, want 1", got)
 	}
-	if got := e.counter("shunt_revocations_total{reason=conntrack-gone}"); got != 1 {
-		t.Fatalf("conntrack-gone revocations = %v, want 1", got)
-	}
+	ab.finish()
+	ba.finish()
 	c.Close()
 	s.Close()
-	eventually(t, 5*time.Second, "ring pair reclaimed after both closed", func() bool { return len(e.flows()) == 0 })
+	eventually(t, 5*time.Second, "record gone after both closed", func() bool { _, ok := e.connOn(5204); return !ok })
 }
 
-// TestPolicyReloadRevokes: a reload that forbids a live flow revokes it,
-// by the admin command and by SIGHUP (what systemctl reload sends); new
-// connections on that port stay on TCP, others keep the fast path.
-func TestPolicyReloadRevokes(t *testing.T) {
+// TestPolicyFlipKeepsStreams: a reload that forbids a live connection
+// moves it to TCP, by the admin command and by SIGHUP (what systemctl
+// reload sends); the streams go on; new connections on that port stay on
+// TCP, others keep the fast path; a reload that allows it again moves it
+// back to the rings.
+func TestPolicyFlipKeepsStreams(t *testing.T) {
 	for _, tc := range []struct {
 		name   string
 		reload func(e *env)
 	}{
 		{"admin", func(e *env) {
 			var rep map[string]int
-			if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil || rep["revoked"] != 1 {
-				e.t.Fatalf("reload: %v, revoked %d flows, want 1", err, rep["revoked"])
+			if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil || rep["downgraded"] != 1 {
+				e.t.Fatalf("reload: %v, downgraded %d connections, want 1", err, rep["downgraded"])
 			}
 		}},
 		{"SIGHUP", func(e *env) {
@@ -96,30 +254,74 @@ func TestPolicyReloadRevokes(t *testing.T) {
 		t.Run(tc.name, func(t *testing.T) {
 			e := newEnv(t, 2, "")
 			c, s := e.pair(1, 2, 5205)
-			if !c.Path().Fast {
-				t.Fatalf("path %s, want fast", c.Path())
+			if !fastSoon(t, c, s) {
+				t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
 			}
-			errc := blockedReads(c, s)
+			ab, ba := both(t, c, s, 20)
+			progress(2<<20, ab, ba)
 			e.writeConfig(`rule "no-5205" {
   action = "tcp"
   ports  = ["5205"]
 }`)
-			start := time.Now()
 			tc.reload(e)
-			expectResets(t, errc, 2, start)
-			if got := e.counter("shunt_revocations_total{reason=policy-reload}"); got != 1 {
-				t.Fatalf("policy-reload revocations %v, want 1", got)
+			onTCP(t, "both ends on TCP after the reload", c, s)
+			progress(2<<20, ab, ba)
+			if got := e.counter("shunt_switches_total{reason=policy-reload,to=tcp}"); got != 1 {
+				t.Fatalf("switches to tcp (policy-reload) %v, want 1", got)
 			}
 			c2, s2 := e.pair(1, 2, 5205)
-			if p := c2.Path(); p.Fast || p.Reason != "policy" || s2.Path().Reason != "policy" {
-				t.Fatalf("new connection on the forbidden port: %s / %s, want tcp(policy) on both", p, s2.Path())
+			time.Sleep(100 * time.Millisecond) // time for a READY that must not come
+			if p := c2.Path(); p.Fast || s2.Path().Fast {
+				t.Fatalf("new connection on the forbidden port: %s / %s, want tcp on both", p, s2.Path())
 			}
-			c3, _ := e.pair(1, 2, 5206)
-			if !c3.Path().Fast {
+			c3, s3 := e.pair(1, 2, 5206)
+			if !fastSoon(t, c3, s3) {
 				t.Fatalf("an unrelated port lost the fast path: %s", c3.Path())
 			}
+			if _, err := e.SetPolicy(""); err != nil {
+				t.Fatal(err)
+			}
+			if !fastSoon(t, c, s, c2, s2) {
+				t.Fatalf("after the reload back: %s / %s, %s / %s; want all fast", c.Path(), s.Path(), c2.Path(), s2.Path())
+			}
+			progress(2<<20, ab, ba)
+			ab.finish()
+			ba.finish()
 		})
 	}
+}
+
+// TestPolicyFlipLoop: hostd flips the policy every few milliseconds under
+// seeded streams both ways; every byte arrives, in order, and the
+// connection ends on the rings once the flipping stops.
+func TestPolicyFlipLoop(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5211)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab, ba := both(t, c, s, 30)
+	for i := range 40 {
+		policy := ""
+		if i%2 == 0 {
+			policy = stack.PolicyTCP
+		}
+		if _, err := e.SetPolicy(policy); err != nil {
+			t.Fatal(err)
+		}
+		time.Sleep(time.Duration(2+i%7) * time.Millisecond)
+	}
+	if _, err := e.SetPolicy(""); err != nil {
+		t.Fatal(err)
+	}
+	progress(4<<20, ab, ba)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after the flips: %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab.finish()
+	ba.finish()
+	r, _ := e.connOn(5211)
+	t.Logf("record after the flips: %+v", r)
 }
 
 func TestReloadWithTypoKeepsPolicy(t *testing.T) {
@@ -130,7 +332,7 @@ func TestReloadWithTypoKeepsPolicy(t *testing.T) {
 		t.Fatalf("reload of a config with a typo = %v; want an error naming the file and line", err)
 	}
 	c, _ := e.pair(1, 2, 5207)
-	if !c.Path().Fast {
+	if !fastSoon(t, c) {
 		t.Fatalf("after a failed reload the old policy should hold; path %s", c.Path())
 	}
 }
@@ -145,58 +347,103 @@ func mustRead(t *testing.T, path string) string {
 
 // TestHostdRestart: hostd is killed mid-stream; data keeps flowing without
 // it; the restarted hostd adopts the flow from the region, both guests
-// reattach, and revocation works again.
+// reattach, and a downgrade works again (conntrack-gone) without an error.
 func TestHostdRestart(t *testing.T) {
 	testenv.NeedTool(t, "conntrack", "conntrack")
 	e := newEnv(t, 2, "")
 	c, s := e.pair(1, 2, 5208)
-	if !c.Path().Fast {
+	if !fastSoon(t, c, s) {
 		t.Fatalf("path %s, want fast", c.Path())
 	}
-	stop := make(chan struct{})
-	werr := make(chan error, 1)
-	go func() {
-		buf := make([]byte, 256<<10)
-		for {
-			select {
-			case <-stop:
-				werr <- nil
-				return
-			default:
-			}
-			if _, err := c.Write(buf); err != nil {
-				werr <- err
-				return
-			}
-		}
-	}()
-	readMiB := func(n int) {
-		t.Helper()
-		if _, err := io.CopyN(io.Discard, s, int64(n)<<20); err != nil {
-			t.Fatalf("read while hostd is %s: %v", map[bool]string{true: "up", false: "down"}[e.Hostd != nil], err)
-		}
-	}
-	readMiB(16)
+	ab := startStream(t, c, s, 40)
+	ab.progress(16 << 20)
 	e.killHostd()
-	readMiB(256) // hostd is not on the data path
+	ab.progress(64 << 20) // hostd is not on the data path
 	e.startHostd()
 	eventually(t, 10*time.Second, "both guests reattached to the restarted hostd", func() bool {
 		fl := e.flows()
-		return len(fl) == 1 && fl[0].Attached == "ab" && fl[0].State == "ready"
+		return len(fl) == 1 && fl[0].Attached == "ab" && fl[0].Path == "rings"
 	})
-	readMiB(16)
-	close(stop)
-	errc := blockedReads(s)
-	start := time.Now()
+	ab.progress(16 << 20)
 	e.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "5208")
-	expectResets(t, errc, 1, start)
-	if err := <-werr; err != nil && !errors.Is(err, syscall.ECONNRESET) {
-		t.Fatalf("writer: %v", err)
-	}
+	onTCP(t, "both ends on TCP after the conntrack entry went", c, s)
+	ab.progress(4 << 20)
+	ab.finish()
 }
 
-// TestGuestKilled: a guest process dies mid-stream; its peer gets
-// ECONNRESET and the ring pair is reclaimed.
+// TestHostdStopDowngrades: a hostd stopped gracefully (SIGTERM) moves every
+// connection to TCP first (DOWN(shutdown)); the streams go on; the next
+// hostd pairs the connections again (the libraries re-announce them) and
+// they return to the rings.
+func TestHostdStopDowngrades(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5212)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab, ba := both(t, c, s, 50)
+	progress(4<<20, ab, ba)
+	start := time.Now()
+	e.StopHostd()
+	if d := time.Since(start); d > 4*time.Second {
+		t.Errorf("hostd took %s to stop, want about its 2 s bound at most", d)
+	}
+	if c.Path().Fast || s.Path().Fast {
+		t.Errorf("after hostd stopped: %s / %s, want both on TCP", c.Path(), s.Path())
+	}
+	progress(4<<20, ab, ba)
+	e.startHostd()
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after hostd came back: %s / %s, want fast again", c.Path(), s.Path())
+	}
+	progress(4<<20, ab, ba)
+	ab.finish()
+	ba.finish()
+}
+
+// TestFirewallRuleStopsFlow: a rule added later that drops a live
+// connection's packets stops it on the rings as it would stop it on TCP:
+// hostd sees the ruleset change and moves the connection to TCP, where the
+// rule holds it. Once the rule goes, TCP recovers, the lease carries
+// packets both ways and the connection returns to the rings.
+func TestFirewallRuleStopsFlow(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5210)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab := startStream(t, c, s, 60)
+	ab.progress(4 << 20)
+	e.hostCmd("nft", "add table inet shunt_test_drop")
+	t.Cleanup(func() { nsrig.Run(e.rig.HostNSPath(), "nft", "delete table inet shunt_test_drop") })
+	e.hostCmd("nft", "add chain inet shunt_test_drop fw_in { type filter hook forward priority -5 ; }")
+	e.hostCmd("nft", "add rule inet shunt_test_drop fw_in tcp dport 5210 drop")
+	e.hostCmd("nft", "add rule inet shunt_test_drop fw_in tcp sport 5210 drop")
+	onTCP(t, "both ends on TCP after the ruleset changed", c, s)
+	r, _ := e.connOn(5210)
+	if r.Reason != "firewall" {
+		t.Errorf("record %+v, want reason firewall", r)
+	}
+	// The rule holds: after what was in flight, nothing more arrives.
+	time.Sleep(500 * time.Millisecond)
+	before := ab.got.Load()
+	time.Sleep(time.Second)
+	if after := ab.got.Load(); after != before {
+		t.Fatalf("%d bytes arrived past a rule that drops the connection", after-before)
+	}
+	e.hostCmd("nft", "delete table inet shunt_test_drop")
+	ab.progress(4 << 20) // TCP retransmits once the rule is gone
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+	}
+	ab.progress(4 << 20)
+	ab.finish()
+}
+
+// TestGuestKilled: a guest process dies mid-stream; its peer reads what
+// the ring held and then what the kernel reports (the dead process's
+// socket had no unread data: FIN, so EOF); hostd moves the connection to
+// TCP (peer-gone) and frees the ring pair once the survivor left it.
 func TestGuestKilled(t *testing.T) {
 	e := newEnv(t, 2, "")
 	l := e.listen(2, 5209)
@@ -212,7 +459,7 @@ func TestGuestKilled(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
-	if !s.Path().Fast {
+	if !fastSoon(t, s) {
 		t.Fatalf("path %s, want fast", s.Path())
 	}
 	if _, err := io.CopyN(io.Discard, s, 8<<20); err != nil {
@@ -220,13 +467,13 @@ func TestGuestKilled(t *testing.T) {
 	}
 	cmd.Process.Kill()
 	cmd.Wait()
-	_, err = io.Copy(io.Discard, s)
-	if !errors.Is(err, syscall.ECONNRESET) {
-		t.Fatalf("read after the peer died = %v, want ECONNRESET", err)
+	if _, err = io.Copy(io.Discard, s); err != nil && !errors.Is(err, syscall.ECONNRESET) {
+		t.Fatalf("read after the peer died = %v, want EOF (or the kernel's ECONNRESET)", err)
 	}
-	if fl := e.flows(); len(fl) != 1 || fl[0].State != "revoked" || fl[0].Reason != "peer-gone" {
-		t.Fatalf("flows after the peer died = %+v, want one revoked (peer-gone)", fl)
-	}
+	eventually(t, 5*time.Second, "record on TCP (peer-gone), rings freed", func() bool {
+		r, ok := e.connOn(5209)
+		return ok && r.Path == "tcp" && r.Reason == "peer-gone"
+	})
 	s.Close()
-	eventually(t, 5*time.Second, "ring pair reclaimed", func() bool { return len(e.flows()) == 0 })
+	eventually(t, 5*time.Second, "record gone", func() bool { _, ok := e.connOn(5209); return !ok })
 }

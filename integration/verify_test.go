@@ -20,6 +20,7 @@ import (
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/testenv"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 func TestFirewallRejectStaysRejected(t *testing.T) {
@@ -43,18 +44,19 @@ func TestPolicyDeniedStaysOnTCP(t *testing.T) {
   ports  = ["5211"]
 }`)
 	c, s := e.pair(1, 2, 5211)
-	if p := c.Path(); p.Fast || p.Reason != "policy" {
+	if p := settled(t, c); p.Fast || p.Reason != "policy" {
 		t.Fatalf("client path %s, want tcp(policy)", p)
 	}
-	if p := s.Path(); p.Fast || p.Reason != "policy" {
+	if p := settled(t, s); p.Fast || p.Reason != "policy" {
 		t.Fatalf("server path %s, want tcp(policy)", p)
 	}
 	roundTrip(t, c, s)
 	if got := e.counter("shunt_fallbacks_total{reason=policy}"); got < 1 {
 		t.Fatalf("policy fallbacks counted %v, want at least 1", got)
 	}
-	if fl := e.flows(); len(fl) != 0 {
-		t.Fatalf("a policy-denied connection has flows: %+v", fl)
+	// Its record stays on TCP (a reload could move it), with no rings.
+	if fl := e.flows(); len(fl) != 1 || fl[0].Path != "tcp" || fl[0].Reason != "policy" || fl[0].Ring != 0 {
+		t.Fatalf("a policy-denied connection: %+v, want one record on TCP (policy) without rings", fl)
 	}
 }
 
@@ -79,7 +81,7 @@ func rawSession(t *testing.T, path string) net.Conn {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { c.Close() })
-	if err := proto.Write(c, &proto.Msg{Type: proto.Hello, PID: 1}); err != nil {
+	if err := proto.Write(c, &proto.Msg{Type: proto.Hello, PID: 1, Formats: 1 << ring.FormatVersion}); err != nil {
 		t.Fatal(err)
 	}
 	c.SetDeadline(time.Now().Add(5 * time.Second))
@@ -95,7 +97,7 @@ func rawSession(t *testing.T, path string) net.Conn {
 func TestForeignTupleRefused(t *testing.T) {
 	e := newEnv(t, 3, "")
 	c, _ := e.pair(1, 2, 5212)
-	if !c.Path().Fast {
+	if !fastSoon(t, c) {
 		t.Fatalf("path %s, want fast", c.Path())
 	}
 	raw := rawSession(t, e.control(e.rig.Guests[2]))
@@ -141,7 +143,7 @@ func TestDNATPairs(t *testing.T) {
 	defer c.Close()
 	s := <-acc
 	defer s.Close()
-	if !c.Path().Fast {
+	if !fastSoon(t, c) {
 		t.Fatalf("client path through DNAT %s, want fast", c.Path())
 	}
 	roundTrip(t, c, s)
@@ -174,7 +176,7 @@ func TestMalformedControlMessage(t *testing.T) {
 		t.Fatalf("after a guest-sent READY: %+v, %v; want ERROR", m, err)
 	}
 	c, _ := e.pair(1, 2, 5213)
-	if !c.Path().Fast {
+	if !fastSoon(t, c) {
 		t.Fatalf("other guests lost the fast path: %s", c.Path())
 	}
 }
@@ -196,6 +198,9 @@ func TestMetricsEndpoint(t *testing.T) {
 	defer s.Close()
 	e := &env{Stack: s, t: t, rig: s.Rig, lns: map[[2]int]*guestlib.Listener{}}
 	c, srv := e.pair(1, 2, 5400)
+	if !fastSoon(t, c, srv) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), srv.Path())
+	}
 	roundTrip(t, c, srv)
 	resp, err := http.Get("http://" + addr + "/metrics")
 	if err != nil {
@@ -212,6 +217,8 @@ func TestMetricsEndpoint(t *testing.T) {
 		`shunt_fallbacks_total{reason="policy"} 0`,
 		`shunt_flow_setup_seconds_count 1`,
 		`shunt_guest_sessions{guest="g1"} 1`,
+		`shunt_connections{path="rings"} 1`,
+		`shunt_switches_total{reason="none",to="rings"} 1`,
 	} {
 		if !strings.Contains(string(body), want) {
 			t.Errorf("metrics lack %q", want)
@@ -234,7 +241,7 @@ func TestHelloAgainStartsOver(t *testing.T) {
 	}
 	hello := func() {
 		t.Helper()
-		proto.Write(raw, &proto.Msg{Type: proto.Hello, PID: 2})
+		proto.Write(raw, &proto.Msg{Type: proto.Hello, PID: 2, Formats: 1 << ring.FormatVersion})
 		if m, _, err := proto.Read(raw, nil); err != nil || m.Type != proto.Welcome {
 			t.Fatalf("welcome: %+v, %v", m, err)
 		}
@@ -252,4 +259,50 @@ func TestHelloAgainStartsOver(t *testing.T) {
 	if got := listening(); len(got) != 0 {
 		t.Fatalf("listening %v after a new HELLO, want none", got)
 	}
+}
+
+// TestSimultaneousConnectsPair: two guests connect to each other's
+// listeners at the same moment (both connect() before either accept(), as
+// Open MPI's wire-up does): nothing waits for hostd, and both connections
+// get the fast path.
+func TestSimultaneousConnectsPair(t *testing.T) {
+	e := newEnv(t, 2, "")
+	ls := map[int]*guestlib.Listener{1: e.listen(1, 5501), 2: e.listen(2, 5502)}
+	type res struct {
+		from int
+		c    *guestlib.Conn
+		err  error
+	}
+	dials := make(chan res, 2)
+	start := time.Now()
+	for _, d := range []struct{ from, to int }{{1, 2}, {2, 1}} {
+		go func() {
+			c, err := e.dial(d.from, fmt.Sprintf("%s:%d", e.rig.Guests[d.to-1].Addr, 5500+d.to))
+			dials <- res{d.from, c, err}
+		}()
+	}
+	dialed := map[int]*guestlib.Conn{}
+	for range 2 {
+		r := <-dials
+		if r.err != nil {
+			t.Fatalf("dial from g%d: %v", r.from, r.err)
+		}
+		dialed[r.from] = r.c
+		t.Cleanup(func() { r.c.Close() })
+	}
+	accepted := map[int]*guestlib.Conn{}
+	for to, l := range ls {
+		s, err := l.AcceptShunt()
+		if err != nil {
+			t.Fatal(err)
+		}
+		accepted[to] = s
+		t.Cleanup(func() { s.Close() })
+	}
+	if !fastSoon(t, dialed[1], dialed[2], accepted[1], accepted[2]) {
+		t.Fatalf("paths %s %s %s %s, want all fast", dialed[1].Path(), dialed[2].Path(), accepted[1].Path(), accepted[2].Path())
+	}
+	t.Logf("both connections on the fast path %s after the connects began", time.Since(start))
+	roundTrip(t, dialed[1], accepted[2])
+	roundTrip(t, dialed[2], accepted[1])
 }

@@ -4,7 +4,7 @@
 //	hostd check -config /etc/shunt/hostd.hcl   check the config and the host before starting it
 //	hostd guests | flows | status | counters  show state (tables; -json for JSON)
 //	hostd reload                               re-read the policy (as SIGHUP does)
-//	hostd revoke FLOW                          revoke one flow
+//	hostd downgrade CONN                       move one connection to TCP (alias: revoke)
 package main
 
 import (
@@ -36,11 +36,13 @@ commands:
   agent  -config FILE     run the daemon
   check  -config FILE     check the config and this host; exit 1 on a problem (-json)
   guests                  list guests (configured and libvirt) and their sessions
-  flows                   list fast-path flows with byte counters
+  flows                   list connections: path (rings, leaving, tcp), reason, switches, bytes
   status                  summary
-  counters                fallback, revocation and flow counters
-  reload                  re-read the policy; revokes flows it forbids
-  revoke FLOW             revoke one flow (name as in 'hostd flows')
+  counters                fallback, switch and flow counters
+  reload                  re-read the policy; moves connections between the rings and TCP
+  downgrade CONN          move one connection to TCP until the next reload (name as in
+                          'hostd flows')
+  revoke CONN             the old name of downgrade
 
 client flags: -admin SOCKET (default /run/shunt/admin.sock), -json
 `
@@ -57,7 +59,7 @@ func main() {
 		err = runAgent(args)
 	case "check":
 		os.Exit(runCheck(args))
-	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke:
+	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke, admin.CmdDowngrade:
 		err = runClient(cmd, args)
 	case "-h", "-help", "--help", "help":
 		fmt.Print(usage)
@@ -98,7 +100,8 @@ func runAgent(args []string) error {
 			}
 			continue
 		}
-		log.Info("stopping; live flows keep running", "signal", s)
+		log.Info("stopping: moving connections to TCP", "signal", s)
+		a.Shutdown()
 		a.Close()
 		return nil
 	}
@@ -139,9 +142,9 @@ func runClient(cmd string, args []string) error {
 	asJSON := fs.Bool("json", false, "print JSON")
 	fs.Parse(args)
 	req := admin.Request{Cmd: cmd}
-	if cmd == admin.CmdRevoke {
+	if cmd == admin.CmdRevoke || cmd == admin.CmdDowngrade {
 		if fs.NArg() != 1 {
-			return fmt.Errorf("usage: hostd revoke FLOW")
+			return fmt.Errorf("usage: hostd %s CONN", cmd)
 		}
 		req.Flow = fs.Arg(0)
 	}
@@ -170,20 +173,25 @@ func runClient(cmd string, args []string) error {
 		if err := json.Unmarshal(out, &fl); err != nil {
 			return err
 		}
-		fmt.Fprintln(tw, "FLOW\tA\tB\tSRC\tDST\tSTATE\tRING\tBYTES A>B\tBYTES B>A\tATTACHED\tRULE\tAGE")
+		fmt.Fprintln(tw, "CONN\tFLOW\tA\tB\tSRC\tDST\tPATH\tSWITCHES\tRING\tRINGS A>B\tRINGS B>A\tLEASE A>B\tLEASE B>A\tATTACHED\tRULE\tAGE")
 		for _, f := range fl {
-			state := f.State
+			path := f.Path
 			if f.Reason != "" {
-				state += "(" + f.Reason + ")"
+				path += "(" + f.Reason + ")"
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", f.Name, f.GuestA, f.GuestB, f.Src, f.Dst, state, f.Ring, f.BytesAB, f.BytesBA, f.Attached, f.Rule, time.Since(f.Created).Round(time.Second))
+			flow := "-"
+			if f.Name != f.Conn {
+				flow = f.Name
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%d\t%s\t%s\t%s\n", f.Conn, flow, f.GuestA, f.GuestB, f.Src, f.Dst, path, f.Switches, f.Ring,
+				f.RingsAB, f.RingsBA, f.LeaseAB, f.LeaseBA, f.Attached, f.Rule, time.Since(f.Created).Round(time.Second))
 		}
 	case admin.CmdStatus:
 		var st agent.Status
 		if err := json.Unmarshal(out, &st); err != nil {
 			return err
 		}
-		fmt.Fprintf(tw, "uptime\t%s\nguests\t%d\nsessions\t%d\nflows\t%d\ngroups\t%s\n", st.Uptime, st.Guests, st.Sessions, st.Flows, strings.Join(st.Groups, ","))
+		fmt.Fprintf(tw, "uptime\t%s\nguests\t%d\nsessions\t%d\nconnections\t%d\nring pairs\t%d\ngroups\t%s\n", st.Uptime, st.Guests, st.Sessions, st.Conns, st.Flows, strings.Join(st.Groups, ","))
 		if lv := st.Libvirt; lv != nil {
 			conn := "connected"
 			if !lv.Connected {

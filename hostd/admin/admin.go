@@ -14,21 +14,22 @@ import (
 // The admin commands: what Request.Cmd names, the agent answers, and
 // `hostd <command>` sends.
 const (
-	CmdStatus   = "status"   // a summary (agent.Status)
-	CmdGuests   = "guests"   // the guests and their sessions ([]broker.GuestInfo)
-	CmdFlows    = "flows"    // the live flows ([]broker.FlowInfo)
-	CmdCounters = "counters" // Shunt's counters and gauges (map[string]float64)
-	CmdReload   = "reload"   // re-read the policy ({"revoked": n})
-	CmdRevoke   = "revoke"   // revoke Request.Flow ({"revoked": name})
+	CmdStatus    = "status"    // a summary (agent.Status)
+	CmdGuests    = "guests"    // the guests and their sessions ([]broker.GuestInfo)
+	CmdFlows     = "flows"     // the connection records ([]broker.FlowInfo)
+	CmdCounters  = "counters"  // Shunt's counters and gauges (map[string]float64)
+	CmdReload    = "reload"    // re-read the policy ({"downgraded": n}; "revoked" too, the old name)
+	CmdDowngrade = "downgrade" // move Request.Flow to TCP ({"downgraded": name})
+	CmdRevoke    = "revoke"    // the old name of CmdDowngrade
 )
 
 // Commands lists the admin commands, in the order `hostd help` shows them.
-var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdRevoke}
+var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke}
 
 // Request is what the CLI sends.
 type Request struct {
 	Cmd  string `json:"cmd"`            // one of Commands
-	Flow string `json:"flow,omitempty"` // for CmdRevoke
+	Flow string `json:"flow,omitempty"` // for CmdDowngrade: a connection's or its ring pair's name
 }
 
 // Reply is what hostd answers: Error, or Data (command-specific JSON).

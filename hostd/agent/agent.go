@@ -4,6 +4,7 @@ import (
 	"context"
 	"fmt"
 	"net/http"
+	"os"
 	"sync"
 	"time"
 
@@ -15,9 +16,11 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/ruleset"
 	"github.com/shuntnet/shunt/hostd/server"
 	"github.com/shuntnet/shunt/hostd/virt"
 	"github.com/shuntnet/shunt/hostd/witness"
+	"github.com/shuntnet/shunt/internal/nsexec"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
 )
@@ -51,8 +54,9 @@ type Agent struct {
 	started time.Time
 }
 
-// Close stops hostd without revoking flows: they keep running and the next
-// hostd adopts them from the regions.
+// Close stops hostd without moving connections: ring flows keep running
+// and the next hostd adopts them from the regions (Shutdown first, for a
+// graceful stop).
 func (a *Agent) Close() {
 	if a.virt != nil {
 		a.virt.Close()
@@ -92,7 +96,8 @@ func (a *Agent) Close() {
 	}
 }
 
-// watchConntrack revokes flows whose conntrack entry is destroyed; when the
+// watchConntrack moves connections whose conntrack entry is destroyed to
+// TCP; when the
 // event stream fails (lost events), it resyncs and listens again.
 func (a *Agent) watchConntrack(ctx context.Context) {
 	defer a.wg.Done()
@@ -111,8 +116,64 @@ func (a *Agent) watchConntrack(ctx context.Context) {
 	}
 }
 
-// Reload re-reads the policy from the configuration file and applies it;
-// flows the new policy forbids are revoked.
+// Shutdown is a graceful stop's first step: every connection on the rings
+// moves to TCP (DOWN(shutdown)), and hostd waits up to shutdown_grace for
+// the guests to leave the rings. Close follows. A hostd that is killed
+// instead changes nothing: the flows keep their path and the next hostd
+// adopts them.
+func (a *Agent) Shutdown() {
+	if a.b == nil {
+		return
+	}
+	start := time.Now()
+	held := a.b.Shutdown(a.cfg.ShutdownGrace)
+	a.log.Info("connections moved to TCP", "took", time.Since(start).Round(time.Millisecond), "rings_still_held", held)
+}
+
+// watchRuleset moves every connection on the rings to TCP when the
+// firewall's ruleset changes (hostd's own table aside), until ctx ends;
+// the watch is restarted after a failure.
+func (a *Agent) watchRuleset(ctx context.Context) {
+	defer a.wg.Done()
+	for {
+		err := ruleset.Watch(ctx, a.cfg.ConntrackNetns, mark.Table, a.b.RulesetChanged)
+		if ctx.Err() != nil {
+			return
+		}
+		a.log.Warn("firewall ruleset watch failed; retrying (connections stay where they are meanwhile)", "error", err)
+		a.b.RulesetChanged() // a change may have gone unseen
+		select {
+		case <-ctx.Done():
+			return
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// acctSysctl turns conntrack's accounting counters on, which the ruleset
+// watch reads to learn that a connection's lease carries packets.
+const acctSysctl = "/proc/sys/net/netfilter/nf_conntrack_acct"
+
+// enableAcct sets net.netfilter.nf_conntrack_acct=1 in the conntrack
+// namespace; if it cannot, connections moved to TCP by a ruleset change
+// stay there until the next policy reload (`hostd check` says so too).
+func (a *Agent) enableAcct() {
+	write := func() error { return os.WriteFile(acctSysctl, []byte("1\n"), 0o644) }
+	var err error
+	if a.cfg.ConntrackNetns == "" {
+		err = write()
+	} else {
+		err = nsexec.In(a.cfg.ConntrackNetns, write)
+	}
+	if err != nil {
+		a.log.Warn("cannot turn conntrack accounting on: after a firewall ruleset change, connections stay on TCP until the next policy reload", "sysctl", "net.netfilter.nf_conntrack_acct", "error", err)
+	}
+}
+
+// Reload re-reads the policy from the configuration file and applies it:
+// connections on the rings that it forbids move to TCP, and connections
+// on TCP that it allows now move to the rings. It returns how many moved
+// down.
 func (a *Agent) Reload() (int, error) {
 	c, err := config.Load(a.cfg.Path)
 	if err != nil {
@@ -122,7 +183,7 @@ func (a *Agent) Reload() (int, error) {
 	if err != nil {
 		return 0, fmt.Errorf("reload: %w", err)
 	}
-	n := a.b.SetPolicy(tab)
-	a.log.Info("policy reloaded", "rules", len(tab.Rules()), "revoked", n)
-	return n, nil
+	down, up := a.b.SetPolicy(tab)
+	a.log.Info("policy reloaded", "rules", len(tab.Rules()), "to_tcp", down, "to_rings", up)
+	return down, nil
 }

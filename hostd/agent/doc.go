@@ -1,9 +1,10 @@
 // Package agent wires hostd together: what `hostd agent` runs. It creates or
 // adopts each trust group's region, learns guest addresses, and starts the
 // broker, the libvirt watcher, the control channels, the conntrack watcher,
-// the admin socket and the metrics listener; Close stops them in the order
-// that keeps flows running (the broker first, so nothing is revoked because
-// hostd stops).
+// the admin socket, the metrics listener and the firewall's ruleset watch;
+// Shutdown (a graceful stop) moves every connection to TCP first, and Close
+// stops them in the order that keeps flows running (the broker first, so
+// a killed or closing hostd moves nothing).
 //
 // Files: agent.go (the Agent, Close, Reload, the conntrack watcher),
 // start.go (Start and its steps: regions, guests, libvirt, adoption,

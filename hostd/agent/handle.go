@@ -14,7 +14,8 @@ type Status struct {
 	Uptime   string       `json:"uptime"`
 	Guests   int          `json:"guests"`
 	Sessions int          `json:"sessions"`
-	Flows    int          `json:"flows"`
+	Flows    int          `json:"flows"`       // ring pairs
+	Conns    int          `json:"connections"` // connection records
 	Groups   []string     `json:"groups"`
 	Libvirt  *virt.Status `json:"libvirt,omitempty"`
 }
@@ -26,19 +27,19 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 	case admin.CmdGuests:
 		return a.b.Guests(), nil
 	case admin.CmdFlows:
-		return a.b.Flows(), nil
+		return a.b.FlowsWithLease(), nil
 	case admin.CmdStatus:
 		return a.status(), nil
 	case admin.CmdCounters:
 		return a.counters()
 	case admin.CmdReload:
 		n, err := a.Reload()
-		return map[string]int{"revoked": n}, err
-	case admin.CmdRevoke:
-		if !a.b.Revoke(r.Flow) {
-			return nil, fmt.Errorf("no flow named %q (see hostd flows)", r.Flow)
+		return map[string]int{"revoked": n, "downgraded": n}, err
+	case admin.CmdDowngrade, admin.CmdRevoke:
+		if !a.b.Downgrade(r.Flow) {
+			return nil, fmt.Errorf("no connection on the rings named %q (see hostd flows)", r.Flow)
 		}
-		return map[string]string{"revoked": r.Flow}, nil
+		return map[string]string{"revoked": r.Flow, "downgraded": r.Flow}, nil
 	}
 	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
 }
@@ -46,7 +47,7 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 // status is cheap whatever the guests hold: counts, not listings.
 func (a *Agent) status() Status {
 	n := a.b.Counts()
-	st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: n.Guests, Sessions: n.Sessions, Flows: n.Flows}
+	st := Status{Uptime: time.Since(a.started).Round(time.Second).String(), Guests: n.Guests, Sessions: n.Sessions, Flows: n.Flows, Conns: n.Conns}
 	if a.virt != nil {
 		vs := a.virt.Status()
 		st.Libvirt = &vs

@@ -13,7 +13,7 @@ import (
 
 // registry is the agent as the libvirt watcher's virt.Registry: a running
 // Shunt domain becomes a guest with its own control socket; a stopped one
-// is removed, its flows revoked.
+// is removed, and the peers of its connections move to TCP.
 type registry Agent
 
 // Register adds domain d as a guest.
@@ -67,7 +67,7 @@ func (r *registry) Register(d virt.Domain) error {
 }
 
 // Unregister removes domain d's guest: its control socket goes, its
-// sessions close and its flows are revoked.
+// sessions close and the peers of its connections move to TCP (DOWN(peer-gone)).
 func (r *registry) Unregister(d virt.Domain) {
 	a := (*Agent)(r)
 	a.vmu.Lock()

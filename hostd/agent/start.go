@@ -80,6 +80,11 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	}
 	a.wg.Add(1)
 	go a.watchConntrack(ctx)
+	if cfg.WatchRuleset {
+		a.enableAcct()
+		a.wg.Add(1)
+		go a.watchRuleset(ctx)
+	}
 	log.Info("hostd running", "guests", len(a.guests), "groups", len(a.groups), "admin", cfg.AdminSocket, "metrics", cfg.MetricsAddress)
 	return a, nil
 }

@@ -26,9 +26,13 @@ type Options struct {
 	PairingTimeout time.Duration // how long one side waits for the other
 	LookupTimeout  time.Duration // how long to wait for conntrack to show ESTABLISHED
 	RememberFor    time.Duration // how long a timeout verdict is remembered
-	// IntentGrace is how long a passive side waits for a local guest's
-	// INTENT that may be in flight; 0 = 50ms.
+	// IntentGrace is ignored: a passive OPEN whose client is a guest with
+	// a session waits PairingTimeout for the active OPEN (protocol 3 has
+	// no INTENT).
 	IntentGrace time.Duration
+	// FirewallPoll is how often connections waiting after a ruleset
+	// change have their conntrack counters read; 0 = 300ms.
+	FirewallPoll time.Duration
 	// Witness, if set, must have seen the connection's SYN enter through
 	// the active guest's own interface (hostd/witness).
 	Witness interface {
@@ -67,9 +71,15 @@ type Broker struct {
 	waiting    map[ctrack.Tuple]*half               // by conntrack reply tuple
 	waitingP   map[ctrack.Tuple]*half               // the passive ones again, by conntrack original tuple
 	remembered ttlQueue[ctrack.Tuple, proto.Reason] // verdicts, by conntrack reply tuple
-	flows      map[flowID]*Flow                     // live flows
-	byKey      map[ctrack.Tuple]*Flow               // by conntrack reply tuple
+	flows      map[flowID]*Flow                     // live ring pairs
+	conns      map[ctrack.Tuple]*Conn               // connection records, by conntrack reply tuple
+	records    map[*Conn]bool                       // every connection record (adopted ones may have no key yet)
+	nextConn   uint64                               // the last record's id
+	shutting   bool                                 // Shutdown: no more READY
+	fwPolling  bool                                 // the firewall poller runs (firewall.go)
 	rg         regionState                          // regions and quotas (regions.go)
+	notes      rateLog                              // fallbacks and switches logged, rate-limited
+	stop       chan struct{}                        // closed by Close
 }
 
 // New returns a broker over the given guests, conntrack and policy. The
@@ -82,8 +92,8 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 	if opts.LookupTimeout <= 0 {
 		opts.LookupTimeout = 200 * time.Millisecond
 	}
-	if opts.IntentGrace <= 0 {
-		opts.IntentGrace = 50 * time.Millisecond
+	if opts.FirewallPoll <= 0 {
+		opts.FirewallPoll = 300 * time.Millisecond
 	}
 	if opts.RememberFor <= 0 {
 		opts.RememberFor = 30 * time.Second
@@ -93,7 +103,8 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 		log: log, ct: ct, m: m, opts: opts, guests: guests,
 		sessions: map[Session]*sessionState{},
 		waiting:  map[ctrack.Tuple]*half{}, waitingP: map[ctrack.Tuple]*half{},
-		flows: map[flowID]*Flow{}, byKey: map[ctrack.Tuple]*Flow{},
+		flows: map[flowID]*Flow{}, conns: map[ctrack.Tuple]*Conn{}, records: map[*Conn]bool{},
+		stop: make(chan struct{}),
 	}
 	b.policy.Store(pol)
 	return b
@@ -103,6 +114,9 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 // hostd is away, and the next hostd adopts them. It waits for pending work.
 func (b *Broker) Close() {
 	b.mu.Lock()
+	if !b.closed {
+		close(b.stop)
+	}
 	b.closed = true
 	for _, h := range b.waiting {
 		h.timer.Stop()

@@ -17,16 +17,19 @@ import (
 	"github.com/shuntnet/shunt/shm/shmtest"
 )
 
-// session is a fake control session that records what hostd sends.
+// session is a fake control session that records what hostd sends. It
+// speaks version 3 unless v2 is set.
 type session struct {
 	g   *broker.Guest
 	got chan proto.Msg
+	v2  bool
 }
 
-func newSession(g *broker.Guest) *session { return &session{g: g, got: make(chan proto.Msg, 16)} }
+func newSession(g *broker.Guest) *session { return &session{g: g, got: make(chan proto.Msg, 64)} }
 
 func (s *session) Guest() *broker.Guest { return s.g }
 func (s *session) Send(m proto.Msg)     { s.got <- m }
+func (s *session) Switching() bool      { return !s.v2 }
 
 func (s *session) next(t *testing.T) proto.Msg {
 	t.Helper()
@@ -101,10 +104,9 @@ func (w *world) sessions() (sa, sb *session) {
 }
 
 // connect makes a conntrack entry from g1's port to g2:80 and sends both
-// OPENs (after g1's INTENT); it returns g1's tuple.
+// OPENs (no INTENT: protocol 3 has none); it returns g1's tuple.
 func (w *world) connect(sa, sb *session, port string, req uint32) ctrack.Tuple {
 	ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, req))
 	w.b.Open(sb, open(proto.Passive, tb, req+1))
 	return ta
@@ -207,29 +209,34 @@ func TestVerdicts(t *testing.T) {
 					t.Fatalf("passive side got %+v, want TCP(%s)", m, tt.wantB)
 				}
 			}
-			if len(w.b.Flows()) != 0 {
-				t.Fatalf("a refused connection has a flow")
+			for _, f := range w.b.Flows() {
+				if f.Path != "tcp" || f.Ring != 0 {
+					t.Fatalf("a refused connection has rings: %+v", f)
+				}
 			}
 		})
 	}
 }
 
-// TestPassiveWaitsForQueuedIntent: the passive OPEN arrives before the
-// connecting guest's INTENT (another session); it waits the grace and pairs.
-func TestPassiveWaitsForQueuedIntent(t *testing.T) {
+// TestPassiveWaitsWithoutIntent: the passive OPEN arrives first, with no
+// INTENT (protocol 3 has none); its client is a guest with a session, so
+// it waits for the active OPEN and pairs.
+func TestPassiveWaitsWithoutIntent(t *testing.T) {
 	w := newWorld(t, policy.Spec{})
 	sa, sb := w.sessions()
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
 	w.b.Open(sb, open(proto.Passive, tb, 2))
 	sb.none(t)
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 1))
 	if ma, mb := sa.next(t), sb.next(t); ma.Type != proto.Ready || mb.Type != proto.Ready {
 		t.Fatalf("got %+v and %+v, want READY for both", ma, mb)
 	}
 }
 
-func TestRevokeAndRelease(t *testing.T) {
+// TestConntrackGoneDowngrades: a conntrack DESTROY moves the connection to
+// TCP (DOWN(conntrack-gone) to both ends), never a stale entry's; the ring
+// pair is freed when both sides released it (LEFT, CLOSE or gone).
+func TestConntrackGoneDowngrades(t *testing.T) {
 	w := newWorld(t, policy.Spec{})
 	sa, sb := w.sessions()
 	ta := w.connect(sa, sb, "4000", 1)
@@ -241,24 +248,29 @@ func TestRevokeAndRelease(t *testing.T) {
 	w.b.ConntrackDestroyed(stale)
 	sa.none(t)
 	w.b.ConntrackDestroyed(e)
-	for _, s := range []*session{sa, sb} {
-		if m := s.next(t); m.Type != proto.Revoke || m.Reason != proto.ReasonConntrackGone || m.Slot != ready.Slot {
-			t.Fatalf("got %+v, want REVOKE(conntrack-gone)", m)
+	for i, s := range []*session{sa, sb} {
+		if m := s.next(t); m.Type != proto.Down || m.Reason != proto.ReasonConntrackGone || m.Slot != ready.Slot || m.ReqID != uint32(i+1) {
+			t.Fatalf("got %+v, want DOWN(conntrack-gone) for request %d", m, i+1)
 		}
 	}
-	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideA})
-	if len(w.b.Flows()) != 1 {
-		t.Fatal("flow freed after one side released it")
+	w.b.Left(sa, proto.Msg{Type: proto.Left, ReqID: 1, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideA})
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Ring == 0 {
+		t.Fatal("ring pair freed after one side left it")
 	}
-	// A CLOSE for the other side from the wrong guest is ignored.
-	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideB})
-	if len(w.b.Flows()) != 1 {
+	// A LEFT for the other side from the wrong guest is ignored.
+	w.b.Left(sa, proto.Msg{Type: proto.Left, ReqID: 1, Slot: ready.Slot, Gen: ready.Gen, Side: proto.SideB})
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Ring == 0 {
 		t.Fatal("a guest released its peer's side")
 	}
-	w.b.Detach(sb) // the passive guest goes away: its side counts as released
-	if len(w.b.Flows()) != 0 {
-		t.Fatalf("flow still listed after both sides went: %+v", w.b.Flows())
+	w.b.Detach(sb) // the passive guest goes away: its side counts as left
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Ring != 0 || fl[0].Path != "tcp" || fl[0].Reason != "conntrack-gone" {
+		t.Fatalf("after both sides left: %+v, want the record on TCP (conntrack-gone) without rings", fl)
 	}
+	w.b.CloseConn(sa, proto.Msg{Type: proto.Close, ReqID: 1, Side: proto.SideA})
+	if fl := w.b.Flows(); len(fl) != 0 {
+		t.Fatalf("record kept after both ends closed or went: %+v", fl)
+	}
+	sa.none(t) // and no READY: its entry is gone
 }
 
 func TestGuestLimit(t *testing.T) {
@@ -272,7 +284,7 @@ func TestGuestLimit(t *testing.T) {
 			want = proto.TCP
 		}
 		if ma.Type != want || mb.Type != want {
-			t.Fatalf("flow %d: got %s and %s, want %s", i, ma.Type, mb.Type, want)
+			t.Fatalf("flow %d: got %+v and %+v, want %s", i, ma, mb, want)
 		}
 		if i == 1 && ma.Reason != proto.ReasonGuestLimit {
 			t.Fatalf("second flow reason %s, want guest-limit", ma.Reason)

@@ -1,30 +1,37 @@
 // Package broker is hostd's flow broker: it decides, for each TCP connection
-// between two guests, whether the pair gets a shared-memory ring pair, and
-// takes the ring pair away again when the connection's permission goes.
+// between two guests, whether it goes over a shared-memory ring pair or
+// over TCP, and moves it between the two as often as its permission
+// changes. Policy only chooses between the rings and TCP; it never ends a
+// connection.
 //
-// Lifecycle of one flow (A connects to B):
+// Lifecycle of one connection (A connects to B):
 //
-//	A: INTENT(A's tuple)      recorded, no reply
-//	A: connect()              kernel: firewall, NAT, conntrack
+//	A: connect()              kernel: firewall, NAT, conntrack; on TCP at once
 //	A: OPEN(active)  --+
 //	B: OPEN(passive) --+--> verify each side against conntrack (the entry
 //	                        exists, is ESTABLISHED and assured, the tuple's
 //	                        source is the claiming guest's), then pair the two
 //	                        by the entry's reply tuple, which both sides share
-//	                        even through DNAT and SNAT; ask policy; allocate
-//	                        a ring pair in the pair's region (VMs: the
-//	                        trust group's), handing a new one to both
-//	hostd: READY to both, or TCP(reason) to both
-//	...data on the rings; TCP stays open as the lease...
-//	conntrack DESTROY, policy reload, guest gone -> REVOKE to both; the ring
-//	pair is freed once both sides released it (CLOSE) or are gone.
+//	                        even through DNAT and SNAT: a connection record
+//	                        (Conn) for its whole life
+//	hostd: READY to both (policy, limits, quota allow; a ring pair in the
+//	       pair's region, VMs: the trust group's), or TCP(reason) to both
+//	...bytes on the rings; TCP stays open as the lease...
+//	policy reload, conntrack DESTROY, a ruleset change, an operator, the
+//	peer gone, hostd stopping -> DOWN(reason) to both; each answers LEFT
+//	once it left the rings; the ring pair is freed when both left (or
+//	closed, or are gone), and the record is on TCP
+//	the reason goes away -> a fresh ring pair, READY to both again
+//	CLOSE from both (or gone) -> the record is forgotten
 //
-// A passive OPEN with no intent from a peer that is not a connected Shunt
-// guest is an ordinary client: TCP at once, no wait. If the peer is a
-// connected guest, its INTENT may still be queued on its own session, so the
-// passive side waits a short grace (50 ms) before settling on TCP.
-// A side whose peer never shows gets TCP(timeout) after the pairing timeout,
-// and the verdict is remembered for the tuple so the late side gets it too.
+// A passive OPEN whose client is no guest is an ordinary client: TCP at
+// once. One from a guest waits for the active OPEN up to the pairing
+// timeout (no INTENT: both OPENs go right after connect and accept, so
+// simultaneous connects pair); if that guest has no session yet, TCP goes
+// at once and the wait goes on all the same. A side whose peer never shows
+// gets TCP(timeout), remembered for the tuple so the late side gets it too.
+// A session of a version-2 library (or without a common ring format) gets
+// TCP(version) for every OPEN, and so does its peer.
 //
 // The broker trusts nothing a guest says: its identity is the session it
 // speaks on, and every tuple is checked against the kernel's conntrack. One
@@ -33,13 +40,16 @@
 //
 // Files: broker.go (the Broker, New, Close), guest.go (guests, their
 // addresses and sessions: Attach, Detach, Listen), open.go (INTENT and OPEN:
-// verify, claim, pair, timeouts and fallbacks), flow.go (live flows: CLOSE,
-// release, revoke), lifecycle.go (what ends or rebuilds flows: conntrack
-// events, resync, policy reload, adoption after a restart, REATTACH, KICK),
-// info.go (listings for the admin API and metrics), regions.go (where flows
-// live: the group region of SharedRegion guests, a region per pair of
-// process guests handed over by descriptor; per-guest quotas), limits.go
-// (per-guest limits on LISTENs, INTENTs and OPENs, and ttlQueue, the
-// time-ordered queue that INTENTs and remembered verdicts expire from;
-// listings copy under the lock and format after it).
+// verify, claim, pair, timeouts and fallbacks), conn.go (connection
+// records: upgrade, downgrade, LEFT, CLOSE), flow.go (ring pairs: release;
+// the version-2 reset), lifecycle.go (what moves connections: conntrack
+// events, resync, policy reload, an operator, shutdown, adoption after a
+// restart, REATTACH, KICK), firewall.go (the ruleset watch's downgrades
+// and the lease-counter poller), notes.go (rate-limited logs of fallbacks
+// and switches), info.go (listings for the admin API and metrics),
+// regions.go (where flows live: the group region of SharedRegion guests, a
+// region per pair of process guests handed over by descriptor; per-guest
+// quotas), limits.go (per-guest limits on LISTENs, INTENTs and OPENs, and
+// ttlQueue, the time-ordered queue that INTENTs and remembered verdicts
+// expire from; listings copy under the lock and format after it).
 package broker

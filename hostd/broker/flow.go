@@ -35,8 +35,10 @@ type Flow struct {
 	Capacity int
 	Created  time.Time
 	Rule     string
-	Revoked  proto.Reason // ReasonNone while live
+	Revoked  proto.Reason // reset (version 2 only); ReasonNone otherwise
 	adopted  bool         // rebuilt from the region after a hostd restart
+	conn     *Conn        // the connection it carries
+	state    string       // for the shunt_flows gauge: ready, leaving
 }
 
 // Name is the flow's name in logs, listings and metrics: group/slot.gen in
@@ -73,32 +75,28 @@ func (b *Broker) flowLocked(g *Guest, m proto.Msg) *Flow {
 	return f
 }
 
-// CloseFlow handles a CLOSE: side of flow (slot, gen) is done with it.
-func (b *Broker) CloseFlow(s Session, m proto.Msg) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	f := b.flowLocked(s.Guest(), m)
-	if f == nil {
+// releaseLocked gives up side of f: the region frees the slot once both
+// sides released it, and f's connection record learns it is on TCP. The
+// side's session no longer holds f's region; when it holds none of its
+// flows there, it gets UNREGION.
+func (b *Broker) releaseLocked(f *Flow, side uint32) {
+	if f.released&side != 0 {
 		return
 	}
-	switch {
-	case m.Side == proto.SideA && f.GuestA == s.Guest():
-		b.releaseLocked(f, region.SideA)
-	case m.Side == proto.SideB && f.GuestB == s.Guest():
-		b.releaseLocked(f, region.SideB)
-	}
-}
-
-// releaseLocked gives up side of f: the region frees the slot once both
-// sides released it. The side's session no longer holds f's region; when it
-// holds none of its flows there, it gets UNREGION.
-func (b *Broker) releaseLocked(f *Flow, side uint32) {
 	if side == region.SideA {
 		b.unholdLocked(f.sessA, f.Region)
 		f.sessA = nil
 	} else {
 		b.unholdLocked(f.sessB, f.Region)
 		f.sessB = nil
+	}
+	if f.released|side == region.SideA|region.SideB {
+		// Last side: what the rings carried, for listings (the
+		// counters go with the slot).
+		if ab, ba, err := f.Region.Pool.Stats(f.id.slot, f.Gen); err == nil && f.conn != nil {
+			f.conn.ringAB += ab.Written
+			f.conn.ringBA += ba.Written
+		}
 	}
 	f.released |= side
 	freed, err := f.Region.Pool.Release(f.id.slot, f.Gen, side)
@@ -111,43 +109,42 @@ func (b *Broker) releaseLocked(f *Flow, side uint32) {
 		return
 	}
 	delete(b.flows, f.id)
-	if b.byKey[f.Key] == f {
-		delete(b.byKey, f.Key)
-	}
 	b.flowFreedLocked(f)
-	state := "ready"
-	if f.Revoked != proto.ReasonNone {
-		state = "revoked"
-	}
-	b.m.Flows.WithLabelValues(state, "direct").Dec()
+	b.m.Flows.WithLabelValues(f.state, "direct").Dec()
 	b.log.Debug("flow freed", "flow", f.Name())
+	if f.conn != nil {
+		b.connFlowFreedLocked(f.conn, f)
+	}
 }
 
-// revokeLocked revokes a live flow and tells both sides.
+// revokeLocked resets a live flow's rings and sends REVOKE to its ends:
+// only for flows of version-2 libraries adopted from an older hostd (a
+// version-3 flow is downgraded, never reset).
 func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
 	if f.Revoked != proto.ReasonNone {
 		return
 	}
 	f.Revoked = reason
-	// Count first: the ring reset below wakes the ends at once, and what
-	// they (or an operator) see next should already be in the metrics.
 	b.m.Revokes.WithLabelValues(reason.String()).Inc()
-	b.m.Flows.WithLabelValues("ready", "direct").Dec()
-	b.m.Flows.WithLabelValues("revoked", "direct").Inc()
 	if err := f.Region.Pool.Revoke(f.id.slot, f.Gen, uint32(reason)); err != nil {
 		b.log.Warn("revoke in region failed", "flow", f.Name(), "error", err)
 	}
 	msg := proto.Msg{Type: proto.Revoke, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: reason}
 	for _, s := range []Session{f.sessA, f.sessB} {
-		if s != nil {
+		if s != nil && !switching(s) {
 			s.Send(msg)
 		}
 	}
-	b.log.Info("flow revoked", "flow", f.Name(), "reason", reason)
+	b.log.Info("flow of a version-2 library revoked", "flow", f.Name(), "reason", reason)
 }
 
-// goneLocked handles one side of f disappearing without a CLOSE.
+// goneLocked handles one side of f disappearing without a CLOSE: its
+// connection moves to TCP (DOWN(peer-gone) to the survivor) and the gone
+// side counts as left.
 func (b *Broker) goneLocked(f *Flow, side uint32) {
-	b.revokeLocked(f, proto.ReasonPeerGone)
+	if c := f.conn; c != nil {
+		b.endDoneLocked(c, side, proto.ReasonPeerGone)
+		return
+	}
 	b.releaseLocked(f, side)
 }

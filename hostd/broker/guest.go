@@ -7,6 +7,7 @@ import (
 	"sync/atomic"
 
 	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
@@ -163,8 +164,9 @@ func (b *Broker) AddGuest(g *Guest) error {
 }
 
 // RemoveGuest forgets a guest that went away (its domain stopped): its
-// flows are revoked and released on its side, so the peers see ECONNRESET
-// and the rings go back to the pool once the peers close. Its sessions are
+// connections' other ends move to TCP (DOWN(peer-gone)), its side of each
+// ring pair counting as left, so the rings go back to the pool once the
+// peers left them. Its sessions are
 // the control server's to close.
 func (b *Broker) RemoveGuest(g *Guest) {
 	b.mu.Lock()
@@ -173,6 +175,14 @@ func (b *Broker) RemoveGuest(g *Guest) {
 		if o == g {
 			b.guests = append(b.guests[:i:i], b.guests[i+1:]...)
 			break
+		}
+	}
+	for c := range b.records {
+		if c.a.g == g {
+			b.endDoneLocked(c, region.SideA, proto.ReasonPeerGone)
+		}
+		if c.b.g == g {
+			b.endDoneLocked(c, region.SideB, proto.ReasonPeerGone)
 		}
 	}
 	for _, f := range b.flows {
@@ -206,7 +216,8 @@ func (b *Broker) guestByID(id uint32) *Guest {
 // sessionState is what the broker keeps per session.
 type sessionState struct {
 	listens map[netip.AddrPort]bool
-	halves  map[*half]bool // its OPENs waiting for their peer
+	halves  map[*half]bool   // its OPENs waiting for their peer
+	conns   map[uint32]*Conn // its ends of connection records, by request id
 }
 
 // Attach registers a new session of a guest.
@@ -216,13 +227,14 @@ func (b *Broker) Attach(s Session) {
 	if b.sessions[s] != nil {
 		return
 	}
-	b.sessions[s] = &sessionState{listens: map[netip.AddrPort]bool{}, halves: map[*half]bool{}}
+	b.sessions[s] = &sessionState{listens: map[netip.AddrPort]bool{}, halves: map[*half]bool{}, conns: map[uint32]*Conn{}}
 	s.Guest().ctl.sessions++
 }
 
 // Detach removes a session whose guest went away: its listeners and waiting
-// opens go, and its flows are revoked (the peer sees ECONNRESET) and
-// released on its side. A no-op once the broker is closed (hostd stopping
+// opens go, and its connections' other ends move to TCP (DOWN(peer-gone):
+// they drain the rings, then read what the kernel reports), its side of
+// each ring pair counting as left. A no-op once the broker is closed (hostd stopping
 // is not the guest going away).
 func (b *Broker) Detach(s Session) {
 	b.mu.Lock()
@@ -243,7 +255,15 @@ func (b *Broker) Detach(s Session) {
 	for h := range st.halves {
 		b.unwaitLocked(h)
 	}
-	for _, f := range b.flows {
+	for _, c := range st.conns {
+		if side := c.sideOf(s, c.a.req); side == region.SideA {
+			b.endDoneLocked(c, side, proto.ReasonPeerGone)
+		}
+		if side := c.sideOf(s, c.b.req); side == region.SideB {
+			b.endDoneLocked(c, side, proto.ReasonPeerGone)
+		}
+	}
+	for _, f := range b.flows { // reattached adopted flows (no request id)
 		if f.sessA == s {
 			b.goneLocked(f, region.SideA)
 		}

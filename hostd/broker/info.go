@@ -11,63 +11,91 @@ import (
 	"github.com/shuntnet/shunt/shm/region"
 )
 
-// FlowInfo describes a live flow for the admin API and metrics.
+// FlowInfo describes a connection record for the admin API (`hostd
+// flows`): its ends, its path, and its current ring pair if it has one.
 type FlowInfo struct {
-	Name     string    `json:"name"`
+	Name     string    `json:"name"` // its ring pair's name while it has one, else Conn
+	Conn     string    `json:"conn"` // the record's name
 	Group    string    `json:"group"`
 	GuestA   string    `json:"guest_a"`
 	GuestB   string    `json:"guest_b"`
 	Src      string    `json:"src"`
 	Dst      string    `json:"dst"`
-	State    string    `json:"state"`
+	Path     string    `json:"path"`  // rings, leaving, tcp
+	State    string    `json:"state"` // ready (on the rings), leaving, tcp
 	Reason   string    `json:"reason,omitempty"`
+	Switches int       `json:"switches"`
 	Rule     string    `json:"rule"`
-	Ring     int       `json:"ring_bytes"`
-	BytesAB  uint64    `json:"bytes_ab"`
-	BytesBA  uint64    `json:"bytes_ba"`
-	Created  time.Time `json:"created"`
-	Attached string    `json:"attached"` // which sides have a session: "ab", "a", "b", ""
+	Ring     int       `json:"ring_bytes"`         // capacity of its ring pair, 0 without one
+	BytesAB  uint64    `json:"bytes_ab"`           // read from its current ring AB
+	BytesBA  uint64    `json:"bytes_ba"`           // read from its current ring BA
+	RingsAB  uint64    `json:"rings_written_ab"`   // written to all its rings AB, for display
+	RingsBA  uint64    `json:"rings_written_ba"`   // written to all its rings BA
+	LeaseAB  uint64    `json:"lease_bytes_ab"`     // conntrack accounting, original direction (0 without)
+	LeaseBA  uint64    `json:"lease_bytes_ba"`     // conntrack accounting, reply direction
+	Created  time.Time `json:"created"`            //
+	Attached string    `json:"attached"`           // which ends have a session: "ab", "a", "b", ""
+	Waiting  bool      `json:"firewall,omitempty"` // waiting for its lease after a ruleset change
 }
 
-// flowCopy is what a listing needs of a flow, copied under the broker's
+// flowCopy is what a listing needs of a record, copied under the broker's
 // lock (small, no formatting), so that the lock is held for one pass over
-// the flows and everything else (names, ring counters, sorting, JSON)
-// happens after it is released.
+// the records and everything else (names, ring counters, conntrack
+// counters, sorting, JSON) happens after it is released.
 type flowCopy struct {
+	conn           string
 	id             flowID
 	gen            uint64
+	hasFlow        bool
 	group          *Group
 	pool           *region.Pool
 	guestA, guestB *Guest
 	orig           ctrack.Tuple
-	revoked        proto.Reason
+	path           Path
+	reason         proto.Reason
+	switches       int
 	rule           string
 	capacity       int
 	created        time.Time
-	a, b           bool // attached sides
+	a, b           bool // attached ends
+	ringAB, ringBA uint64
+	fw             bool
 }
 
-// Flows lists live flows with their ring counters, by name. It holds the
-// broker's lock only to copy the flows.
-func (b *Broker) Flows() []FlowInfo {
+// Flows lists the connection records, by name, with ring counters. It
+// holds the broker's lock only to copy the records.
+func (b *Broker) Flows() []FlowInfo { return b.flowList(false) }
+
+// FlowsWithLease is Flows with each connection's lease counters (one
+// conntrack lookup per connection, without the lock).
+func (b *Broker) FlowsWithLease() []FlowInfo { return b.flowList(true) }
+
+func (b *Broker) flowList(lease bool) []FlowInfo {
 	b.mu.Lock()
-	cs := make([]flowCopy, 0, len(b.flows))
-	for _, f := range b.flows {
-		cs = append(cs, flowCopy{id: f.id, gen: f.Gen, group: f.Group, pool: f.Region.Pool, guestA: f.GuestA, guestB: f.GuestB,
-			orig: f.Orig, revoked: f.Revoked, rule: f.Rule, capacity: f.Capacity, created: f.Created,
-			a: f.sessA != nil, b: f.sessB != nil})
+	cs := make([]flowCopy, 0, len(b.records))
+	for c := range b.records {
+		fc := flowCopy{conn: c.Name(), guestA: c.a.g, guestB: c.b.g, group: c.a.g.Group, orig: c.orig, path: c.path,
+			reason: c.reason, switches: c.switches, rule: c.rule, created: c.created,
+			a: c.a.sess != nil, b: c.b.sess != nil, ringAB: c.ringAB, ringBA: c.ringBA, fw: c.fw != nil}
+		if f := c.flow; f != nil {
+			fc.hasFlow, fc.id, fc.gen, fc.pool, fc.capacity = true, f.id, f.Gen, f.Region.Pool, f.Capacity
+		}
+		cs = append(cs, fc)
 	}
 	b.mu.Unlock()
 	out := make([]FlowInfo, 0, len(cs))
 	for _, c := range cs {
-		f := Flow{id: c.id, Gen: c.gen}
 		fi := FlowInfo{
-			Name: f.Name(), Group: c.group.Name, GuestA: c.guestA.Name, GuestB: c.guestB.Name,
-			Src: c.orig.Src.String(), Dst: c.orig.Dst.String(), State: "ready", Rule: c.rule,
-			Ring: c.capacity, Created: c.created,
+			Name: c.conn, Conn: c.conn, Group: c.group.Name, GuestA: c.guestA.Name, GuestB: c.guestB.Name,
+			Src: c.orig.Src.String(), Dst: c.orig.Dst.String(), Path: c.path.String(), State: c.path.String(),
+			Switches: c.switches, Rule: c.rule, Ring: c.capacity, Created: c.created,
+			RingsAB: c.ringAB, RingsBA: c.ringBA, Waiting: c.fw,
 		}
-		if c.revoked != proto.ReasonNone {
-			fi.State, fi.Reason = "revoked", c.revoked.String()
+		if c.path == PathRings {
+			fi.State = "ready"
+		}
+		if c.reason != proto.ReasonNone {
+			fi.Reason = c.reason.String()
 		}
 		if c.a {
 			fi.Attached += "a"
@@ -75,10 +103,21 @@ func (b *Broker) Flows() []FlowInfo {
 		if c.b {
 			fi.Attached += "b"
 		}
-		// The generation check in Rings keeps a slot freed and reused
-		// since the copy from being read as this flow.
-		if ab, ba, err := c.pool.Stats(c.id.slot, c.gen); err == nil {
-			fi.BytesAB, fi.BytesBA = ab.Read, ba.Read
+		if c.hasFlow {
+			f := Flow{id: c.id, Gen: c.gen}
+			fi.Name = f.Name()
+			// The generation check in Stats keeps a slot freed and reused
+			// since the copy from being read as this flow.
+			if ab, ba, err := c.pool.Stats(c.id.slot, c.gen); err == nil {
+				fi.BytesAB, fi.BytesBA = ab.Read, ba.Read
+				fi.RingsAB += ab.Written
+				fi.RingsBA += ba.Written
+			}
+		}
+		if lease {
+			if e, err := b.ct.Lookup(c.orig); err == nil {
+				fi.LeaseAB, fi.LeaseBA = e.BytesOrig, e.BytesReply
+			}
 		}
 		out = append(out, fi)
 	}
@@ -86,10 +125,13 @@ func (b *Broker) Flows() []FlowInfo {
 	return out
 }
 
-// FlowStats feeds the metrics collector.
+// FlowStats feeds the metrics collector: the connections on ring pairs.
 func (b *Broker) FlowStats() []metrics.FlowStat {
 	var out []metrics.FlowStat
 	for _, f := range b.Flows() {
+		if f.Ring == 0 {
+			continue
+		}
 		out = append(out, metrics.FlowStat{Flow: f.Name, GuestA: f.GuestA, GuestB: f.GuestB, BytesAB: f.BytesAB, BytesBA: f.BytesBA})
 	}
 	return out
@@ -156,13 +198,14 @@ func (b *Broker) Guests() []GuestInfo {
 
 // Counts is a summary for `hostd status`.
 type Counts struct {
-	Guests, Sessions, Flows int
+	Guests, Sessions, Flows, Conns int
 }
 
-// Counts returns how many guests, sessions and flows the broker has, in
+// Counts returns how many guests, sessions, ring pairs and connection
+// records the broker has, in
 // O(1) under its lock.
 func (b *Broker) Counts() Counts {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return Counts{Guests: len(b.guests), Sessions: len(b.sessions), Flows: len(b.flows)}
+	return Counts{Guests: len(b.guests), Sessions: len(b.sessions), Flows: len(b.flows), Conns: len(b.records)}
 }

@@ -10,87 +10,148 @@ import (
 	"github.com/shuntnet/shunt/shm/region"
 )
 
-// ConntrackDestroyed revokes the flow whose connection's conntrack entry
-// was destroyed (conntrack -D, timeout, flush).
+// ConntrackDestroyed moves the connection whose conntrack entry was
+// destroyed (conntrack -D, timeout, flush) to TCP (conntrack-gone): the
+// kernel and the firewall decide what becomes of it. It stays on TCP.
 func (b *Broker) ConntrackDestroyed(e ctrack.Entry) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	// A tuple can be reused by a new connection while the old entry is
-	// still around (TIME_WAIT); its late DESTROY must not revoke the new
-	// flow, so entry ids must match when both are known.
-	if f := b.byKey[e.Reply]; f != nil && (f.CTID == 0 || e.ID == 0 || f.CTID == e.ID) {
-		b.revokeLocked(f, proto.ReasonConntrackGone)
+	// still around (TIME_WAIT); its late DESTROY must not touch the new
+	// connection, so entry ids must match when both are known.
+	c := b.conns[e.Reply]
+	if c == nil || c.ctid != 0 && e.ID != 0 && c.ctid != e.ID {
+		return
 	}
+	b.goneFromConntrackLocked(c)
 }
 
-// Resync checks every live flow's conntrack entry and revokes the flows
-// whose entry is gone: after lost events (ENOBUFS) and after adoption.
-// Lookups run without the lock.
+// goneFromConntrackLocked: c's entry is gone; any later entry with its
+// tuple is another connection's.
+func (b *Broker) goneFromConntrackLocked(c *Conn) {
+	if !b.downgradeLocked(c, proto.ReasonConntrackGone) && c.path == PathTCP {
+		c.reason = proto.ReasonConntrackGone
+	}
+	c.fw = nil
+	if c.indexed && b.conns[c.key] == c {
+		delete(b.conns, c.key)
+	}
+	c.indexed = false
+}
+
+// Resync checks the conntrack entry of every connection on the rings and
+// moves those whose entry is gone to TCP: after lost events (ENOBUFS) and
+// after adoption (which learns the entries' keys here). Lookups run
+// without the lock.
 func (b *Broker) Resync() {
 	b.mu.Lock()
 	type check struct {
-		f    *Flow
+		c    *Conn
 		orig ctrack.Tuple
 	}
 	var checks []check
-	for _, f := range b.flows {
-		if f.Revoked == proto.ReasonNone {
-			checks = append(checks, check{f, f.Orig})
+	for c := range b.records {
+		if c.path == PathRings {
+			checks = append(checks, check{c, c.orig})
 		}
 	}
 	b.mu.Unlock()
-	for _, c := range checks {
-		e, err := b.ct.Lookup(c.orig)
+	for _, k := range checks {
+		e, err := b.ct.Lookup(k.orig)
 		b.mu.Lock()
+		c := k.c
 		switch {
+		case !b.records[c]:
 		case errors.Is(err, ctrack.ErrNotFound):
-			b.revokeLocked(c.f, proto.ReasonConntrackGone)
+			b.goneFromConntrackLocked(c)
 		case err != nil:
-			b.log.Warn("conntrack resync lookup failed", "flow", c.f.Name(), "error", err)
-		case c.f.Key != e.Reply || c.f.CTID != e.ID:
-			if c.f.Key != (ctrack.Tuple{}) && b.byKey[c.f.Key] == c.f {
-				delete(b.byKey, c.f.Key)
+			b.log.Warn("conntrack resync lookup failed", "conn", c.Name(), "error", err)
+		case c.key != e.Reply || c.ctid != e.ID:
+			if c.indexed && b.conns[c.key] == c {
+				delete(b.conns, c.key)
 			}
-			c.f.Key, c.f.CTID = e.Reply, e.ID
-			b.byKey[e.Reply] = c.f
+			c.key, c.ctid = e.Reply, e.ID
+			if f := c.flow; f != nil {
+				f.Key, f.CTID = e.Reply, e.ID
+			}
+			if old := b.conns[e.Reply]; old != nil && old != c {
+				old.indexed = false
+			}
+			b.conns[e.Reply], c.indexed = c, true
 		}
 		b.mu.Unlock()
 	}
 }
 
-// SetPolicy installs a new policy table and revokes the live flows that it
-// no longer allows on the fast path.
-func (b *Broker) SetPolicy(t *policy.Table) (revoked int) {
+// SetPolicy installs a new policy table: the connections on the rings that
+// it no longer allows there move to TCP (policy-reload), and those on TCP
+// for a reason a reload may change (policy, limits, quota, space, an
+// operator's downgrade, a ruleset change whose counters cannot be read)
+// move to the rings if it allows them now.
+func (b *Broker) SetPolicy(t *policy.Table) (down, up int) {
 	b.policy.Store(t)
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for _, f := range b.flows {
-		if f.Revoked != proto.ReasonNone {
-			continue
-		}
-		to := f.Key.Src // the accepting guest's real address
-		if !to.IsValid() {
-			to = f.Orig.Dst // adopted, not yet resynced
-		}
-		if !t.Decide(policy.Flow{From: f.Orig.Src, To: to}).FastPath {
-			b.revokeLocked(f, proto.ReasonPolicyReload)
-			revoked++
+	for c := range b.records {
+		switch {
+		case c.path == PathRings:
+			if !t.Decide(policy.Flow{From: c.orig.Src, To: c.to()}).FastPath {
+				b.downgradeLocked(c, proto.ReasonPolicyReload)
+				down++
+			}
+		case c.path == PathTCP && retryOnReload[c.reason] && c.flow == nil:
+			if c.fw != nil && c.fw.noAcct {
+				c.fw = nil
+			}
+			if c.live() && b.upgradeLocked(c, time.Now()) == proto.ReasonNone {
+				up++
+			}
 		}
 	}
-	return revoked
+	return down, up
 }
 
-// Revoke revokes a flow by name (an operator's command).
-func (b *Broker) Revoke(name string) bool {
+// Downgrade moves a connection to TCP by its name (as `hostd flows` lists
+// it: the record's, or its ring pair's), for an operator (reason admin).
+// It stays on TCP until the next policy reload. It reports whether there
+// was such a connection on the rings.
+func (b *Broker) Downgrade(name string) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	for _, f := range b.flows {
-		if f.Name() == name {
-			b.revokeLocked(f, proto.ReasonAdmin)
-			return true
+	for c := range b.records {
+		if c.Name() == name || c.flow != nil && c.flow.Name() == name {
+			return b.downgradeLocked(c, proto.ReasonAdmin)
 		}
 	}
 	return false
+}
+
+// Shutdown is a graceful stop: every connection on the rings moves to TCP
+// (DOWN(shutdown)) and no new READY goes out; it waits up to wait for the
+// ends' LEFTs and reports how many ring pairs are still held then (they
+// stay in the regions and the next hostd adopts them). Close follows.
+func (b *Broker) Shutdown(wait time.Duration) (held int) {
+	b.mu.Lock()
+	b.shutting = true
+	for c := range b.records {
+		b.downgradeLocked(c, proto.ReasonShutdown)
+	}
+	b.mu.Unlock()
+	deadline := time.Now().Add(wait)
+	for {
+		b.mu.Lock()
+		held = 0
+		for _, f := range b.flows {
+			if f.conn != nil && f.conn.path == PathLeaving {
+				held++
+			}
+		}
+		b.mu.Unlock()
+		if held == 0 || time.Now().After(deadline) {
+			return held
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // Adopt rebuilds the flows of group g from its region's pool after a hostd
@@ -113,10 +174,16 @@ func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 	}
 	if n > 0 {
 		b.wg.Add(1)
-		time.AfterFunc(grace, func() {
+		go func() {
 			defer b.wg.Done()
-			b.graceOver(g)
-		})
+			t := time.NewTimer(grace)
+			defer t.Stop()
+			select {
+			case <-t.C:
+				b.graceOver(g)
+			case <-b.stop: // Close does not wait out the grace
+			}
+		}()
 	}
 	return n
 }
@@ -144,12 +211,20 @@ func (b *Broker) adoptLocked(r *Region) int {
 			Created: time.Unix(0, s.Created), Rule: "adopted", adopted: true,
 			released: s.Released,
 		}
+		// Its connection record: no request ids (REATTACH names none) and
+		// no key until Resync looks the entry up.
+		b.nextConn++
+		c := &Conn{id: b.nextConn, orig: f.Orig, a: end{g: ga}, b: end{g: gb}, flow: f, rule: f.Rule,
+			created: f.Created, path: PathRings, noReqs: true}
+		f.conn, f.state = c, "ready"
 		if s.State == region.Revoked {
 			f.Revoked = proto.Reason(s.Reason)
-			b.m.Flows.WithLabelValues("revoked", "direct").Inc()
-		} else {
-			b.m.Flows.WithLabelValues("ready", "direct").Inc()
+			c.path, c.reason, f.state = PathLeaving, f.Revoked, "leaving"
 		}
+		c.a.done = s.Released&region.SideA != 0
+		c.b.done = s.Released&region.SideB != 0
+		b.m.Flows.WithLabelValues(f.state, "direct").Inc()
+		b.addConnLocked(c)
 		b.flows[f.id] = f
 		b.flowAddedLocked(f)
 		n++
@@ -180,23 +255,26 @@ func (b *Broker) graceOver(g *Group) {
 
 // Reattach handles a REATTACH: after a hostd restart a guest says it still
 // holds side m.Side of flow (m.Slot, m.Gen). The session must belong to the
-// guest that owns that side. An unknown flow is answered with REVOKE so the
-// guest drops it.
+// guest that owns that side. An unknown flow is answered with DOWN
+// (version 3; REVOKE to version 2) so the guest leaves it.
 func (b *Broker) Reattach(s Session, m proto.Msg) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	g := s.Guest()
 	f := b.flowLocked(g, m)
-	ok := f != nil && (m.Side == proto.SideA && f.GuestA == g && f.released&region.SideA == 0 ||
-		m.Side == proto.SideB && f.GuestB == g && f.released&region.SideB == 0)
-	if !ok {
-		s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: proto.ReasonPeerGone})
+	side := b.flowSideLocked(f, s, m)
+	if side == 0 {
+		t := proto.Down
+		if !switching(s) {
+			t = proto.Revoke
+		}
+		s.Send(proto.Msg{Type: t, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: proto.ReasonPeerGone})
 		return
 	}
 	// The guest kept its mapping of the region across the restart: no
 	// REGION again, but from now on its session holds the region.
 	sess := &f.sessB
-	if m.Side == proto.SideA {
+	if side == region.SideA {
 		sess = &f.sessA
 	}
 	if *sess != s {
@@ -204,8 +282,19 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 		*sess = s
 		b.holdLocked(s, f.Region, false)
 	}
-	if f.Revoked != proto.ReasonNone {
-		s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
+	if c := f.conn; c != nil {
+		e := c.end(side)
+		e.sess, e.done = s, false
+		if m.ReqID != 0 { // v3: the request id names the connection from now on (an adopted flow had none)
+			e.req = m.ReqID
+		}
+		if c.path == PathLeaving { // DOWN again: the one before may have been lost with hostd
+			if switching(s) {
+				s.Send(proto.Msg{Type: proto.Down, ReqID: e.req, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: c.reason})
+			} else if f.Revoked != proto.ReasonNone {
+				s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
+			}
+		}
 	}
 	b.log.Info("flow reattached", "flow", f.Name(), "guest", g.Name, "side", m.Side)
 }

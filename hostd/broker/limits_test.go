@@ -92,8 +92,8 @@ func TestListenLimits(t *testing.T) {
 }
 
 // TestIntentLimit: beyond IntentsPerGuest the guest's oldest INTENT is
-// dropped and counted; that connection's passive side then waits only the
-// intent grace and gets TCP(no-intent), the newer ones pair.
+// dropped and counted. INTENTs change nothing else any more: a passive
+// side waits for its peer's OPEN (the pairing timeout) with or without one.
 func TestIntentLimit(t *testing.T) {
 	w := newWorldOpts(t, policy.Spec{}, broker.Options{Limits: broker.Limits{IntentsPerGuest: 2}})
 	sa, sb := w.sessions()
@@ -107,8 +107,8 @@ func TestIntentLimit(t *testing.T) {
 		t.Fatalf("limited intents %v, want 1", got)
 	}
 	w.b.Open(sb, open(proto.Passive, ts[0][1], 1))
-	if m := sb.next(t); m.Type != proto.TCP || m.Reason != proto.ReasonNoIntent {
-		t.Fatalf("passive side of the dropped INTENT got %+v, want TCP(no-intent)", m)
+	if m := sb.next(t); m.Type != proto.TCP || m.Reason != proto.ReasonTimeout {
+		t.Fatalf("passive side of the dropped INTENT got %+v, want TCP(timeout): it waited for its peer's OPEN", m)
 	}
 	w.b.Open(sb, open(proto.Passive, ts[1][1], 2))
 	w.b.Open(sa, open(proto.Active, ts[1][0], 3))
@@ -212,7 +212,7 @@ func TestLookupCost(t *testing.T) {
 		{"active, no entry, no intent", proto.Active, false, false, false, proto.ReasonNoConntrack, 0, 1},
 		{"active, no entry, intent", proto.Active, true, false, false, proto.ReasonNoConntrack, 0, 1},
 		{"passive, no entry", proto.Passive, false, false, false, proto.ReasonNoConntrack, 0, 1},
-		{"active, not established, no intent", proto.Active, false, true, true, proto.ReasonNotEstablished, 0, 1},
+		{"active, not established, no intent", proto.Active, false, true, true, proto.ReasonNotEstablished, 1, 1000},
 		{"passive, not established", proto.Passive, false, true, true, proto.ReasonNotEstablished, 0, 1},
 		{"active, not established, intent", proto.Active, true, true, true, proto.ReasonNotEstablished, 1, 1000},
 	} {
@@ -269,7 +269,7 @@ func TestGuestsListing(t *testing.T) {
 	if g := gs[0]; g.Sessions != 1 || g.Flows != 1 || len(g.Listening) != 0 {
 		t.Fatalf("g1 listed as %+v, want 1 session, 1 flow, no listeners", g)
 	}
-	if n := w.b.Counts(); n != (broker.Counts{Guests: 3, Sessions: 3, Flows: 1}) {
+	if n := w.b.Counts(); n != (broker.Counts{Guests: 3, Sessions: 3, Flows: 1, Conns: 1}) {
 		t.Fatalf("counts %+v, want 3 guests, 3 sessions, 1 flow", n)
 	}
 }

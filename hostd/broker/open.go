@@ -7,8 +7,6 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/internal/proto"
-	"github.com/shuntnet/shunt/policy"
-	"github.com/shuntnet/shunt/shm/region"
 )
 
 // half is one side's OPEN, verified, waiting for the other side. While it
@@ -23,6 +21,7 @@ type half struct {
 	timer *time.Timer
 
 	onTimeout proto.Reason // the verdict if the other side does not come
+	told      bool         // TCP(onTimeout) was sent already: the timeout only counts it
 }
 
 // intentLife is how long an INTENT is kept: the connect it announces may
@@ -31,10 +30,10 @@ func (b *Broker) intentLife() time.Duration {
 	return b.opts.PairingTimeout + b.opts.LookupTimeout + 10*time.Second
 }
 
-// Intent records that s's guest is about to connect with tuple t. Intents
-// are only hints (a passive side waits for a peer that announced itself,
-// and an announced active side may wait for its conntrack entry to become
-// ESTABLISHED); they grant nothing. Each guest keeps at most
+// Intent records that s's guest is about to connect with tuple t: only
+// version-2 libraries send it, and it grants and changes nothing (a
+// version-2 OPEN gets TCP(version)); it is kept, within its limit, so
+// that such libraries keep working. Each guest keeps at most
 // IntentsPerGuest: beyond, its oldest is dropped (that connection's OPENs
 // then go as without an INTENT). Expiry pops the guest's own queue, in
 // time order: no INTENT scans the others.
@@ -56,18 +55,12 @@ func (b *Broker) Intent(s Session, t ctrack.Tuple) {
 	q.put(t, struct{}{}, now.Add(b.intentLife()))
 }
 
-// announced reports whether g sent an INTENT for t that is still kept.
-func (b *Broker) announced(g *Guest, t ctrack.Tuple) bool {
-	b.mu.Lock()
-	defer b.mu.Unlock()
-	return g.ctl.intents.has(t, time.Now())
-}
-
 // Open handles an OPEN: it verifies the claim (one conntrack lookup, on the
 // caller's goroutine, so a session's messages stay in order) and then either
 // answers, pairs, or leaves the side waiting for its peer; the verdict goes
-// out on s. An OPEN beyond the guest's PendingOpensPerGuest gets
-// TCP(control-limit) at once, before any lookup.
+// out on s. Nothing waits for it: the connection is on TCP meanwhile. An
+// OPEN beyond the guest's PendingOpensPerGuest gets TCP(control-limit) at
+// once, before any lookup.
 func (b *Broker) Open(s Session, m proto.Msg) {
 	role := "passive"
 	if m.Role == proto.Active {
@@ -76,7 +69,7 @@ func (b *Broker) Open(s Session, m proto.Msg) {
 	b.m.Opens.WithLabelValues(role).Inc()
 	g := s.Guest()
 	if !b.admitOpen(g) {
-		b.fallback(s, m.ReqID, proto.ReasonControlLimit)
+		b.fallback(s, m.ReqID, proto.ReasonControlLimit, true)
 		return
 	}
 	if !b.open(s, m) {
@@ -93,7 +86,7 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	e, reason := b.verify(s.Guest(), m.Role, t)
 	if reason != proto.ReasonNone {
 		b.log.Debug("open refused", "guest", s.Guest().Name, "role", m.Role, "tuple", t, "reason", reason)
-		b.fallback(s, m.ReqID, reason)
+		b.fallback(s, m.ReqID, reason, true)
 		return false
 	}
 	key := e.Reply
@@ -106,48 +99,57 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	}
 	now := time.Now()
 	if r, ok := b.remembered.get(key, now); ok {
-		b.fallbackLocked(s, m.ReqID, r)
+		b.fallbackLocked(s, m.ReqID, r, false) // counted when it was decided
 		return false
 	}
 	other := b.waiting[key]
 	if other != nil && other.role == m.Role {
 		// A second OPEN of the same side for one connection: refuse it.
-		b.fallbackLocked(s, m.ReqID, proto.ReasonNotOwner)
+		b.fallbackLocked(s, m.ReqID, proto.ReasonNotOwner, true)
 		return false
 	}
-	wait, onTimeout := b.opts.PairingTimeout, proto.ReasonTimeout
+	if !switching(s) {
+		// A version-2 library (or one without a common ring format): on
+		// TCP, and its peer's OPEN learns it at once.
+		b.refuseLocked(h, other, proto.ReasonVersion)
+		return false
+	}
+	told, onTimeout := false, proto.ReasonTimeout
 	if m.Role == proto.Passive && other == nil {
 		og := b.guestByAddr(e.Orig.Src.Addr())
-		if og == nil || !og.ctl.intents.has(e.Orig, now) {
-			if og == nil || !b.hasSessionLocked(og) {
-				// An ordinary client: TCP at once. Remember it, so a late
-				// OPEN of the other side gets the same verdict.
-				b.log.Debug("passive open without intent", "guest", s.Guest().Name, "orig", e.Orig)
-				b.fallbackLocked(s, m.ReqID, proto.ReasonNoIntent)
-				b.rememberLocked(key, proto.ReasonNoIntent)
-				return false
-			}
-			// The connecting side is a Shunt guest whose INTENT may still be
-			// queued behind us (its session is served by another goroutine):
-			// wait briefly for it instead of the full pairing timeout.
-			wait, onTimeout = b.opts.IntentGrace, proto.ReasonNoIntent
+		if og == nil {
+			// An ordinary client: TCP at once. Remember it, so a late
+			// OPEN of the other side gets the same verdict.
+			b.log.Trace("passive open from a client that is no guest", "guest", s.Guest().Name, "orig", e.Orig)
+			b.refuseLocked(h, nil, proto.ReasonNoIntent)
+			return false
+		}
+		if !b.hasSessionLocked(og) {
+			// A guest without a session: most likely a program not
+			// under Shunt, so TCP at once; but a fresh process's
+			// session may still be on its way, so the OPEN waits for
+			// its peer all the same (READY may follow TCP).
+			b.fallbackLocked(s, m.ReqID, proto.ReasonNoIntent, false)
+			told, onTimeout = true, proto.ReasonNoIntent
 		}
 	}
 	if m.Role == proto.Active {
-		if reason := b.checkActiveLocked(s.Guest(), e); reason != proto.ReasonNone {
-			b.fallbackLocked(s, m.ReqID, reason)
-			if other != nil {
-				b.dropWaitingLocked(other, reason)
-			} else {
-				b.rememberLocked(key, reason)
-			}
+		switch reason := b.checkActiveLocked(s.Guest(), e); {
+		case reason == proto.ReasonNoListener && other == nil:
+			// Most likely a server not under Shunt: TCP at once; but
+			// its LISTEN may still be on its way on another session,
+			// so the OPEN waits for its peer all the same.
+			b.fallbackLocked(s, m.ReqID, reason, false)
+			told, onTimeout = true, reason
+		case reason != proto.ReasonNone:
+			b.refuseLocked(h, other, reason)
 			return false
 		}
 		s.Guest().ctl.intents.remove(e.Orig)
 	}
 	if other == nil {
-		h.onTimeout = onTimeout
-		h.timer = time.AfterFunc(wait, func() { b.timeout(h) })
+		h.onTimeout, h.told = onTimeout, told
+		h.timer = time.AfterFunc(b.opts.PairingTimeout, func() { b.timeout(h) })
 		b.waiting[key] = h
 		if h.role == proto.Passive {
 			b.waitingP[e.Orig] = h
@@ -157,6 +159,14 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 		return true
 	}
 	b.unwaitLocked(other)
+	if other.told && other.onTimeout == proto.ReasonNoListener && !b.listeningLocked(s.Guest(), e.Reply.Src) {
+		// The active side waited for a LISTEN (on another session, it
+		// may come late: after a hostd restart); the passive side's
+		// LISTEN comes before its OPEN on its session, or not at all.
+		b.fallbackLocked(s, m.ReqID, proto.ReasonNoListener, true)
+		b.rememberLocked(key, proto.ReasonNoListener)
+		return false
+	}
 	a, p := h, other
 	if m.Role == proto.Passive {
 		a, p = other, h
@@ -167,6 +177,18 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	}
 	b.pairLocked(a, p, start)
 	return false
+}
+
+// refuseLocked answers h's OPEN with TCP(reason), and the other side's if
+// it waits; otherwise the verdict is remembered for it. The connection's
+// fallback is counted once.
+func (b *Broker) refuseLocked(h, other *half, reason proto.Reason) {
+	b.fallbackLocked(h.sess, h.req, reason, true)
+	if other != nil {
+		b.unwaitLocked(other)
+		b.fallbackLocked(other.sess, other.req, reason, false)
+	}
+	b.rememberLocked(h.key, reason)
 }
 
 // verify checks one side's claim, without the lock. It reuses the entry
@@ -181,7 +203,7 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 	if e, ok := b.otherSide(role, t); ok && b.claim(g, role, t, &e) == proto.ReasonNone {
 		return e, proto.ReasonNone
 	}
-	e, reason := b.lookup(t, role == proto.Active && b.announced(g, t))
+	e, reason := b.lookup(t, role == proto.Active)
 	if reason != proto.ReasonNone {
 		return e, reason
 	}
@@ -268,15 +290,14 @@ func (b *Broker) otherSide(role proto.Role, t ctrack.Tuple) (ctrack.Entry, bool)
 	return h.entry, true
 }
 
-// lookup finds t's conntrack entry. Only an announced active side (its
-// guest sent an INTENT for t) retries, with backoff until the entry is
-// ESTABLISHED and assured or LookupTimeout has passed: its connect()
-// returned at the SYN-ACK, and the handshake's last ACK may still be on
-// its way. Everything else costs one lookup: a passive side's accept()
-// returned after that ACK passed conntrack, and a missing entry does not
-// appear later (it was made by the SYN), so neither is retried. A guest
-// can thus make hostd retry only for connections it announced, which its
-// INTENT limit bounds.
+// lookup finds t's conntrack entry. Only an active side retries, with
+// backoff until the entry is ESTABLISHED and assured or LookupTimeout has
+// passed: its connect() returned at the SYN-ACK, and the handshake's last
+// ACK may still be on its way. Everything else costs one lookup: a passive
+// side's accept() returned after that ACK passed conntrack, and a missing
+// entry does not appear later (it was made by the SYN), so neither is
+// retried. The retries run on the guest's own session, and its OPEN rate
+// and pending-OPEN limits bound them.
 func (b *Broker) lookup(t ctrack.Tuple, retry bool) (ctrack.Entry, proto.Reason) {
 	deadline := time.Now().Add(b.opts.LookupTimeout)
 	for delay, tries := 100*time.Microsecond, 1; ; delay, tries = min(2*delay, 10*time.Millisecond), tries+1 {
@@ -302,7 +323,8 @@ func (b *Broker) lookup(t ctrack.Tuple, retry bool) (ctrack.Entry, proto.Reason)
 }
 
 // checkActiveLocked runs the checks that need the peer: it is local, in the
-// same group, listening, and policy allows the flow.
+// same group, and listening. Policy, limits and quota are the connection
+// record's (mayUpgradeLocked): they change while it lives.
 func (b *Broker) checkActiveLocked(g *Guest, e ctrack.Entry) proto.Reason {
 	peer := b.guestByAddr(e.Reply.Src.Addr())
 	switch {
@@ -313,84 +335,31 @@ func (b *Broker) checkActiveLocked(g *Guest, e ctrack.Entry) proto.Reason {
 	case !b.listeningLocked(peer, e.Reply.Src):
 		return proto.ReasonNoListener
 	}
-	v := b.policy.Load().Decide(policy.Flow{From: e.Orig.Src, To: e.Reply.Src})
-	if !v.FastPath {
-		return v.Reason
-	}
-	limit := b.policy.Load().MaxFlowsPerGuest()
-	if b.flowsOfLocked(g) >= limit || b.flowsOfLocked(peer) >= limit {
-		return proto.ReasonGuestLimit
-	}
 	return proto.ReasonNone
 }
 
-// pairLocked allocates the ring pair for a verified active and passive side
-// and tells both.
+// pairLocked records the connection of a verified active and passive
+// side and moves it to the rings if it may: READY to both, or TCP(reason)
+// to both, counted once.
 func (b *Broker) pairLocked(a, p *half, start time.Time) {
-	ga, gp := a.sess.Guest(), p.sess.Guest()
-	if b.origin(ga, p.entry) != proto.ReasonNone { // the passive side's entry, too, came in by A's interface
+	if b.origin(a.sess.Guest(), p.entry) != proto.ReasonNone { // the passive side's entry, too, came in by A's interface
 		b.failPairLocked(a, p, proto.ReasonNotOwner)
 		return
 	}
-	v := b.policy.Load().Decide(policy.Flow{From: a.entry.Orig.Src, To: a.entry.Reply.Src})
-	// The quota is the connecting guest's: what it opens is what it is
-	// charged for, so no guest can use up another's by connecting to it.
-	if b.overQuotaLocked(ga, v.RingSize) {
-		b.failPairLocked(a, p, proto.ReasonGuestQuota)
+	if c := b.conns[a.entry.Reply]; c != nil && c.ctid == a.entry.ID && c.a.g == a.sess.Guest() && c.b.g == p.sess.Guest() {
+		b.reannouncedLocked(c, a, p)
 		return
 	}
-	r, reason := b.regionForLocked(ga, gp)
-	if reason == proto.ReasonNone && (!canHand(a.sess, r) || !canHand(p.sess, r)) {
-		b.log.Warn("a session cannot take a region's descriptor", "a", ga.Name, "b", gp.Name)
-		reason = proto.ReasonInternal
+	c := b.newConnLocked(a, p)
+	if reason := b.upgradeLocked(c, start); reason != proto.ReasonNone {
+		b.fallbackLocked(a.sess, a.req, reason, true)
+		b.fallbackLocked(p.sess, p.req, reason, false)
 	}
-	if reason != proto.ReasonNone {
-		b.failPairLocked(a, p, reason)
-		if r != nil && r.flows == 0 && r.ID != 0 {
-			b.dropRegionLocked(r)
-		}
-		return
-	}
-	slot, e, err := r.Pool.Alloc(region.Request{
-		OwnerA: ga.ID, OwnerB: gp.ID, Src: a.entry.Orig.Src, Dst: a.entry.Orig.Dst,
-		Capacity: v.RingSize, Created: time.Now().UnixNano(),
-	})
-	if err != nil {
-		reason := proto.ReasonInternal
-		if errors.Is(err, region.ErrFull) {
-			reason = proto.ReasonNoSpace
-		}
-		b.log.Warn("cannot allocate a ring pair", "region", r.Name(), "error", err)
-		b.failPairLocked(a, p, reason)
-		if r.flows == 0 && r.ID != 0 {
-			b.dropRegionLocked(r)
-		}
-		return
-	}
-	f := &Flow{
-		id: flowID{r.Group.Name, r.ID, slot}, Gen: e.Gen, Group: r.Group, Region: r, GuestA: ga, GuestB: gp,
-		sessA: a.sess, sessB: p.sess, Orig: a.entry.Orig, Key: a.entry.Reply, CTID: a.entry.ID,
-		Capacity: e.Capacity, Created: time.Now(), Rule: v.Rule,
-	}
-	b.flows[f.id] = f
-	b.byKey[f.Key] = f
-	b.flowAddedLocked(f)
-	b.holdLocked(a.sess, r, true)
-	b.holdLocked(p.sess, r, true)
-	ready := proto.Msg{Type: proto.Ready, RegionID: r.ID, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
-		RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
-	ready.ReqID, ready.Side = a.req, proto.SideA
-	a.sess.Send(ready)
-	ready.ReqID, ready.Side = p.req, proto.SideB
-	p.sess.Send(ready)
-	b.m.Setup.Observe(time.Since(start).Seconds())
-	b.m.Flows.WithLabelValues("ready", "direct").Inc()
-	b.log.Info("fast path", "flow", f.Name(), "a", ga.Name, "b", gp.Name, "tuple", f.Orig, "ring", e.Capacity, "rule", v.Rule, "setup", time.Since(start))
 }
 
 func (b *Broker) failPairLocked(a, p *half, reason proto.Reason) {
-	b.fallbackLocked(a.sess, a.req, reason)
-	b.fallbackLocked(p.sess, p.req, reason)
+	b.fallbackLocked(a.sess, a.req, reason, true)
+	b.fallbackLocked(p.sess, p.req, reason, false)
 	b.rememberLocked(a.entry.Reply, reason)
 }
 
@@ -407,7 +376,12 @@ func (b *Broker) timeout(h *half) {
 
 func (b *Broker) dropWaitingLocked(h *half, reason proto.Reason) {
 	b.unwaitLocked(h)
-	b.fallbackLocked(h.sess, h.req, reason)
+	if h.told && reason == h.onTimeout {
+		b.m.Fallbacks.WithLabelValues(reason.String()).Inc()
+		b.note("fallback", reason, "guest", h.sess.Guest().Name)
+	} else {
+		b.fallbackLocked(h.sess, h.req, reason, true)
+	}
 	b.rememberLocked(h.key, reason)
 }
 
@@ -440,11 +414,17 @@ func (b *Broker) rememberLocked(key ctrack.Tuple, reason proto.Reason) {
 
 // fallback answers TCP(reason); it needs no lock (Send is safe for
 // concurrent use), so refusals never wait for the broker.
-func (b *Broker) fallback(s Session, req uint32, reason proto.Reason) {
-	b.fallbackLocked(s, req, reason)
+func (b *Broker) fallback(s Session, req uint32, reason proto.Reason, count bool) {
+	b.fallbackLocked(s, req, reason, count)
 }
 
-func (b *Broker) fallbackLocked(s Session, req uint32, reason proto.Reason) {
-	b.m.Fallbacks.WithLabelValues(reason.String()).Inc()
+// fallbackLocked tells s that its connection req stays on TCP. count says
+// whether this is the connection's one count and log line (each
+// connection's fallback is counted once, not once per end).
+func (b *Broker) fallbackLocked(s Session, req uint32, reason proto.Reason, count bool) {
+	if count {
+		b.m.Fallbacks.WithLabelValues(reason.String()).Inc()
+		b.note("fallback", reason, "guest", s.Guest().Name)
+	}
 	s.Send(proto.Msg{Type: proto.TCP, ReqID: req, Reason: reason})
 }

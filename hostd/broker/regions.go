@@ -286,6 +286,9 @@ func (b *Broker) dropRegionLocked(r *Region) {
 		delete(rg.byPair, key)
 	}
 	delete(rg.byID, r.ID)
+	if rg.pairs != nil {
+		rg.pairs.Drop(r) // before UNREGION: a guest told may look for it gone
+	}
 	for s, h := range rg.held {
 		if _, has := h[r]; has {
 			delete(h, r)
@@ -296,9 +299,6 @@ func (b *Broker) dropRegionLocked(r *Region) {
 		if len(h) == 0 {
 			delete(rg.held, s)
 		}
-	}
-	if rg.pairs != nil {
-		rg.pairs.Drop(r)
 	}
 	b.log.Debug("pair region dropped", "region", r.Name())
 }

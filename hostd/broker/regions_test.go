@@ -85,7 +85,6 @@ func TestPairRegionLingers(t *testing.T) {
 	var id uint32
 	flow := func(port string, req uint32, first bool) []proto.Msg {
 		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
-		w.b.Intent(sa, ta)
 		w.b.Open(sa, open(proto.Active, ta, req))
 		w.b.Open(sb, open(proto.Passive, tb, req+1))
 		var readies []proto.Msg
@@ -107,8 +106,11 @@ func TestPairRegionLingers(t *testing.T) {
 		return readies
 	}
 	closeBoth := func(r []proto.Msg) {
-		w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, RegionID: id, Slot: r[0].Slot, Gen: r[0].Gen, Side: proto.SideA})
-		w.b.CloseFlow(sb, proto.Msg{Type: proto.Close, RegionID: id, Slot: r[1].Slot, Gen: r[1].Gen, Side: proto.SideB})
+		w.b.CloseConn(sa, proto.Msg{Type: proto.Close, ReqID: r[0].ReqID, RegionID: id, Slot: r[0].Slot, Gen: r[0].Gen, Side: proto.SideA})
+		if m := sb.next(t); m.Type != proto.Down || m.Reason != proto.ReasonPeerGone {
+			t.Fatalf("after A's CLOSE, B got %+v, want DOWN(peer-gone)", m)
+		}
+		w.b.CloseConn(sb, proto.Msg{Type: proto.Close, ReqID: r[1].ReqID, RegionID: id, Slot: r[1].Slot, Gen: r[1].Gen, Side: proto.SideB})
 	}
 	closeBoth(flow("4000", 1, true))
 	for i := range 3 {
@@ -135,7 +137,6 @@ func TestPairRegionHandedOver(t *testing.T) {
 	w, p, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"})
 	open2 := func(port string, req uint32) {
 		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
-		w.b.Intent(sa, ta)
 		w.b.Open(sa, open(proto.Active, ta, req))
 		w.b.Open(sb, open(proto.Passive, tb, req+1))
 	}
@@ -175,18 +176,23 @@ func TestPairRegionHandedOver(t *testing.T) {
 		t.Fatalf("flows %+v, want two in pair region 1", fl)
 	}
 	// A CLOSE naming region 0 (the group region) is not this flow.
-	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, RegionID: 0, Slot: readies[0].Slot, Gen: readies[0].Gen, Side: proto.SideA})
+	w.b.CloseConn(sa, proto.Msg{Type: proto.Close, RegionID: 0, Slot: readies[0].Slot, Gen: readies[0].Gen, Side: proto.SideA})
 	if fl := w.b.Flows(); len(fl) != 2 || fl[0].Attached != "ab" || fl[1].Attached != "ab" {
 		t.Fatalf("a CLOSE in region 0 released a flow of the pair region: %+v", fl)
 	}
 	closeAll := func(s *fileSession, side proto.Side) {
 		for _, r := range []proto.Msg{readies[0], second} {
-			w.b.CloseFlow(s, proto.Msg{Type: proto.Close, RegionID: id, Slot: r.Slot, Gen: r.Gen, Side: side})
+			w.b.CloseConn(s, proto.Msg{Type: proto.Close, RegionID: id, Slot: r.Slot, Gen: r.Gen, Side: side})
 		}
 	}
 	closeAll(sa, proto.SideA)
 	if m := sa.next(t); m.Type != proto.Unregion || m.RegionID != id {
 		t.Fatalf("after A's last CLOSE: %+v, want UNREGION %d", m, id)
+	}
+	for range 2 {
+		if m := sb.next(t); m.Type != proto.Down || m.Reason != proto.ReasonPeerGone {
+			t.Fatalf("after A's CLOSEs, B got %+v, want DOWN(peer-gone)", m)
+		}
 	}
 	sb.none(t)
 	if _, dropped := p.counts(); dropped != 0 {
@@ -212,7 +218,7 @@ func TestPairRegionHandedOver(t *testing.T) {
 
 // TestPairRegionNotReachableByOthers: a guest that is not one of the pair
 // cannot name the pair's region: its CLOSE and KICK do nothing and its
-// REATTACH is answered with REVOKE.
+// REATTACH is answered with DOWN (leave what you think you hold).
 func TestPairRegionNotReachableByOthers(t *testing.T) {
 	w, _, sa, sb := pairWorld(t, policy.Spec{})
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
@@ -228,13 +234,13 @@ func TestPairRegionNotReachableByOthers(t *testing.T) {
 	w.b.Attach(s3)
 	m := proto.Msg{RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Side: proto.SideA}
 	m.Type = proto.Close
-	w.b.CloseFlow(s3, m)
+	w.b.CloseConn(s3, m)
 	m.Type = proto.Kick
 	w.b.Kick(s3, m)
 	m.Type = proto.Reattach
 	w.b.Reattach(s3, m)
-	if got := s3.next(t); got.Type != proto.Revoke {
-		t.Fatalf("REATTACH by an outsider: %+v, want REVOKE", got)
+	if got := s3.next(t); got.Type != proto.Down {
+		t.Fatalf("REATTACH by an outsider: %+v, want DOWN", got)
 	}
 	sa.none(t)
 	sb.none(t)
@@ -279,7 +285,6 @@ func TestQuotaChargesTheOpener(t *testing.T) {
 	var keep []proto.Msg
 	for i, port := range []string{"4000", "4001", "4002"} {
 		ta, tb := w.conn("10.0.0.1:"+port, "10.0.0.2:80")
-		w.b.Intent(sa, ta)
 		w.b.Open(sa, open(proto.Active, ta, uint32(10+2*i)))
 		w.b.Open(sb, open(proto.Passive, tb, uint32(11+2*i)))
 		ma, mb := drain(sa), drain(sb)
@@ -303,8 +308,8 @@ func TestQuotaChargesTheOpener(t *testing.T) {
 		t.Fatalf("g2 to g1 with g1 at its quota: %+v / %+v, want READY", mb, ma)
 	}
 	// One of g1's flows freed: g1 may open again.
-	w.b.CloseFlow(sa, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideA})
-	w.b.CloseFlow(sb, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideB})
+	w.b.CloseConn(sa, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideA})
+	w.b.CloseConn(sb, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideB})
 	ta, tb = w.conn("10.0.0.1:4003", "10.0.0.2:80")
 	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 40))

@@ -30,13 +30,15 @@ type Config struct {
 	ConntrackNetns string // path of a netns whose conntrack table to use; "" = hostd's own
 	PairingTimeout time.Duration
 	ReattachGrace  time.Duration
-	Witness        bool     // eBPF witness of SYN origin on guest interfaces (Ownership witness or both)
-	Ownership      string   // how a guest proves a connection is its own: an Ownership* value
-	CTMarkMask     uint32   // the bits of the conntrack mark hostd sets (hostd/mark)
-	StateDir       string   // root-only: hostd's shadow of every region (region.Files)
-	RegionDir      string   // root-only: the regions of guest pairs
-	Limits         Limits   // what one guest may hold of the control plane
-	Libvirt        *Libvirt // nil: no libvirt integration
+	ShutdownGrace  time.Duration // how long a stopping hostd waits for the guests to leave the rings
+	WatchRuleset   bool          // watch the firewall's ruleset and move connections to TCP on a change
+	Witness        bool          // eBPF witness of SYN origin on guest interfaces (Ownership witness or both)
+	Ownership      string        // how a guest proves a connection is its own: an Ownership* value
+	CTMarkMask     uint32        // the bits of the conntrack mark hostd sets (hostd/mark)
+	StateDir       string        // root-only: hostd's shadow of every region (region.Files)
+	RegionDir      string        // root-only: the regions of guest pairs
+	Limits         Limits        // what one guest may hold of the control plane
+	Libvirt        *Libvirt      // nil: no libvirt integration
 	Groups         []Group
 	Guests         []Guest
 	Policy         policy.Spec
@@ -139,6 +141,8 @@ type file struct {
 	ConntrackNetns string        `hcl:"conntrack_netns,optional"`
 	PairingTimeout string        `hcl:"pairing_timeout,optional"`
 	ReattachGrace  string        `hcl:"reattach_grace,optional"`
+	ShutdownGrace  string        `hcl:"shutdown_grace,optional"`
+	WatchRuleset   *bool         `hcl:"watch_ruleset,optional"`
 	Witness        bool          `hcl:"witness,optional"`
 	Ownership      string        `hcl:"ownership,optional"`
 	CTMarkMask     string        `hcl:"ct_mark_mask,optional"`
@@ -238,6 +242,10 @@ func Parse(name string, src []byte) (*Config, error) {
 	if c.ReattachGrace, err = duration(raw.ReattachGrace, 5*time.Second); err != nil {
 		return nil, fmt.Errorf("%s", at("reattach_grace: "+err.Error()))
 	}
+	if c.ShutdownGrace, err = duration(raw.ShutdownGrace, 2*time.Second); err != nil {
+		return nil, fmt.Errorf("%s", at("shutdown_grace: "+err.Error()))
+	}
+	c.WatchRuleset = raw.WatchRuleset == nil || *raw.WatchRuleset
 	if err := c.ownership(raw); err != nil {
 		return nil, fmt.Errorf("%s", at(err.Error()))
 	}

@@ -232,3 +232,25 @@ func TestParseRefusesSharedOwnership(t *testing.T) {
 		t.Fatal(err)
 	}
 }
+
+// TestParseSwitching: the ruleset watch is on unless turned off, and the
+// shutdown grace defaults to 2 s.
+func TestParseSwitching(t *testing.T) {
+	c, err := config.Parse("hostd.hcl", []byte(good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !c.WatchRuleset || c.ShutdownGrace != 2*time.Second {
+		t.Fatalf("defaults: watch_ruleset %v, shutdown_grace %v; want true, 2s", c.WatchRuleset, c.ShutdownGrace)
+	}
+	c, err = config.Parse("hostd.hcl", []byte("watch_ruleset = false\nshutdown_grace = \"500ms\"\n"+good))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.WatchRuleset || c.ShutdownGrace != 500*time.Millisecond {
+		t.Fatalf("set: watch_ruleset %v, shutdown_grace %v; want false, 500ms", c.WatchRuleset, c.ShutdownGrace)
+	}
+	if _, err := config.Parse("hostd.hcl", []byte("shutdown_grace = \"-1s\"\n"+good)); err == nil || !strings.Contains(err.Error(), "shutdown_grace") {
+		t.Fatalf("negative shutdown_grace: %v, want an error naming it", err)
+	}
+}

@@ -29,7 +29,16 @@ type Entry struct {
 	Assured     bool
 	Mark        uint32
 	Zone        uint16
+	// Accounting counters (net.netfilter.nf_conntrack_acct=1), per
+	// direction; all zero when the entry has none (accounting was off
+	// when the entry was made).
+	PacketsOrig, PacketsReply uint64
+	BytesOrig, BytesReply     uint64
 }
+
+// Counted reports whether the entry carries accounting counters: any
+// connection that got an entry has moved a packet, so zero means none.
+func (e Entry) Counted() bool { return e.PacketsOrig != 0 || e.PacketsReply != 0 }
 
 // Established reports whether the connection is ESTABLISHED and assured.
 func (e Entry) Established() bool { return e.TCPState == StateEstablished && e.Assured }

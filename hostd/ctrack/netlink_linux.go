@@ -75,6 +75,8 @@ func entry(f conntrack.Flow) Entry {
 		ID:   f.ID,
 		Orig: tuple(f.TupleOrig), Reply: tuple(f.TupleReply),
 		TCPState: f.ProtoInfo.TCP.State, Assured: f.Status.Assured(), Mark: f.Mark, Zone: f.Zone,
+		PacketsOrig: f.CountersOrig.Packets, PacketsReply: f.CountersReply.Packets,
+		BytesOrig: f.CountersOrig.Bytes, BytesReply: f.CountersReply.Bytes,
 	}
 }
 

@@ -13,6 +13,8 @@ admin_socket    = "/run/shunt/admin.sock"
 metrics_address = "127.0.0.1:9469"
 pairing_timeout = "2s"
 reattach_grace  = "5s"
+# shutdown_grace = "2s"   # a stopping hostd moves connections to TCP and waits this long for the guests
+# watch_ruleset  = true   # a firewall ruleset change moves connections to TCP until their lease carries packets both ways
 
 # state_dir  = "/run/shunt/state"     # root-only: hostd's record of every region
 # region_dir = "/run/shunt/regions"   # root-only: the regions of process-guest pairs

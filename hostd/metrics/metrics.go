@@ -13,7 +13,9 @@ import (
 // Set holds hostd's metrics. Safe for concurrent use.
 type Set struct {
 	Registry  *prometheus.Registry
-	Fallbacks *prometheus.CounterVec // reason
+	Fallbacks *prometheus.CounterVec // reason; once per connection
+	Switches  *prometheus.CounterVec // to (rings, tcp), reason
+	Conns     *prometheus.GaugeVec   // path (rings, leaving, tcp): hostd's connection records
 	Revokes   *prometheus.CounterVec // reason
 	Opens     *prometheus.CounterVec // role
 	Flows     *prometheus.GaugeVec   // state, mode
@@ -43,8 +45,14 @@ func New() *Set {
 	s := &Set{
 		Registry: prometheus.NewRegistry(),
 		Fallbacks: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "shunt_fallbacks_total", Help: "Connections kept on TCP, by reason.",
+			Name: "shunt_fallbacks_total", Help: "Connections kept on TCP at setup, by reason (once per connection).",
 		}, []string{"reason"}),
+		Switches: prometheus.NewCounterVec(prometheus.CounterOpts{
+			Name: "shunt_switches_total", Help: "Path switches of connections: to=rings (READY; reason: why it was on TCP before) or to=tcp (DOWN; reason: why).",
+		}, []string{"to", "reason"}),
+		Conns: prometheus.NewGaugeVec(prometheus.GaugeOpts{
+			Name: "shunt_connections", Help: "Connections hostd keeps a record of, by path (rings, leaving, tcp).",
+		}, []string{"path"}),
 		Revokes: prometheus.NewCounterVec(prometheus.CounterOpts{
 			Name: "shunt_revocations_total", Help: "Fast-path flows revoked, by reason.",
 		}, []string{"reason"}),
@@ -77,11 +85,14 @@ func New() *Set {
 			Name: "shunt_control_kicks_merged_total", Help: "Relayed KICKs merged into one already waiting for the same flow side.",
 		}),
 	}
-	s.Registry.MustRegister(s.Fallbacks, s.Revokes, s.Opens, s.Flows, s.Setup, s.Malformed, s.Sessions,
+	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Malformed, s.Sessions,
 		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range proto.Reasons() {
 		s.Fallbacks.WithLabelValues(r.String())
+	}
+	for _, p := range []string{"rings", "leaving", "tcp"} {
+		s.Conns.WithLabelValues(p)
 	}
 	for _, k := range []string{LimitSessions, LimitListens, LimitIntents, LimitOpens, LimitOpenRate} {
 		s.Limited.WithLabelValues(k)

@@ -31,7 +31,10 @@ func (e *env) inNetns() string {
 	return ""
 }
 
-const eventsSysctl = "net.netfilter.nf_conntrack_events"
+const (
+	eventsSysctl = "net.netfilter.nf_conntrack_events"
+	acctSysctl   = "net.netfilter.nf_conntrack_acct"
+)
 
 // checkConntrack: hostd looks flows up over ctnetlink and learns of
 // deleted entries from its destroy events.
@@ -69,7 +72,26 @@ func checkConntrack(_ context.Context, e *env) {
 	case v == "1" || v == "2":
 		e.ok("%s = %s%s: destroy events reach hostd", eventsSysctl, v, where)
 	default:
-		e.problem(fmt.Sprintf("%s = %s%s: hostd gets no destroy events, so deleting a connection's conntrack entry would not revoke its fast path", eventsSysctl, v, where), set)
+		e.problem(fmt.Sprintf("%s = %s%s: hostd gets no destroy events, so deleting a connection's conntrack entry would not move it to TCP", eventsSysctl, v, where), set)
+	}
+	if e.cfg.WatchRuleset {
+		checkAcct(e, ns, where)
+	}
+}
+
+// checkAcct: after a firewall ruleset change, hostd moves a connection back
+// to the rings only once conntrack's accounting counters show its lease
+// carried packets both ways; hostd turns accounting on at start.
+func checkAcct(e *env, ns, where string) {
+	v, err := e.p.Sysctl(ns, acctSysctl)
+	const without = ": after a firewall ruleset change, connections stay on TCP until the next policy reload"
+	switch {
+	case err != nil:
+		e.warn("read "+acctSysctl+where+": "+err.Error()+without, "modprobe nf_conntrack, and run hostd as root (it sets "+acctSysctl+"=1 at start)")
+	case v == "1":
+		e.ok("%s = 1%s: the ruleset watch can see connections' packets", acctSysctl, where)
+	default:
+		e.ok("%s = %s%s: hostd sets it to 1 at start (watch_ruleset); connections made before keep no counters", acctSysctl, v, where)
 	}
 }
 

@@ -171,6 +171,9 @@ func TestConntrack(t *testing.T) {
 			p := healthy()
 			p.Conntrack = func(string) error { return tc.dial }
 			p.Sysctl = func(_, name string) (string, error) {
+				if name == acctSysctl {
+					return "1", nil
+				}
 				if name != eventsSysctl {
 					t.Errorf("sysctl %s, want %s", name, eventsSysctl)
 				}

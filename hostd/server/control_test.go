@@ -68,7 +68,7 @@ func TestSessionLimit(t *testing.T) {
 	until(t, "a session over the limit accepted after one closed", func() bool {
 		s := w.dial(t, w.g1)
 		defer s.c.Close()
-		_, _ = s.c.Write(frame(t, proto.Msg{Type: proto.Hello, PID: 1})) // a refused one may be closed already
+		_, _ = s.c.Write(frame(t, proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})) // a refused one may be closed already
 		m, _, err := proto.Read(s.c, nil)
 		return err == nil && m.Type == proto.Welcome
 	})
@@ -220,7 +220,7 @@ func TestSessionRate(t *testing.T) {
 	var ss []*guest
 	for range n {
 		s := w.dial(t, w.g1)
-		s.send(proto.Msg{Type: proto.Hello, PID: 1})
+		s.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})
 		ss = append(ss, s)
 	}
 	w.hello(t, w.g2).ping(1) // served while the first guest's wait

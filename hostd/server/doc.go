@@ -11,21 +11,28 @@
 //
 //	connect --> handshake --HELLO/WELCOME--> dispatch --EOF, reset--> detached
 //	            |                            |
-//	            | guest message: ERROR       | LISTEN, INTENT, OPEN, CLOSE,
+//	            | guest message: ERROR       | LISTEN, INTENT, OPEN, CLOSE, LEFT,
 //	            |   (no-hostd), keep going   |   REATTACH, KICK: to the broker
 //	            | other: ERROR(malformed),   | PING: PONG
 //	            |   close                    | HELLO: WELCOME again; after the
 //	            |                            |   guest acted, a new guest on the
-//	            |                            |   channel: its flows are revoked
+//	            |                            |   channel: the old one is gone
 //	            |                            | malformed, or a message only
 //	            |                            |   hostd sends: ERROR, close
+//
+// HELLO says what the guest library speaks: the session answers in its
+// protocol version (2 or 3), WELCOME names the ring format hostd chose
+// (0: none in common), and a session that is not version 3 with a common
+// format tells the broker so (Switching), which answers its OPENs with
+// TCP(version).
 //
 // A guest message before HELLO means the guest still talks to an earlier
 // hostd (a VM's port stays open across a restart): ERROR(no-hostd) asks it
 // to say HELLO again. A malformed frame gets ERROR(malformed) after the
 // replies already queued, and the session is closed, logged and counted;
 // other sessions and guests are unaffected. A session that ends (EOF, reset,
-// Remove) is detached from the broker, which revokes its flows; Close ends
+// Remove) is detached from the broker, which moves the other end of each
+// of its connections to TCP (DOWN(peer-gone)); Close ends
 // every session without detaching them, since hostd stopping is not the
 // guests going away.
 //

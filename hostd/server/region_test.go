@@ -81,7 +81,7 @@ func TestRegionWithDescriptor(t *testing.T) {
 	}()
 	hello := func(g *broker.Guest) *guest {
 		s := w.dial(t, g)
-		s.send(proto.Msg{Type: proto.Hello, PID: 1})
+		s.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})
 		if m := s.next(); m.Type != proto.Welcome || m.Region != "" || m.RegionSize != 0 {
 			t.Fatalf("WELCOME %+v, want one naming no region", m)
 		}

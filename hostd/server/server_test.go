@@ -24,8 +24,13 @@ import (
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/shmtest"
 )
+
+// formats is what a version-3 guest library's HELLO offers: the switching
+// ring format.
+const formats = 1 << ring.FormatVersion
 
 // wait bounds every read a test makes on a control socket.
 const wait = 5 * time.Second
@@ -141,7 +146,7 @@ func (w *world) dial(t *testing.T, g *broker.Guest) *guest {
 func (w *world) hello(t *testing.T, g *broker.Guest) *guest {
 	t.Helper()
 	s := w.dial(t, g)
-	s.send(proto.Msg{Type: proto.Hello, PID: 1})
+	s.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})
 	if m := s.next(); m.Type != proto.Welcome || m.GuestID != g.ID || m.Region != g.Group.Region ||
 		m.RegionSize != uint64(g.Group.Pool.Region().Layout().Size) {
 		t.Fatalf("after HELLO got %+v, want WELCOME for guest %d of region %s", m, g.ID, g.Group.Region)
@@ -248,7 +253,7 @@ func TestBeforeHello(t *testing.T) {
 		s.send(proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Active,
 			Local: netip.MustParseAddrPort("10.0.0.1:4000"), Remote: netip.MustParseAddrPort("10.0.0.2:80")})
 		s.expect(proto.Error, proto.ReasonNoHostd)
-		s.send(proto.Msg{Type: proto.Hello, PID: 1})
+		s.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})
 		s.expect(proto.Welcome, proto.ReasonNone)
 		s.ping(2)
 		other.ping(3)
@@ -294,7 +299,7 @@ func TestMalformed(t *testing.T) {
 		{"payload longer than its type", append([]byte{proto.Version, byte(proto.Ping), 0, 0, 9, 0, 0, 0}, append(ping[proto.HeaderSize:], 0)...)},
 		{"unknown type", []byte{proto.Version, 99, 0, 0, 0, 0, 0, 0}},
 		{"type zero", []byte{proto.Version, 0, 0, 0, 0, 0, 0, 0}},
-		{"version", append([]byte{proto.Version - 1}, ping[1:]...)},
+		{"version", append([]byte{proto.MinVersion - 1}, ping[1:]...)},
 		{"reserved bytes", append([]byte{proto.Version, byte(proto.Ping), 1, 0}, ping[4:]...)},
 		{"bad role", frame(t, proto.Msg{Type: proto.Open, Role: 3})},
 		{"WELCOME from a guest", frame(t, proto.Msg{Type: proto.Welcome, Region: "x"})},
@@ -330,7 +335,7 @@ func TestErrorComesLast(t *testing.T) {
 	w := newWorld(t)
 	s := w.dial(t, w.g1)
 	var b []byte
-	b = append(b, frame(t, proto.Msg{Type: proto.Hello, PID: 1})...)
+	b = append(b, frame(t, proto.Msg{Type: proto.Hello, PID: 1, Formats: formats})...)
 	for i := range 8 {
 		b = append(b, frame(t, proto.Msg{Type: proto.Ping, Nonce: uint64(i)})...)
 	}
@@ -385,8 +390,7 @@ func (w *world) pair(t *testing.T, a, p *guest) (ra, rp proto.Msg) {
 	p.send(proto.Msg{Type: proto.Listen, Local: netip.AddrPortFrom(netip.IPv4Unspecified(), 80)})
 	p.ping(1)
 	w.ct.Add(ta, ta.Reverse(), 0)
-	a.send(proto.Msg{Type: proto.Intent, Local: ta.Src, Remote: ta.Dst},
-		proto.Msg{Type: proto.Open, ReqID: 10, Role: proto.Active, Local: ta.Src, Remote: ta.Dst})
+	a.send(proto.Msg{Type: proto.Open, ReqID: 10, Role: proto.Active, Local: ta.Src, Remote: ta.Dst})
 	p.send(proto.Msg{Type: proto.Open, ReqID: 20, Role: proto.Passive, Local: ta.Dst, Remote: ta.Src})
 	ra, rp = a.expect(proto.Ready, proto.ReasonNone), p.expect(proto.Ready, proto.ReasonNone)
 	if ra.ReqID != 10 || rp.ReqID != 20 || ra.Side != proto.SideA || rp.Side != proto.SideB ||
@@ -397,77 +401,154 @@ func (w *world) pair(t *testing.T, a, p *guest) (ra, rp proto.Msg) {
 }
 
 // TestOpenPair: OPENs of both ends of a connection between two guests get
-// READY on both sessions; KICK is relayed to the peer; CLOSE from both
-// frees the flow.
+// READY on both sessions; KICK is relayed to the peer; a CLOSE from one end
+// sends DOWN(peer-gone) to the other, whose CLOSE frees the flow and ends
+// the connection record.
 func TestOpenPair(t *testing.T) {
 	w := newWorld(t)
 	a, p := w.hello(t, w.g1), w.hello(t, w.g2)
 	ra, _ := w.pair(t, a, p)
-	if fl := w.b.Flows(); len(fl) != 1 || fl[0].GuestA != "g1" || fl[0].GuestB != "g2" || fl[0].Attached != "ab" {
-		t.Fatalf("flows %+v, want one from g1 to g2 with both sides attached", fl)
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].GuestA != "g1" || fl[0].GuestB != "g2" || fl[0].Attached != "ab" || fl[0].Path != "rings" {
+		t.Fatalf("flows %+v, want one from g1 to g2 on the rings with both sides attached", fl)
 	}
 	a.send(proto.Msg{Type: proto.Kick, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
 	if m := p.expect(proto.Kick, proto.ReasonNone); m.Slot != ra.Slot || m.Gen != ra.Gen || m.Side != proto.SideB {
 		t.Fatalf("relayed KICK %+v, want slot %d gen %d side B", m, ra.Slot, ra.Gen)
 	}
-	a.send(proto.Msg{Type: proto.Close, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA})
-	a.ping(2)
-	p.send(proto.Msg{Type: proto.Close, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
+	a.send(proto.Msg{Type: proto.Close, ReqID: 10, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA})
+	if m := p.expect(proto.Down, proto.ReasonPeerGone); m.ReqID != 20 || m.Slot != ra.Slot || m.Gen != ra.Gen {
+		t.Fatalf("DOWN %+v, want request 20 of slot %d gen %d", m, ra.Slot, ra.Gen)
+	}
+	p.send(proto.Msg{Type: proto.Close, ReqID: 20, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
 	p.ping(3)
 	if fl := w.b.Flows(); len(fl) != 0 {
 		t.Fatalf("flows %+v after both CLOSEs, want none", fl)
 	}
 }
 
+// TestDownLeft: LEFT from both ends frees the ring pair; the connection
+// record stays (on TCP) until both CLOSE.
+func TestDownLeft(t *testing.T) {
+	w := newWorld(t)
+	a, p := w.hello(t, w.g1), w.hello(t, w.g2)
+	ra, _ := w.pair(t, a, p)
+	name := w.b.Flows()[0].Conn
+	if !w.b.Downgrade(name) {
+		t.Fatalf("Downgrade(%s) found nothing", name)
+	}
+	da, dp := a.expect(proto.Down, proto.ReasonAdmin), p.expect(proto.Down, proto.ReasonAdmin)
+	if da.ReqID != 10 || dp.ReqID != 20 || da.Slot != ra.Slot || dp.Gen != ra.Gen {
+		t.Fatalf("DOWN %+v and %+v, want requests 10 and 20 of the flow", da, dp)
+	}
+	a.send(proto.Msg{Type: proto.Left, ReqID: 10, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA})
+	a.ping(4)
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "leaving" {
+		t.Fatalf("flows %+v after one LEFT, want one leaving", fl)
+	}
+	p.send(proto.Msg{Type: proto.Left, ReqID: 20, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
+	p.ping(5)
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" || fl[0].Reason != "admin" || fl[0].Ring != 0 {
+		t.Fatalf("flows %+v after both LEFTs, want the connection on TCP (admin), without rings", fl)
+	}
+	a.send(proto.Msg{Type: proto.Close, ReqID: 10, Side: proto.SideA})
+	p.send(proto.Msg{Type: proto.Close, ReqID: 20, Side: proto.SideB})
+	a.ping(6)
+	p.ping(7)
+	if fl := w.b.Flows(); len(fl) != 0 {
+		t.Fatalf("flows %+v after both CLOSEs, want none", fl)
+	}
+}
+
+// TestVersions: a version-2 library is answered in version 2 and every
+// OPEN of it gets TCP(version), as does a version-3 one that shares no
+// ring format with hostd (its WELCOME says formats 0); the peer of either
+// gets TCP(version) at once.
+func TestVersions(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		hello   proto.Msg
+		version uint8
+	}{
+		{"version 2", proto.Msg{Version: 2, Type: proto.Hello, PID: 1}, 2},
+		{"no common format", proto.Msg{Type: proto.Hello, PID: 1, Formats: 1 << 1}, 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w := newWorld(t)
+			a := w.dial(t, w.g1)
+			a.send(tc.hello)
+			if m := a.next(); m.Type != proto.Welcome || m.Version != tc.version || m.Formats != 0 {
+				t.Fatalf("WELCOME %+v, want version %d, formats 0", m, tc.version)
+			}
+			p := w.hello(t, w.g2)
+			ta := ctrack.Tuple{Src: netip.MustParseAddrPort("10.0.0.1:4000"), Dst: netip.MustParseAddrPort("10.0.0.2:80")}
+			p.send(proto.Msg{Type: proto.Listen, Local: netip.AddrPortFrom(netip.IPv4Unspecified(), 80)})
+			p.ping(1)
+			w.ct.Add(ta, ta.Reverse(), 0)
+			p.send(proto.Msg{Type: proto.Open, ReqID: 20, Role: proto.Passive, Local: ta.Dst, Remote: ta.Src})
+			p.ping(2) // it waits for its peer
+			a.send(proto.Msg{Version: tc.hello.Version, Type: proto.Open, ReqID: 10, Role: proto.Active, Local: ta.Src, Remote: ta.Dst})
+			if m := a.expect(proto.TCP, proto.ReasonVersion); m.ReqID != 10 || m.Version != tc.version {
+				t.Fatalf("TCP %+v, want request 10 in version %d", m, tc.version)
+			}
+			if m := p.expect(proto.TCP, proto.ReasonVersion); m.ReqID != 20 {
+				t.Fatalf("peer's TCP %+v, want request 20", m)
+			}
+			a.send(proto.Msg{Version: tc.hello.Version, Type: proto.Ping, Nonce: 3})
+			if m := a.next(); m.Type != proto.Pong || m.Version != tc.version {
+				t.Fatalf("PONG %+v, want version %d", m, tc.version)
+			}
+		})
+	}
+}
+
 // TestHelloAgain: a HELLO retried before the guest acted changes nothing;
 // a HELLO after it acted is a new guest behind the same channel (a VM
-// rebooted in place): its flows are revoked and released on its side, its
-// listeners go, and it gets WELCOME again.
+// rebooted in place): its connections' peers get DOWN(peer-gone) and its
+// side counts as left, its listeners go, and it gets WELCOME again.
 func TestHelloAgain(t *testing.T) {
 	w := newWorld(t)
 	a, p := w.hello(t, w.g1), w.hello(t, w.g2)
-	a.send(proto.Msg{Type: proto.Hello, PID: 1}) // retried before acting
+	a.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats}) // retried before acting
 	a.expect(proto.Welcome, proto.ReasonNone)
 	a.send(proto.Msg{Type: proto.Listen, Local: netip.MustParseAddrPort("10.0.0.1:81")})
 	a.ping(5)
-	a.send(proto.Msg{Type: proto.Hello, PID: 1}) // after LISTEN only
+	a.send(proto.Msg{Type: proto.Hello, PID: 1, Formats: formats}) // after LISTEN only
 	a.expect(proto.Welcome, proto.ReasonNone)
 	if got := w.listening(w.g1); len(got) != 0 {
 		t.Fatalf("listening %v after HELLO again, want none", got)
 	}
 
 	ra, _ := w.pair(t, a, p)
-	a.send(proto.Msg{Type: proto.Hello, PID: 2})
-	if m := a.expect(proto.Revoke, proto.ReasonPeerGone); m.Slot != ra.Slot || m.Gen != ra.Gen {
-		t.Fatalf("REVOKE %+v, want slot %d gen %d", m, ra.Slot, ra.Gen)
-	}
+	a.send(proto.Msg{Type: proto.Hello, PID: 2, Formats: formats})
 	a.expect(proto.Welcome, proto.ReasonNone)
-	if m := p.expect(proto.Revoke, proto.ReasonPeerGone); m.Slot != ra.Slot || m.Gen != ra.Gen {
-		t.Fatalf("peer's REVOKE %+v, want slot %d gen %d", m, ra.Slot, ra.Gen)
+	if m := p.expect(proto.Down, proto.ReasonPeerGone); m.Slot != ra.Slot || m.Gen != ra.Gen || m.ReqID != 20 {
+		t.Fatalf("peer's DOWN %+v, want request 20, slot %d gen %d", m, ra.Slot, ra.Gen)
 	}
-	if fl := w.b.Flows(); len(fl) != 1 || fl[0].State != "revoked" || fl[0].Attached != "b" {
-		t.Fatalf("flows %+v, want the flow revoked, held by the peer only", fl)
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "leaving" || fl[0].Attached != "b" {
+		t.Fatalf("flows %+v, want the connection leaving the rings, held by the peer only", fl)
 	}
 	if got := w.listening(w.g2); len(got) != 1 {
 		t.Fatalf("the peer's listeners %v went too", got)
 	}
-	p.send(proto.Msg{Type: proto.Close, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
+	p.send(proto.Msg{Type: proto.Left, ReqID: 20, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideB})
+	p.send(proto.Msg{Type: proto.Close, ReqID: 20, Side: proto.SideB})
 	p.ping(6)
 	if fl := w.b.Flows(); len(fl) != 0 {
-		t.Fatalf("flows %+v after the peer's CLOSE, want none", fl)
+		t.Fatalf("flows %+v after the peer's LEFT and CLOSE, want none", fl)
 	}
 	a.ping(7) // the new guest is served
 }
 
-// TestGuestGone: a guest closing its channel is the guest going away: its
-// flows are revoked (the peer is told) and released on its side.
+// TestGuestGone: a guest closing its channel is the guest going away: the
+// peer of each of its connections gets DOWN(peer-gone), and its side of
+// the rings counts as left.
 func TestGuestGone(t *testing.T) {
 	w := newWorld(t)
 	a, p := w.hello(t, w.g1), w.hello(t, w.g2)
 	ra, _ := w.pair(t, a, p)
 	a.c.Close()
-	if m := p.expect(proto.Revoke, proto.ReasonPeerGone); m.Slot != ra.Slot {
-		t.Fatalf("REVOKE %+v, want slot %d", m, ra.Slot)
+	if m := p.expect(proto.Down, proto.ReasonPeerGone); m.Slot != ra.Slot || m.ReqID != 20 {
+		t.Fatalf("DOWN %+v, want request 20 of slot %d", m, ra.Slot)
 	}
 	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Attached != "b" {
 		t.Fatalf("flows %+v, want the flow held by the peer only", fl)
@@ -511,7 +592,7 @@ func TestResetIsNotMalformed(t *testing.T) {
 	a.send(proto.Msg{Type: proto.Ping, Nonce: 9})
 	a.unread(proto.HeaderSize + 8) // the PONG waits in a's socket
 	a.c.Close()
-	p.expect(proto.Revoke, proto.ReasonPeerGone)
+	p.expect(proto.Down, proto.ReasonPeerGone)
 	if got := w.malformed(t); got != 0 {
 		t.Errorf("malformed count %v after a reset, want 0", got)
 	}

@@ -18,6 +18,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // outQueue is how many messages a session may have waiting for its guest
@@ -64,7 +65,12 @@ type session struct {
 	quit  chan struct{} // closed when writeLoop returns
 	heard atomic.Int64  // when the guest last said something (since epoch)
 	ready atomic.Bool   // WELCOME queued: keepalive PINGs may go
-	room  chan struct{} // 1: the writer drained the queue to a quarter
+	// What the guest library speaks, from its HELLO: the protocol version
+	// hostd answers in (proto.Version or an older one), and whether it
+	// shares a ring format with hostd (path switching).
+	version atomic.Uint32
+	formats atomic.Bool
+	room    chan struct{} // 1: the writer drained the queue to a quarter
 
 	kicks kickLane
 
@@ -173,6 +179,30 @@ func newSession(s *Server, c net.Conn, g *broker.Guest) *session {
 
 func (ss *session) Guest() *broker.Guest { return ss.g }
 
+// Switching implements broker.Switcher: the guest library speaks protocol
+// version 3 and a ring format hostd shares; every OPEN of any other gets
+// TCP(version).
+func (ss *session) Switching() bool {
+	return ss.version.Load() == proto.Version && ss.formats.Load()
+}
+
+// learn takes the guest library's protocol version and ring formats from
+// its HELLO, and returns the WELCOME's formats: ring.FormatVersion if the
+// library has it, else 0.
+func (ss *session) learn(hello proto.Msg) uint32 {
+	v := uint32(hello.Version)
+	if v == 0 {
+		v = proto.Version
+	}
+	ss.version.Store(v)
+	var formats uint32
+	if v == proto.Version && hello.Formats&(1<<ring.FormatVersion) != 0 {
+		formats = 1 << ring.FormatVersion
+	}
+	ss.formats.Store(formats != 0)
+	return formats
+}
+
 // SendFile implements broker.FileSender: it queues m with a duplicate of
 // f, which the writer sends along with m's frame (SCM_RIGHTS) and then
 // closes. The caller keeps f.
@@ -202,6 +232,9 @@ func (ss *session) writeFile(frame []byte, f *os.File) error {
 // Send queues m; a guest that lets outQueue messages pile up is
 // disconnected. KICKs go to the coalescing lane instead.
 func (ss *session) Send(m proto.Msg) {
+	if v := ss.version.Load(); v != 0 && v != proto.Version {
+		m.Version = uint8(v) // answered in the guest's own version
+	}
 	if m.Type == proto.Kick {
 		ss.kick(m)
 		return
@@ -254,6 +287,9 @@ func (ss *session) takeKicks(buf []byte) []byte {
 	defer l.mu.Unlock()
 	for _, k := range l.order {
 		m := proto.Msg{Type: proto.Kick, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: k.side}
+		if v := ss.version.Load(); v != 0 && v != proto.Version {
+			m.Version = uint8(v)
+		}
 		if b, err := m.Append(buf); err == nil {
 			buf = b
 		}
@@ -468,22 +504,24 @@ func (ss *session) handshake() (proto.Msg, error) {
 			return m, fmt.Errorf("first message is %s, want HELLO: %w", m.Type, proto.ErrMalformed)
 		}
 		ss.log.Debug("guest talks before HELLO (hostd restarted?); asking for HELLO", "type", m.Type)
+		ss.learn(m) // answer in its version
 		ss.Send(proto.Msg{Type: proto.Error, Reason: proto.ReasonNoHostd, Text: "say HELLO: hostd restarted"})
 	}
 }
 
 // attach registers the session with the broker and answers its HELLO.
 func (ss *session) attach(hello proto.Msg) {
+	formats := ss.learn(hello)
 	ss.srv.b.Attach(ss)
 	// Region 0: the group region for a guest that maps it (VMs); none for
 	// a process guest, which gets a region per peer as a descriptor.
-	ss.welcome = proto.Msg{Type: proto.Welcome, GuestID: ss.g.ID}
+	ss.welcome = proto.Msg{Type: proto.Welcome, GuestID: ss.g.ID, Formats: formats}
 	if path, r := ss.srv.b.RegionZero(ss.g); r != nil {
 		ss.welcome.Gen, ss.welcome.RegionSize, ss.welcome.Region = r.Generation(), uint64(r.Layout().Size), path
 	}
 	ss.Send(ss.welcome)
 	ss.ready.Store(true)
-	ss.log.Debug("guest connected", "pid", hello.PID)
+	ss.log.Debug("guest connected", "pid", hello.PID, "version", ss.version.Load(), "switching", ss.Switching())
 }
 
 // dispatch handles one message after the handshake; an error ends the
@@ -506,7 +544,9 @@ func (ss *session) dispatch(m proto.Msg) error {
 	case proto.Open:
 		b.Open(ss, m)
 	case proto.Close:
-		b.CloseFlow(ss, m)
+		b.CloseConn(ss, m)
+	case proto.Left:
+		b.Left(ss, m)
 	case proto.Reattach:
 		b.Reattach(ss, m)
 	case proto.Kick:
@@ -531,6 +571,7 @@ func (ss *session) helloAgain(m proto.Msg) {
 	if ss.spoke {
 		ss.log.Info("guest started again on its channel (VM reboot?); its flows are revoked", "pid", m.PID)
 		ss.srv.b.Detach(ss)
+		ss.welcome.Formats = ss.learn(m)
 		ss.srv.b.Attach(ss)
 		ss.spoke = false
 	}
@@ -541,6 +582,7 @@ func (ss *session) helloAgain(m proto.Msg) {
 var fromGuest = map[proto.Type]bool{
 	proto.Hello: true, proto.Listen: true, proto.Unlisten: true, proto.Intent: true, proto.Open: true,
 	proto.Close: true, proto.Reattach: true, proto.Ping: true, proto.Pong: true, proto.Kick: true,
+	proto.Left: true,
 }
 
 // fail ends the session for err. A guest that went away (EOF, reset) is

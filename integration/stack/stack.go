@@ -18,6 +18,7 @@ import (
 
 	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
 )
 
@@ -182,7 +183,9 @@ func exited(pid int) bool {
 	return i < 0 || i+2 >= len(b) || b[i+2] == 'Z'
 }
 
-// StopHostd stops hostd with SIGTERM (flows keep running).
+// StopHostd stops hostd with SIGTERM: it moves every connection to TCP
+// (DOWN(shutdown)), waits up to 2 s for the guests to leave the rings, and
+// exits; the connections go on over TCP.
 func (s *Stack) StopHostd() {
 	if s.Hostd == nil {
 		return
@@ -260,4 +263,57 @@ func (s *Stack) Close() error {
 		os.RemoveAll(s.Dir)
 	}
 	return err
+}
+
+// SetPolicy rewrites hostd's configuration with the given policy block
+// body and reloads it (the admin reload, as `hostd reload`): connections
+// on the rings that it forbids move to TCP (DOWN), connections on TCP it
+// allows move to the rings. It returns how many moved to TCP.
+func (s *Stack) SetPolicy(policy string) (int, error) {
+	if err := s.WriteConfig(policy); err != nil {
+		return 0, err
+	}
+	var rep map[string]int
+	if err := admin.Call(s.Admin, admin.Request{Cmd: admin.CmdReload}, &rep); err != nil {
+		return 0, fmt.Errorf("reload: %w", err)
+	}
+	return rep["downgraded"], nil
+}
+
+// PolicyTCP is a policy block body that keeps every connection on TCP;
+// "" (the default policy) puts every allowed one on the rings. With
+// SetPolicy, a test flips between them.
+const PolicyTCP = `default = "tcp"`
+
+// Conns returns hostd's connection records (`hostd flows`): per paired
+// connection, its guests, tuple, path (rings, leaving, tcp) and reason,
+// switch count and byte counters.
+func (s *Stack) Conns() ([]broker.FlowInfo, error) {
+	var fl []broker.FlowInfo
+	if err := admin.Call(s.Admin, admin.Request{Cmd: admin.CmdFlows}, &fl); err != nil {
+		return nil, fmt.Errorf("hostd flows: %w", err)
+	}
+	return fl, nil
+}
+
+// ConnOn returns the record of the connection whose active end's local
+// port is port (Src ends in ":port"), and whether there is one.
+func (s *Stack) ConnOn(port int) (broker.FlowInfo, bool, error) {
+	fl, err := s.Conns()
+	if err != nil {
+		return broker.FlowInfo{}, false, err
+	}
+	for _, f := range fl {
+		if strings.HasSuffix(f.Src, fmt.Sprintf(":%d", port)) || strings.HasSuffix(f.Dst, fmt.Sprintf(":%d", port)) {
+			return f, true, nil
+		}
+	}
+	return broker.FlowInfo{}, false, nil
+}
+
+// Downgrade moves a connection to TCP by its name in Conns (the record's
+// or its ring pair's), as `hostd downgrade` does; it stays there until
+// the next reload.
+func (s *Stack) Downgrade(name string) error {
+	return admin.Call(s.Admin, admin.Request{Cmd: admin.CmdDowngrade, Flow: name}, nil)
 }

@@ -13,7 +13,8 @@ import (
 // guests get a region per guest pair as a file descriptor. Version 3 is
 // path switching: a connection starts on TCP, READY moves it to the rings
 // and DOWN back, any number of times (DOWN, LEFT; CLOSE names the request;
-// HELLO and WELCOME carry the ring formats). docs/protocol.md.
+// HELLO and WELCOME carry the ring formats; REATTACH names the request).
+// docs/protocol.md.
 const Version = 3
 
 // MinVersion is the oldest version this package decodes and encodes, so
@@ -50,7 +51,7 @@ const (
 	Kick           // both: Slot, Gen, Side: wake the reader/writer of that side (VMs)
 	Ping           // both: Nonce
 	Pong           // both: Nonce
-	Reattach       // guest -> hostd: RegionID, Slot, Gen, Side, Local/Remote of a flow it still holds
+	Reattach       // guest -> hostd: ReqID (v3), RegionID, Slot, Gen, Side, Local/Remote of a flow it still holds
 	Error          // hostd -> guest: Reason, Text; the channel closes after it (but see docs/protocol.md)
 	RegionMsg      // hostd -> guest: RegionID, RegionSize; the region's fd rides along (SCM_RIGHTS)
 	Unregion       // hostd -> guest: RegionID: no flow of this guest uses it any more; unmap it
@@ -161,7 +162,7 @@ var layouts = [numTypes][]field{
 	Kick:      {fRegionID, fSlot, fGen, fSide},
 	Ping:      {fNonce},
 	Pong:      {fNonce},
-	Reattach:  {fRegionID, fSlot, fGen, fSide, fLocal, fRemote},
+	Reattach:  {fReqID, fRegionID, fSlot, fGen, fSide, fLocal, fRemote},
 	Error:     {fReason, fText},
 	RegionMsg: {fRegionID, fRegionSize},
 	Unregion:  {fRegionID},
@@ -178,6 +179,8 @@ func layoutV2(t Type) ([]field, bool) {
 		return []field{fGuestID, fGen, fRegionSize, fRegion}, true
 	case Close:
 		return []field{fRegionID, fSlot, fGen, fSide}, true
+	case Reattach:
+		return []field{fRegionID, fSlot, fGen, fSide, fLocal, fRemote}, true
 	case Down, Left:
 		return nil, false
 	}

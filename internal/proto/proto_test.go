@@ -41,7 +41,7 @@ func TestWireSizes(t *testing.T) {
 	want := map[proto.Type]int{
 		proto.Hello: 8, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
 		proto.Ready: 4 + 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 21, proto.Revoke: 18,
-		proto.Kick: 17, proto.Ping: 8, proto.Reattach: 53, proto.RegionMsg: 12, proto.Unregion: 4,
+		proto.Kick: 17, proto.Ping: 8, proto.Reattach: 57, proto.RegionMsg: 12, proto.Unregion: 4,
 		proto.Down: 22, proto.Left: 21,
 	}
 	for _, m := range samples() {

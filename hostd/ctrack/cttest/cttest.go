@@ -22,9 +22,52 @@ func (t *Table) Add(orig, reply ctrack.Tuple, mark uint32) ctrack.Entry {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.nextID++
-	e := ctrack.Entry{ID: t.nextID, Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark}
+	e := ctrack.Entry{ID: t.nextID, Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark,
+		PacketsOrig: 3, PacketsReply: 2, BytesOrig: 180, BytesReply: 120} // the handshake, accounted
 	t.entries = append(t.entries, e)
 	return e
+}
+
+// Delete removes the entry with id (as conntrack -D does; no event is
+// reported: call the broker's ConntrackDestroyed for that). It reports
+// whether there was one.
+func (t *Table) Delete(id uint32) bool {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i, e := range t.entries {
+		if e.ID == id {
+			t.entries = append(t.entries[:i], t.entries[i+1:]...)
+			return true
+		}
+	}
+	return false
+}
+
+// Count adds packets to the accounting counters of the entry with id, in
+// its original and reply directions (a lease carrying packets).
+func (t *Table) Count(id uint32, orig, reply uint64) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.entries {
+		if e := &t.entries[i]; e.ID == id {
+			e.PacketsOrig += orig
+			e.PacketsReply += reply
+			e.BytesOrig += 100 * orig
+			e.BytesReply += 100 * reply
+		}
+	}
+}
+
+// Uncount clears the accounting counters of the entry with id, as on a
+// host with net.netfilter.nf_conntrack_acct off.
+func (t *Table) Uncount(id uint32) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.entries {
+		if e := &t.entries[i]; e.ID == id {
+			e.PacketsOrig, e.PacketsReply, e.BytesOrig, e.BytesReply = 0, 0, 0, 0
+		}
+	}
 }
 
 // Lookup implements ctrack.Tracker: either direction matches.

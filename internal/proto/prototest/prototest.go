@@ -33,7 +33,7 @@ func Samples() []proto.Msg {
 		{Type: proto.Kick, RegionID: 3, Slot: 4, Gen: 11, Side: proto.SideB},
 		{Type: proto.Ping, Nonce: 1 << 60},
 		{Type: proto.Pong, Nonce: 5},
-		{Type: proto.Reattach, RegionID: 2, Slot: 1, Gen: 2, Side: proto.SideA, Local: A, Remote: B},
+		{Type: proto.Reattach, ReqID: 13, RegionID: 2, Slot: 1, Gen: 2, Side: proto.SideA, Local: A, Remote: B},
 		{Type: proto.Error, Reason: proto.ReasonMalformed, Text: "bad frame"},
 		{Type: proto.RegionMsg, RegionID: 5, RegionSize: 16 << 20},
 		{Type: proto.Unregion, RegionID: 5},
@@ -50,6 +50,7 @@ func SamplesV2() []proto.Msg {
 		{Version: 2, Type: proto.Hello, PID: 4242},
 		{Version: 2, Type: proto.Welcome, GuestID: 7, Gen: 3, RegionSize: 64 << 20, Region: "/dev/shm/shunt-tenant"},
 		{Version: 2, Type: proto.Close, RegionID: 3, Slot: 4, Gen: 11, Side: proto.SideA},
+		{Version: 2, Type: proto.Reattach, RegionID: 2, Slot: 1, Gen: 2, Side: proto.SideA, Local: A, Remote: B},
 		{Version: 2, Type: proto.Open, ReqID: 9, Role: proto.Active, Local: A, Remote: B},
 		{Version: 2, Type: proto.TCP, ReqID: 9, Reason: proto.ReasonVersion},
 	}
