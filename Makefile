@@ -76,7 +76,7 @@ $(BIN)/shunt-early: integration/ctest/early.c $(BIN)/libshunt-early.so
 	$(CC) $(SHUNT_CFLAGS) -o $@ $< -L$(BIN) -lshunt-early -Wl,-rpath,'$$ORIGIN'
 
 # The edge suite's servers ignore some write results on purpose.
-EDGE_SRC := integration/ctest/edge.c integration/ctest/edge_blocking.c
+EDGE_SRC := integration/ctest/edge.c integration/ctest/edge_blocking.c integration/ctest/edge_switch.c
 
 $(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	@mkdir -p $(@D)
@@ -131,6 +131,10 @@ bench-shm: ## cross-process ring benchmarks, medians of BENCHCOUNT interleaved r
 	for i in $$(seq $(BENCHCOUNT)); do $(BIN)/shm.test -test.run '^$$' -test.bench . -test.benchtime 200ms >> $(BIN)/bench-shm.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-shm.txt
 	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-shm' $(BIN)/bench-shm.txt
+
+# BenchmarkRecordPingPong's C ends are shunt-xtest (shm/records_bench_test.go).
+bench-shm: $(BIN)/shunt-xtest
+bench-shm: export SHUNT_XTEST = $(abspath $(BIN))/shunt-xtest
 
 bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/

@@ -157,8 +157,9 @@ func (e *env) maxFlows(fn func()) int {
 	return <-done
 }
 
-// fastLines counts the library's "shunt (slot" lines: connections that
-// took the fast path.
+// fastLines counts the library's "shunt (slot" lines: READYs that a
+// connection attached (one per connection unless hostd moved it to TCP
+// and back).
 func fastLines(out string) int { return strings.Count(out, ": shunt (slot ") }
 
 func TestPreloadSockperf(t *testing.T) {
@@ -271,8 +272,10 @@ func TestPreloadRedis(t *testing.T) {
 	e.waitListening(2, 6390)
 	set := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6390", "set", "shunt", "fast"))
 	get := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6390", "get", "shunt"))
-	if !strings.Contains(set, "OK") || !strings.Contains(get, "fast") || fastLines(get) != 1 {
-		t.Fatalf("redis-cli over the fast path: set %q, get %q", set, get)
+	// redis-cli's connections may end before hostd's READY comes (nothing
+	// waits for it): correct answers are what counts for them.
+	if !strings.Contains(set, "OK") || !strings.Contains(get, "fast") {
+		t.Fatalf("redis-cli under the library: set %q, get %q", set, get)
 	}
 	bench := e.run(1, e.guestCmd(1, "redis-benchmark", "-h", g2, "-p", "6390", "-n", "20000", "-c", "4", "-t", "set,get", "-q"))
 	rps := regexp.MustCompile(`GET: ([0-9.]+) requests per second`).FindStringSubmatch(bench)
@@ -280,8 +283,8 @@ func TestPreloadRedis(t *testing.T) {
 		t.Fatalf("redis-benchmark did not run over the fast path:\n%s", bench)
 	}
 	t.Logf("redis GET: %s requests/s over the fast path", rps[1])
-	if fastLines(srv.String()) < 6 {
-		t.Fatalf("redis-server accepted %d fast-path connections, want at least 6", fastLines(srv.String()))
+	if fastLines(srv.String()) < 4 {
+		t.Fatalf("redis-server's connections took the rings %d times, want at least 4", fastLines(srv.String()))
 	}
 }
 
@@ -489,9 +492,12 @@ func TestPreloadEdgeCases(t *testing.T) {
 			t.Fatalf("after io_uring_setup, the connection must stay on TCP:\n%s", out)
 		}
 	})
+	// A conntrack DESTROY is a downgrade (DOWN conntrack-gone): the
+	// connection goes on over TCP, as the kernel and the firewall let it.
 	t.Run("revoke", func(t *testing.T) {
 		cmd := client("revoke")
 		stdout, _ := cmd.StdoutPipe()
+		stdin, _ := cmd.StdinPipe()
 		var stderr bytes.Buffer
 		cmd.Stderr = &stderr
 		if err := nsrig.Start(e.rig.Guests[0].NSPath(), cmd); err != nil {
@@ -502,8 +508,9 @@ func TestPreloadEdgeCases(t *testing.T) {
 		if line, err := r.ReadString('\n'); err != nil || line != "blocked\n" {
 			t.Fatalf("client: %q, %v", line, err)
 		}
-		time.Sleep(20 * time.Millisecond) // let it enter the read; an early revoke is caught too
 		e.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "7700")
+		eventually(t, 5*time.Second, "the library's DOWN", func() bool { return strings.Contains(stderr.String(), ": down (conntrack-gone)") })
+		fmt.Fprintln(stdin, "go")
 		line, _ := r.ReadString('\n')
 		cmd.Wait()
 		if line != "PASS revoke\n" {

@@ -78,6 +78,8 @@ int channel_recv(int fd, int port, struct shunt_msg *m, struct shunt_fdq *q)
 	if (recv_full(fd, buf, SHUNT_PROTO_HEADER, q))
 		return -1;
 	ssize_t n = shunt_msg_header(buf, &type);
+	if (n == SHUNT_EVERSION)
+		errno = EPROTONOSUPPORT;
 	if (n < 0 || recv_full(fd, buf + SHUNT_PROTO_HEADER, n, q))
 		return -1;
 	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
@@ -89,6 +91,8 @@ int channel_read(int fd, int port, struct shunt_msg *m)
 	if (read_full(fd, port, buf, SHUNT_PROTO_HEADER))
 		return -1;
 	ssize_t n = shunt_msg_header(buf, &type);
+	if (n == SHUNT_EVERSION)
+		errno = EPROTONOSUPPORT; /* an older hostd: the session says "version" */
 	if (n < 0 || read_full(fd, port, buf + SHUNT_PROTO_HEADER, n))
 		return -1;
 	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
@@ -129,13 +133,24 @@ int channel_write(int fd, int port, const struct shunt_msg *m)
 	return write_all(fd, port, buf, n);
 }
 
+/* welcome_ok checks that hostd chose our ring format: a WELCOME with
+ * none in common (formats 0) leaves every connection on TCP, so the
+ * session is not kept (reason version, retried later). */
+static int welcome_ok(const struct shunt_msg *m)
+{
+	if (m->formats & (1u << SHUNT_RING_FORMAT))
+		return 0;
+	errno = EPROTONOSUPPORT;
+	return -1;
+}
+
 /* port_hello says HELLO on a port until WELCOME comes: the port drops what
  * is written before both ends are open, and it may still hold what hostd
  * sent to an earlier user of the port, which is skipped. */
 static int port_hello(int fd, struct shunt_msg *m)
 {
 	for (int try = 0; try < SHUNT_PORT_HELLO_TRIES; try++) {
-		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
 		if (channel_write(fd, 1, &h))
 			return -1;
 		int64_t until = shunt_now_ns() + SHUNT_PORT_HELLO_NS;
@@ -146,7 +161,7 @@ static int port_hello(int fd, struct shunt_msg *m)
 			if (channel_read(fd, 1, m))
 				return -1;
 			if (m->type == SHUNT_WELCOME)
-				return 0;
+				return welcome_ok(m);
 			if (m->type == SHUNT_ERROR && m->reason != SHUNT_REASON_NO_HOSTD)
 				return -1;
 		}
@@ -189,11 +204,11 @@ static int open_socket(const char *path, struct shunt_msg *m)
 	strcpy(sa.sun_path, path);
 	errno = 0;
 	int fd = sys_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid()};
+	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
 	if (fd < 0 || sys_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
 	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
-	    channel_read(fd, 0, m) || m->type != SHUNT_WELCOME) {
+	    channel_read(fd, 0, m) || (m->type != SHUNT_WELCOME && (errno = EPROTO)) || welcome_ok(m)) {
 		int e = errno;
 		if (fd >= 0)
 			sys_close(fd);

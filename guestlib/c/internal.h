@@ -68,6 +68,7 @@ struct shunt_session {
 	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */
 	size_t nmaps, cmaps;
 	uint32_t next_req;
+	unsigned why;       /* why the last open failed: SHUNT_REASON_VERSION or NO_HOSTD (shunt_session_reason) */
 	struct pending *pend;
 	uint64_t nonce, pong;
 };

@@ -81,3 +81,5 @@ void shunt_kicks_enable(void)
 }
 
 int shunt_kicks_enabled(void) { return __atomic_load_n(&enabled, SC); }
+
+void shunt_kick_local(void) { shunt_kicked(); }

@@ -270,6 +270,7 @@ static int reconnect(struct shunt_session *s)
 		}
 		struct shunt_msg w;
 		int fd = channel_open(s, &w);
+		s->why = fd < 0 && errno == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : SHUNT_REASON_NO_HOSTD;
 		if (fd >= 0) {
 			set_fd(s, fd);
 			if (shunt_session_vm(s) && spawn(keepalive, s, fd))
@@ -304,12 +305,13 @@ static void *reader(void *arg)
 				shunt_region_msg(s, &m, &q);
 				continue;
 			}
+			int waited = 0;
 			pthread_mutex_lock(&s->mu);
 			if (m.type == SHUNT_READY || m.type == SHUNT_TCP) {
 				for (struct pending *p = s->pend; p; p = p->next)
 					if (p->id == m.req_id && !p->done) {
 						*p->reply = m;
-						p->done = 1;
+						p->done = waited = 1;
 					}
 			} else if (m.type == SHUNT_PONG) {
 				s->pong = m.nonce;
@@ -328,6 +330,8 @@ static void *reader(void *arg)
 			pthread_mutex_unlock(&s->mu);
 			if (m.type == SHUNT_REVOKE && s->c.revoked)
 				s->c.revoked(s->c.arg, &m);
+			if ((m.type == SHUNT_READY || m.type == SHUNT_TCP || m.type == SHUNT_DOWN) && !waited && s->c.conn)
+				s->c.conn(s->c.arg, &m);
 		}
 		shunt_fdq_close(&q);
 		/* Requests in flight go to TCP now rather than at their timeout. */
@@ -397,7 +401,11 @@ int shunt_session_ensure(struct shunt_session *s)
 	int fd = channel_open(s, &m);
 	if (fd < 0) {
 		int e = errno;
-		shunt_logf(s, "shunt: hostd unreachable at %s: %s", s->c.control, strerror(e));
+		s->why = e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : SHUNT_REASON_NO_HOSTD;
+		if (e == EPROTONOSUPPORT)
+			shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
+		else
+			shunt_logf(s, "shunt: hostd unreachable at %s: %s", s->c.control, strerror(e));
 		pthread_mutex_unlock(&s->mu);
 		errno = e;
 		return -1;
@@ -426,6 +434,9 @@ int shunt_session_ensure(struct shunt_session *s)
 	return 0;
 }
 
+/* next_id gives a fresh request id (mu held): never 0. */
+static uint32_t next_id(struct shunt_session *s) { return ++s->next_req ? s->next_req : ++s->next_req; }
+
 void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms)
 {
 	struct timespec dl = deadline(timeout_ms);
@@ -433,7 +444,7 @@ void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct 
 	memset(reply, 0, sizeof *reply);
 	reply->type = SHUNT_TCP;
 	pthread_mutex_lock(&s->mu);
-	m->req_id = ++s->next_req ? s->next_req : ++s->next_req;
+	m->req_id = next_id(s);
 	p.id = m->req_id;
 	p.next = s->pend;
 	s->pend = &p;
@@ -452,6 +463,32 @@ void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct 
 			break;
 		}
 	pthread_mutex_unlock(&s->mu);
+}
+
+int shunt_session_open(struct shunt_session *s, struct shunt_msg *m)
+{
+	pthread_mutex_lock(&s->mu);
+	if (!m->req_id)
+		m->req_id = next_id(s);
+	int r = write_locked(s, m);
+	pthread_mutex_unlock(&s->mu);
+	return r;
+}
+
+uint32_t shunt_session_new_req(struct shunt_session *s)
+{
+	pthread_mutex_lock(&s->mu);
+	uint32_t id = next_id(s);
+	pthread_mutex_unlock(&s->mu);
+	return id;
+}
+
+unsigned shunt_session_reason(struct shunt_session *s)
+{
+	pthread_mutex_lock(&s->mu);
+	unsigned r = s->why ? s->why : SHUNT_REASON_NO_HOSTD;
+	pthread_mutex_unlock(&s->mu);
+	return r;
 }
 
 void shunt_session_sync(struct shunt_session *s)
@@ -493,6 +530,7 @@ int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *v, struct
 	f->slot = v->slot;
 	f->gen = v->gen;
 	f->side = v->side;
+	f->req = v->req_id;
 	f->session = s;
 	f->w.owner = f->r.owner = f;
 	return 0;
@@ -506,7 +544,15 @@ int shunt_flow_reset(const struct shunt_flow *f)
 
 int shunt_flow_close(const struct shunt_flow *f)
 {
-	struct shunt_msg m = {.type = SHUNT_CLOSE, .region_id = f->region_id, .slot = f->slot, .gen = f->gen, .side = f->side};
+	struct shunt_msg m = {.type = SHUNT_CLOSE, .req_id = f->req, .region_id = f->region_id, .slot = f->slot, .gen = f->gen,
+			      .side = f->side ? f->side : 1};
+	return shunt_session_send(f->session, &m);
+}
+
+int shunt_flow_left(const struct shunt_flow *f)
+{
+	struct shunt_msg m = {.type = SHUNT_LEFT, .req_id = f->req, .region_id = f->region_id, .slot = f->slot, .gen = f->gen,
+			      .side = f->side};
 	return shunt_session_send(f->session, &m);
 }
 

@@ -1,6 +1,6 @@
 /* libshunt core: Shunt's guest side in C, shared by the LD_PRELOAD library
  * (guestlib/preload) and the Open MPI transport (guestlib/mpi). It holds
- * the same ring format v1 (docs/region.md) and control protocol v1
+ * the same ring format 2 (docs/region.md) and control protocol v3
  * (docs/protocol.md) as the Go packages shm/ring, shm/region and
  * internal/proto, and the session with hostd that guestlib's Client keeps
  * in Go: connect, HELLO and WELCOME, requests and their verdicts, reconnect
@@ -345,15 +345,20 @@ ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
  *
  * A session is one process's control channel to hostd: a Unix socket, or
  * in a VM a virtio-serial port (docs/vm.md). It opens lazily, says HELLO,
- * maps the region WELCOME names, and keeps a reader thread that matches
- * verdicts to requests, relays REVOKE and KICK, and reconnects when hostd
- * goes away:
+ * maps the region WELCOME names, and keeps a reader thread that hands
+ * READY, TCP and DOWN to the connections they name (by request id: the
+ * conn callback, or a waiting shunt_session_request), relays REVOKE and
+ * KICK, and reconnects when hostd goes away:
  *
  *   ensure --> open --> HELLO --> WELCOME --> map region --> reader
  *                                                             |  EOF or
- *     announce (LISTEN, REATTACH) <-- HELLO <-- backoff <-----+  ERROR(no-hostd)
+ *     announce (LISTEN, REATTACH, OPEN) <-- HELLO <-- backoff +  ERROR(no-hostd)
  *
- * Requests in flight when the channel drops get TCP(no-hostd) at once. A
+ * HELLO carries the ring formats (1 << SHUNT_RING_FORMAT); a WELCOME that
+ * chose none, or a frame of an older protocol version (an older hostd),
+ * fails the open with reason version (shunt_session_reason), retried as
+ * any failed open. Requests waited on when the channel drops get
+ * TCP(no-hostd) at once. A
  * session is safe for concurrent use. It lives as long as the process;
  * there is no close yet (an MPI transport that unloads will need one). In
  * a fork child, the next shunt_session_ensure opens the child's own
@@ -390,6 +395,11 @@ struct shunt_session_config {
 	void *arg;
 	void (*log)(void *arg, const char *line);             /* one line, no newline */
 	void (*revoked)(void *arg, const struct shunt_msg *m); /* REVOKE: slot, gen, reason */
+	/* READY, TCP and DOWN for a connection opened with
+	 * shunt_session_open (any number, by req_id, for its whole life;
+	 * docs/DESIGN.md, path switching). Not called for a request that
+	 * shunt_session_request waits on. */
+	void (*conn)(void *arg, const struct shunt_msg *m);
 	/* After the channel dropped: whether this process holds listeners or
 	 * flows a new hostd must hear of (if not, it reconnects only when next
 	 * needed), and, once reconnected, tell it (LISTEN, REATTACH). */
@@ -415,6 +425,19 @@ int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m);
  * TCP(no-hostd), on timeout TCP(timeout). Any number of requests may be in
  * flight. */
 void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms);
+/* Sends OPEN m without waiting for anything: its answers (READY, TCP,
+ * DOWN) come to the config's conn callback. A zero m->req_id gets a new
+ * one, unique in the session; a non-zero one is kept (the same connection
+ * announced again after a reconnect). 0, or -1 if the channel is down
+ * (m->req_id is set either way). */
+int shunt_session_open(struct shunt_session *s, struct shunt_msg *m);
+/* A fresh request id, for a caller that must know it before OPEN goes out
+ * (its answer may come at once). */
+uint32_t shunt_session_new_req(struct shunt_session *s);
+/* Why the channel is not open (the last open failed): SHUNT_REASON_VERSION
+ * when hostd is older or shares no ring format with us (it is retried, as
+ * any failed open), else SHUNT_REASON_NO_HOSTD. */
+unsigned shunt_session_reason(struct shunt_session *s);
 /* Waits until hostd has processed everything sent so far (PING/PONG), up
  * to SHUNT_SYNC_TIMEOUT_MS: a LISTEN is in effect before it returns. */
 void shunt_session_sync(struct shunt_session *s);
@@ -433,6 +456,7 @@ struct shunt_flow {
 	uint32_t slot;
 	uint64_t gen;
 	uint8_t side;                  /* 1: A (the connecting end), 2: B */
+	uint32_t req;                  /* the connection's request id (READY's), for LEFT and CLOSE */
 	struct shunt_session *session; /* for CLOSE and KICK */
 };
 
@@ -457,6 +481,9 @@ int shunt_flow_reset(const struct shunt_flow *f);
  * when both ends are. The rings are left alone: FIN first
  * (shunt_ring_close_write) if the peer should read EOF. */
 int shunt_flow_close(const struct shunt_flow *f);
+/* Tells hostd this end left both of f's rings (LEFT): the pair may be
+ * freed once the peer left too. */
+int shunt_flow_left(const struct shunt_flow *f);
 
 /* ---- VM discovery (vhost/vserial.FindAll, vhost/ivshmem.Find) ---- */
 
@@ -493,5 +520,9 @@ uint32_t *shunt_kick_word(void);
  * SA_RESTART, where futex_waitv exists, Linux 5.16+; before that a signal
  * only ends one sleep early). */
 int shunt_kick_sleep(uint32_t seq, int64_t max_ns);
+/* Bumps the count and wakes its sleepers, as a KICK does: for an event of
+ * this process's own (hostd's DOWN or READY) that sleepers on the count
+ * must see in VM mode. */
+void shunt_kick_local(void);
 
 #endif

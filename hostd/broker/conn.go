@@ -367,7 +367,12 @@ func (b *Broker) endDoneLocked(c *Conn, side uint32, reason proto.Reason) {
 	}
 	e.sess, e.done = nil, true
 	if f := c.flow; f != nil {
-		b.downgradeLocked(c, reason)
+		if !b.downgradeLocked(c, reason) && c.path == PathLeaving && reason == proto.ReasonPeerGone {
+			// Already leaving: the survivor's reader waits for this end's
+			// leave mark, which a gone end never writes. DOWN(peer-gone)
+			// tells it to drain what the ring holds and go on over TCP.
+			b.tellPeerGoneLocked(c, f, side)
+		}
 		if f.released&side == 0 {
 			b.releaseLocked(f, side) // may free it, and forget c
 		}
@@ -375,6 +380,20 @@ func (b *Broker) endDoneLocked(c *Conn, side uint32, reason proto.Reason) {
 	if c.flow == nil && c.a.done && c.b.done {
 		b.forgetLocked(c)
 	}
+}
+
+// tellPeerGoneLocked sends DOWN(peer-gone) to the end of c other than
+// side, if it is still on f's rings.
+func (b *Broker) tellPeerGoneLocked(c *Conn, f *Flow, side uint32) {
+	other := uint32(region.SideA)
+	if side == region.SideA {
+		other = region.SideB
+	}
+	e := c.end(other)
+	if e.sess == nil || f.released&other != 0 || !switching(e.sess) {
+		return
+	}
+	e.sess.Send(proto.Msg{Type: proto.Down, ReqID: e.req, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: proto.ReasonPeerGone})
 }
 
 // sideOf returns which end of c session s is, by request id, or 0.

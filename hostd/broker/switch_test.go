@@ -248,6 +248,27 @@ func TestPeerGone(t *testing.T) {
 	}
 }
 
+// TestPeerGoneWhileLeaving: an end goes away after DOWN, before its LEFT:
+// it never writes the leave mark the survivor's reader waits for, so the
+// survivor gets DOWN(peer-gone) too, and drains and leaves without it.
+func TestPeerGoneWhileLeaving(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := w.sessions()
+	w.paired(t, sa, sb, "4000")
+	r := w.record(t)
+	if !w.b.Downgrade(r.Name) {
+		t.Fatal("Downgrade found nothing")
+	}
+	sa.expect(t, proto.Down, proto.ReasonAdmin, 1)
+	sb.expect(t, proto.Down, proto.ReasonAdmin, 2)
+	w.b.Detach(sa)
+	d := sb.expect(t, proto.Down, proto.ReasonPeerGone, 2)
+	w.left(sb, d, proto.SideB)
+	if r := w.record(t); r.Path != "tcp" || r.Ring != 0 {
+		t.Fatalf("record %+v, want on TCP without rings", r)
+	}
+}
+
 // TestCloseOnTCP: CLOSE of a connection on TCP ends its record once both
 // ends closed; a CLOSE of an OPEN still waiting ends the wait.
 func TestCloseOnTCP(t *testing.T) {

@@ -35,6 +35,7 @@ int fail(const char *t, const char *why);
 int full(int fd, char *buf, int n);
 void drain(int fd);
 int dial(const char *ip, int port, int nonblock);
+extern int settle_ms;
 int echo_ok(int fd, const char *msg);
 
 /* edge_blocking.c */

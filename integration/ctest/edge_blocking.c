@@ -10,6 +10,8 @@ int many(const char *ip, int port, const char *t)
 {
 	static int fd[MANY];
 	static struct pollfd p[MANY];
+	int settle = settle_ms;
+	settle_ms = 0; /* once for all of them, below */
 	for (int i = 0; i < MANY; i++) {
 		if ((fd[i] = dial(ip, port, 0)) < 0)
 			return fail(t, "connect");
@@ -17,6 +19,7 @@ int many(const char *ip, int port, const char *t)
 			return fail(t, "send the test name");
 		p[i] = (struct pollfd){.fd = fd[i], .events = POLLIN};
 	}
+	usleep(settle * 1000 + 500000);
 	int ep = -1, last = fd[MANY - 1], n;
 	if (!strcmp(t, "epollmany")) {
 		ep = epoll_create1(0);

@@ -1,8 +1,11 @@
-/* epoll: interest in fast-path fds is kept here, not in the kernel (their
- * kernel sockets stay idle); everything else is the kernel's. A set that
- * holds an epoll set (nesting) is told of the inner set's fast-path
- * readiness too. Waiting is wait.c's: spin, arm, block with the helper's
- * eventfd in the set. */
+/* epoll: interest in connections is kept here, where their readiness is
+ * worked out (wait.c, fast_events: the kernel socket's for a TCP path, the
+ * ring's for a ring path, and the switch between them). Their kernel
+ * sockets are in the kernel's set too, edge-triggered and tagged
+ * (CONN_TAG), only to wake a wait: the tagged events are never reported.
+ * Everything else is the kernel's. A set that holds an epoll set (nesting)
+ * is told of the inner set's connections' readiness too. Waiting is
+ * wait.c's: spin, arm, block with the helper's eventfd in the set. */
 #include "preload.h"
 
 #include <errno.h>
@@ -10,6 +13,8 @@
 #include <stdlib.h>
 
 #define EFD_MAGIC      0x5348554e54454644ull /* "SHUNTEFD": the helper's eventfd in a set */
+#define CONN_TAG       0x53484e5400000000ull /* "SHNT" + fd: a connection's kernel socket in a set, a wake-up only */
+#define TAG_MASK       0xffffffff00000000ull
 #define KERNEL_EVERY   16                    /* while spinning, the kernel is asked every this many turns */
 #define KERNEL_POLL_NS 5000                  /* epoll_wait(0) asks the kernel at most this often */
 
@@ -164,6 +169,19 @@ static int find(struct ep *e, int fd)
 	return -1;
 }
 
+/* ctl_kernel registers (or changes, or drops) a connection's kernel
+ * socket in the kernel's set as a wake-up for interest ev. */
+static int ctl_kernel(int epfd, int op, int fd, const struct epoll_event *ev)
+{
+	struct epoll_event k = {.events = EPOLLET, .data.u64 = CONN_TAG | (uint32_t)fd};
+	if (ev)
+		k.events |= ev->events & (EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLPRI);
+	int r = real_epoll_ctl(epfd, op, fd, &k);
+	if (r < 0 && op == EPOLL_CTL_ADD && errno == EEXIST)
+		r = real_epoll_ctl(epfd, EPOLL_CTL_MOD, fd, &k);
+	return r;
+}
+
 /* ctl_nested registers an inner epoll set with the kernel as usual and
  * also here, so the outer set sees the inner set's fast-path readiness. */
 static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
@@ -237,7 +255,7 @@ static void settle_set(struct ep *e)
 		x->pend = 0;
 		e->pend--;
 		if (flow_of(x->fd)) {
-			real_epoll_ctl(e->fd, EPOLL_CTL_DEL, x->fd, NULL);
+			ctl_kernel(e->fd, EPOLL_CTL_MOD, x->fd, &x->ev);
 			x->seen = 0;
 		} else {
 			e->it[i--] = e->it[--e->n];
@@ -255,7 +273,7 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 		return ctl_pending(epfd, op, fd, ev);
 	struct flow *f = flow_of(fd);
 	struct ep *e = ep_get(epfd, f != NULL);
-	if (!e && f) /* in the kernel's set, the idle kernel socket would never be ready */
+	if (!e && f) /* the kernel's set alone would miss the rings */
 		return errno = ENOMEM, -1;
 	if (!e)
 		return real_epoll_ctl(epfd, op, fd, ev);
@@ -270,16 +288,15 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 	else if (op != EPOLL_CTL_ADD && at < 0)
 		r = -1, errno = ENOENT;
 	else if (op == EPOLL_CTL_DEL) {
-		if (e->it[at].pend) { /* settled since, and still in the kernel's set */
-			real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL);
-			e->pend--;
-		}
+		real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL);
+		e->pend -= e->it[at].pend;
 		e->it[at] = e->it[--e->n];
-	}
-	else if (op == EPOLL_CTL_MOD)
+	} else if (op == EPOLL_CTL_MOD) {
 		e->it[at].ev = *ev, e->it[at].seen = 0;
-	else
-		r = add(e, (struct epi){.fd = fd, .ev = *ev});
+		if (!e->it[at].pend)
+			ctl_kernel(epfd, EPOLL_CTL_MOD, fd, ev);
+	} else if ((r = ctl_kernel(epfd, EPOLL_CTL_ADD, fd, ev)) == 0 && (r = add(e, (struct epi){.fd = fd, .ev = *ev})))
+		real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL); /* all or nothing */
 	pthread_mutex_unlock(&e->mu);
 	return r;
 }
@@ -328,12 +345,16 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 				arm_add(a, f, 0);
 			continue;
 		}
-		uint32_t got = ep_from_poll(fast_events(f, want)) & (x->ev.events | EPOLLERR | EPOLLHUP);
+		uint32_t got = ep_from_poll(fast_events(f, x->fd, want, -1)) & (x->ev.events | EPOLLERR | EPOLLHUP);
 		if (!got)
 			continue;
 		if (x->ev.events & EPOLLET) {
-			uint64_t mark = __atomic_load_n((uint64_t *)(f->sf.r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST) ^
-					__atomic_load_n((uint64_t *)(f->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST) << 1;
+			/* Once per new position of the stream or the rings. */
+			struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+			uint64_t mark = __atomic_load_n(&f->roff, __ATOMIC_RELAXED) * 3 ^ __atomic_load_n(&f->sent, __ATOMIC_RELAXED) * 5 ^ got;
+			if (rg)
+				mark ^= __atomic_load_n((uint64_t *)(rg->sf.r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST) * 7 ^
+					__atomic_load_n((uint64_t *)(rg->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST) << 1;
 			if (mark + 1 == x->seen)
 				continue;
 			if (mode == REPORT)
@@ -350,12 +371,13 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 	return k;
 }
 
-/* drop_magic removes the helper's eventfd from n kernel events at ev. */
+/* drop_magic removes the helper's eventfd and the connections' tagged
+ * kernel sockets (wake-ups only) from n kernel events at ev. */
 static int drop_magic(struct epoll_event *ev, int n)
 {
 	int kept = 0;
 	for (int i = 0; i < n; i++)
-		if (ev[i].data.u64 != EFD_MAGIC)
+		if (ev[i].data.u64 != EFD_MAGIC && (ev[i].data.u64 & TAG_MASK) != CONN_TAG)
 			ev[kept++] = ev[i];
 	return kept;
 }

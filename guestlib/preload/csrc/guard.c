@@ -1,20 +1,33 @@
 /* The safety net, and io_uring.
  *
- * A fast-path flow's kernel socket carries no bytes: both ends move them
- * through the rings. Bytes that arrive there were written past the library
- * (a raw syscall, an io_uring submission, a glibc-internal write), and the
- * reader would wait for them in the ring forever. So one thread per
- * process watches the kernel sockets of its flows (an epoll set, each
- * socket EPOLLONESHOT for input): when one becomes readable with bytes, the
- * flow is reset, and its reads and writes, on both ends, fail with
- * ECONNRESET instead of hanging. A socket that becomes readable at EOF
- * (the peer closed its kernel socket) needs nothing more. The watcher
- * sleeps in the kernel; a new flow costs one epoll_ctl.
+ * A connection's bytes may go over its kernel socket (TCP stretches,
+ * before and after the rings) or through a ring; the library keeps them
+ * in order by counting them. A write that bypasses the library (a raw
+ * syscall, an io_uring submission, a glibc-internal write) is not counted:
+ * on the peer it lands in the middle of the stream. What can be seen of it
+ * is seen here and by the reader (path.c), and the connection is reset
+ * (ECONNRESET on both ends) instead of handing the program bytes out of
+ * order:
+ *
+ *   - bytes on the kernel socket while this end's reader is on the ring
+ *     and the ring's writer has not left (a correct writer leaves before
+ *     it writes TCP again): one thread per process watches the kernel
+ *     sockets of connections that hold rings (an epoll set, edge-triggered
+ *     input) and checks, in this order, the reader's path, the bytes, and
+ *     the writer's mark;
+ *   - a ring whose start lies behind what the reader already read from
+ *     TCP (the peer wrote past its library before it moved to the ring):
+ *     the reader's check (path.c).
+ *
+ * Not seen: a bypassing write while no ring is attached (plain TCP: the
+ * bytes are in order anyway), or one whose bytes the reader takes from TCP
+ * before any ring starts (they are then part of the stream). The watcher
+ * sleeps in the kernel; a READY costs one epoll_ctl, and each TCP arrival
+ * on a connection holding rings wakes it once.
  *
  * io_uring moves bytes where no preload library sees them. A process that
  * sets it up (io_uring_setup through syscall(), or liburing's setup
- * functions) keeps its new connections on TCP; flows it already had are
- * covered by the watcher above. */
+ * functions) keeps its new connections on TCP. */
 #include "preload.h"
 
 #include <dlfcn.h>
@@ -32,22 +45,43 @@ int uring_seen;
 static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;
 static int guard_ep = -1; /* under guard_mu; -2: cannot be made, no watcher */
 
-static void trip(int fd)
+static void trip(int ep, int fd)
 {
 	struct flow *f = flow_get(fd);
-	if (!f)
+	struct rings *rg = f ? __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) : NULL;
+	if (!rg || f->owner != my_pid) {
+		real_epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL); /* no rings: TCP bytes are all legal */
+		if (f)
+			flow_put(f);
 		return;
-	char c;
-	ssize_t k = real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
-	if (k > 0 && f->owner == my_pid && !__atomic_load_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST)) {
-		/* plog, not only -v: this is a program's bug, worth a line */
-		plog("shunt: fd %d: bytes arrived on the TCP socket of a fast-path flow: the program wrote past the library "
-		     "(raw syscall?); flow reset (ECONNRESET)", fd);
-		__atomic_store_n((uint32_t *)(f->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-		__atomic_store_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-		shunt_ring_abort(&f->sf.w);
-		shunt_ring_abort(&f->sf.r);
 	}
+	pthread_mutex_lock(&f->rmu);
+	uint64_t start;
+	int on_ring = f->rring || (!rg->rleft && shunt_ring_started(&rg->sf.r, &start) && f->roff == start);
+	char c;
+	ssize_t pk = on_ring && !f->slen ? real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : -1;
+	int gone = pk == 0 || (pk < 0 && on_ring && !f->slen && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
+	int live = !shunt_ring_writer_left(&rg->sf.r) && !__atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
+	if (gone && live && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST)) {
+		/* The kernel's FIN or RST while the peer's writer is on the ring:
+		 * a live writer leaves the ring before its kernel close, so this
+		 * one died (hostd says DOWN(peer-gone) too, but it may have sent
+		 * another DOWN already). The reader drains the ring and leaves. */
+		plog("shunt: fd %d: the kernel's end of the stream while the peer writes the ring: peer gone", fd);
+		__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
+		shunt_ring_stop(&rg->sf.r, 1);
+		flow_wake(f);
+	}
+	if (pk > 0 && live) {
+		/* plog, not only -v: this is a program's bug, worth a line */
+		plog("shunt: fd %d: bytes arrived on the TCP socket while the peer writes the ring: a write bypassed "
+		     "the library (raw syscall?); connection reset (ECONNRESET)", fd);
+		__atomic_store_n((uint32_t *)(rg->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		__atomic_store_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		shunt_ring_abort(&rg->sf.w);
+		shunt_ring_abort(&rg->sf.r);
+	}
+	pthread_mutex_unlock(&f->rmu);
 	flow_put(f);
 }
 
@@ -60,7 +94,7 @@ static void *watch(void *arg)
 		if (n < 0 && errno != EINTR)
 			return NULL; /* the set was closed (fork child) */
 		for (int i = 0; i < n; i++)
-			trip(ev[i].data.fd);
+			trip(ep, ev[i].data.fd);
 	}
 }
 
@@ -87,8 +121,9 @@ void guard(int fd)
 		pthread_attr_destroy(&at);
 	}
 	if (guard_ep >= 0) {
-		struct epoll_event ev = {.events = EPOLLIN | EPOLLONESHOT, .data.fd = fd};
-		real_epoll_ctl(guard_ep, EPOLL_CTL_ADD, fd, &ev);
+		struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = fd};
+		if (real_epoll_ctl(guard_ep, EPOLL_CTL_ADD, fd, &ev) < 0 && errno == EEXIST)
+			real_epoll_ctl(guard_ep, EPOLL_CTL_MOD, fd, &ev);
 	}
 	pthread_mutex_unlock(&guard_mu);
 }

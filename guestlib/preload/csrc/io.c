@@ -1,6 +1,7 @@
-/* I/O on fast-path fds: the read and write families, send and recv with
- * their flags, sendfile and shutdown, all through the rings. Every other
- * fd goes to libc. */
+/* I/O on connections: the read and write families, send and recv with
+ * their flags, sendfile, splice and shutdown, through path.c's reader and
+ * writer (TCP or the rings, as the connection's paths are). Every other fd
+ * goes to libc. */
 #include "preload.h"
 
 #include <errno.h>
@@ -12,35 +13,13 @@
 /* sendfile copies through a buffer of this size on the stack; a larger
  * count returns short, as sendfile(2) may. */
 #define SENDFILE_CHUNK 65536
-/* A blocking call spins at most this long with the flow's lock held (see
- * blocking); a longer SHUNT_SPIN_NS spins the rest without it. */
-#define LOCKED_SPIN_NS 50000
-
-static int map_err(ssize_t e)
-{
-	switch (e) {
-	case SHUNT_EAGAIN: return EAGAIN;
-	case SHUNT_EPIPE: return EPIPE;
-	default: return ECONNRESET; /* reset, or a corrupt ring: the flow is over */
-	}
-}
-
-/* inherited reports (and fails with ENOTCONN) use of a flow inherited
- * across fork(): flows stay with the parent (docs/preload.md). */
-static int inherited(struct flow *f)
-{
-	if (f->owner == my_pid)
-		return 0;
-	errno = ENOTCONN;
-	return 1;
-}
 
 /* ---- socket timeouts ----
  *
  * SO_RCVTIMEO and SO_SNDTIMEO stay set on the kernel socket, which
- * getsockopt reads as usual; a fast-path flow keeps a copy, read back
- * from the kernel (so with the kernel's rounding) when READY comes
- * (socket.c) and after each setsockopt of either. */
+ * getsockopt reads as usual; a connection keeps a copy, read back
+ * from the kernel (so with the kernel's rounding) when it becomes a
+ * connection (conn.c) and after each setsockopt of either. */
 
 static int64_t timeo_ns(int fd, int opt)
 {
@@ -89,203 +68,16 @@ INTERPOSE int setsockopt(int fd, int level, int name, const void *val, socklen_t
 	return r;
 }
 
-/* ---- blocking ----
- *
- * A blocking call that finds its ring empty (read) or full (write) first
- * spins with the flow's lock held, for spin_ns but at most LOCKED_SPIN_NS:
- * data usually comes within that, and then the lock is never let go on
- * the way. Then it lets go of the lock, spins the rest of spin_ns and
- * sleeps (shunt_ring_wait), takes the lock again and retries. So another
- * thread's call on the same end (a second reader, a non-blocking read)
- * waits at most LOCKED_SPIN_NS, never for a sleeper.
- * The wait ends, as the kernel's would:
- *
- *   - when the ring is ready, or reset (ECONNRESET), or the peer closed;
- *   - on shutdown from another thread: SHUT_RD makes a read return 0,
- *     SHUT_WR makes a write fail with EPIPE (shunt_ring_stop);
- *   - on close of the last fd from another thread: EBADF;
- *   - at the socket's SO_RCVTIMEO or SO_SNDTIMEO: EAGAIN;
- *   - on a signal while it sleeps: EINTR, unless the handler has
- *     SA_RESTART and the socket has no timeout, when the sleep goes on
- *     (shunt_ring_wait: the kernel makes that choice, in the futex call).
- *
- * Bytes already moved are returned instead of an error, as the kernel
- * returns a partial count. deadline is the call's: 0 until it first
- * waits, then the time it ends (-1: none); readv and writev share one. */
-
-/* left_ns is the time left before the call's deadline: -1 without one. */
-static int64_t left_ns(struct flow *f, int reader, int64_t *deadline)
-{
-	if (!*deadline) {
-		int64_t t = __atomic_load_n(reader ? &f->rcvtimeo : &f->sndtimeo, __ATOMIC_RELAXED);
-		*deadline = t > 0 ? now_ns() + t : -1;
-	}
-	if (*deadline < 0)
-		return -1;
-	int64_t left = *deadline - now_ns();
-	return left > 0 ? left : 0;
-}
-
-/* ended: this end was closed or shut down by this process (its waits
- * return at once, so they must not be retried). */
-static int ended(struct flow *f, int reader)
-{
-	return __atomic_load_n(&f->closed, __ATOMIC_SEQ_CST) ||
-	       __atomic_load_n(reader ? &f->rd_shut : &f->wr_shut, __ATOMIC_SEQ_CST);
-}
-
-/* spin is the first part of a wait, under the flow's lock: 1 if the ring
- * became ready (or this end stopped). */
-static int spin(struct flow *f, int reader, int64_t *deadline)
-{
-	int64_t left = left_ns(f, reader, deadline), s = spin_ns < LOCKED_SPIN_NS ? spin_ns : LOCKED_SPIN_NS;
-	if (left >= 0 && left < s)
-		s = left;
-	return shunt_ring_wait(reader ? &f->sf.r : &f->sf.w, reader, s, s) == 0;
-}
-
-/* sleep_ring is the rest, without the lock: 0, or EAGAIN, EINTR. */
-static int sleep_ring(struct flow *f, int reader, int64_t *deadline)
-{
-	int64_t left = left_ns(f, reader, deadline);
-	if (!left)
-		return EAGAIN;
-	int64_t rest = spin_ns > LOCKED_SPIN_NS ? spin_ns - LOCKED_SPIN_NS : 0;
-	int r = shunt_ring_wait(reader ? &f->sf.r : &f->sf.w, reader, rest, left);
-	return r == SHUNT_EINTR ? EINTR : r == SHUNT_EAGAIN ? EAGAIN : 0;
-}
-
-static ssize_t recv_ring(struct flow *f, void *buf, size_t n, int flags, int64_t *deadline)
-{
-	if (inherited(f))
-		return -1;
-	int nb = f->nonblock || (flags & MSG_DONTWAIT);
-	size_t done = 0;
-	int err = 0;
-	for (;;) {
-		ssize_t k;
-		int spun = 0;
-		pthread_mutex_lock(&f->rmu);
-		for (;;) {
-			k = (flags & MSG_PEEK) ? shunt_ring_peek(&f->sf.r, (uint8_t *)buf + done, n - done)
-					       : shunt_ring_read(&f->sf.r, (uint8_t *)buf + done, n - done);
-			if (k > 0) {
-				done += k;
-				if (!(flags & MSG_WAITALL) || done == n || (flags & MSG_PEEK))
-					break;
-				spun = 0;
-				continue;
-			}
-			if (k != SHUNT_EAGAIN || n == 0 || nb || spun || ended(f, 1))
-				break;
-			spun = 1;
-			if (!spin(f, 1, deadline))
-				break;
-		}
-		pthread_mutex_unlock(&f->rmu);
-		if (k > 0 || n == 0)
-			break;
-		if (k == 0 && !done && shunt_flow_reset(&f->sf)) {
-			err = ECONNRESET;
-			break;
-		}
-		if (k == 0)
-			break; /* EOF */
-		if (k != SHUNT_EAGAIN) {
-			err = map_err(k);
-			break;
-		}
-		if (__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
-			err = EBADF;
-			break;
-		}
-		if (__atomic_load_n(&f->rd_shut, __ATOMIC_SEQ_CST))
-			break; /* shut down for reading, and drained: EOF */
-		if (nb) {
-			err = EAGAIN;
-			break;
-		}
-		if ((err = sleep_ring(f, 1, deadline)))
-			break;
-	}
-	if (verbose > 1)
-		plog("shunt: recv %zu flags %#x -> %zu (%s)", n, flags, done, err ? strerror(err) : "ok");
-	if (err && !done) {
-		errno = err;
-		return -1;
-	}
-	return done;
-}
-
-static ssize_t send_ring(struct flow *f, const void *buf, size_t n, int flags, int64_t *deadline)
-{
-	if (inherited(f))
-		return -1;
-	int nb = f->nonblock || (flags & MSG_DONTWAIT);
-	size_t done = 0;
-	int err = 0;
-	for (;;) {
-		ssize_t k;
-		int spun = 0;
-		pthread_mutex_lock(&f->wmu);
-		for (;;) {
-			k = shunt_ring_write(&f->sf.w, (const uint8_t *)buf + done, n - done);
-			if (k > 0) {
-				done += k;
-				if (done == n)
-					break;
-				spun = 0;
-				continue;
-			}
-			if (k != SHUNT_EAGAIN || nb || spun || ended(f, 0))
-				break;
-			spun = 1;
-			if (!spin(f, 0, deadline))
-				break;
-		}
-		pthread_mutex_unlock(&f->wmu);
-		if (k >= 0)
-			break; /* all of it (or n == 0) */
-		if (k != SHUNT_EAGAIN) {
-			err = map_err(k);
-			break;
-		}
-		if (__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
-			err = EBADF;
-			break;
-		}
-		if (__atomic_load_n(&f->wr_shut, __ATOMIC_SEQ_CST)) {
-			err = EPIPE;
-			break;
-		}
-		if (nb) {
-			err = EAGAIN;
-			break;
-		}
-		if ((err = sleep_ring(f, 0, deadline)))
-			break;
-	}
-	if (verbose > 1)
-		plog("shunt: send %zu flags %#x -> %zu (%s)", n, flags, done, err ? strerror(err) : "ok");
-	if (err && !done) {
-		if (err == EPIPE && !(flags & MSG_NOSIGNAL))
-			raise(SIGPIPE);
-		errno = err;
-		return -1;
-	}
-	return done;
-}
-
-ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags)
+static ssize_t fast_recv(struct flow *f, int fd, void *buf, size_t n, int flags)
 {
 	int64_t deadline = 0;
-	return recv_ring(f, buf, n, flags, &deadline);
+	return conn_recv(f, fd, buf, n, flags, &deadline);
 }
 
-ssize_t fast_send(struct flow *f, const void *buf, size_t n, int flags)
+static ssize_t fast_send(struct flow *f, int fd, const void *buf, size_t n, int flags)
 {
 	int64_t deadline = 0;
-	return send_ring(f, buf, n, flags, &deadline);
+	return conn_send(f, fd, buf, n, flags, &deadline);
 }
 
 /* done_with drops the call's reference to f and returns r (errno kept). */
@@ -299,28 +91,28 @@ INTERPOSE ssize_t read(int fd, void *buf, size_t n)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_recv(f, buf, n, 0)) : real_read(fd, buf, n);
+	return f ? done_with(f, fast_recv(f, fd, buf, n, 0)) : real_read(fd, buf, n);
 }
 
 INTERPOSE ssize_t write(int fd, const void *buf, size_t n)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_send(f, buf, n, 0)) : real_write(fd, buf, n);
+	return f ? done_with(f, fast_send(f, fd, buf, n, 0)) : real_write(fd, buf, n);
 }
 
 INTERPOSE ssize_t recv(int fd, void *buf, size_t n, int flags)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_recv(f, buf, n, flags)) : real_recv(fd, buf, n, flags);
+	return f ? done_with(f, fast_recv(f, fd, buf, n, flags)) : real_recv(fd, buf, n, flags);
 }
 
 INTERPOSE ssize_t send(int fd, const void *buf, size_t n, int flags)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_send(f, buf, n, flags)) : real_send(fd, buf, n, flags);
+	return f ? done_with(f, fast_send(f, fd, buf, n, flags)) : real_send(fd, buf, n, flags);
 }
 
 INTERPOSE ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockaddr *addr, socklen_t *len)
@@ -331,20 +123,21 @@ INTERPOSE ssize_t recvfrom(int fd, void *buf, size_t n, int flags, struct sockad
 		return real_recvfrom(fd, buf, n, flags, addr, len);
 	if (addr && len)
 		getpeername(fd, addr, len);
-	return done_with(f, fast_recv(f, buf, n, flags));
+	return done_with(f, fast_recv(f, fd, buf, n, flags));
 }
 
 INTERPOSE ssize_t sendto(int fd, const void *buf, size_t n, int flags, const struct sockaddr *addr, socklen_t len)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_send(f, buf, n, flags)) : real_sendto(fd, buf, n, flags, addr, len);
+	return f ? done_with(f, fast_send(f, fd, buf, n, flags)) : real_sendto(fd, buf, n, flags, addr, len);
 }
 
 /* fast_readv and fast_writev take any number of iovecs, one at a time (no
  * local copy, so none is cut off); more than IOV_MAX fails with EINVAL,
- * as readv(2) and writev(2) do. */
-static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int flags)
+ * as readv(2) and writev(2) do. A writer on TCP gives the kernel all of
+ * them at once (msg: sendmsg's, or NULL for writev's). */
+static ssize_t fast_readv(struct flow *f, int fd, const struct iovec *iov, int cnt, int flags)
 {
 	if (cnt < 0 || cnt > IOV_MAX)
 		return errno = EINVAL, -1;
@@ -354,7 +147,7 @@ static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int 
 		if (!iov[i].iov_len)
 			continue;
 		/* Block only for the first byte, as readv does. */
-		ssize_t k = recv_ring(f, iov[i].iov_base, iov[i].iov_len, total ? flags | MSG_DONTWAIT : flags, &deadline);
+		ssize_t k = conn_recv(f, fd, iov[i].iov_base, iov[i].iov_len, total ? flags | MSG_DONTWAIT : flags, &deadline);
 		if (k < 0)
 			return total ? total : -1;
 		total += k;
@@ -364,14 +157,21 @@ static ssize_t fast_readv(struct flow *f, const struct iovec *iov, int cnt, int 
 	return total;
 }
 
-static ssize_t fast_writev(struct flow *f, const struct iovec *iov, int cnt, int flags)
+static ssize_t fast_writev(struct flow *f, int fd, const struct iovec *iov, int cnt, int flags, const struct msghdr *msg)
 {
 	if (cnt < 0 || cnt > IOV_MAX)
 		return errno = EINVAL, -1;
+	if (f->owner == my_pid && conn_tcp_begin(f)) {
+		ssize_t k = msg ? real_sendmsg(fd, msg, flags) : real_writev(fd, iov, cnt);
+		int e = errno;
+		conn_tcp_end(f, k);
+		errno = e;
+		return k;
+	}
 	ssize_t total = 0;
 	int64_t deadline = 0;
 	for (int i = 0; i < cnt; i++) {
-		ssize_t k = send_ring(f, iov[i].iov_base, iov[i].iov_len, flags, &deadline);
+		ssize_t k = conn_send(f, fd, iov[i].iov_base, iov[i].iov_len, flags, &deadline);
 		if (k < 0)
 			return total ? total : -1;
 		total += k;
@@ -385,14 +185,14 @@ INTERPOSE ssize_t readv(int fd, const struct iovec *iov, int cnt)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_readv(f, iov, cnt, 0)) : real_readv(fd, iov, cnt);
+	return f ? done_with(f, fast_readv(f, fd, iov, cnt, 0)) : real_readv(fd, iov, cnt);
 }
 
 INTERPOSE ssize_t writev(int fd, const struct iovec *iov, int cnt)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_writev(f, iov, cnt, 0)) : real_writev(fd, iov, cnt);
+	return f ? done_with(f, fast_writev(f, fd, iov, cnt, 0, NULL)) : real_writev(fd, iov, cnt);
 }
 
 INTERPOSE ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
@@ -403,14 +203,14 @@ INTERPOSE ssize_t recvmsg(int fd, struct msghdr *msg, int flags)
 		return real_recvmsg(fd, msg, flags);
 	msg->msg_controllen = 0;
 	msg->msg_flags = 0;
-	return done_with(f, fast_readv(f, msg->msg_iov, msg->msg_iovlen, flags));
+	return done_with(f, fast_readv(f, fd, msg->msg_iov, msg->msg_iovlen, flags));
 }
 
 INTERPOSE ssize_t sendmsg(int fd, const struct msghdr *msg, int flags)
 {
 	REAL_READY();
 	struct flow *f = flow_get(fd);
-	return f ? done_with(f, fast_writev(f, msg->msg_iov, msg->msg_iovlen, flags)) : real_sendmsg(fd, msg, flags);
+	return f ? done_with(f, fast_writev(f, fd, msg->msg_iov, msg->msg_iovlen, flags, msg)) : real_sendmsg(fd, msg, flags);
 }
 
 INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
@@ -419,13 +219,20 @@ INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
 	struct flow *f = flow_get(out);
 	if (!f)
 		return real_sendfile(out, in, off, count);
-	/* By copying: the bytes go through the ring. */
+	if (f->owner == my_pid && conn_tcp_begin(f)) { /* on TCP: the kernel's, zero copy */
+		ssize_t k = real_sendfile(out, in, off, count);
+		int e = errno;
+		conn_tcp_end(f, k);
+		errno = e;
+		return done_with(f, k);
+	}
+	/* On the ring: by copying. */
 	char buf[SENDFILE_CHUNK];
 	size_t n = count < sizeof buf ? count : sizeof buf;
 	ssize_t k = off ? pread(in, buf, n, *off) : real_read(in, buf, n);
 	if (k <= 0)
 		return done_with(f, k);
-	ssize_t w = fast_send(f, buf, k, 0);
+	ssize_t w = fast_send(f, out, buf, k, 0);
 	if (w > 0 && off)
 		*off += w;
 	else if (w > 0 && w < k)
@@ -433,11 +240,11 @@ INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
 	return done_with(f, w);
 }
 
-/* shutdown ends this end's use of the rings; the kernel socket, the lease,
- * is left as it is. As with the kernel, it wakes this process's threads
- * blocked on the flow: a read returns what is buffered and then 0 after
- * SHUT_RD, a write fails with EPIPE after SHUT_WR. Inherited across fork,
- * the flow is the parent's: ENOTCONN. */
+/* shutdown: the writer leaves its ring before the kernel's FIN, so the
+ * peer reads the ring's bytes and then EOF; SHUT_RD makes reads return
+ * what the ring holds and then 0. Both wake this process's threads
+ * blocked on the connection, as the kernel does. Inherited across fork,
+ * the connection is the parent's: ENOTCONN. */
 INTERPOSE int shutdown(int fd, int how)
 {
 	REAL_READY();
@@ -448,22 +255,29 @@ INTERPOSE int shutdown(int fd, int how)
 		errno = EINVAL;
 		return done_with(f, -1);
 	}
-	if (inherited(f))
+	if (f->owner != my_pid) {
+		errno = ENOTCONN;
 		return done_with(f, -1);
+	}
 	if (how == SHUT_WR || how == SHUT_RDWR) {
-		/* Stop first: a writer spinning under wmu lets go of it. */
 		__atomic_store_n(&f->wr_shut, 1, __ATOMIC_SEQ_CST);
-		shunt_ring_stop(&f->sf.w, 0);
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), *done = NULL;
+		if (rg)
+			shunt_ring_stop(&rg->sf.w, 0); /* a writer asleep on a full ring lets go of nothing, but wakes */
 		pthread_mutex_lock(&f->wmu);
-		shunt_ring_close_write(&f->sf.w);
+		if (rg && __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+			done = writer_leave(f, rg);
 		pthread_mutex_unlock(&f->wmu);
+		rings_done(f, done);
 	}
 	if (how == SHUT_RD || how == SHUT_RDWR) {
 		__atomic_store_n(&f->rd_shut, 1, __ATOMIC_SEQ_CST);
-		shunt_ring_close_read(&f->sf.r);
-		shunt_ring_stop(&f->sf.r, 1);
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+		if (rg)
+			shunt_ring_stop(&rg->sf.r, 1);
 	}
-	return done_with(f, 0);
+	flow_wake(f);
+	return done_with(f, real_shutdown(fd, how));
 }
 
 /* sendfile64 is what programs built with 64-bit file offsets call (nginx
@@ -519,7 +333,7 @@ INTERPOSE int sendmmsg(int fd, struct mmsghdr *v, unsigned int n, int flags)
 		return real_sendmmsg(fd, v, n, flags);
 	unsigned int i;
 	for (i = 0; i < n && i < UIO_MAXIOV; i++) {
-		ssize_t k = fast_writev(f, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, flags);
+		ssize_t k = fast_writev(f, fd, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, flags, &v[i].msg_hdr);
 		if (k < 0)
 			break;
 		v[i].msg_len = k;
@@ -538,7 +352,7 @@ INTERPOSE int recvmmsg(int fd, struct mmsghdr *v, unsigned int n, int flags, str
 	for (i = 0; i < n && i < UIO_MAXIOV; i++) {
 		v[i].msg_hdr.msg_controllen = 0;
 		v[i].msg_hdr.msg_flags = 0;
-		ssize_t k = fast_readv(f, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, fl);
+		ssize_t k = fast_readv(f, fd, v[i].msg_hdr.msg_iov, v[i].msg_hdr.msg_iovlen, fl);
 		if (k < 0)
 			break;
 		v[i].msg_len = k;
@@ -562,13 +376,6 @@ INTERPOSE int recvmmsg(int fd, struct mmsghdr *v, unsigned int n, int flags, str
  * vmsplice take no socket (EINVAL, EBADF from the kernel): no byte moves,
  * so they are left to libc. */
 
-static size_t ring_space(struct flow *f)
-{
-	uint64_t head = __atomic_load_n((uint64_t *)(f->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST);
-	uint64_t used = f->sf.w.own - head;
-	return used < f->sf.w.cap ? f->sf.w.cap - used : 0;
-}
-
 INTERPOSE ssize_t splice(int in, loff_t *off_in, int out, loff_t *off_out, size_t len, unsigned int flags)
 {
 	REAL_READY();
@@ -586,20 +393,35 @@ INTERPOSE ssize_t splice(int in, loff_t *off_in, int out, loff_t *off_out, size_
 			errno = EINVAL;
 			return done_with(fi, -1);
 		}
-		ssize_t k = fast_recv(fi, buf, n, MSG_PEEK | (nb ? MSG_DONTWAIT : 0));
+		ssize_t k = fast_recv(fi, in, buf, n, MSG_PEEK | (nb ? MSG_DONTWAIT : 0));
 		if (k <= 0)
 			return done_with(fi, k);
 		r = off_out ? pwrite(out, buf, k, *off_out) : real_write(out, buf, k);
 		if (r > 0) {
-			fast_recv(fi, buf, r, 0); /* consume what went out */
+			fast_recv(fi, in, buf, r, 0); /* consume what went out */
 			if (off_out)
 				*off_out += r;
 		}
 		return done_with(fi, r);
 	}
-	/* pipe -> ring */
+	/* pipe -> connection: on TCP the kernel's own splice */
+	if (fo->owner == my_pid && conn_tcp_begin(fo)) {
+		r = real_splice(in, off_in, out, off_out, len, flags);
+		int e = errno;
+		conn_tcp_end(fo, r);
+		errno = e;
+		return done_with(fo, r);
+	}
+	/* on the ring: never take from the pipe more than the ring takes now
+	 * when the call must not block */
 	if (nb || fo->nonblock) {
-		size_t space = ring_space(fo);
+		struct rings *rg = __atomic_load_n(&fo->rg, __ATOMIC_ACQUIRE);
+		size_t space = 0;
+		if (rg) {
+			uint64_t head = __atomic_load_n((uint64_t *)(rg->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST);
+			uint64_t used = rg->sf.w.own - head;
+			space = used < rg->sf.w.cap ? rg->sf.w.cap - used : 0;
+		}
 		if (!space) {
 			errno = EAGAIN;
 			return done_with(fo, -1);
@@ -611,7 +433,7 @@ INTERPOSE ssize_t splice(int in, loff_t *off_in, int out, loff_t *off_out, size_
 		return done_with(fo, k);
 	if (off_in)
 		*off_in += k;
-	r = fast_send(fo, buf, k, 0);
+	r = fast_send(fo, out, buf, k, 0);
 	if (r >= 0 && r < k)
 		plog("shunt: splice: %zd of %zd bytes taken from fd %d could not go out (%s)", k - r, k, in, strerror(errno));
 	return done_with(fo, r);

@@ -16,6 +16,7 @@
 #include <fcntl.h>
 #include <stdarg.h>
 #include <stdlib.h>
+#include <limits.h>
 #include <sys/ioctl.h>
 
 /* ---- flows: references, release, reuse ---- */
@@ -32,11 +33,18 @@ struct flow *flow_new(void)
 	pthread_mutex_unlock(&free_mu);
 	if (!f)
 		return calloc(1, sizeof *f);
-	/* Reused: everything but sf (replaced whole when READY is attached,
-	 * so a stale poll never finds it half-written) and users (0). */
-	f->refs = f->nonblock = f->revoked = f->finished = f->rst = 0;
+	/* Reused: everything but users (0) and the stash's buffer. */
+	f->refs = f->nonblock = f->finished = 0;
 	f->owner = 0;
 	f->next_free = NULL;
+	f->req = 0;
+	f->roff = f->sent = 0;
+	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
+	f->shead = f->slen = 0;
+	f->seof = 0;
+	f->rbytes[0] = f->rbytes[1] = f->wbytes[0] = f->wbytes[1] = 0;
+	f->rswitch = f->wswitch = f->stashed = 0;
+	__atomic_store_n(&f->rg, NULL, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->closed, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->rd_shut, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->wr_shut, 0, __ATOMIC_RELAXED);
@@ -85,27 +93,18 @@ struct flow *flow_get(int fd)
 	}
 }
 
-/* release ends a flow nobody uses any more: FIN (unless it was reset) and
- * CLOSE to hostd; a fork child's copy is only forgotten. A close with
- * SO_LINGER {1, 0}, where the kernel sends RST, resets both rings
- * instead: the peer's reads and writes fail with ECONNRESET, as after an
- * RST (a reset ring is how the ring says "aborted"; hostd's revoke is the
- * other way one comes). */
+/* release ends a connection nobody uses any more: both directions leave
+ * their rings and hostd hears CLOSE (conn.c); a fork child's copy is only
+ * forgotten. */
 static void release(struct flow *f)
 {
-	if (f->owner == my_pid && !f->finished) {
-		if (f->rst && !f->revoked) {
-			/* Both reset flags first, then the wake-ups (as hostd does). */
-			__atomic_store_n((uint32_t *)(f->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-			__atomic_store_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-			shunt_ring_abort(&f->sf.w);
-			shunt_ring_abort(&f->sf.r);
-		} else if (!f->revoked && !shunt_flow_reset(&f->sf))
-			shunt_ring_close_write(&f->sf.w);
-		shunt_ring_close_read(&f->sf.r);
-		shunt_flow_close(&f->sf);
-	}
-	shunt_flow_detach(&f->sf); /* its region may go now (regions.c) */
+	if (stats && f->owner == my_pid)
+		pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
+		      "to the rings: %u reading, %u writing; stashed %u",
+		      f->fd, (unsigned long long)f->rbytes[0], (unsigned long long)f->rbytes[1], (unsigned long long)f->roff,
+		      (unsigned long long)f->wbytes[0], (unsigned long long)f->wbytes[1], (unsigned long long)f->sent, f->rswitch,
+		      f->wswitch, f->stashed);
+	conn_end(f);
 	flow_discard(f);
 }
 
@@ -146,16 +145,22 @@ static void forget(int fd)
 	ep_forget(fd, f != NULL || was_pending);
 	if (!last)
 		return;
-	struct linger lg;
-	socklen_t ll = sizeof lg;
-	if (real_getsockopt(fd, SOL_SOCKET, SO_LINGER, &lg, &ll) == 0 && lg.l_onoff && !lg.l_linger)
-		f->rst = 1;
 	/* Calls still inside (other threads) end with EBADF; the last one
-	 * out releases the flow. */
+	 * out releases the flow. The writer leaves its ring now, before the
+	 * kernel's close: the peer reads the ring's bytes, then FIN or RST. */
 	if (f->owner == my_pid) {
 		__atomic_store_n(&f->closed, 1, __ATOMIC_SEQ_CST);
-		shunt_ring_stop(&f->sf.r, 1);
-		shunt_ring_stop(&f->sf.w, 0);
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), *done = NULL;
+		if (rg) {
+			shunt_ring_stop(&rg->sf.r, 1);
+			shunt_ring_stop(&rg->sf.w, 0);
+			pthread_mutex_lock(&f->wmu);
+			if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+				done = writer_leave(f, rg);
+			pthread_mutex_unlock(&f->wmu);
+		}
+		rings_done(f, done);
+		flow_wake(f);
 	}
 	flow_put(f);
 }
@@ -287,8 +292,8 @@ INTERPOSE int ioctl(int fd, unsigned long req, ...)
 	va_end(ap);
 	struct flow *f = req == FIONREAD ? flow_get(fd) : NULL;
 	if (f) {
-		ssize_t n = shunt_ring_buffered(&f->sf.r);
-		*(int *)arg = n > 0 ? (int)n : 0;
+		ssize_t n = conn_buffered(f, fd);
+		*(int *)arg = n > INT_MAX ? INT_MAX : (int)n;
 		flow_put(f);
 		return 0;
 	}
@@ -330,6 +335,7 @@ static void fork_child(void)
 	ep_fork(FORK_CHILD);
 	my_pid = getpid();
 	wait_after_fork();
+	sleep_after_fork();
 	guard_after_fork();
 }
 
@@ -337,27 +343,21 @@ static void fork_child(void)
  * run before the core's: tab_mu comes before the session's lock. */
 void lifetime_init(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
 
-/* At exit() the kernel sends FIN on every socket the program left open.
- * Do the same for fast-path flows: FIN on the ring and CLOSE to hostd, so
- * the peer reads what was sent and then EOF, instead of ECONNRESET when the
- * session ends (or nothing, on a VM port that gives hostd no sign). The
- * flows are not freed: other threads may still be inside them. A process
- * killed by a signal gets no such exit; its peers see ECONNRESET. */
+/* At exit() the kernel sends FIN on every socket the program left open:
+ * before that, each connection's writer leaves its ring (so the peer reads
+ * what was sent and then EOF) and hostd hears CLOSE. The flows are not
+ * freed: other threads may still be inside them. A process killed by a
+ * signal gets no such exit: hostd tells its peers (DOWN, peer-gone), whose
+ * readers drain the rings and then read what the kernel says. */
 __attribute__((destructor)) static void fini(void)
 {
-	if (!real_write || !session || !shunt_session_connected(session))
+	if (!real_write || !session)
 		return;
-	pthread_mutex_lock(&tab_mu);
 	for (int fd = 0; fd < FD_MAX; fd++) {
-		struct flow *f = fds[fd];
-		if (!f || f->owner != my_pid || f->finished)
-			continue;
-		f->finished = 1; /* once per flow, though dup'd fds share it */
-		if (!f->revoked && !shunt_flow_reset(&f->sf))
-			shunt_ring_close_write(&f->sf.w);
-		shunt_flow_close(&f->sf);
+		struct flow *f = flow_of(fd);
+		if (f && f->owner == my_pid && !f->finished)
+			conn_end(f); /* once per flow, though dup'd fds share it */
 	}
-	pthread_mutex_unlock(&tab_mu);
 }
 
 /* ---- exec ----
@@ -377,14 +377,17 @@ static void before_exec(void)
 		int fl = real_fcntl(fd, F_GETFD, 0);
 		if (fl < 0 || (fl & FD_CLOEXEC))
 			continue;
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+		if (!rg)
+			continue; /* on TCP: the new image goes on with the kernel socket */
 		/* Both reset flags first, then the wake-ups (as hostd does). */
-		__atomic_store_n((uint32_t *)(f->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-		__atomic_store_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
-		shunt_ring_abort(&f->sf.w);
-		shunt_ring_abort(&f->sf.r);
+		__atomic_store_n((uint32_t *)(rg->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		__atomic_store_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
+		shunt_ring_abort(&rg->sf.w);
+		shunt_ring_abort(&rg->sf.r);
 		real_shutdown(fd, SHUT_RDWR);
 		plog("shunt: fd %d stays open across exec: flow reset", fd);
-		shunt_flow_close(&f->sf);
+		shunt_flow_close(&rg->sf);
 	}
 }
 

@@ -2,9 +2,10 @@
  *
  * The program keeps its kernel socket fds; this library maps an fd to its
  * flow. Around connect() and accept() it talks to hostd (control protocol
- * v1, through the core's session) exactly as the Go guestlib does; when
- * hostd answers READY, the connection's bytes move through the rings,
- * otherwise everything goes to libc unchanged. Every fd this library does
+ * v3, through the core's session) exactly as the Go guestlib does,
+ * without waiting for it: a connection's bytes go over TCP until hostd
+ * sends READY, then through the rings, and back to TCP at DOWN, per
+ * direction and at exact stream offsets (path.c, conn.c). Every fd this library does
  * not own goes straight to libc.
  *
  * Waiting: a blocking read or write spins for SHUNT_SPIN_NS (default
@@ -15,9 +16,9 @@
  * so one wake-up covers both worlds and an idle program burns no CPU
  * (wait.c).
  *
- * Rules (docs/preload.md): after fork() fast-path flows stay with the
- * parent; exec() resets flows whose fds stay open; exit() sends FIN
- * (lifetime.c).
+ * Rules (docs/preload.md): after fork() connections stay with the
+ * parent; exec() resets connections on rings whose fds stay open;
+ * exit() leaves the rings before the kernel's FIN (lifetime.c).
  *
  * This file: the libc symbols, configuration, logging, the fd table and
  * the process's session with hostd. preload.h lists the other files. */
@@ -74,7 +75,8 @@ void resolve_real(void)
 #define DEFAULT_SPIN_NS 25000
 #define LOG_MAX         512 /* a log line; longer ones are cut */
 
-int verbose, disabled;
+int verbose, disabled, stats, loopback;
+int64_t test_stash_delay_ns;
 int64_t spin_ns = DEFAULT_SPIN_NS;
 pid_t my_pid;
 
@@ -86,21 +88,34 @@ static void log_write(const char *line, size_t n)
 	}
 }
 
-void plog(const char *fmt, ...)
+static void vlog(const char *fmt, va_list ap)
 {
-	if (!verbose)
-		return;
 	char buf[LOG_MAX];
-	va_list ap;
-	va_start(ap, fmt);
 	int n = vsnprintf(buf, sizeof buf - 1, fmt, ap);
-	va_end(ap);
 	if (n < 0)
 		return;
 	if (n > (int)sizeof buf - 2)
 		n = sizeof buf - 2;
 	buf[n++] = '\n';
 	log_write(buf, n);
+}
+
+void plog(const char *fmt, ...)
+{
+	if (!verbose)
+		return;
+	va_list ap;
+	va_start(ap, fmt);
+	vlog(fmt, ap);
+	va_end(ap);
+}
+
+void pstat(const char *fmt, ...)
+{
+	va_list ap;
+	va_start(ap, fmt);
+	vlog(fmt, ap);
+	va_end(ap);
 }
 
 int64_t now_ns(void)
@@ -127,91 +142,18 @@ static void session_log(void *arg, const char *line)
 	plog("%s", line);
 }
 
-static void on_revoke(void *arg, const struct shunt_msg *m)
-{
-	(void)arg;
-	pthread_mutex_lock(&tab_mu);
-	for (int fd = 0; fd < FD_MAX; fd++) {
-		struct flow *f = fds[fd];
-		if (f && f->sf.region_id == m->region_id && f->sf.slot == m->slot && f->sf.gen == m->gen && !f->revoked) {
-			f->revoked = 1;
-			plog("shunt: fd %d revoked: %s", fd, shunt_reason_name(m->reason));
-		}
-	}
-	pthread_mutex_unlock(&tab_mu);
-}
-
-/* holds reports whether this process has listeners or flows that a new
- * hostd must hear of. */
-static int holds(void *arg)
-{
-	(void)arg;
-	for (int fd = 0; fd < FD_MAX; fd++)
-		if (kind[fd] == FD_LISTENER || (fds[fd] && fds[fd]->owner == my_pid))
-			return 1;
-	return 0;
-}
-
-/* announce tells a new hostd what this process holds: LISTEN for each
- * listener and REATTACH for each live flow (the new hostd adopted the flows
- * from the region and waits a grace for their owners). The messages are
- * collected under tab_mu and sent after it, as close() does. */
-static void announce(void *arg, struct shunt_session *s)
-{
-	(void)arg;
-	int cap = 16, n = 0;
-	struct shunt_msg *ms = malloc(cap * sizeof *ms);
-	if (!ms) {
-		plog("shunt: out of memory: cannot tell the new hostd of listeners and flows");
-		return;
-	}
-	pthread_mutex_lock(&tab_mu);
-	for (int fd = 0; fd < FD_MAX; fd++) {
-		struct shunt_msg m = {0};
-		struct flow *f = fds[fd];
-		if (kind[fd] == FD_LISTENER) {
-			m.type = SHUNT_LISTEN;
-			if (local_of(fd, &m.local))
-				continue;
-		} else if (f && f->owner == my_pid && !f->revoked) {
-			int dup = 0;
-			for (int i = 0; i < n && !dup; i++)
-				dup = ms[i].type == SHUNT_REATTACH && ms[i].region_id == f->sf.region_id && ms[i].slot == f->sf.slot &&
-				      ms[i].gen == f->sf.gen;
-			if (dup)
-				continue;
-			m = (struct shunt_msg){.type = SHUNT_REATTACH, .region_id = f->sf.region_id, .slot = f->sf.slot, .gen = f->sf.gen,
-					       .side = f->sf.side};
-			if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
-				continue;
-		} else {
-			continue;
-		}
-		if (n == cap) {
-			struct shunt_msg *more = realloc(ms, 2 * cap * sizeof *ms);
-			if (!more) {
-				plog("shunt: out of memory: told the new hostd of only %d listeners and flows", n);
-				break;
-			}
-			ms = more;
-			cap *= 2;
-		}
-		ms[n++] = m;
-	}
-	pthread_mutex_unlock(&tab_mu);
-	for (int i = 0; i < n; i++)
-		shunt_session_send(s, &ms[i]);
-	if (n)
-		plog("shunt: told hostd of %d listeners and flows", n);
-	free(ms);
-}
-
 __attribute__((constructor)) static void init(void)
 {
 	resolve_real();
 	const char *s, *control = DEFAULT_CONTROL;
 	if ((s = getenv("SHUNT_VERBOSE")) && *s >= '1' && *s <= '9')
 		verbose = *s - '0';
+	if ((s = getenv("SHUNT_TEST_LOOPBACK")) && *s == '1')
+		loopback = 1;
+	if ((s = getenv("SHUNT_TEST_STASH_DELAY_US")) && *s)
+		test_stash_delay_ns = atoll(s) * 1000;
+	if ((s = getenv("SHUNT_STATS")) && *s == '1')
+		stats = 1;
 	if ((s = getenv("SHUNT_DISABLE")) && *s == '1')
 		disabled = 1;
 	if ((s = getenv("SHUNT_SPIN_NS")) && *s)
@@ -230,9 +172,10 @@ __attribute__((constructor)) static void init(void)
 		.discover = !env_control, /* ports are looked for only when SHUNT_CONTROL is unset */
 		.region = region && *region ? region : NULL,
 		.log = verbose ? session_log : NULL,
-		.revoked = on_revoke,
-		.holds = holds,
-		.announce = announce,
+		.revoked = conn_revoked,
+		.conn = conn_cb,
+		.holds = conn_holds,
+		.announce = conn_announce,
 	};
 	session = shunt_session_new(&c);
 	if (!session) {

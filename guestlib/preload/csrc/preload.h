@@ -3,8 +3,10 @@
  *
  *   preload.c   libc symbols, configuration, logging, the fd table, the
  *               process's session with hostd
- *   socket.c    socket, connect, listen, accept; addresses and verdicts
- *   io.c        read/write, send/recv families, sendfile, shutdown
+ *   socket.c    socket, connect, listen, accept; addresses
+ *   conn.c      connections and hostd: OPEN, READY, DOWN, LEFT, CLOSE
+ *   path.c      a connection's reader and writer: TCP, rings, switching
+ *   io.c        read/write, send/recv families, sendfile, splice, shutdown
  *   wait.c      poll, select, and the helper threads that sleep on rings
  *   epoll.c     epoll
  *   lifetime.c  close, dup, fcntl, ioctl, fork, exec, exit
@@ -14,13 +16,16 @@
  * Locks: tab_mu (the fd table) and ep_mu (the epoll sets, epoll.c) are
  * never held together; ep_mu comes before a set's mu, and a set's mu is
  * dropped before another set's is taken (nesting). A flow's rmu and wmu
- * are taken alone, around ring copies and a blocking call's first spin
- * (io.c): never while it sleeps, so a second reader, a non-blocking call,
- * shutdown and close never wait behind a sleeper. free_mu (freed flows, lifetime.c) is a leaf. The core's
- * session lock is innermost: messages are sent under tab_mu, and the
- * session calls back without its lock. fork: lifetime.c's atfork handlers
- * take every lock above (ep_mu and the sets, tab_mu, free_mu; then the
- * core's take the session's), so the child starts with none held. */
+ * are taken around one step of a read or write (path.c) and a ring wait's
+ * first spin: never while a call sleeps or blocks in the kernel, so a
+ * second reader, a non-blocking call, shutdown and close never wait behind
+ * a sleeper. Both are taken only in that order (rings_done, conn_end).
+ * free_mu (freed flows, lifetime.c) and rings_mu (conn.c) are leaves. The
+ * core's session lock is innermost: messages are sent under tab_mu, and
+ * the session calls back without its lock. fork: lifetime.c's atfork
+ * handlers take every lock above (ep_mu and the sets, tab_mu, free_mu;
+ * then the core's take the session's), so the child starts with none
+ * held. */
 #ifndef SHUNT_PRELOAD_H
 #define SHUNT_PRELOAD_H
 
@@ -75,8 +80,14 @@ extern int disabled;     /* SHUNT_DISABLE=1 */
 extern int64_t spin_ns;  /* SHUNT_SPIN_NS, SHUNT_WAIT: how long a blocking call spins before it sleeps */
 extern pid_t my_pid;     /* getpid(), kept current across fork (a flow's owner is compared on every call) */
 
-/* plog writes one line to stderr when verbose (-v). */
+extern int loopback;     /* SHUNT_TEST_LOOPBACK=1: loopback connections are candidates (tests with a fake hostd) */
+extern int stats;
+extern int64_t test_stash_delay_ns; /* SHUNT_TEST_STASH_DELAY_US: a reader on TCP with a ring that has not
+				     * started sleeps this long between its check and its read (tests) */        /* SHUNT_STATS=1: each connection's bytes per path at its close */
+
+/* plog writes one line to stderr when verbose (-v); pstat always. */
 void plog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
+void pstat(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
 
 int64_t now_ns(void);
 
@@ -94,32 +105,67 @@ extern struct shunt_session *session;
  * kernel socket. Epoll sets of any fd number work (epoll.c). */
 #define FD_MAX 65536
 
-/* A fast-path flow, shared by the fds that dup made of one socket.
+/* A connection: a kernel TCP socket that hostd was told of (OPEN), shared
+ * by the fds that dup made of it. Its bytes go over TCP or through a ring
+ * pair, per direction, switching at exact stream offsets as hostd's READY
+ * and DOWN say (docs/DESIGN.md, path switching; path.c): every byte the
+ * program reads or writes is counted, so that the reader knows where a
+ * ring's stretch starts and the writer where to start one.
  *
  * Lifetime (lifetime.c): a call takes a reference (flow_get) for as long
  * as it is inside, and the fds hold one together; whoever drops the last
- * one releases the flow (FIN, CLOSE to hostd). So close() from another
- * thread never frees a flow under a sleeping call: it marks it closed and
- * wakes the sleepers, which return EBADF. Freed flows are kept for reuse,
- * never given back to malloc, and sf is only ever replaced whole, so the
- * lock-free readers of fds[] (poll, epoll) always find a struct flow whose
- * rings are mapped ring memory. */
-struct flow {
+ * one releases the connection (leave the rings, CLOSE to hostd). So
+ * close() from another thread never frees a flow under a sleeping call:
+ * it marks it closed and wakes the sleepers, which return EBADF. Freed
+ * flows and ring pairs are kept for reuse, never given back to malloc, so
+ * the lock-free readers of fds[] (poll, epoll) always find a struct flow,
+ * and a struct rings whose rings were ring memory. */
+struct rings {
 	struct shunt_flow sf;
+	int wleft;      /* this end's writer left (under wmu) */
+	int rleft;      /* this end's reader left (under rmu) */
+	int left;       /* atomic: 1 writer left, 2 reader left: LEFT when both */
+	int down;       /* atomic: DOWN came */
+	int peer_gone;  /* atomic: DOWN(peer-gone): the reader drains and leaves without the writer's mark */
+	struct rings *next_free;
+};
+
+struct flow {
 	int refs;       /* fds pointing here; guarded by tab_mu */
 	int users;      /* atomic: 1 while refs > 0, plus 1 per call inside */
 	pid_t owner;    /* the process that may use it (see fork) */
 	int nonblock;
-	int revoked;    /* REVOKE came */
-	int finished;   /* FIN and CLOSE sent at exit (lifetime.c) */
+	int finished;   /* left and CLOSE sent at exit (lifetime.c) */
 	int closed;     /* atomic: its last fd was closed; calls still inside fail with EBADF */
-	int rd_shut;    /* atomic: shutdown(SHUT_RD): reads return what is buffered, then 0 */
+	int rd_shut;    /* atomic: shutdown(SHUT_RD) */
 	int wr_shut;    /* atomic: shutdown(SHUT_WR): writes fail with EPIPE */
 	/* atomic: the kernel socket's SO_RCVTIMEO and SO_SNDTIMEO in ns (0:
-	 * none), read back from the kernel at READY and at each setsockopt */
+	 * none), read back from the kernel at OPEN and at each setsockopt */
 	int64_t rcvtimeo, sndtimeo;
-	int rst;        /* SO_LINGER {1, 0} at the last close: reset the rings, not FIN (lifetime.c) */
-	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time in the rings (SPSC); held while a call spins, not while it sleeps */
+	int fd;         /* the fd it was opened on (logs, and hostd's callbacks) */
+	uint32_t req;   /* its request id: names it to hostd for its whole life */
+	uint8_t role;   /* SHUNT_ROLE_ACTIVE (it connected) or PASSIVE, for OPEN again */
+	struct rings *rg; /* atomic: the ring pair READY gave, until both directions left it */
+	/* A futex word for events that sleepers on the kernel socket must see
+	 * (READY, DOWN, close, shutdown): they arm it as a ring's wait word
+	 * (wait.c) and flow_wake clears it and wakes them. */
+	uint32_t ev;
+	/* The reader, under rmu (path.c). */
+	uint64_t roff;  /* stream offset of the next byte for the program */
+	int rring;      /* reading the ring */
+	uint8_t *stash; /* TCP bytes read past a ring's start, for after its stretch */
+	size_t shead, slen, scap;
+	int seof;       /* a kernel EOF (1) or error (-errno) seen while a ring held a stretch */
+	int rblocked;   /* readers asleep in a blocking kernel recv (no rings then) */
+	int attach_due; /* READY came while rblocked: the reader marks the ring attached when back */
+	/* The writer, under wmu. */
+	uint64_t sent;  /* stream offset of the next byte written */
+	int wring;      /* writing the ring */
+	int winflight;  /* kernel sends under way without wmu: no ring starts meanwhile */
+	/* Bytes per path, for SHUNT_STATS (0 TCP, 1 ring); under rmu / wmu. */
+	uint64_t rbytes[2], wbytes[2];
+	unsigned rswitch, wswitch, stashed; /* moves to a ring per direction; stash uses */
+	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time (SPSC rings, stream offsets); never held while a call sleeps */
 	struct flow *next_free;   /* on the free list; under free_mu */
 };
 
@@ -129,7 +175,7 @@ enum { FD_NONE, FD_TCP, FD_LISTENER, FD_PENDING };
 
 extern struct flow *fds[FD_MAX];  /* written under tab_mu, read atomically (flow_of) */
 extern uint8_t kind[FD_MAX];      /* under tab_mu, or by the thread that just got the fd */
-extern uint8_t nonblk[FD_MAX];    /* O_NONBLOCK of candidate sockets, before a verdict */
+extern uint8_t nonblk[FD_MAX];    /* O_NONBLOCK of candidate sockets, before they are connections */
 extern pthread_mutex_t tab_mu;
 
 static inline struct flow *flow_of(int fd)
@@ -154,23 +200,52 @@ void flow_put(struct flow *f);
 int local_of(int fd, struct shunt_addr *a);
 int remote_of(int fd, struct shunt_addr *a);
 /* settle: fd's non-blocking connect, if it was under way and has ended,
- * gets hostd's verdict now (connected) or stays on TCP (failed, the error
- * left in SO_ERROR). Every call that looks at a socket's flow calls it
- * first (flow_get, poll, epoll), so no byte moves before the verdict. */
+ * becomes a connection (OPEN, nothing waited for) or stays plain (failed,
+ * the error left in SO_ERROR). Every call that looks at a socket's flow
+ * calls it first (flow_get, poll, epoll). */
 void settle(int fd);
 static inline int pending(int fd)
 {
 	return fd >= 0 && fd < FD_MAX && __atomic_load_n(&kind[fd], __ATOMIC_ACQUIRE) == FD_PENDING;
 }
 
-/* io.c: the ring side of recv and send, for any flags; flow_timeouts
- * reads fd's SO_RCVTIMEO and SO_SNDTIMEO back from the kernel into f. */
-ssize_t fast_recv(struct flow *f, void *buf, size_t n, int flags);
-ssize_t fast_send(struct flow *f, const void *buf, size_t n, int flags);
+/* conn.c: hostd's side of connections. conn_open makes fd a connection
+ * and sends OPEN (role active or passive); the session's callbacks attach
+ * READY's rings, and DOWN makes both directions leave them. */
+void conn_open(int fd, uint8_t role, const char *who);
+void conn_cb(void *arg, const struct shunt_msg *m);
+void conn_revoked(void *arg, const struct shunt_msg *m);
+int conn_holds(void *arg);
+void conn_announce(void *arg, struct shunt_session *s);
+/* flow_wake wakes every sleeper that armed f->ev. */
+void flow_wake(struct flow *f);
+/* writer_leave makes f's writer leave its ring (wmu held); reader_leave
+ * the reader (rmu held). Each returns the rings to give back with
+ * rings_done after the lock is let go (both directions left), or NULL. */
+struct rings *writer_leave(struct flow *f, struct rings *rg);
+struct rings *reader_leave(struct flow *f, struct rings *rg);
+void rings_done(struct flow *f, struct rings *rg);
+/* conn_end: the last fd closed: leave the rings, CLOSE to hostd. */
+void conn_end(struct flow *f);
+
+/* path.c: the reader and the writer of a connection, for any flags;
+ * flow_timeouts reads fd's SO_RCVTIMEO and SO_SNDTIMEO back from the
+ * kernel into f. */
+ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_t *deadline);
+ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, int64_t *deadline);
+ssize_t conn_buffered(struct flow *f, int fd);
+/* A kernel call that writes to the connection's socket itself (sendfile,
+ * splice): conn_tcp_begin returns 1 if the writer is on TCP, and then
+ * conn_tcp_end(f, bytes written) must follow; 0 if it is on the ring. */
+int conn_tcp_begin(struct flow *f);
+void conn_tcp_end(struct flow *f, ssize_t k);
 void flow_timeouts(int fd, struct flow *f);
 
-/* wait.c: poll events a fast-path fd has for interest ev. */
-short fast_events(struct flow *f, short ev);
+/* wait.c: poll events of a connection for interest ev, given the kernel
+ * socket's revents kev (for the events conn_kernel_events asks of it;
+ * -1: ask the kernel now). */
+short fast_events(struct flow *f, int fd, short ev, short kev);
+short conn_kernel_events(struct flow *f, short ev);
 
 /* A set of ring wait words to sleep on (the rings' waiting flags), any
  * number; seq is the kick count from before they were set (VM mode). */
@@ -183,6 +258,7 @@ struct arm {
 };
 void arm_init(struct arm *a);
 void arm_add(struct arm *a, struct flow *f, int reader);
+void arm_word(struct arm *a, uint32_t *w);
 void arm_set(struct arm *a, uint32_t v);
 void arm_free(struct arm *a);
 
@@ -198,6 +274,11 @@ int helper_efd(struct helper *h);
 int64_t block_start(struct helper *h, struct arm *a, int64_t ns);
 void block_stop(struct helper *h);
 int remaining_ms(int64_t deadline);
+/* sleep.c: a blocking call sleeps until fd has events, a word of a (set to
+ * 1 by arm_set) is woken, or timeout_ns (< 0: none): 0, or EINTR when a
+ * signal handler must end the call (the kernel's choice, as for recv). */
+int conn_sleep(int fd, short events, struct arm *a, int64_t timeout_ns);
+void sleep_after_fork(void);
 void wait_after_fork(void);
 
 /* epoll.c: drop fd from every set, and forget the set if fd is one. */

@@ -266,11 +266,11 @@ void arm_init(struct arm *a)
 	a->seq = 0;
 }
 
-void arm_add(struct arm *a, struct flow *f, int reader)
+void arm_word(struct arm *a, uint32_t *w)
 {
 	if (a->n == a->cap) {
 		uint32_t **more = malloc(2 * a->cap * sizeof *more);
-		if (!more) { /* this ring is not armed: block_start slices the wait */
+		if (!more) { /* this word is not armed: block_start slices the wait */
 			a->short_of_memory = 1;
 			return;
 		}
@@ -280,7 +280,18 @@ void arm_add(struct arm *a, struct flow *f, int reader)
 		a->flag = more;
 		a->cap *= 2;
 	}
-	a->flag[a->n++] = shunt_ring_wait_word(reader ? &f->sf.r : &f->sf.w, reader);
+	a->flag[a->n++] = w;
+}
+
+/* arm_add arms what may change a connection's readiness for a reader
+ * (reader) or a writer besides its kernel socket: its event word (READY,
+ * DOWN, close) and its ring's wait word. */
+void arm_add(struct arm *a, struct flow *f, int reader)
+{
+	arm_word(a, &f->ev);
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	if (rg)
+		arm_word(a, shunt_ring_wait_word(reader ? &rg->sf.r : &rg->sf.w, reader));
 }
 
 void arm_set(struct arm *a, uint32_t v)
@@ -300,16 +311,59 @@ void arm_free(struct arm *a)
 
 /* ---- poll and select ---- */
 
-short fast_events(struct flow *f, short ev)
+/* conn_kernel_events: what to ask the kernel socket of a connection for
+ * interest ev: input while the reader is on TCP, output while the writer
+ * is (a writer on the ring finds the idle kernel socket always writable). */
+short conn_kernel_events(struct flow *f, short ev)
 {
-	short r = 0;
-	if (f->revoked || __atomic_load_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST))
-		return POLLIN | POLLOUT | POLLERR | POLLHUP;
-	if ((ev & POLLIN) && shunt_ring_ready(&f->sf.r, 1))
-		r |= POLLIN | (__atomic_load_n((uint32_t *)(f->sf.r.hdr + SHUNT_OFF_WFLAGS), __ATOMIC_SEQ_CST) & 1 ? POLLRDHUP & ev : 0);
-	if ((ev & POLLOUT) && shunt_ring_ready(&f->sf.w, 0))
-		r |= POLLOUT;
-	return r;
+	short k = 0;
+	if ((ev & (POLLIN | POLLRDHUP)) && !__atomic_load_n(&f->rring, __ATOMIC_RELAXED))
+		k |= ev & (POLLIN | POLLRDHUP | POLLPRI);
+	if ((ev & POLLOUT) && !__atomic_load_n(&f->wring, __ATOMIC_RELAXED))
+		k |= POLLOUT;
+	return k;
+}
+
+/* fast_events: a connection's readiness for interest ev, following its
+ * paths, including a switch the next call would make. kev is the kernel
+ * socket's revents for conn_kernel_events (-1: ask it now). The reader's
+ * and writer's state is read without their locks: a stale view only makes
+ * the caller look again. */
+short fast_events(struct flow *f, int fd, short ev, short kev)
+{
+	if (kev < 0) {
+		struct pollfd p = {.fd = fd, .events = conn_kernel_events(f, ev)};
+		kev = real_poll(&p, 1, 0) == 1 ? p.revents : 0;
+	}
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	short r = kev & (POLLERR | POLLHUP | POLLNVAL);
+	uint64_t start;
+	if (ev & POLLIN) {
+		int rring = __atomic_load_n(&f->rring, __ATOMIC_RELAXED);
+		int started = rg && !rring && shunt_ring_started(&rg->sf.r, &start);
+		if (__atomic_load_n(&f->rd_shut, __ATOMIC_RELAXED) || __atomic_load_n(&f->closed, __ATOMIC_RELAXED))
+			r |= POLLIN;
+		else if (rring && rg)
+			r |= shunt_ring_ready(&rg->sf.r, 1) || __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST) ? POLLIN : 0;
+		else if (started && __atomic_load_n(&f->roff, __ATOMIC_RELAXED) == start)
+			r |= shunt_ring_ready(&rg->sf.r, 1) ? POLLIN : 0; /* the next read moves to the ring */
+		else if (__atomic_load_n(&f->slen, __ATOMIC_RELAXED) || __atomic_load_n(&f->seof, __ATOMIC_RELAXED))
+			r |= POLLIN;
+		else
+			r |= kev & POLLIN;
+		/* The peer's FIN counts once its ring's bytes are read. */
+		if (!rring && !started)
+			r |= kev & ev & POLLRDHUP;
+	}
+	if (ev & POLLOUT) {
+		if (__atomic_load_n(&f->wring, __ATOMIC_RELAXED) && rg)
+			r |= shunt_ring_ready(&rg->sf.w, 0) || __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) ? POLLOUT : 0;
+		else
+			r |= kev & POLLOUT;
+	}
+	if (rg && __atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST))
+		r |= POLLIN | POLLOUT | POLLERR | POLLHUP; /* a broken ring: the next call says ECONNRESET */
+	return r & (ev | POLLERR | POLLHUP | POLLNVAL);
 }
 
 int remaining_ms(int64_t deadline)
@@ -320,7 +374,9 @@ int remaining_ms(int64_t deadline)
 	return left <= 0 ? 0 : (int)((left + 999999) / 1000000);
 }
 
-/* do_poll is poll(2) over a set that may contain fast-path fds. */
+/* do_poll is poll(2) over a set that may contain connections: their
+ * kernel sockets are asked for what their TCP paths need, and their rings
+ * and event words are armed (arm_add). */
 static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_t *mask)
 {
 	int fast = 0, pend = 0;
@@ -346,21 +402,20 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 			struct flow *f = flow_of(p[i].fd);
 			kp[i] = p[i];
 			kp[i].revents = 0;
-			if (f) {
-				p[i].revents = fast_events(f, p[i].events);
-				kp[i].fd = -1;
-			} else {
-				p[i].revents = 0;
-				if (pending(p[i].fd))
-					kp[i].events |= POLLOUT; /* wake when the connect ends, to settle it */
-			}
+			if (f)
+				kp[i].events = conn_kernel_events(f, p[i].events);
+			else if (pending(p[i].fd))
+				kp[i].events |= POLLOUT; /* wake when the connect ends, to settle it */
 		}
-		int k = 0;
-		if (ask_kernel || turn % KERNEL_EVERY == 0)
+		int k = 0, asked = ask_kernel || turn % KERNEL_EVERY == 0;
+		if (asked)
 			k = real_poll(kp, n, 0);
 		ask_kernel = 0;
 		for (nfds_t i = 0; i < n; i++) {
-			if (kp[i].fd >= 0)
+			struct flow *f = flow_of(p[i].fd);
+			if (f)
+				p[i].revents = fast_events(f, p[i].fd, p[i].events, asked ? kp[i].revents : 0);
+			else
 				p[i].revents = kp[i].revents & (p[i].events | POLLERR | POLLHUP | POLLNVAL);
 			ready += p[i].revents != 0;
 		}
@@ -391,7 +446,10 @@ static int do_poll(struct pollfd *p, nfds_t n, int64_t timeout_ns, const sigset_
 		int again = 0, r = 0;
 		for (nfds_t i = 0; i < n && !again; i++) {
 			struct flow *f = flow_of(p[i].fd);
-			again = f && fast_events(f, p[i].events);
+			if (f) {
+				kp[i].events = conn_kernel_events(f, p[i].events);
+				again = fast_events(f, p[i].fd, p[i].events, 0) != 0;
+			}
 		}
 		if (!again) {
 			struct helper *h = helper();

@@ -1,0 +1,358 @@
+/* Connections and hostd: OPEN when a connection is established, and the
+ * session's callbacks that move it between TCP and the rings (READY,
+ * DOWN, TCP), LEFT when both directions left a ring pair, CLOSE at the
+ * last close, and what a new hostd must hear after a restart (LISTEN,
+ * REATTACH, OPEN again). Nothing here waits for hostd: a connection is on
+ * TCP until READY, and its reads and writes go on meanwhile (path.c). */
+#include "preload.h"
+
+#include <arpa/inet.h>
+#include <errno.h>
+#include <linux/futex.h>
+#include <limits.h>
+#include <stdlib.h>
+#include <string.h>
+#include <sys/syscall.h>
+
+/* ---- ring pairs: kept for reuse, never freed (preload.h) ---- */
+
+static pthread_mutex_t rings_mu = PTHREAD_MUTEX_INITIALIZER; /* a leaf */
+static struct rings *free_rings;
+
+static struct rings *rings_new(void)
+{
+	pthread_mutex_lock(&rings_mu);
+	struct rings *rg = free_rings;
+	if (rg)
+		free_rings = rg->next_free;
+	pthread_mutex_unlock(&rings_mu);
+	if (!rg)
+		return calloc(1, sizeof *rg);
+	rg->wleft = rg->rleft = 0;
+	rg->next_free = NULL;
+	__atomic_store_n(&rg->left, 0, __ATOMIC_SEQ_CST);
+	__atomic_store_n(&rg->down, 0, __ATOMIC_SEQ_CST);
+	__atomic_store_n(&rg->peer_gone, 0, __ATOMIC_SEQ_CST);
+	return rg;
+}
+
+static void rings_free(struct rings *rg)
+{
+	pthread_mutex_lock(&rings_mu);
+	rg->next_free = free_rings;
+	free_rings = rg;
+	pthread_mutex_unlock(&rings_mu);
+}
+
+void flow_wake(struct flow *f)
+{
+	__atomic_store_n(&f->ev, 0, __ATOMIC_SEQ_CST);
+	syscall(SYS_futex, &f->ev, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	if (shunt_kicks_enabled()) /* VM mode: the helpers sleep on the kick count */
+		shunt_kick_local();
+}
+
+/* ---- leaving a ring pair ---- */
+
+/* left marks one direction gone; the one that completes the pair gets it
+ * back to release (LEFT) once its lock is let go. */
+static struct rings *left(struct rings *rg, int bit)
+{
+	return (__atomic_or_fetch(&rg->left, bit, __ATOMIC_SEQ_CST) & 3) == 3 ? rg : NULL;
+}
+
+struct rings *writer_leave(struct flow *f, struct rings *rg)
+{
+	if (!rg || rg->wleft)
+		return NULL;
+	rg->wleft = 1;
+	f->wring = 0;
+	shunt_ring_leave(&rg->sf.w);
+	if (verbose > 1)
+		plog("shunt: fd %d: writer left the ring at %llu", f->fd, (unsigned long long)f->sent);
+	return left(rg, 1);
+}
+
+struct rings *reader_leave(struct flow *f, struct rings *rg)
+{
+	if (!rg || rg->rleft)
+		return NULL;
+	rg->rleft = 1;
+	f->rring = 0;
+	shunt_ring_leave_read(&rg->sf.r);
+	if (verbose > 1)
+		plog("shunt: fd %d: reader left the ring at %llu", f->fd, (unsigned long long)f->roff);
+	return left(rg, 2);
+}
+
+/* rings_done gives back a pair both directions left: LEFT to hostd, the
+ * region hold let go. Both locks are taken (in order, none held by the
+ * caller) so that no reader or writer looks at f->rg meanwhile. */
+void rings_done(struct flow *f, struct rings *rg)
+{
+	if (!rg)
+		return;
+	pthread_mutex_lock(&f->rmu);
+	pthread_mutex_lock(&f->wmu);
+	if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+		__atomic_store_n(&f->rg, NULL, __ATOMIC_RELEASE);
+	pthread_mutex_unlock(&f->wmu);
+	pthread_mutex_unlock(&f->rmu);
+	if (f->owner == my_pid)
+		shunt_flow_left(&rg->sf);
+	plog("shunt: fd %d: left the rings (slot %u): tcp", f->fd, rg->sf.slot);
+	shunt_flow_detach(&rg->sf);
+	rings_free(rg);
+	flow_wake(f);
+}
+
+/* conn_end: the connection's last fd closes. The writer leaves its ring
+ * first, so the peer reads the ring's bytes and then the kernel's FIN or
+ * RST; the reader leaves too, so the peer's writer goes back to TCP. */
+void conn_end(struct flow *f)
+{
+	if (f->owner != my_pid || f->finished)
+		return;
+	f->finished = 1;
+	pthread_mutex_lock(&f->rmu);
+	pthread_mutex_lock(&f->wmu);
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	/* Without rings, the side is the role's: the connecting end is A. */
+	struct shunt_flow id = {.req = f->req, .side = f->role == SHUNT_ROLE_PASSIVE ? 2 : 1, .session = session};
+	if (rg) {
+		writer_leave(f, rg);
+		reader_leave(f, rg);
+		id = rg->sf;
+		__atomic_store_n(&f->rg, NULL, __ATOMIC_RELEASE);
+	}
+	pthread_mutex_unlock(&f->wmu);
+	pthread_mutex_unlock(&f->rmu);
+	shunt_flow_close(&id);
+	if (rg) {
+		shunt_flow_detach(&rg->sf);
+		rings_free(rg);
+	}
+}
+
+/* ---- OPEN ---- */
+
+void conn_open(int fd, uint8_t role, const char *who)
+{
+	char ip[INET6_ADDRSTRLEN];
+	struct shunt_msg m = {.type = SHUNT_OPEN, .role = role};
+	if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
+		return;
+	inet_ntop(AF_INET6, m.remote.ip, ip, sizeof ip);
+	struct flow *f = flow_new();
+	if (!f) {
+		plog("shunt: fd %d %s [%s]:%u: tcp (out of memory)", fd, who, ip, m.remote.port);
+		return;
+	}
+	f->owner = my_pid;
+	f->fd = fd;
+	f->role = role;
+	f->nonblock = nonblk[fd];
+	flow_timeouts(fd, f);
+	m.req_id = f->req = shunt_session_new_req(session);
+	/* Published before OPEN goes out: READY may come at once. */
+	pthread_mutex_lock(&tab_mu);
+	flow_publish(fd, f);
+	pthread_mutex_unlock(&tab_mu);
+	int r = shunt_session_open(session, &m);
+	plog("shunt: fd %d %s [%s]:%u: open (request %u%s)", fd, who, ip, m.remote.port, m.req_id,
+	     r ? ", hostd away: told when it is back" : "");
+}
+
+/* ---- hostd's messages ---- */
+
+/* by_req finds the connection with request id req and takes a reference
+ * (flow_get), or NULL. */
+static struct flow *by_req(uint32_t req)
+{
+	int fd = -1;
+	pthread_mutex_lock(&tab_mu);
+	for (int i = 0; i < FD_MAX; i++) {
+		struct flow *f = fds[i];
+		if (f && f->owner == my_pid && f->req == req) {
+			fd = i;
+			break;
+		}
+	}
+	pthread_mutex_unlock(&tab_mu);
+	return fd < 0 ? NULL : flow_get(fd);
+}
+
+static void ready(struct flow *f, const struct shunt_msg *m)
+{
+	struct rings *old = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	if (old || __atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
+		plog("shunt: fd %d: READY (slot %u) while %s; left at once", f->fd, m->slot, old ? "it holds rings" : "closing");
+		struct shunt_flow id = {.req = m->req_id, .region_id = m->region_id, .slot = m->slot, .gen = m->gen, .side = m->side,
+					.session = session};
+		shunt_flow_left(&id);
+		return;
+	}
+	struct rings *rg = rings_new();
+	if (!rg || shunt_flow_attach(session, m, &rg->sf)) {
+		plog("shunt: fd %d: %s; stays on tcp", f->fd, rg ? "READY does not match the region" : "out of memory");
+		struct shunt_flow id = {.req = m->req_id, .region_id = m->region_id, .slot = m->slot, .gen = m->gen, .side = m->side,
+					.session = session};
+		shunt_flow_left(&id);
+		if (rg)
+			rings_free(rg);
+		return;
+	}
+	rg->sf.w.owner = rg->sf.r.owner = &rg->sf;
+	/* A reader asleep in a blocking kernel recv would not see the ring
+	 * start: the peer must not move before it is back (path.c). */
+	pthread_mutex_lock(&f->rmu);
+	__atomic_store_n(&f->rg, rg, __ATOMIC_RELEASE);
+	if (f->rblocked)
+		f->attach_due = 1;
+	else
+		shunt_ring_attach_reader(&rg->sf.r);
+	pthread_mutex_unlock(&f->rmu);
+	guard(f->fd);
+	plog("shunt: fd %d: shunt (slot %u, ring %llu bytes)", f->fd, m->slot, (unsigned long long)rg->sf.r.cap);
+	flow_wake(f); /* a reader asleep on TCP now waits for the ring's start too */
+}
+
+/* down: the writer leaves at once if no write is in progress, else the
+ * write in progress does at its next step (path.c); the reader drains
+ * and leaves when it reads the writer's mark (or, the peer gone, when the
+ * ring is empty). Sleepers are woken to see it. */
+static void down(struct flow *f, const struct shunt_msg *m)
+{
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	if (!rg || (m->slot != rg->sf.slot || m->gen != rg->sf.gen || m->region_id != rg->sf.region_id))
+		return; /* an older pair's, already left */
+	plog("shunt: fd %d: down (%s)", f->fd, shunt_reason_name(m->reason));
+	if (m->reason == SHUNT_REASON_PEER_GONE) {
+		__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
+		shunt_ring_stop(&rg->sf.r, 1); /* a reader asleep on the ring looks again */
+	}
+	__atomic_store_n(&rg->down, 1, __ATOMIC_SEQ_CST);
+	shunt_ring_stop(&rg->sf.w, 0); /* a writer asleep on a full ring leaves */
+	struct rings *done = NULL;
+	if (pthread_mutex_trylock(&f->wmu) == 0) {
+		if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+			done = writer_leave(f, rg);
+		pthread_mutex_unlock(&f->wmu);
+	}
+	rings_done(f, done);
+	flow_wake(f);
+}
+
+void conn_cb(void *arg, const struct shunt_msg *m)
+{
+	(void)arg;
+	struct flow *f = by_req(m->req_id);
+	if (!f)
+		return;
+	if (m->type == SHUNT_READY)
+		ready(f, m);
+	else if (m->type == SHUNT_DOWN)
+		down(f, m);
+	else if (m->type == SHUNT_TCP)
+		plog("shunt: fd %d: tcp (%s)", f->fd, shunt_reason_name(m->reason));
+	flow_put(f);
+}
+
+/* A REVOKE (hostd no longer sends it to this protocol version) is a DOWN. */
+void conn_revoked(void *arg, const struct shunt_msg *m)
+{
+	(void)arg;
+	struct flow *hit = NULL;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX && !hit; fd++) {
+		struct flow *f = fds[fd];
+		struct rings *rg = f ? __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) : NULL;
+		if (rg && rg->sf.region_id == m->region_id && rg->sf.slot == m->slot && rg->sf.gen == m->gen)
+			hit = f;
+	}
+	int fd = hit ? hit->fd : -1;
+	pthread_mutex_unlock(&tab_mu);
+	struct flow *f = fd >= 0 ? flow_get(fd) : NULL;
+	if (!f)
+		return;
+	struct shunt_msg d = *m;
+	d.type = SHUNT_DOWN;
+	down(f, &d);
+	flow_put(f);
+}
+
+/* conn_holds reports whether this process has listeners or connections
+ * that a new hostd must hear of. */
+int conn_holds(void *arg)
+{
+	(void)arg;
+	for (int fd = 0; fd < FD_MAX; fd++)
+		if (kind[fd] == FD_LISTENER || (fds[fd] && fds[fd]->owner == my_pid))
+			return 1;
+	return 0;
+}
+
+/* conn_announce tells a new hostd what this process holds: LISTEN for
+ * each listener, REATTACH for each connection on rings and OPEN again,
+ * with its request id, for each on TCP. Collected under tab_mu, sent
+ * after it. */
+void conn_announce(void *arg, struct shunt_session *s)
+{
+	(void)arg;
+	int cap = 16, n = 0;
+	struct shunt_msg *ms = malloc(cap * sizeof *ms);
+	struct flow **who = malloc(cap * sizeof *who);
+	if (!ms || !who) {
+		plog("shunt: out of memory: cannot tell the new hostd of listeners and connections");
+		free(ms);
+		free(who);
+		return;
+	}
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct shunt_msg m = {0};
+		struct flow *f = fds[fd];
+		if (kind[fd] == FD_LISTENER) {
+			m.type = SHUNT_LISTEN;
+			if (local_of(fd, &m.local))
+				continue;
+		} else if (f && f->owner == my_pid && !__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
+			int dup = 0; /* once per connection, though dup'd fds share it */
+			for (int i = 0; i < n && !dup; i++)
+				dup = who[i] == f;
+			if (dup)
+				continue;
+			struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+			if (rg)
+				m = (struct shunt_msg){.type = SHUNT_REATTACH, .region_id = rg->sf.region_id, .slot = rg->sf.slot,
+						       .gen = rg->sf.gen, .side = rg->sf.side};
+			else
+				m = (struct shunt_msg){.type = SHUNT_OPEN, .req_id = f->req, .role = f->role};
+			if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
+				continue;
+		} else {
+			continue;
+		}
+		if (n == cap) {
+			struct shunt_msg *more = realloc(ms, 2 * cap * sizeof *more);
+			struct flow **wmore = more ? realloc(who, 2 * cap * sizeof *wmore) : NULL;
+			if (more)
+				ms = more;
+			if (!wmore) {
+				plog("shunt: out of memory: told the new hostd of only %d listeners and connections", n);
+				break;
+			}
+			who = wmore;
+			cap *= 2;
+		}
+		who[n] = kind[fd] == FD_LISTENER ? NULL : f;
+		ms[n++] = m;
+	}
+	pthread_mutex_unlock(&tab_mu);
+	for (int i = 0; i < n; i++)
+		shunt_session_send(s, &ms[i]);
+	if (n)
+		plog("shunt: told hostd of %d listeners and connections", n);
+	free(ms);
+	free(who);
+}
