@@ -20,12 +20,8 @@ type Options struct {
 	Region  string       // region file override; "" = $SHUNT_REGION or what hostd says
 	Wait    *wait.Policy // nil = $SHUNT_WAIT or adaptive
 	Disable bool         // always plain TCP ($SHUNT_DISABLE=1)
-	// VerdictTimeout bounds how long a connection waits for hostd's
-	// verdict (Dial, and an accepted Conn's first Read, Write or Path); it
-	// should exceed hostd's pairing timeout. 0 = 5s.
-	VerdictTimeout time.Duration
-	// Logf, if set, receives one line per connection saying which path it
-	// took and why (shunt-run -v uses it).
+	// Logf, if set, receives a line per path change of a connection,
+	// with the reason (shunt-run -v uses it).
 	Logf func(format string, args ...any)
 	// Kick makes ends wake their peers through hostd (KICK) instead of
 	// futexes: for VMs, whose peers are in other guest kernels. It is set
@@ -56,14 +52,12 @@ func (o Options) withEnv() (Options, error) {
 	if os.Getenv("SHUNT_DISABLE") == "1" {
 		o.Disable = true
 	}
-	if o.VerdictTimeout <= 0 {
-		o.VerdictTimeout = 5 * time.Second
-	}
 	return o, nil
 }
 
-// retryEvery is how often a Client tries a missing hostd again: a missing
-// hostd costs a Dial nothing but a check.
+// retryEvery is how often a Listen tries a missing hostd again; a Dial or
+// Accept never waits for hostd (the background reconnect offers its
+// connections when hostd answers).
 const retryEvery = time.Second
 
 // Client is a guest process's session with hostd, shared by its Dialers and
@@ -87,15 +81,16 @@ type Client struct {
 	regions    map[uint32]*mapping // the others, by id: pair regions that came by REGION
 	guestID    uint32
 	nextReq    uint32
-	pending    map[uint32]*Conn // OPENs waiting for READY or TCP, by ReqID
+	conns      map[uint32]*Conn // every connection offered to hostd, by request id, until Close
 	pongs      map[uint64]chan struct{}
 	nonce      uint64
-	flows      map[flowKey]*Conn
+	flows      map[flowKey]*Conn // connections holding rings, by flow (REVOKE, KICK, DOWN after REATTACH)
 	listens    map[netip.AddrPort]int
-	routes     map[netip.Addr]route // source address cache (see source)
-	closes     []proto.Msg          // CLOSEs to write when the queue has room or once reconnected
+	closes     []proto.Msg // CLOSEs and LEFTs to write when the queue has room or once reconnected
 	lastTry    time.Time
 	lastErr    error
+	retrying   bool // a reconnect goroutine runs
+	connected  bool // a session was installed once (later ones are reconnects)
 	closed     bool
 	reconnects int
 	done       chan struct{}
@@ -118,8 +113,8 @@ func NewClient(opts Options) (*Client, error) {
 		return nil, err
 	}
 	c := &Client{
-		opts: o, pending: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
-		listens: map[netip.AddrPort]int{}, routes: map[netip.Addr]route{}, done: make(chan struct{}),
+		opts: o, conns: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
+		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
 	}
 	if isPort(o.Control) {
 		c.opts.Kick = true
@@ -218,6 +213,10 @@ func (c *Client) connectUnlocked() error {
 	if r != nil {
 		c.region = r
 	}
+	if c.connected {
+		c.reconnects++
+	}
+	c.connected = true
 	c.install(conn, welcome)
 	return nil
 }
@@ -280,17 +279,25 @@ func (c *Client) welcomed(s *session) {
 	c.reconnects++
 }
 
-// announcementsLocked is what a new hostd must learn from this process.
+// announcementsLocked is what a new hostd must learn from this process:
+// its listeners, the CLOSEs and LEFTs it could not deliver, REATTACH for
+// each connection holding rings and OPEN again, with the same request id,
+// for each on TCP (so the new hostd can pair and upgrade it).
 func (c *Client) announcementsLocked() []proto.Msg {
 	var msgs []proto.Msg
 	for a := range c.listens {
 		msgs = append(msgs, proto.Msg{Type: proto.Listen, Local: a})
 	}
-	for k, fc := range c.flows {
-		msgs = append(msgs, proto.Msg{Type: proto.Reattach, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: fc.side, Local: fc.local, Remote: fc.remote})
-	}
 	msgs = append(msgs, c.closes...)
 	c.closes = nil
+	for _, conn := range c.conns {
+		if f := conn.cur.Load(); f != nil {
+			k := f.key
+			msgs = append(msgs, proto.Msg{Type: proto.Reattach, ReqID: conn.req, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: f.side, Local: conn.local, Remote: conn.remote})
+			continue
+		}
+		msgs = append(msgs, conn.openMsg())
+	}
 	return msgs
 }
 
@@ -307,8 +314,9 @@ func (c *Client) parked(s *session) []proto.Msg {
 	return batch
 }
 
-// lost is the end of session s: its pending verdicts fail over to TCP and,
-// unless the client is closed, it reconnects in the background.
+// lost is the end of session s: connections keep their paths (nothing
+// waits for hostd) and, unless the client is closed, it reconnects in the
+// background.
 func (c *Client) lost(s *session) {
 	c.mu.Lock()
 	if c.sess != s {
@@ -316,54 +324,70 @@ func (c *Client) lost(s *session) {
 		return
 	}
 	c.sess = nil
-	pending := c.pending
-	c.pending = map[uint32]*Conn{}
-	closed := c.closed
-	if !closed {
-		c.wg.Add(1)
-		go c.reconnect()
-	}
+	c.retryLocked()
 	c.mu.Unlock()
-	for id, w := range pending {
-		c.deliverTo(w, proto.Msg{Type: proto.TCP, ReqID: id, Reason: proto.ReasonNoHostd})
-	}
+	c.tellNoHostd()
 }
 
-// reconnect retries hostd with backoff until it answers or Close.
-func (c *Client) reconnect() {
+// retryLocked starts the reconnect goroutine unless it runs, the client
+// is closed or connected.
+func (c *Client) retryLocked() {
+	if c.retrying || c.closed || c.sess != nil {
+		return
+	}
+	c.retrying = true
+	delay := time.Duration(0) // the first try of a fresh client: at once
+	if c.connected || c.lastErr != nil {
+		delay = 20 * time.Millisecond
+	}
+	c.wg.Add(1)
+	go c.reconnect(delay)
+}
+
+// reconnect retries hostd with backoff (20 ms to 1 s) until it answers,
+// Close, or nothing is left to announce (no connection, no listener).
+func (c *Client) reconnect(delay time.Duration) {
 	defer c.wg.Done()
-	delay := 20 * time.Millisecond
+	t := time.NewTimer(delay)
+	defer t.Stop()
 	for {
 		select {
 		case <-c.done:
+			c.mu.Lock()
+			c.retrying = false
+			c.mu.Unlock()
 			return
-		case <-time.After(delay):
+		case <-t.C:
 		}
 		c.mu.Lock()
-		if c.closed || c.sess != nil {
+		if c.closed || c.sess != nil || len(c.conns) == 0 && len(c.listens) == 0 && len(c.closes) == 0 {
+			c.retrying = false
 			c.mu.Unlock()
 			return
 		}
-		if c.connecting != nil { // a Dial is trying: look again later
-			c.mu.Unlock()
-			continue
-		}
-		c.lastTry = time.Now()
-		err := c.connectUnlocked()
-		if err == nil {
-			c.reconnects++
+		failed := false
+		if c.connecting == nil { // else a Listen is trying: look again later
+			c.lastTry = time.Now()
+			if err := c.connectUnlocked(); err == nil {
+				c.retrying = false
+				c.mu.Unlock()
+				return
+			}
+			failed = true
 		}
 		c.mu.Unlock()
-		if err == nil {
-			return
+		if failed {
+			c.tellNoHostd()
 		}
-		delay = min(2*delay, time.Second)
+		delay = min(max(2*delay, 20*time.Millisecond), time.Second)
+		t.Reset(delay)
 	}
 }
 
-// send queues m for hostd without blocking. A CLOSE is never lost: when
-// disconnected or when the queue is full it is parked and written later.
-// A KICK that does not fit is dropped (sleepers wake on their own bound).
+// send queues m for hostd without blocking. A CLOSE or LEFT is never
+// lost: when disconnected or when the queue is full it is parked and
+// written later. A KICK that does not fit is dropped (sleepers wake on
+// their own bound).
 func (c *Client) send(m proto.Msg) error {
 	c.mu.Lock()
 	defer c.mu.Unlock()
@@ -372,8 +396,9 @@ func (c *Client) send(m proto.Msg) error {
 
 func (c *Client) sendLocked(m proto.Msg) error {
 	s := c.sess
+	keep := m.Type == proto.Close || m.Type == proto.Left
 	if s == nil {
-		if m.Type == proto.Close {
+		if keep {
 			c.closes = append(c.closes, m)
 		}
 		return errNoHostd
@@ -383,7 +408,7 @@ func (c *Client) sendLocked(m proto.Msg) error {
 		return nil
 	default:
 	}
-	if m.Type == proto.Close {
+	if keep {
 		c.closes = append(c.closes, m)
 		s.poke()
 		return nil
@@ -429,81 +454,6 @@ func (c *Client) ponged(nonce uint64) {
 	}
 }
 
-// request sends conn's OPEN; the verdict reaches conn.offer (or conn is
-// forgotten first, and the verdict is declined).
-func (c *Client) request(conn *Conn, m proto.Msg) error {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.nextReq++
-	m.ReqID = c.nextReq
-	c.pending[m.ReqID] = conn
-	if err := c.sendLocked(m); err != nil {
-		delete(c.pending, m.ReqID)
-		return err
-	}
-	conn.req = m.ReqID
-	return nil
-}
-
-// forget drops conn's pending OPEN: a verdict that arrives later is
-// declined by deliver.
-func (c *Client) forget(conn *Conn) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	if c.pending[conn.req] == conn {
-		delete(c.pending, conn.req)
-	}
-}
-
-// deliver hands a READY or TCP to the connection that asked for it.
-func (c *Client) deliver(m proto.Msg) {
-	c.mu.Lock()
-	w := c.pending[m.ReqID]
-	delete(c.pending, m.ReqID)
-	c.mu.Unlock()
-	c.deliverTo(w, m)
-}
-
-// deliverTo offers m to w. A READY that no connection takes (forgotten,
-// closed, timed out, or rings that do not check out) is given back to
-// hostd with CLOSE here, and only here, so no flow leaks.
-func (c *Client) deliverTo(w *Conn, m proto.Msg) {
-	if w != nil && w.offer(m) {
-		return
-	}
-	if m.Type == proto.Ready {
-		c.logf("shunt: READY %d/%d.%d for request %d taken by no connection: giving it back", m.RegionID, m.Slot, m.Gen, m.ReqID)
-		_ = c.send(proto.Msg{Type: proto.Close, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Side: m.Side})
-	}
-}
-
-// register records a fast-path connection, so that REVOKE reaches it and a
-// new hostd learns of it.
-func (c *Client) register(k flowKey, conn *Conn) {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	c.flows[k] = conn
-}
-
-// unregister forgets a fast-path connection, tells hostd this end is done
-// with it, and gives back its hold on the region (mp, nil for region 0).
-func (c *Client) unregister(k flowKey, side proto.Side, mp *mapping) {
-	c.mu.Lock()
-	delete(c.flows, k)
-	_ = c.sendLocked(proto.Msg{Type: proto.Close, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: side})
-	c.mu.Unlock()
-	if c.kick != nil {
-		c.kick.forget(k)
-	}
-	c.releaseRegion(mp)
-}
-
-func (c *Client) flow(k flowKey) *Conn {
-	c.mu.Lock()
-	defer c.mu.Unlock()
-	return c.flows[k]
-}
-
 // listen announces a listening address (counted: several Listeners may
 // share one; hostd keeps a set) and waits until hostd has it, so a peer's
 // connection cannot overtake it. A session opened here announces it with
@@ -517,6 +467,9 @@ func (c *Client) listen(a netip.AddrPort) {
 	}
 	c.mu.Unlock()
 	if !live && c.ensure() != nil {
+		c.mu.Lock()
+		c.retryLocked() // announced when hostd answers
+		c.mu.Unlock()
 		return
 	}
 	if first {

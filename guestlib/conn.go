@@ -1,12 +1,14 @@
 package guestlib
 
 import (
+	"context"
 	"errors"
 	"io"
 	"net"
 	"net/netip"
 	"os"
 	"sync"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -14,10 +16,10 @@ import (
 	"github.com/shuntnet/shunt/shm/ring"
 )
 
-// Path says how a connection's bytes move.
+// Path says how a connection's bytes move now.
 type Path struct {
-	Fast   bool   // true: shared-memory rings; false: the kernel's TCP
-	Reason string // why not fast ("policy", "no-hostd", ...); "" when fast
+	Fast   bool   // true: hostd gave it rings (READY, no DOWN since)
+	Reason string // why TCP ("pending", "policy", "no-hostd", ...); "" when fast
 }
 
 func (p Path) String() string {
@@ -27,188 +29,182 @@ func (p Path) String() string {
 	return "tcp(" + p.Reason + ")"
 }
 
-// Conn is a TCP connection whose bytes may take the fast path. It implements
-// net.Conn (and CloseWrite/CloseRead like *net.TCPConn); as net.Conn
-// requires, it is safe for concurrent use, with one Read and one Write at a
-// time each.
+// reasonPending is the Reason of a connection hostd has not answered yet.
+const reasonPending = "pending"
+
+// Conn is a TCP connection whose bytes move between the kernel's TCP and
+// shared-memory rings, per direction, as hostd decides (docs/DESIGN.md,
+// "Flow lifecycle: path switching"). It starts on TCP the moment it is
+// connected or accepted. It implements net.Conn (and CloseWrite/CloseRead
+// like *net.TCPConn); as net.Conn requires it is safe for concurrent use,
+// with one Read and one Write at a time each.
 //
-// Its path is decided once: by hostd's verdict (offer, called from the
-// Client's reader), or by a local reason (loopback, disabled, no hostd,
-// the verdict timeout, Close before the verdict). Calls made before the
-// verdict wait for it, bounded by their deadline and the verdict timeout.
+// Each direction keeps its stream offset: the writer moves to a ring at
+// the offset it announces there (Start) and back with Leave; the reader
+// reads TCP up to the announced start, the ring to its end, then TCP
+// again (conn_read.go, conn_write.go). READY, DOWN and REVOKE reach the
+// Conn from the Client's reader (flow.go) and never block it.
 type Conn struct {
 	tcp    *net.TCPConn
-	client *Client
+	client *Client // nil when the default client could not be made
 	local  netip.AddrPort
 	remote netip.AddrPort
-	req    uint32    // the OPEN's ReqID while a verdict is pending; guarded by client.mu
-	waitTo time.Time // the verdict is given up after this
+	role   proto.Role
+	req    uint32 // the OPEN's request id for the Conn's whole life; 0: never offered
 
-	vmu     sync.Mutex    // serializes deciding the path
-	verdict chan struct{} // closed once path is decided
-	path    Path
+	// fmu orders READY, DOWN and Close: a flow is installed only while
+	// the Conn is open, and Close sees every installed flow.
+	fmu      sync.Mutex
+	cur      atomic.Pointer[flow] // the flow of the last READY until both directions left it
+	reason   string               // why TCP, when cur is nil or down (guarded by fmu)
+	answered chan struct{}        // closed at hostd's first answer or a local reason
+	ansOnce  sync.Once
+	leaving  chan struct{} // non-nil while a leaver runs (see leaver); guarded by fmu
+	leaverWG sync.WaitGroup
 
-	// Fast path, set before verdict is closed.
-	side proto.Side
-	key  flowKey  // region, slot, generation
-	reg  *mapping // the region of its rings: held until Close
-	w    *ring.Writer
-	rd   *ring.Reader
+	// Reader state, guarded by readMu (conn_read.go).
+	readMu  sync.Mutex
+	rf      *flow  // the flow whose read ring this end has not left
+	rOnRing bool   // reading rf's ring (the TCP stream is at its start)
+	roff    uint64 // stream offset of the next byte for the application
+	stash   []byte // TCP bytes read past a ring's start; they follow its stretch
+	tcpErr  error  // the kernel's EOF or error, seen while a ring stretch was due
+	zcRead  []byte // TCP emulation of ReadBuffer
+	zcPeek  bool   // a ring ReadBuffer awaits ReleaseRead
 
-	readMu, writeMu sync.Mutex
-	closeOnce       sync.Once
-	revoked         chan struct{} // closed on revocation
-	revokeOnce      sync.Once
+	// Writer state, guarded by writeMu (conn_write.go).
+	writeMu sync.Mutex
+	wf      *flow
+	wOnRing atomic.Bool // writing wf's ring; read without the lock by Close
+	sent    uint64      // stream offset of the next byte written
+	zcWrite []byte      // TCP emulation of WriteBuffer
+	zcResv  bool        // a ring WriteBuffer awaits CommitWrite
 
-	// deadlineMu orders deadline changes with the verdict: a deadline set
-	// before the rings exist is carried over to them (see decideFast).
-	deadlineMu      sync.Mutex
+	wshut     atomic.Bool // CloseWrite or Close: no more writes
+	rshut     atomic.Bool // CloseRead: reads return EOF
+	closed    atomic.Bool
+	closeOnce sync.Once
+
+	// dlMu guards the deadlines and the TCP read interruption: pokeRead
+	// sets a past deadline on the socket to wake a Read blocked in the
+	// kernel when a ring starts; the Read restores readDL afterwards.
+	dlMu            sync.Mutex
 	readDL, writeDL time.Time
+	readingTCP      bool
+	poked           bool
+	rdl, wdl        atomic.Int64 // readDL, writeDL in unix ns (0: none), for the data path
 
-	zcRead, zcWrite []byte // TCP-path emulation of the zero-copy API
+	st connStats
 }
 
-func newConn(c *Client, tcp *net.TCPConn) *Conn {
+// connStats are Stats' counters, updated by the owning direction.
+type connStats struct {
+	ringSent, ringRecv, tcpSent, tcpRecv atomic.Uint64
+	wToRing, wToTCP, rToRing, rToTCP     atomic.Uint64
+	readies, downs                       atomic.Uint64
+	rOnRing                              atomic.Bool
+}
+
+// Stats are a connection's counters: bytes on each path, switches of each
+// direction, and where each direction is now. hostd's tests and tools
+// compare them with hostd's own.
+type Stats struct {
+	ReqID                   uint32
+	Path                    Path
+	RingSent, RingReceived  uint64 // bytes through the rings
+	TCPSent, TCPReceived    uint64 // bytes through the kernel socket
+	WriteToRing, WriteToTCP uint64 // the writer's moves
+	ReadToRing, ReadToTCP   uint64 // the reader's moves
+	Readies, Downs          uint64 // READYs taken, DOWNs (and REVOKEs) obeyed
+	WriteOnRing, ReadOnRing bool   // each direction's path now
+}
+
+// Stats returns a snapshot of the counters (each field atomic on its own).
+func (c *Conn) Stats() Stats {
+	s := &c.st
+	return Stats{
+		ReqID: c.req, Path: c.Path(),
+		RingSent: s.ringSent.Load(), RingReceived: s.ringRecv.Load(),
+		TCPSent: s.tcpSent.Load(), TCPReceived: s.tcpRecv.Load(),
+		WriteToRing: s.wToRing.Load(), WriteToTCP: s.wToTCP.Load(),
+		ReadToRing: s.rToRing.Load(), ReadToTCP: s.rToTCP.Load(),
+		Readies: s.readies.Load(), Downs: s.downs.Load(),
+		WriteOnRing: c.wOnRing.Load(), ReadOnRing: s.rOnRing.Load(),
+	}
+}
+
+func newConn(c *Client, tcp *net.TCPConn, role proto.Role) *Conn {
+	la := tcp.LocalAddr().(*net.TCPAddr).AddrPort()
+	ra := tcp.RemoteAddr().(*net.TCPAddr).AddrPort()
 	return &Conn{
-		tcp: tcp, client: c, verdict: make(chan struct{}), revoked: make(chan struct{}),
-		local:  tcp.LocalAddr().(*net.TCPAddr).AddrPort(),
-		remote: tcp.RemoteAddr().(*net.TCPAddr).AddrPort(),
-		waitTo: time.Now().Add(c.opts.VerdictTimeout),
+		tcp: tcp, client: c, role: role, answered: make(chan struct{}),
+		local:  netip.AddrPortFrom(la.Addr().Unmap(), la.Port()),
+		remote: netip.AddrPortFrom(ra.Addr().Unmap(), ra.Port()),
+		reason: reasonPending,
 	}
 }
 
-// decided reports whether the path is decided.
-func (c *Conn) decided() bool {
-	select {
-	case <-c.verdict:
-		return true
-	default:
-		return false
-	}
-}
-
-// decide records a TCP path for a local reason, unless the path is
-// decided already.
-func (c *Conn) decide(reason string) {
-	c.vmu.Lock()
-	defer c.vmu.Unlock()
-	if !c.decided() {
-		c.decideLocked(Path{Reason: reason})
-	}
-}
-
-// decideLocked records the path; the caller holds vmu and has checked that
-// it is not decided yet.
-func (c *Conn) decideLocked(p Path) {
-	c.path = p
-	close(c.verdict)
-	c.client.logf("shunt: %s -> %s: %s", c.local, c.remote, p)
-}
-
-// offer is hostd's verdict for this connection. It reports whether the
-// connection took it; a READY it does not take (decided already, or rings
-// that do not check out) is given back by the caller (Client.deliverTo).
-func (c *Conn) offer(m proto.Msg) bool {
-	c.vmu.Lock()
-	defer c.vmu.Unlock()
-	if c.decided() {
-		return false
-	}
-	if m.Type != proto.Ready {
-		c.decideLocked(Path{Reason: m.Reason.String()})
-		return true
-	}
-	if err := c.attach(m); err != nil {
-		c.client.logf("shunt: READY for %s did not check out: %v", c.remote, err)
-		c.decideLocked(Path{Reason: proto.ReasonInternal.String()})
-		return false
-	}
-	c.deadlineMu.Lock()
-	c.rd.SetDeadline(c.readDL)
-	c.w.SetDeadline(c.writeDL)
-	c.decideLocked(Path{Fast: true})
-	c.deadlineMu.Unlock()
-	return true
-}
-
-// resolve waits for the verdict until the deadline (an error) or the
-// verdict timeout (TCP, reason timeout).
-func (c *Conn) resolve(deadline time.Time) error {
-	select {
-	case <-c.verdict:
-		return nil
-	default:
-	}
-	giveUp := time.NewTimer(time.Until(c.waitTo))
-	defer giveUp.Stop()
-	var dl <-chan time.Time
-	if !deadline.IsZero() {
-		t := time.NewTimer(time.Until(deadline))
-		defer t.Stop()
-		dl = t.C
-	}
-	select {
-	case <-c.verdict:
-	case <-giveUp.C:
-		c.client.forget(c)
-		c.decide(proto.ReasonTimeout.String())
-	case <-dl:
-		return os.ErrDeadlineExceeded
-	}
-	return nil
-}
-
-// attach maps the rings of a READY; the caller holds vmu.
-func (c *Conn) attach(m proto.Msg) error {
-	out, in, reg, err := c.client.rings(m)
-	if err != nil {
-		return err
-	}
-	p := c.client.opts.Wait
-	if c.w, err = ring.NewWriter(out, p); err != nil {
-		c.client.releaseRegion(reg)
-		return err
-	}
-	if c.rd, err = ring.NewReader(in, p); err != nil {
-		c.client.releaseRegion(reg)
-		return err
-	}
-	c.reg = reg
-	c.side, c.key = m.Side, keyOf(m)
-	if k := c.client.kick; k != nil {
-		peer := proto.SideB
-		if m.Side == proto.SideB {
-			peer = proto.SideA
-		}
-		or, ow := out.Waiters() // our writer ring: the peer reads it
-		ir, iw := in.Waiters()  // our reader ring: the peer writes it
-		k.track(c.key, peer, or, ow, ir, iw)
-	}
-	c.client.register(c.key, c)
-	// Keep the lease alive and noticed: keepalive on the idle TCP socket.
-	_ = c.tcp.SetKeepAlive(true)
-	_ = c.tcp.SetKeepAlivePeriod(15 * time.Second)
-	return nil
-}
-
-// Path returns how this connection's bytes move, waiting for hostd's verdict
-// if it is not in yet.
-func (c *Conn) Path() Path {
-	_ = c.resolve(time.Time{})
-	return c.path
-}
-
-func (c *Conn) fast() bool { return c.path.Fast }
-
-// opErr wraps a ring error the way the net package reports socket errors,
-// so callers can match ECONNRESET, EPIPE, timeouts and net.ErrClosed.
-func (c *Conn) opErr(op string, err error) error {
+// announce offers the connection to hostd (OPEN, queued: nothing waits
+// for it), or settles it on TCP for a local reason.
+func (c *Conn) announce() {
+	cl := c.client
 	switch {
-	case err == nil || err == io.EOF:
+	case cl == nil:
+		c.settle(proto.ReasonInternal.String())
+	case cl.opts.Disable:
+		c.settle(proto.ReasonDisabled.String())
+	case c.remote.Addr().IsLoopback() && !cl.loopback:
+		c.settle(proto.ReasonLoopback.String())
+	default:
+		cl.open(c)
+	}
+}
+
+// settle records a TCP reason that no answer of hostd will change.
+func (c *Conn) settle(reason string) {
+	c.fmu.Lock()
+	c.reason = reason
+	c.fmu.Unlock()
+	c.ansOnce.Do(func() { close(c.answered) })
+	if c.client != nil {
+		c.client.logf("shunt: %s -> %s: tcp(%s)", c.local, c.remote, reason)
+	}
+}
+
+// Path returns the connection's path now: fast from READY until DOWN.
+// Each direction follows at its next write or read (Stats tells).
+func (c *Conn) Path() Path {
+	c.fmu.Lock()
+	defer c.fmu.Unlock()
+	if f := c.cur.Load(); f != nil && !f.down.Load() {
+		return Path{Fast: true}
+	}
+	return Path{Reason: c.reason}
+}
+
+// WaitPath waits until hostd has answered this connection once (READY or
+// TCP), or its path is settled locally, or hostd is unreachable, or ctx
+// is done, and returns the path then. Nothing else waits for hostd: it is for tools and tests that
+// report the path a new connection got.
+func (c *Conn) WaitPath(ctx context.Context) Path {
+	select {
+	case <-c.answered:
+	case <-ctx.Done():
+	}
+	return c.Path()
+}
+
+// opErr wraps an error the way the net package reports socket errors, so
+// callers can match ECONNRESET, EPIPE, timeouts and net.ErrClosed. Errors
+// of the kernel socket come wrapped already.
+func (c *Conn) opErr(op string, err error) error {
+	var oe *net.OpError
+	switch {
+	case err == nil || err == io.EOF || errors.As(err, &oe):
 		return err
-	case errors.Is(err, ring.ErrReset):
+	case errors.Is(err, ring.ErrReset), errors.Is(err, errBrokenStream):
 		err = os.NewSyscallError(op, syscall.ECONNRESET)
-	case errors.Is(err, ring.ErrPeerClosed):
+	case errors.Is(err, ring.ErrPeerClosed), errors.Is(err, errShut):
 		err = os.NewSyscallError(op, syscall.EPIPE)
 	case errors.Is(err, ring.ErrClosed):
 		err = net.ErrClosed
@@ -216,119 +212,18 @@ func (c *Conn) opErr(op string, err error) error {
 	return &net.OpError{Op: op, Net: "tcp", Source: net.TCPAddrFromAddrPort(c.local), Addr: net.TCPAddrFromAddrPort(c.remote), Err: err}
 }
 
-func (c *Conn) deadlines() (r, w time.Time) {
-	c.deadlineMu.Lock()
-	defer c.deadlineMu.Unlock()
-	return c.readDL, c.writeDL
-}
+var (
+	// errBrokenStream: a ring's start lies behind what this end already
+	// read, or the kernel's stream ended before it: a broken or hostile
+	// writer. The connection is reset.
+	errBrokenStream = errors.New("shunt: stream offsets do not match")
+	// errShut: a write after CloseWrite.
+	errShut = errors.New("shunt: write after shutdown")
+)
 
-// Read implements net.Conn.
-func (c *Conn) Read(p []byte) (int, error) {
-	c.readMu.Lock()
-	defer c.readMu.Unlock()
-	dl, _ := c.deadlines()
-	if err := c.resolve(dl); err != nil {
-		return 0, c.opErr("read", err)
-	}
-	if !c.fast() {
-		return c.tcp.Read(p)
-	}
-	n, err := c.rd.Read(p)
-	if err == io.EOF && c.w.IsReset() {
-		// hostd resets both rings one after the other; a peer that saw the
-		// first may already have closed the second with FIN. A revoked flow
-		// ends with ECONNRESET, never a clean EOF.
-		err = ring.ErrReset
-	}
-	return n, c.opErr("read", err)
-}
-
-// Write implements net.Conn.
-func (c *Conn) Write(p []byte) (int, error) {
-	c.writeMu.Lock()
-	defer c.writeMu.Unlock()
-	_, dl := c.deadlines()
-	if err := c.resolve(dl); err != nil {
-		return 0, c.opErr("write", err)
-	}
-	if !c.fast() {
-		return c.tcp.Write(p)
-	}
-	n, err := c.w.Write(p)
-	return n, c.opErr("write", err)
-}
-
-// CloseWrite shuts down the writing side: the peer reads EOF after the data.
-func (c *Conn) CloseWrite() error {
-	if err := c.resolve(time.Time{}); err != nil {
-		return err
-	}
-	if !c.fast() {
-		return c.tcp.CloseWrite()
-	}
-	c.writeMu.Lock()
-	defer c.writeMu.Unlock()
-	return c.opErr("close", c.w.CloseWrite())
-}
-
-// CloseRead shuts down the reading side: the peer's writes fail with EPIPE.
-func (c *Conn) CloseRead() error {
-	if err := c.resolve(time.Time{}); err != nil {
-		return err
-	}
-	if !c.fast() {
-		return c.tcp.CloseRead()
-	}
-	return c.opErr("close", c.rd.CloseRead())
-}
-
-// Close implements net.Conn. On the fast path it sends FIN on the ring,
-// releases the flow to hostd, and closes the kernel socket (the lease).
-func (c *Conn) Close() error {
-	var err error
-	c.closeOnce.Do(func() {
-		c.decide("closed")
-		c.client.forget(c) // a verdict still on its way is given back
-		if c.fast() {
-			// Wake blocked calls first, then publish FIN under the write
-			// lock (the Write they were in has returned by then).
-			c.w.Close()
-			c.rd.Close()
-			c.writeMu.Lock()
-			select {
-			case <-c.revoked:
-				// A revoked flow ends like a reset connection.
-				_ = c.tcp.SetLinger(0)
-			default:
-				if !c.w.IsReset() && !c.rd.Stats().Reset {
-					_ = c.w.CloseWrite()
-				}
-			}
-			c.writeMu.Unlock()
-			_ = c.rd.CloseRead()
-			// A Read still copying out of the ring (woken above) finishes
-			// before the region may be unmapped.
-			c.readMu.Lock()
-			c.client.unregister(c.key, c.side, c.reg)
-			c.readMu.Unlock()
-		}
-		err = c.tcp.Close()
-	})
-	return err
-}
-
-// revoke is hostd's REVOKE: make sure both rings are reset (hostd already
-// did, unless the region is gone) and wake this end's blocked calls.
-func (c *Conn) revoke(reason proto.Reason) {
-	c.revokeOnce.Do(func() {
-		close(c.revoked)
-		c.client.logf("shunt: %s -> %s revoked: %s", c.local, c.remote, reason)
-		if c.fast() {
-			c.w.Interrupt()
-			c.rd.Interrupt()
-		}
-	})
-}
+// expired reports whether deadline t is set and passed (net.Conn fails a
+// call at once then, even if it could make progress).
+func expired(t time.Time) bool { return !t.IsZero() && !time.Now().Before(t) }
 
 // LocalAddr implements net.Conn.
 func (c *Conn) LocalAddr() net.Addr { return c.tcp.LocalAddr() }
@@ -338,94 +233,166 @@ func (c *Conn) RemoteAddr() net.Addr { return c.tcp.RemoteAddr() }
 
 // SetDeadline implements net.Conn.
 func (c *Conn) SetDeadline(t time.Time) error {
-	c.SetReadDeadline(t)
+	if err := c.SetReadDeadline(t); err != nil {
+		return err
+	}
 	return c.SetWriteDeadline(t)
 }
 
-// SetReadDeadline implements net.Conn. Set before the verdict, it bounds
-// the wait for it and carries over to the rings.
+// SetReadDeadline implements net.Conn. The deadline holds on whichever
+// path is active, across switches: the socket gets it (unless a poke is
+// pending, after which the Read restores it) and a ring wait re-reads it.
 func (c *Conn) SetReadDeadline(t time.Time) error {
-	c.deadlineMu.Lock()
-	defer c.deadlineMu.Unlock()
-	c.readDL = t
-	if c.decided() && c.fast() {
-		c.rd.SetDeadline(t)
-		return nil
+	if c.closed.Load() {
+		return c.opErr("set", net.ErrClosed)
 	}
-	return c.tcp.SetReadDeadline(t)
+	c.dlMu.Lock()
+	c.readDL = t
+	c.rdl.Store(unixNano(t))
+	var err error
+	if !c.poked {
+		err = c.tcp.SetReadDeadline(t)
+	}
+	c.dlMu.Unlock()
+	if f := c.cur.Load(); f != nil {
+		f.rd.Interrupt()
+	}
+	return err
 }
 
 // SetWriteDeadline implements net.Conn, like SetReadDeadline.
 func (c *Conn) SetWriteDeadline(t time.Time) error {
-	c.deadlineMu.Lock()
-	defer c.deadlineMu.Unlock()
+	if c.closed.Load() {
+		return c.opErr("set", net.ErrClosed)
+	}
+	c.dlMu.Lock()
 	c.writeDL = t
-	if c.decided() && c.fast() {
-		c.w.SetDeadline(t)
-		return nil
+	c.wdl.Store(unixNano(t))
+	err := c.tcp.SetWriteDeadline(t)
+	c.dlMu.Unlock()
+	if f := c.cur.Load(); f != nil {
+		f.w.Interrupt()
 	}
-	return c.tcp.SetWriteDeadline(t)
+	return err
 }
 
-// ReadBuffer returns up to max readable bytes in place (zero copy), blocking
-// until at least one is readable; ReleaseRead(n) consumes them. On the TCP
-// path it reads into an internal buffer, so callers need not care.
-func (c *Conn) ReadBuffer(max int) ([]byte, error) {
-	c.readMu.Lock()
-	defer c.readMu.Unlock()
-	dl, _ := c.deadlines()
-	if err := c.resolve(dl); err != nil {
-		return nil, c.opErr("read", err)
+func (c *Conn) readDeadline() time.Time  { return fromUnixNano(c.rdl.Load()) }
+func (c *Conn) writeDeadline() time.Time { return fromUnixNano(c.wdl.Load()) }
+
+func unixNano(t time.Time) int64 {
+	if t.IsZero() {
+		return 0
 	}
-	if !c.fast() {
-		if cap(c.zcRead) < max {
-			c.zcRead = make([]byte, max)
-		}
-		n, err := c.tcp.Read(c.zcRead[:max])
-		c.zcRead = c.zcRead[:n]
-		return c.zcRead, err
-	}
-	b, err := c.rd.Peek(max)
-	return b, c.opErr("read", err)
+	return t.UnixNano()
 }
 
-// ReleaseRead consumes n bytes returned by ReadBuffer.
-func (c *Conn) ReleaseRead(n int) error {
-	c.readMu.Lock()
-	defer c.readMu.Unlock()
-	if !c.fast() {
-		return nil
+func fromUnixNano(ns int64) time.Time {
+	if ns == 0 {
+		return time.Time{}
 	}
-	return c.opErr("read", c.rd.Release(n))
+	return time.Unix(0, ns)
 }
 
-// WriteBuffer returns up to max bytes of ring space to fill in place (zero
-// copy), blocking until some is free; CommitWrite(n) sends them.
-func (c *Conn) WriteBuffer(max int) ([]byte, error) {
+// CloseWrite shuts down the writing side: the writer leaves its ring
+// first, so the peer reads the ring's bytes, then the kernel's FIN (EOF).
+func (c *Conn) CloseWrite() error {
+	if c.closed.Load() {
+		return c.opErr("close", net.ErrClosed)
+	}
+	c.wshut.Store(true)
+	if !c.lockWriterForShut() {
+		// A Write is blocked in the kernel (its direction is on TCP):
+		// the kernel's shutdown ends it, as it would without Shunt.
+		return c.tcp.CloseWrite()
+	}
+	c.writerSyncLocked()
+	c.writeMu.Unlock()
+	return c.tcp.CloseWrite()
+}
+
+// lockWriterForShut takes writeMu for CloseWrite or Close, waking a Write
+// blocked on a ring (it returns at once: wshut). It does not wait for a
+// Write blocked in a kernel send, and reports false then.
+func (c *Conn) lockWriterForShut() bool {
+	if f := c.cur.Load(); f != nil {
+		f.w.Interrupt()
+	}
+	if c.writeMu.TryLock() {
+		return true
+	}
+	if !c.wOnRing.Load() {
+		return false
+	}
 	c.writeMu.Lock()
-	defer c.writeMu.Unlock()
-	_, dl := c.deadlines()
-	if err := c.resolve(dl); err != nil {
-		return nil, c.opErr("write", err)
-	}
-	if !c.fast() {
-		if cap(c.zcWrite) < max {
-			c.zcWrite = make([]byte, max)
-		}
-		c.zcWrite = c.zcWrite[:max]
-		return c.zcWrite, nil
-	}
-	b, err := c.w.Reserve(max)
-	return b, c.opErr("write", err)
+	return true
 }
 
-// CommitWrite sends the first n bytes of the last WriteBuffer.
-func (c *Conn) CommitWrite(n int) error {
-	c.writeMu.Lock()
-	defer c.writeMu.Unlock()
-	if !c.fast() {
-		_, err := c.tcp.Write(c.zcWrite[:n])
-		return err
+// CloseRead shuts down the reading side: reads return EOF, on either
+// path (a ring's bytes stay until Close, as the kernel keeps its own).
+func (c *Conn) CloseRead() error {
+	if c.closed.Load() {
+		return c.opErr("close", net.ErrClosed)
 	}
-	return c.opErr("write", c.w.Commit(n))
+	c.rshut.Store(true)
+	if f := c.cur.Load(); f != nil {
+		f.rd.Interrupt()
+	}
+	c.pokeRead()
+	return c.tcp.CloseRead()
+}
+
+// Close implements net.Conn: the writer leaves its ring, hostd gets
+// CLOSE, and the kernel socket closes, so the peer reads the ring's bytes
+// and then what the kernel reports (FIN, or RST when this end left unread
+// bytes, as the kernel does). Blocked calls return net.ErrClosed.
+func (c *Conn) Close() error {
+	err := net.ErrClosed
+	c.closeOnce.Do(func() { err = c.close() })
+	if err == net.ErrClosed {
+		return c.opErr("close", err)
+	}
+	return err
+}
+
+func (c *Conn) close() error {
+	c.fmu.Lock()
+	c.closed.Store(true)
+	c.wshut.Store(true)
+	stop := c.leaving
+	f := c.cur.Load() // CLOSE names it: its LEFT is not sent now
+	c.fmu.Unlock()
+	if stop != nil {
+		close(stop)
+	}
+	if f != nil {
+		f.rd.Interrupt()
+	}
+	c.pokeRead()
+	wlocked := c.lockWriterForShut()
+	if wlocked {
+		c.zcResv = false // an uncommitted reservation is dropped
+		c.writerSyncLocked()
+		c.writeMu.Unlock()
+	}
+	c.readMu.Lock()
+	unread := c.leaveReadForCloseLocked()
+	c.readMu.Unlock()
+	if unread {
+		_ = c.tcp.SetLinger(0)
+	}
+	if c.client != nil && c.req != 0 {
+		c.client.connClosed(c, f)
+	}
+	err := c.tcp.Close()
+	if !wlocked { // the kernel close ended the Write blocked in it
+		c.writeMu.Lock()
+		c.zcResv = false
+		c.writerSyncLocked()
+		c.writeMu.Unlock()
+	}
+	c.leaverWG.Wait()
+	if f != nil {
+		f.release()
+	}
+	return err
 }

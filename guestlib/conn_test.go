@@ -17,13 +17,14 @@ import (
 type pair struct {
 	dialer, listener *Client
 	l                *Listener
+	auto             *guesttest.Auto
 }
 
 func newPair(t *testing.T) *pair {
 	t.Helper()
 	h := guesttest.Start(t)
-	h.Auto(t)
-	p := &pair{dialer: newClient(t, h, Options{}), listener: newClient(t, h, Options{})}
+	p := &pair{auto: h.Auto(t)}
+	p.dialer, p.listener = newClient(t, h, Options{}), newClient(t, h, Options{})
 	l, err := (&ListenConfig{Client: p.listener}).Listen(context.Background(), "tcp4", "127.0.0.1:0")
 	if err != nil {
 		t.Fatal(err)
@@ -33,8 +34,8 @@ func newPair(t *testing.T) *pair {
 	return p
 }
 
-// conns returns both ends of a new connection, without asking for their
-// path: the accepted end is usually still waiting for its verdict.
+// conns returns both ends of a new connection, as Dial and Accept return
+// them: on TCP, with READY on its way.
 func (p *pair) conns(t *testing.T) (c1, c2 *Conn) {
 	t.Helper()
 	acc := async(func() *Conn {
@@ -51,10 +52,10 @@ func (p *pair) conns(t *testing.T) (c1, c2 *Conn) {
 	return c, await(t, acc, "Accept")
 }
 
-// TestConnConformanceUndecided runs x/net/nettest's net.Conn suite on
-// connections whose accepted end has not been asked for its path, so the
-// suite's deadlines and closes meet an undecided Conn.
-func TestConnConformanceUndecided(t *testing.T) {
+// TestConnConformance runs x/net/nettest's net.Conn suite on connections
+// that start on TCP and move to the rings while the suite runs, so its
+// deadlines and closes meet both paths and the switch.
+func TestConnConformance(t *testing.T) {
 	p := newPair(t)
 	nettest.TestConn(t, func() (c1, c2 net.Conn, stop func(), err error) {
 		c, s := p.conns(t)
@@ -63,9 +64,7 @@ func TestConnConformanceUndecided(t *testing.T) {
 	c, s := p.conns(t)
 	defer c.Close()
 	defer s.Close()
-	if !c.Path().Fast || !s.Path().Fast {
-		t.Fatalf("paths %s / %s, want the fast path (the suite above must have run on it)", c.Path(), s.Path())
-	}
+	waitFor(t, "the fast path", func() bool { return c.Path().Fast && s.Path().Fast })
 }
 
 // TestHTTPReadHeaderTimeout: net/http sets its header deadline before the
@@ -83,12 +82,8 @@ func TestHTTPReadHeaderTimeout(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer c.Close()
-	if !c.Path().Fast {
-		t.Fatalf("client path %s, want shunt", c.Path())
-	}
-	if s := await(t, conns, "Accept"); !s.Path().Fast {
-		t.Fatalf("server path %s, want shunt", s.Path())
-	}
+	s := await(t, conns, "Accept")
+	waitFor(t, "the fast path", func() bool { return c.Path().Fast && s.Path().Fast })
 	_ = c.SetReadDeadline(time.Now().Add(guesttest.Wait))
 	// The server gives up on the header and closes: EOF, or a 408 first.
 	b, err := io.ReadAll(c)

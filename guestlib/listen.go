@@ -56,8 +56,8 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, addr string) (*List
 	return l, nil
 }
 
-// Accept implements net.Listener. It returns at once; hostd's verdict is
-// awaited by the connection's first Read, Write or Path.
+// Accept implements net.Listener. It returns at once, on TCP; the
+// connection is offered to hostd in the background (see Dialer).
 func (l *Listener) Accept() (net.Conn, error) { return l.AcceptShunt() }
 
 // AcceptShunt is Accept returning the concrete type.
@@ -66,18 +66,8 @@ func (l *Listener) AcceptShunt() (*Conn, error) {
 	if err != nil {
 		return nil, err
 	}
-	conn := newConn(l.client, tc)
-	c := l.client
-	switch {
-	case c.opts.Disable:
-		conn.decide(proto.ReasonDisabled.String())
-	case conn.remote.Addr().Unmap().IsLoopback() && !c.loopback:
-		conn.decide(proto.ReasonLoopback.String())
-	default:
-		if err := c.request(conn, proto.Msg{Type: proto.Open, Role: proto.Passive, Local: conn.local, Remote: conn.remote}); err != nil {
-			conn.decide(proto.ReasonNoHostd.String())
-		}
-	}
+	conn := newConn(l.client, tc, proto.Passive)
+	conn.announce()
 	return conn, nil
 }
 

@@ -47,9 +47,7 @@ func TestRegionByDescriptor(t *testing.T) {
 	s.SendRegion(t, reg)
 	f := h.PairIn(t, reg, fakeActive(open), open)
 	s.Send(t, f.B)
-	if p := conn.Path(); !p.Fast {
-		t.Fatalf("path = %s, want shunt", p)
-	}
+	waitFor(t, "the fast path", func() bool { return conn.Path().Fast })
 	if ids := c.Regions(); !slices.Equal(ids, []uint32{5}) {
 		t.Fatalf("mapped regions %v, want [5]", ids)
 	}
@@ -60,6 +58,9 @@ func TestRegionByDescriptor(t *testing.T) {
 	}
 	pw, _ := ring.NewWriter(ab, &wait.Policy{})
 	pr, _ := ring.NewReader(ba, &wait.Policy{})
+	pr.Attach()
+	waitFor(t, "the Conn's reader to attach", pw.ReaderAttached)
+	pw.Start(0)
 	if _, err := pw.Write([]byte("ping")); err != nil {
 		t.Fatal(err)
 	}
@@ -117,9 +118,7 @@ func TestRegionUnregionThenAgain(t *testing.T) {
 	conn, _, open := accepted(t, l, s)
 	f := h.PairIn(t, reg, fakeActive(open), open)
 	s.Send(t, f.B)
-	if !conn.Path().Fast {
-		t.Fatalf("path = %s, want shunt", conn.Path())
-	}
+	waitFor(t, "the fast path", func() bool { return conn.Path().Fast })
 	s.Close() // hostd restarts; the guest keeps its mapping
 	s2 := h.Accept(t)
 	s2.Expect(t, proto.Hello)
@@ -138,7 +137,8 @@ func TestRegionUnregionThenAgain(t *testing.T) {
 }
 
 // TestReadyInUnknownRegion: a READY naming a region the guest was not
-// given stays on TCP and is given back, region and all.
+// given stays on TCP and is given back (LEFT: the connection lives on),
+// region and all.
 func TestReadyInUnknownRegion(t *testing.T) {
 	h := guesttest.Start(t)
 	c := processClient(t, h)
@@ -147,11 +147,11 @@ func TestReadyInUnknownRegion(t *testing.T) {
 	reg := h.NewRegion(t, 3) // never sent
 	f := h.PairIn(t, reg, fakeActive(open), open)
 	s.Send(t, f.B)
+	if cl := s.Expect(t, proto.Left); cl.RegionID != 3 || cl.Slot != f.B.Slot || cl.Gen != f.B.Gen || cl.ReqID != open.ReqID {
+		t.Fatalf("LEFT = %+v, want region 3 slot %d gen %d", cl, f.B.Slot, f.B.Gen)
+	}
 	if p := conn.Path(); p.Fast {
 		t.Fatalf("path = %s, want tcp", p)
-	}
-	if cl := s.Expect(t, proto.Close); cl.RegionID != 3 || cl.Slot != f.B.Slot || cl.Gen != f.B.Gen {
-		t.Fatalf("CLOSE = %+v, want region 3 slot %d gen %d", cl, f.B.Slot, f.B.Gen)
 	}
 	// REGION without a descriptor (as over a non-socket channel) maps nothing.
 	s.Send(t, proto.Msg{Type: proto.RegionMsg, RegionID: 4, RegionSize: 1 << 20})

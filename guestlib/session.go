@@ -12,6 +12,7 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // Limits of the control channel. A full queue means hostd has not read for
@@ -180,7 +181,7 @@ func hello(conn net.Conn) (proto.Msg, error) {
 	defer conn.SetDeadline(time.Time{})
 	for try := 0; try < helloTries; try++ {
 		_ = conn.SetWriteDeadline(time.Now().Add(ctlWriteTime))
-		if err := proto.Write(conn, &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())}); err != nil {
+		if err := proto.Write(conn, helloMsg()); err != nil {
 			return proto.Msg{}, fmt.Errorf("hello: %w", err)
 		}
 		_ = conn.SetReadDeadline(time.Now().Add(helloWait))
@@ -198,12 +199,23 @@ func hello(conn net.Conn) (proto.Msg, error) {
 		if err != nil {
 			return m, fmt.Errorf("welcome: %w", err)
 		}
+		if m.Version != 0 {
+			// An older hostd: every connection stays on TCP (version);
+			// the session is tried again later, with the usual backoff.
+			return m, fmt.Errorf("welcome: hostd speaks protocol version %d, this library %d: %w", m.Version, proto.Version, proto.ErrVersion)
+		}
 		if m.Type != proto.Welcome {
 			return m, fmt.Errorf("welcome: hostd answered HELLO with %s (%s: %s)", m.Type, m.Reason, m.Text)
 		}
 		return m, nil
 	}
 	return proto.Msg{}, fmt.Errorf("welcome: no answer to %d HELLOs in %v", helloTries, helloTries*helloWait)
+}
+
+// helloMsg is this library's HELLO: its pid and the ring format it
+// reads and writes (format 2: switching).
+func helloMsg() *proto.Msg {
+	return &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid()), Formats: 1 << ring.FormatVersion}
 }
 
 // stale reports whether m, read before WELCOME, is left over from an
@@ -229,8 +241,8 @@ type portAddr struct{}
 func (portAddr) Network() string { return "virtio-serial" }
 func (portAddr) String() string  { return "org.shunt.ctl" }
 
-// readLoop dispatches hostd's messages until the session ends, then fails
-// its pending verdicts over to TCP and reconnects in the background.
+// readLoop dispatches hostd's messages until the session ends, then
+// reconnects in the background (connections keep their paths).
 func (c *Client) readLoop(s *session) {
 	defer c.wg.Done()
 	var buf []byte
@@ -238,6 +250,10 @@ func (c *Client) readLoop(s *session) {
 		m, b, err := proto.Read(s.rd, buf)
 		buf = b
 		if err != nil {
+			break
+		}
+		if m.Version != 0 { // an older hostd took over the channel (a VM's port)
+			c.logf("shunt: hostd sent a version %d %s: its connections stay on TCP", m.Version, m.Type)
 			break
 		}
 		c.dispatch(s, m)
@@ -252,12 +268,12 @@ func (c *Client) readLoop(s *session) {
 // dispatch handles one message from hostd.
 func (c *Client) dispatch(s *session, m proto.Msg) {
 	switch m.Type {
-	case proto.Ready, proto.TCP:
-		c.deliver(m)
-	case proto.Revoke:
-		if fc := c.flow(keyOf(m)); fc != nil {
-			fc.revoke(m.Reason)
-		}
+	case proto.Ready:
+		c.ready(m)
+	case proto.TCP:
+		c.tcp(m)
+	case proto.Down, proto.Revoke:
+		c.downed(m)
 	case proto.Ping:
 		_ = c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 	case proto.Kick:
@@ -268,7 +284,7 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		c.ponged(m.Nonce)
 	case proto.Error:
 		if m.Reason == proto.ReasonNoHostd { // a restarted hostd behind a VM port
-			_ = c.send(proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid())})
+			_ = c.send(*helloMsg())
 			return
 		}
 		c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)

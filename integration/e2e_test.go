@@ -6,20 +6,17 @@ import (
 	"io"
 	"math/rand/v2"
 	"testing"
+	"time"
 )
 
-// TestFastPath256MiB: an allowed connection gets the fast path on both ends
-// and moves 256 MiB with matching checksums; hostd lists the flow with the
-// bytes the rings counted.
+// TestFastPath256MiB: an allowed connection reaches the fast path on both
+// ends (it starts on TCP) and moves 256 MiB with matching checksums, all
+// through the rings; hostd lists the flow with the bytes the rings counted.
 func TestFastPath256MiB(t *testing.T) {
 	e := newEnv(t, 2, "")
 	c, s := e.pair(1, 2, 5201)
-	if p := c.Path(); !p.Fast {
-		t.Fatalf("client path %s, want the fast path", p)
-	}
-	if p := s.Path(); !p.Fast {
-		t.Fatalf("server path %s, want the fast path", p)
-	}
+	settle(t, c, true, 5*time.Second)
+	settle(t, s, true, 5*time.Second)
 	const total = 256 << 20
 	src := rand.NewChaCha8([32]byte{1})
 	var sent uint32
@@ -54,6 +51,9 @@ func TestFastPath256MiB(t *testing.T) {
 	got := make([]byte, 4)
 	if _, err := io.ReadFull(c, got); err != nil || !bytes.Equal(got, []byte("done")) {
 		t.Fatalf("reply %q, %v", got, err)
+	}
+	if st := c.Stats(); st.RingSent != total || st.TCPSent != 0 {
+		t.Fatalf("client %+v, want all %d bytes on the ring", st, total)
 	}
 	fl := e.flows()
 	if len(fl) != 1 || fl[0].GuestA != "g1" || fl[0].GuestB != "g2" || fl[0].BytesAB != total || fl[0].BytesBA != 4 {

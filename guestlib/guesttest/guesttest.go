@@ -1,11 +1,13 @@
-// Package guesttest is a scripted, in-process hostd for guestlib's package
+// Package guesttest is a scripted, in-process hostd (protocol version 3) for guestlib's package
 // tests (in the spirit of wireguard-go's bindtest): a control socket in a
 // temporary directory, a region in an ordinary temporary file with hostd's
 // allocator over it, and sessions a test reads from and answers by hand.
 // It needs no root, no conntrack and no second process.
 //
 // A test accepts each session the library opens, checks what the library
-// says (Next, Expect) and answers (Send, Welcome, Ready). Every read has a
+// says (Next, Expect) and answers (Send, Welcome, Pair, Down), or lets
+// Auto serve the sessions as a hostd that pairs connections and moves
+// them between the rings and TCP when told (auto.go). Every read has a
 // deadline, so a library that stays silent fails the test instead of
 // hanging it. Hostd and Session are for one test goroutine at a time.
 package guesttest
@@ -24,6 +26,7 @@ import (
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/sys"
 	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // Wait bounds every wait of the fake for something the library should do.
@@ -202,7 +205,12 @@ func (s *Session) Raw(t testing.TB, b []byte) {
 func (s *Session) Welcome(t testing.TB) {
 	t.Helper()
 	s.h.guestID++
-	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID, Region: s.h.Region, RegionSize: uint64(len(s.h.region.Mem()))})
+	s.Send(t, s.h.welcome())
+}
+
+// welcome is the fake's WELCOME: its region and ring format 2.
+func (h *Hostd) welcome() proto.Msg {
+	return proto.Msg{Type: proto.Welcome, GuestID: h.guestID, Region: h.Region, RegionSize: uint64(len(h.region.Mem())), Formats: 1 << ring.FormatVersion}
 }
 
 // WelcomeNoRegion answers a HELLO as hostd answers a process guest: no
@@ -210,7 +218,7 @@ func (s *Session) Welcome(t testing.TB) {
 func (s *Session) WelcomeNoRegion(t testing.TB) {
 	t.Helper()
 	s.h.guestID++
-	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID})
+	s.Send(t, proto.Msg{Type: proto.Welcome, GuestID: s.h.guestID, Formats: 1 << ring.FormatVersion})
 }
 
 // Region is a region that the fake hands over by descriptor, as hostd
@@ -267,6 +275,11 @@ func (h *Hostd) PairIn(t testing.TB, r *Region, active, passive proto.Msg) Flow 
 // Flow is a ring pair allocated by Pair: the READY each side gets.
 type Flow struct{ A, B proto.Msg }
 
+// Down is the DOWN that leaves the flow of READY r, for r's end.
+func Down(r proto.Msg, reason proto.Reason) proto.Msg {
+	return proto.Msg{Type: proto.Down, ReqID: r.ReqID, RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Reason: reason}
+}
+
 // Pair allocates a ring pair for an active OPEN and a passive OPEN and
 // returns the READYs for both, without sending them.
 func (h *Hostd) Pair(t testing.TB, active, passive proto.Msg) Flow {
@@ -304,84 +317,3 @@ func SameConn(active, passive proto.Msg) bool {
 }
 
 func unmap(a netip.AddrPort) netip.AddrPort { return netip.AddrPortFrom(a.Addr().Unmap(), a.Port()) }
-
-// Auto serves sessions on its own until the test ends, as a hostd that
-// grants every connection: HELLO gets WELCOME, PING gets PONG, and an
-// active and a passive OPEN of one connection get a ring pair each. What
-// the library sends is available on the returned channel, for checks.
-func (h *Hostd) Auto(t testing.TB) <-chan proto.Msg {
-	a := &auto{h: h, seen: make(chan proto.Msg, 1024)}
-	go func() {
-		for c := range h.conns {
-			go a.serve(h.track(c))
-		}
-	}()
-	return a.seen
-}
-
-type auto struct {
-	h    *Hostd
-	seen chan proto.Msg
-	mu   sync.Mutex
-	wait []opener // OPENs without their other end yet
-}
-
-type opener struct {
-	s *Session
-	m proto.Msg
-}
-
-func (a *auto) serve(s *Session) {
-	for {
-		m, err := s.read(time.Hour)
-		if err != nil {
-			return
-		}
-		select {
-		case a.seen <- m:
-		default:
-		}
-		a.mu.Lock()
-		switch m.Type {
-		case proto.Hello:
-			a.h.guestID++
-			s.write(proto.Msg{Type: proto.Welcome, GuestID: a.h.guestID, Region: a.h.Region, RegionSize: uint64(len(a.h.region.Mem()))})
-		case proto.Ping:
-			s.write(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
-		case proto.Open:
-			a.openLocked(s, m)
-		case proto.Close:
-			_, _ = a.h.Pool.Release(int(m.Slot), m.Gen, uint32(m.Side))
-		}
-		a.mu.Unlock()
-	}
-}
-
-func (a *auto) openLocked(s *Session, m proto.Msg) {
-	for i, o := range a.wait {
-		act, pas := o, opener{s, m}
-		if m.Role == proto.Active {
-			act, pas = pas, act
-		}
-		if act.m.Role == pas.m.Role || !SameConn(act.m, pas.m) {
-			continue
-		}
-		a.wait = append(a.wait[:i], a.wait[i+1:]...)
-		f, err := alloc(a.h.Pool, 0, act.m, pas.m)
-		if err != nil {
-			act.s.write(proto.Msg{Type: proto.TCP, ReqID: act.m.ReqID, Reason: proto.ReasonNoSpace})
-			pas.s.write(proto.Msg{Type: proto.TCP, ReqID: pas.m.ReqID, Reason: proto.ReasonNoSpace})
-			return
-		}
-		act.s.write(f.A)
-		pas.s.write(f.B)
-		return
-	}
-	a.wait = append(a.wait, opener{s, m})
-}
-
-// write is Send for Auto's goroutines, which cannot fail a test.
-func (s *Session) write(m proto.Msg) {
-	_ = s.conn.SetWriteDeadline(time.Now().Add(Wait))
-	_ = proto.Write(s.conn, &m)
-}

@@ -287,6 +287,12 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 		e.sess, e.done = s, false
 		if m.ReqID != 0 { // v3: the request id names the connection from now on (an adopted flow had none)
 			e.req = m.ReqID
+			if st := b.sessions[s]; st != nil {
+				st.conns[m.ReqID] = c
+			}
+			if c.a.req != 0 && c.b.req != 0 {
+				c.noReqs = false // both ends named their requests: it may return to the rings
+			}
 		}
 		if c.path == PathLeaving { // DOWN again: the one before may have been lost with hostd
 			if switching(s) {

@@ -1,0 +1,325 @@
+package guestlib
+
+import (
+	"errors"
+	"io"
+	"net"
+	"os"
+	"sync/atomic"
+	"time"
+
+	"github.com/shuntnet/shunt/shm/ring"
+)
+
+// The reader (docs/DESIGN.md, "Reader algorithm"): roff is the stream
+// offset of the next byte for the application. On TCP with a ring
+// attached, it reads TCP up to exactly the ring's start once the writer
+// has announced it, then the ring until the writer left it (ErrLeft),
+// then TCP again. A TCP read made before the start was known can return
+// bytes past it (the writer moved to the ring, left it and wrote TCP
+// again meanwhile): those are stashed and come after the ring's stretch.
+
+// errAgain tells the read loop to look at the paths again.
+var errAgain = errors.New("again")
+
+// Read implements net.Conn.
+func (c *Conn) Read(p []byte) (int, error) {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	if len(p) == 0 {
+		return 0, nil
+	}
+	for {
+		if c.closed.Load() {
+			return 0, c.opErr("read", net.ErrClosed)
+		}
+		if c.rshut.Load() {
+			return 0, io.EOF
+		}
+		if expired(c.readDeadline()) {
+			return 0, c.opErr("read", os.ErrDeadlineExceeded)
+		}
+		c.readerFlowLocked()
+		var n int
+		var err error
+		if c.rOnRing {
+			n, err = c.readRingLocked(func(rd *ring.Reader) (int, error) { return rd.TryRead(p) })
+			c.roff += uint64(n)
+			c.st.ringRecv.Add(uint64(n))
+		} else {
+			n, err = c.readTCPLocked(p)
+		}
+		if err == errAgain {
+			continue
+		}
+		return n, err
+	}
+}
+
+// readerFlowLocked picks up the current flow if this direction has not
+// left it yet.
+func (c *Conn) readerFlowLocked() {
+	if c.rf == nil {
+		if f := c.cur.Load(); f != nil && !f.rLeft.Load() {
+			c.rf = f
+		}
+	}
+}
+
+// readRingLocked reads rf's ring with try (TryRead or TryPeek, which
+// return the bytes they handed out), waiting while it is empty. It leaves
+// the ring once drained after the writer's leave, or with the writer's
+// process gone, and returns errAgain then.
+func (c *Conn) readRingLocked(try func(*ring.Reader) (int, error)) (int, error) {
+	f := c.rf
+	for {
+		gone := f.peerGone.Load()
+		n, err := try(f.rd)
+		switch {
+		case n > 0:
+			return n, nil
+		case errors.Is(err, ring.ErrLeft):
+			c.leaveReadLocked()
+			return 0, errAgain
+		case err == io.EOF:
+			return 0, io.EOF // a ring FIN (older writers): the stream ends here
+		case err != nil:
+			return 0, c.opErr("read", err)
+		case gone:
+			c.leaveReadLocked()
+			return 0, errAgain
+		}
+		if c.closed.Load() {
+			return 0, c.opErr("read", net.ErrClosed)
+		}
+		if c.rshut.Load() {
+			return 0, io.EOF
+		}
+		err = f.rwait.Wait(c.readDeadline())
+		if err != nil {
+			return 0, c.opErr("read", err)
+		}
+	}
+}
+
+// leaveReadLocked marks the read ring left and goes on over TCP.
+func (c *Conn) leaveReadLocked() {
+	f := c.rf
+	_ = f.rd.Leave()
+	c.rf, c.rOnRing, c.zcPeek = nil, false, false
+	c.st.rOnRing.Store(false)
+	c.st.rToTCP.Add(1)
+	f.rLeft.Store(true)
+	c.maybeLeft(f)
+}
+
+// toRingLocked moves the reader to rf's ring: the TCP stream is at its
+// start.
+func (c *Conn) toRingLocked() {
+	c.rOnRing = true
+	c.st.rOnRing.Store(true)
+	c.st.rToRing.Add(1)
+}
+
+// readerTryLeaveLocked leaves the read ring if nothing more can come from
+// it, without blocking (for DOWN, the leaver and Close).
+func (c *Conn) readerTryLeaveLocked() {
+	c.readerFlowLocked()
+	f := c.rf
+	if f == nil || c.zcPeek {
+		return
+	}
+	start, started := f.rd.Started()
+	if !started {
+		if f.rd.WriterLeft() || f.peerGone.Load() {
+			c.leaveReadLocked()
+		}
+		return
+	}
+	if !c.rOnRing {
+		if start != c.roff {
+			return // TCP bytes before the ring's start are still due
+		}
+		c.toRingLocked()
+	}
+	gone := f.peerGone.Load()
+	if b, err := f.rd.Buffered(); err != nil || b > 0 {
+		return
+	}
+	if _, err := f.rd.TryRead(nil); gone || errors.Is(err, ring.ErrLeft) {
+		c.leaveReadLocked()
+	}
+}
+
+// leaveReadForCloseLocked leaves the read ring at Close, so that the
+// peer's writer moves to TCP (where the kernel answers it), and reports
+// whether the ring held bytes nobody will read (then Close resets the
+// connection, as the kernel does for unread data).
+func (c *Conn) leaveReadForCloseLocked() bool {
+	c.readerFlowLocked()
+	f := c.rf
+	if f == nil {
+		return len(c.stash) > 0
+	}
+	b, _ := f.rd.Buffered()
+	c.leaveReadLocked()
+	return b > 0 || len(c.stash) > 0
+}
+
+// readTCPLocked reads the TCP stream: the stash first, then the socket,
+// never past a known ring start.
+func (c *Conn) readTCPLocked(p []byte) (int, error) {
+	f := c.rf
+	limit := len(p)
+	limited := false
+	if f != nil {
+		if start, ok := f.rd.Started(); ok {
+			switch {
+			case start == c.roff:
+				c.toRingLocked()
+				return 0, errAgain
+			case start < c.roff:
+				return 0, c.opErr("read", errBrokenStream)
+			}
+			limit = int(min(uint64(limit), start-c.roff))
+			limited = true
+		} else if f.rd.WriterLeft() || f.peerGone.Load() {
+			c.leaveReadLocked() // it never started: nothing comes from it
+			return 0, errAgain
+		}
+	}
+	if len(c.stash) > 0 {
+		n := copy(p[:limit], c.stash)
+		c.stash = c.stash[n:]
+		if len(c.stash) == 0 {
+			c.stash = nil
+		}
+		return c.gotTCP(n), nil
+	}
+	if c.tcpErr != nil {
+		if limited {
+			return 0, c.opErr("read", errBrokenStream)
+		}
+		return 0, c.tcpErr
+	}
+	q := p[:limit]
+	n, err := c.tcpRead(q, f, limited)
+	if err == errAgain {
+		return 0, errAgain
+	}
+	if !limited {
+		// A ring may have started while the kernel read blocked (also
+		// one attached meanwhile): bytes past its start are the TCP
+		// bytes after its stretch.
+		c.readerFlowLocked()
+		if f = c.rf; f != nil {
+			if start, ok := f.rd.Started(); ok {
+				if start < c.roff {
+					return 0, c.opErr("read", errBrokenStream)
+				}
+				if keep := start - c.roff; uint64(n) > keep {
+					c.stash = append([]byte(nil), q[keep:n]...)
+					n = int(keep)
+				}
+				if err != nil && !errors.Is(err, os.ErrDeadlineExceeded) {
+					c.tcpErr, err = err, nil // reported after the ring's stretch
+				}
+				if n == 0 && err == nil {
+					return 0, errAgain
+				}
+			}
+		}
+	}
+	if n == 0 && err == nil {
+		return 0, errAgain
+	}
+	return c.gotTCP(n), err
+}
+
+func (c *Conn) gotTCP(n int) int {
+	c.roff += uint64(n)
+	c.st.tcpRecv.Add(uint64(n))
+	return n
+}
+
+// testHookTCPRead, set by package tests, runs before a kernel read.
+var testHookTCPRead func(*Conn)
+
+// aLongTimeAgo is a read deadline that wakes a blocked kernel read.
+var aLongTimeAgo = time.Unix(1, 0)
+
+// pokeRead wakes a Read blocked in the kernel, if one is: READY attached
+// a ring, the ring started, or Close.
+func (c *Conn) pokeRead() {
+	c.dlMu.Lock()
+	defer c.dlMu.Unlock()
+	if c.readingTCP && !c.poked {
+		c.poked = true
+		_ = c.tcp.SetReadDeadline(aLongTimeAgo)
+	}
+}
+
+// tcpRead reads the kernel socket. With f's ring attached and its start
+// unknown, a watcher waits on the ring meanwhile and wakes the read when
+// the writer starts (or leaves it unstarted, or is gone). A wake that is
+// not the application's deadline returns n == 0 and no error.
+func (c *Conn) tcpRead(q []byte, f *flow, limited bool) (int, error) {
+	c.dlMu.Lock()
+	c.readingTCP = true
+	c.dlMu.Unlock()
+	// READY installs the flow, and Close sets closed, before they poke:
+	// seen here, or the kernel read below is poked.
+	if nf := c.cur.Load(); c.closed.Load() || c.rshut.Load() || f == nil && nf != nil && !nf.rLeft.Load() {
+		c.endTCPRead()
+		return 0, errAgain
+	}
+	var stop atomic.Bool
+	var done chan struct{}
+	switch {
+	case testHookTCPRead != nil:
+		testHookTCPRead(c) // a test makes the over-read happen, with no watcher
+	case f != nil && !limited:
+		done = make(chan struct{})
+		go c.watch(f, &stop, done)
+	}
+	n, err := c.tcp.Read(q)
+	if done != nil {
+		stop.Store(true)
+		f.rd.Interrupt()
+		<-done
+	}
+	poked, dl := c.endTCPRead()
+	if poked && err != nil && errors.Is(err, os.ErrDeadlineExceeded) && !expired(dl) {
+		err = nil
+	}
+	return n, err
+}
+
+// endTCPRead ends a kernel read: a poke's past deadline gives way to the
+// application's again. It reports whether the read was poked.
+func (c *Conn) endTCPRead() (poked bool, dl time.Time) {
+	c.dlMu.Lock()
+	defer c.dlMu.Unlock()
+	c.readingTCP = false
+	poked, c.poked = c.poked, false
+	if poked {
+		_ = c.tcp.SetReadDeadline(c.readDL)
+	}
+	return poked, c.readDL
+}
+
+// watch waits on f's read ring while the Read it serves blocks in the
+// kernel; the Read lends it the ring's Reader for that time. It pokes the
+// Read when the ring starts, when its writer left it unstarted or is
+// gone; it returns when stop is set (the Read came back) or after a poke.
+func (c *Conn) watch(f *flow, stop *atomic.Bool, done chan<- struct{}) {
+	defer close(done)
+	quit := func() bool { return stop.Load() || f.peerGone.Load() || c.closed.Load() }
+	for !stop.Load() {
+		if _, ok := f.rd.Started(); ok || f.rd.WriterLeft() || f.peerGone.Load() || c.closed.Load() {
+			c.pokeRead()
+			return
+		}
+		_ = f.rd.Wait(quit, time.Time{})
+	}
+}
