@@ -3,6 +3,7 @@ package integration
 import (
 	"bufio"
 	"context"
+	"fmt"
 	"io"
 	"net"
 	"net/netip"
@@ -16,6 +17,7 @@ import (
 	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/perf"
+	"github.com/shuntnet/shunt/integration/stack"
 )
 
 // Benchmarks between two namespace guests, kernel TCP over veth against
@@ -53,7 +55,7 @@ func dialFrom(b *testing.B, e *env, stack, addr string) net.Conn {
 	if stack == "shunt" {
 		var sc *guestlib.Conn
 		sc, err = e.Dial(context.Background(), 1, addr)
-		if err == nil && !sc.Path().Fast {
+		if err == nil && !fastSoon(b, sc) {
 			b.Fatalf("path %s, want fast", sc.Path())
 		}
 		c = sc
@@ -118,10 +120,67 @@ func BenchmarkGuestStream64K(b *testing.B) {
 	}
 }
 
+// BenchmarkGuestStreamFlips: BenchmarkGuestStream64K's Shunt stream while
+// hostd moves it between the rings and TCP every flipEvery (a policy
+// reload each time), against the same stream left alone: what repeated
+// switches cost a stream (make bench-e2e). The flips reported are the
+// reloads that moved a connection.
+func BenchmarkGuestStreamFlips(b *testing.B) {
+	const flipEvery = 20 * time.Millisecond
+	e := newEnv(b, 2, "")
+	for i, flips := range []bool{false, true} {
+		name := map[bool]string{false: "steady", true: "flipping"}[flips]
+		b.Run(name, func(b *testing.B) {
+			c := dialFrom(b, e, "shunt", peerProcess(b, e, "shunt", 7420+i))
+			c.Write([]byte{'s'})
+			buf := make([]byte, 64<<10)
+			b.SetBytes(int64(len(buf)))
+			stop, moved := make(chan struct{}), make(chan int, 1)
+			go func() {
+				n := 0
+				defer func() { e.SetPolicy(""); moved <- n }()
+				for tcp := true; flips; tcp = !tcp {
+					select {
+					case <-stop:
+						return
+					case <-time.After(flipEvery):
+					}
+					policy := ""
+					if tcp {
+						policy = stack.PolicyTCP
+					}
+					if k, err := e.SetPolicy(policy); err == nil && (k > 0 || !tcp) {
+						n++
+					}
+				}
+				<-stop
+			}()
+			for b.Loop() {
+				if _, err := c.Write(buf); err != nil {
+					b.Fatal(err)
+				}
+			}
+			close(stop)
+			n := <-moved
+			c.(interface{ CloseWrite() error }).CloseWrite()
+			line, err := bufio.NewReader(c).ReadString('\n')
+			got, _ := strconv.ParseInt(strings.TrimSpace(line), 10, 64)
+			if err != nil || got != int64(b.N)*int64(len(buf)) {
+				b.Fatalf("sink received %q (%v), want %d bytes", line, err, b.N*len(buf))
+			}
+			b.ReportMetric(float64(got)/b.Elapsed().Seconds()/1e9, "GB/s")
+			b.ReportMetric(float64(n), "flips")
+		})
+	}
+}
+
 // BenchmarkGuestSetup: connect + accept + one 8-byte message there and
 // back, with both guests' sides in their own processes (a client process in
-// guest 1, the echo peer in guest 2). Each iteration is 20 setups; the
-// figure is the median of their medians.
+// guest 1, the echo peer in guest 2), and the rate of such short
+// connections, close included. A Shunt connection starts on TCP at once
+// and moves to the rings when hostd pairs it, so a short one may never
+// leave TCP: what is measured is what the program sees. Each iteration
+// is 20 connections; the figures are the medians over iterations.
 func BenchmarkGuestSetup(b *testing.B) {
 	e := newEnv(b, 2, "")
 	g1 := e.rig.Guests[0]
@@ -129,6 +188,7 @@ func BenchmarkGuestSetup(b *testing.B) {
 		b.Run(stack, func(b *testing.B) {
 			addr := peerProcess(b, e, stack, 7500+i)
 			var ds []time.Duration
+			var rates []float64
 			for b.Loop() {
 				cmd := exec.Command(os.Args[0], "-test.run=^$")
 				cmd.Env = append(os.Environ(), "SHUNT_E2E_CHILD=setup", "SHUNT_E2E_STACK="+stack, "SHUNT_E2E_N=20",
@@ -142,13 +202,16 @@ func BenchmarkGuestSetup(b *testing.B) {
 				if err := cmd.Wait(); err != nil {
 					b.Fatalf("setup client: %v", err)
 				}
-				ns, err := strconv.ParseInt(strings.TrimSpace(out.String()), 10, 64)
-				if err != nil {
+				var ns int64
+				var rate float64
+				if _, err := fmt.Sscan(out.String(), &ns, &rate); err != nil {
 					b.Fatalf("setup client printed %q", out.String())
 				}
 				ds = append(ds, time.Duration(ns))
+				rates = append(rates, rate)
 			}
 			b.ReportMetric(float64(perf.Median(ds).Nanoseconds())/1e3, "us/setup")
+			b.ReportMetric(median(rates), "conns/s")
 		})
 	}
 }

@@ -111,8 +111,10 @@ int main(int argc, char **argv)
 		if (connect(fd, (struct sockaddr *)&sa, sizeof sa))
 			die("connect");
 		memcpy(buf, "connrate", 8);
-		if (full(fd, buf, 8, 0) || full(fd, buf, 8, 1))
+		if (full(fd, buf, 8, 0) || full(fd, buf, 8, 1)) {
+			fprintf(stderr, "shunt-connrate: connection %d of %d, after %.1f ms: ", i + 1, n, (now_ns() - s) / 1e6);
 			die("round trip");
+		}
 		setup[i] = now_ns() - s;
 		close(fd);
 	}
