@@ -20,6 +20,16 @@
 //	                                  (one line), output back on the connection: the
 //	                                  VM end of an rsh for mpirun, over kernel TCP
 //	shunt-vm-agent rsh PORT HOST CMD  the host end: run CMD in the VM at HOST
+//	shunt-vm-agent duplex-server PORT SECS  accept one connection; a checked stream
+//	                                  each way for SECS, half-close, read to EOF
+//	shunt-vm-agent duplex-client ADDR SECS  the same, connecting
+//	shunt-vm-agent sink PORT [after-down]  accept one connection; read a checked
+//	                                  stream until EOF or an error; report how it
+//	                                  ended (after-down: read only once hostd moved
+//	                                  the connection to TCP)
+//	shunt-vm-agent kill-writer ADDR BYTES  run "writer ADDR" (a checked stream on
+//	                                  the rings, forever) as a child process and
+//	                                  SIGKILL it once it wrote BYTES (stream.go)
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
@@ -59,7 +69,7 @@ func accept(c *guestlib.Client, port string) (*guestlib.Conn, error) {
 	say("LISTENING")
 	conn, err := l.AcceptShunt()
 	if err == nil {
-		say("PATH %s", conn.Path())
+		sayPath(conn)
 	}
 	return conn, err
 }
@@ -68,10 +78,36 @@ func accept(c *guestlib.Client, port string) (*guestlib.Conn, error) {
 func dial(c *guestlib.Client, addr string) (*guestlib.Conn, error) {
 	conn, err := (&guestlib.Dialer{Client: c}).DialContext(context.Background(), "tcp4", addr)
 	if err == nil {
-		say("PATH %s", conn.Path())
+		sayPath(conn)
 	}
 	return conn, err
 }
+
+// pathWait bounds the wait for hostd's answer about a connection:
+// connections start on TCP and move to the rings when hostd says READY,
+// so the PATH line reports the path after that answer.
+const pathWait = 5 * time.Second
+
+// sayPath reports the connection's path once hostd has answered. A TCP
+// answer that READY may still follow (the peer's session or LISTEN was
+// on its way: no-intent, no-listener) is waited out, within pathWait.
+func sayPath(conn *guestlib.Conn) {
+	ctx, cancel := context.WithTimeout(context.Background(), pathWait)
+	defer cancel()
+	p := conn.WaitPath(ctx)
+	for !p.Fast && provisional[p.Reason] && ctx.Err() == nil {
+		select {
+		case <-ctx.Done():
+		case <-time.After(10 * time.Millisecond):
+		}
+		p = conn.Path()
+	}
+	say("PATH %s", p)
+}
+
+// provisional are the TCP reasons hostd gives while it still waits for
+// the connection's other end.
+var provisional = map[string]bool{"pending": true, "no-intent": true, "no-listener": true}
 
 func main() {
 	if err := run(os.Args[1:]); err != nil {
@@ -89,6 +125,9 @@ func run(args []string) error {
 	}
 	if len(args) >= 4 && args[0] == "rsh" {
 		return rsh(args[1], args[2], args[3:])
+	}
+	if len(args) == 3 && args[0] == "kill-writer" {
+		return killWriter(args[1], args[2]) // the child takes the port
 	}
 	disable := len(args) > 0 && args[0] == "tcp"
 	if disable {
@@ -215,6 +254,9 @@ func run(args []string) error {
 		}
 		say("STREAM %.1f", float64(total)/time.Since(start).Seconds()/1e6)
 		return conn.Close()
+	}
+	if len(args) > 0 && streamModes[args[0]] != nil {
+		return streamModes[args[0]](c, args[1:])
 	}
 	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
 }

@@ -23,6 +23,10 @@ func (r *registry) Register(d virt.Domain) error {
 	if err != nil {
 		return err
 	}
+	gid, err := a.controlGid(grp.Name)
+	if err != nil {
+		return fmt.Errorf("domain %s: %w", d.Name, err)
+	}
 	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: "libvirt", SharedRegion: true} // a VM maps its group region only
 	addrs, err := guestAddrs(a.cfg.ConntrackNetns, config.Guest{Name: d.Name, Addresses: d.Addresses, Interface: d.Tap})
 	if err != nil {
@@ -51,7 +55,7 @@ func (r *registry) Register(d virt.Domain) error {
 	a.vmu.Lock()
 	defer a.vmu.Unlock()
 	for _, path := range d.Controls {
-		ep := server.Endpoint{Guest: g, Path: path}
+		ep := server.Endpoint{Guest: g, Path: path, Gid: gid}
 		if a.srv == nil {
 			a.vpending = append(a.vpending, ep)
 		} else if err := a.srv.Add(ep); err != nil {
@@ -91,6 +95,24 @@ func (a *Agent) detachWitness(g *broker.Guest) {
 	if a.witness != nil && g.Ifindex != 0 {
 		a.witness.Detach(g.Ifindex)
 	}
+}
+
+// controlGid is the group that may connect to the control sockets of the
+// VMs of trust group name: its region_group, whose members (QEMUs that
+// run unprivileged, as libvirt's libvirt-qemu:kvm) map its region; 0 for
+// none (the sockets are root's only).
+func (a *Agent) controlGid(name string) (int, error) {
+	for _, g := range a.cfg.Groups {
+		if g.Name != name {
+			continue
+		}
+		acc, err := regionAccess(g)
+		if err != nil || acc.Gid < 0 {
+			return 0, err
+		}
+		return acc.Gid, nil
+	}
+	return 0, nil
 }
 
 // groupOf finds the trust group whose region backs one of d's shmem

@@ -21,6 +21,13 @@ import (
 type Endpoint struct {
 	Guest *broker.Guest
 	Path  string
+	// Gid, if not zero, is a group that may connect too: the socket is
+	// then hostd's user's and this group's, mode 0660. It is for a VM's
+	// QEMU that runs unprivileged (libvirt's libvirt-qemu:kvm), which
+	// connects to the socket: its trust group's region_group, whose
+	// members map the group's region anyway. Zero: mode 0600, hostd's
+	// user only.
+	Gid int
 }
 
 // Options bound what one guest may hold of the control server and how
@@ -198,8 +205,9 @@ func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, opts Options, ep
 	return s, nil
 }
 
-// Add creates an endpoint's socket (replacing a stale one) with mode 0600
-// and starts accepting on it. A guest may have several endpoints.
+// Add creates an endpoint's socket (replacing a stale one) with mode 0600,
+// or 0660 for its group (Endpoint.Gid), and starts accepting on it. A
+// guest may have several endpoints.
 func (s *Server) Add(ep Endpoint) error {
 	if err := os.MkdirAll(filepath.Dir(ep.Path), 0o755); err != nil {
 		return fmt.Errorf("control socket dir for %s: %w", ep.Guest.Name, err)
@@ -209,7 +217,7 @@ func (s *Server) Add(ep Endpoint) error {
 	if err != nil {
 		return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
 	}
-	if err := os.Chmod(ep.Path, 0o600); err != nil {
+	if err := socketAccess(ep); err != nil {
 		l.Close()
 		return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
 	}
@@ -224,6 +232,20 @@ func (s *Server) Add(ep Endpoint) error {
 	s.wg.Add(1)
 	go s.accept(ln, ep.Guest)
 	return nil
+}
+
+// socketAccess gives ep's new socket its owner and mode: 0600, or its
+// group (first, so that the mode never applies to another group) and
+// 0660. Until then the socket has the umask's mode, which lets no one
+// else connect (connect needs write permission).
+func socketAccess(ep Endpoint) error {
+	if ep.Gid == 0 {
+		return os.Chmod(ep.Path, 0o600)
+	}
+	if err := os.Lchown(ep.Path, -1, ep.Gid); err != nil {
+		return err
+	}
+	return os.Chmod(ep.Path, 0o660)
 }
 
 // Remove stops serving guest g: its socket is closed and removed and its

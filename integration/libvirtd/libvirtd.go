@@ -5,7 +5,9 @@
 // which the test's directories are bound over /etc/libvirt, /run/libvirt,
 // /var/lib/libvirt, /var/cache/libvirt and /var/log/libvirt. So the host's
 // libvirt configuration and state are neither read nor touched, QEMU runs
-// as root without cgroups or namespaces, and the daemon's socket is an
+// unprivileged as Debian's default QEMUUser:QEMUGroup (libvirt-qemu:kvm),
+// with libvirt's default DAC labelling (dynamic_ownership) but without
+// cgroups, namespaces or a MAC driver, and the daemon's socket is an
 // ordinary path under the test's directory. Processes are started in a
 // given network namespace, so the domains' taps appear there.
 package libvirtd
@@ -31,16 +33,20 @@ auth_unix_ro = "none"
 auth_unix_rw = "none"
 log_outputs = "3:stderr"
 `
-	qemuConf = `user = "root"
-group = "root"
-dynamic_ownership = 0
-remember_owner = 0
+	qemuConf = `user = "` + QEMUUser + `"
+group = "` + QEMUGroup + `"
 security_driver = "none"
 cgroup_controllers = [ ]
 namespaces = [ ]
 `
 	virtlogdConf = `log_outputs = "3:stderr"
 `
+)
+
+// QEMUUser and QEMUGroup are who QEMU runs as: Debian's libvirt default.
+const (
+	QEMUUser  = "libvirt-qemu"
+	QEMUGroup = "kvm"
 )
 
 var binds = []struct{ sub, target string }{
@@ -71,9 +77,20 @@ func Start(dir, netns string) (_ *Daemon, err error) {
 			d.Close()
 		}
 	}()
+	// QEMU (QEMUUser) reaches its files under /var/lib/libvirt and
+	// /run/libvirt, and the consoles in dir: traversable, not listable.
+	if err := os.Chmod(dir, 0o711); err != nil {
+		return nil, err
+	}
 	for _, b := range binds {
-		if err := os.MkdirAll(filepath.Join(dir, b.sub), 0o700); err != nil {
+		sub := filepath.Join(dir, b.sub)
+		if err := os.MkdirAll(sub, 0o700); err != nil {
 			return nil, err
+		}
+		if b.sub != "etc" {
+			if err := os.Chmod(sub, 0o755); err != nil {
+				return nil, err
+			}
 		}
 		// The mount points themselves: present once libvirt is installed,
 		// except /run/libvirt before libvirtd ever ran (a tmpfs).

@@ -241,21 +241,42 @@ func (v *VM) Lines() int {
 // WaitFrom is Wait ignoring the first from lines (those of an earlier
 // boot, say).
 func (v *VM) WaitFrom(ctx context.Context, from int, prefix string) (string, error) {
+	return v.WaitAny(ctx, from, prefix)
+}
+
+// WaitAny waits, past the first from lines, for a console line starting
+// with any of prefixes (a result or an error line) and returns it.
+func (v *VM) WaitAny(ctx context.Context, from int, prefixes ...string) (string, error) {
 	stop := context.AfterFunc(ctx, func() { v.mu.Lock(); v.cond.Broadcast(); v.mu.Unlock() })
 	defer stop()
 	v.mu.Lock()
 	defer v.mu.Unlock()
 	for seen := from; ; {
 		for ; seen < len(v.lines); seen++ {
-			if strings.HasPrefix(v.lines[seen], prefix) {
-				return v.lines[seen], nil
+			for _, p := range prefixes {
+				if strings.HasPrefix(v.lines[seen], p) {
+					return v.lines[seen], nil
+				}
 			}
 		}
 		if v.done || ctx.Err() != nil {
-			return "", fmt.Errorf("vm %s: no %q on the console after line %d (%v); console:\n%s", v.Name, prefix, from, ctx.Err(), strings.Join(v.lines, "\n"))
+			return "", fmt.Errorf("vm %s: no %q on the console after line %d (%v); console:\n%s", v.Name, prefixes, from, ctx.Err(), strings.Join(v.lines, "\n"))
 		}
 		v.cond.Wait()
 	}
+}
+
+// Has reports whether a console line starting with prefix came (after
+// the first from lines).
+func (v *VM) Has(from int, prefix string) bool {
+	v.mu.Lock()
+	defer v.mu.Unlock()
+	for _, l := range v.lines[min(from, len(v.lines)):] {
+		if strings.HasPrefix(l, prefix) {
+			return true
+		}
+	}
+	return false
 }
 
 // Reset presses a Resettable VM's reset button: the guest reboots in place,

@@ -104,14 +104,19 @@ func (p Port) QEMUArgs() ([]string, error) {
 	return args, nil
 }
 
-// LibvirtXML returns the domain's <channel> elements.
+// LibvirtXML returns the domain's <channel> elements. Each tells libvirt's
+// DAC driver to leave the socket alone (relabel='no'): hostd creates it
+// only once the domain runs, so with dynamic_ownership (libvirt's default)
+// libvirt would fail to start the domain ("unable to stat"), and hostd
+// gives the socket its owner and mode itself (root, 0600, or 0660 for the
+// trust group's region_group).
 func (p Port) LibvirtXML() (string, error) {
 	if err := p.check(); err != nil {
 		return "", err
 	}
 	var chans []string
 	for i := range p.Count() {
-		chans = append(chans, fmt.Sprintf("<channel type='unix'>\n  <source mode='connect' path='%s'>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  <target type='virtio' name='%s'/>\n</channel>", SocketOf(p.Socket, i), PortName(i)))
+		chans = append(chans, fmt.Sprintf("<channel type='unix'>\n  <source mode='connect' path='%s'>\n    <seclabel model='dac' relabel='no'/>\n    <reconnect enabled='yes' timeout='1'/>\n  </source>\n  <target type='virtio' name='%s'/>\n</channel>", SocketOf(p.Socket, i), PortName(i)))
 	}
 	return strings.Join(chans, "\n"), nil
 }

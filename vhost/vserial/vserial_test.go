@@ -21,7 +21,7 @@ func TestArgsAndXML(t *testing.T) {
 		t.Fatalf("QEMU args\n got %s\nwant %s", got, want)
 	}
 	x, err := p.LibvirtXML()
-	if err != nil || !strings.Contains(x, "path='/run/shunt/vm1.sock'") || !strings.Contains(x, "name='org.shunt.ctl'") {
+	if err != nil || !strings.Contains(x, "path='/run/shunt/vm1.sock'") || !strings.Contains(x, "name='org.shunt.ctl'") || !strings.Contains(x, "relabel='no'") {
 		t.Fatalf("libvirt XML %v:\n%s", err, x)
 	}
 	if _, err := (vserial.Port{ID: "x", Socket: "relative.sock"}).QEMUArgs(); err == nil {
