@@ -9,6 +9,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"regexp"
+	"sort"
 	"strconv"
 	"strings"
 	"sync"
@@ -237,13 +238,50 @@ func (e *env) flowsJSON() string {
 	return string(b)
 }
 
-// nflows is how many flows hostd lists now (-1 if it does not answer).
+// nflows is how many of hostd's connection records are on their rings now
+// (-1 if it does not answer). hostd lists a record for every paired
+// connection, on the rings or not (protocol v3).
 func (e *env) nflows() int {
-	var fl []broker.FlowInfo
-	if admin.Call(e.Admin, admin.Request{Cmd: "flows"}, &fl) != nil {
+	fl, err := e.Conns()
+	if err != nil {
 		return -1
 	}
-	return len(fl)
+	return len(onRings(fl))
+}
+
+// onRings returns the names of the records in fl that are on their rings.
+func onRings(fl []broker.FlowInfo) []string {
+	var names []string
+	for _, f := range fl {
+		if f.Path == "rings" {
+			names = append(names, f.Conn)
+		}
+	}
+	sort.Strings(names)
+	return names
+}
+
+// maxRings runs fn and returns the most records hostd listed on their
+// rings meanwhile (it asks every 50 ms): the fast path seen from hostd.
+func (e *env) maxRings(fn func()) int {
+	stop, done := make(chan struct{}), make(chan int)
+	go func() {
+		most := 0
+		for {
+			select {
+			case <-stop:
+				done <- most
+				return
+			case <-time.After(50 * time.Millisecond):
+				if n := e.nflows(); n > most {
+					most = n
+				}
+			}
+		}
+	}()
+	fn()
+	close(stop)
+	return <-done
 }
 
 // vethBytes is what crossed guest 1's link to the host, both ways.
@@ -299,7 +337,7 @@ func TestMPIBTLPointToPoint(t *testing.T) {
 	e := newEnv(t, 2, "")
 	before := e.vethBytes(t)
 	var out string
-	flows := e.maxFlows(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck"}) })
+	flows := e.maxRings(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck"}) })
 	moved := e.vethBytes(t) - before
 	mustContain(t, out, e, "data ok")
 	if ringLines(out) != 2 || flows != 2 {
@@ -319,7 +357,7 @@ func TestMPIBTLPointToPoint(t *testing.T) {
 func TestMPIBTLFourRanks(t *testing.T) {
 	e := newEnv(t, 2, "")
 	var out string
-	flows := e.maxFlows(func() {
+	flows := e.maxRings(func() {
 		out = e.runMPI(t, mpiJob{np: 4, prog: "btlcheck", args: []string{"-m", "1048576"}, mca: []string{"--mca", "btl_shunt_verbose", "2"}})
 	})
 	mustContain(t, out, e, "data ok")
@@ -343,7 +381,7 @@ func TestMPIBTLFirewallReject(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out string
-	flows := e.maxFlows(func() {
+	flows := e.maxRings(func() {
 		out = e.runMPI(t, mpiJob{btl: "self,vader,shunt,tcp", prog: "btlcheck", args: []string{"-m", "1048576"}})
 	})
 	mustContain(t, out, e, "data ok", "the lease connect was refused (a firewall REJECT?): left to the next BTL (tcp)")
@@ -364,6 +402,42 @@ func TestMPIBTLPolicyDenied(t *testing.T) {
 	if ringLines(out) != 0 {
 		t.Fatalf("a direction took a ring against the policy\n%s", out)
 	}
+}
+
+// TestMPIBTLPolicyAllowsLater: the job starts while hostd's policy keeps
+// the BTL's ports on TCP (each direction says tcp (policy) and runs on its
+// lease); a reload that allows them makes hostd send READY for the same
+// leases, whose requests got TCP first: both directions move to a ring
+// with no new lease, and the data is checked across the switch.
+func TestMPIBTLPolicyAllowsLater(t *testing.T) {
+	tcp := `rule "mpi-tcp" {
+  action = "tcp"
+  ports  = ["` + btlPorts + `"]
+}`
+	e := newEnv(t, 2, tcp)
+	r := e.startMPI(t, mpiJob{prog: "btlcheck", args: []string{"-t", "8", "-m", "262144"}})
+	deadline := time.Now().Add(30 * time.Second)
+	for strings.Count(r.out.String(), ": tcp (policy)") < 2 || !strings.Contains(r.out.String(), "ok at ") {
+		if time.Now().After(deadline) {
+			t.Fatalf("the job did not run on its leases with tcp (policy) within 30s\n%s\nhostd flows: %s", r.out.String(), e.flowsJSON())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	e.writeConfig("")
+	var rep map[string]int
+	if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	e.waitFlows(t, r, 2, "both directions on rings after the reload")
+	out := r.wait(t, e)
+	mustContain(t, out, e, "data ok")
+	if got := ringLines(out); got != 2 {
+		t.Fatalf("%d moves to a ring, want 2\n%s", got, out)
+	}
+	if strings.Contains(out, "a new lease") {
+		t.Fatalf("the BTL opened new leases; hostd should have moved the first ones\n%s", out)
+	}
+	logBTL(t, out)
 }
 
 // TestMPIBTLNoHostd: no hostd at all: every direction stays on its lease,
@@ -396,16 +470,22 @@ func (e *env) waitFlows(t *testing.T, r *mpiRun, want int, what string) {
 }
 
 // TestMPIBTLPolicyFlip: while a job runs on the rings, a reload forbids the
-// BTL's ports: hostd revokes both flows, each sender marks the ring's end
-// on its lease (DOWN) and its reader drains the ring exactly that far, and
-// the job goes on over the leases; a reload that allows them again brings
-// both directions back to rings on new leases (MOVE). The job's data is
-// checked across both switches.
+// BTL's ports: hostd sends DOWN for both leases, each sender marks the
+// ring's end on its lease (DOWN) and its reader drains the ring exactly
+// that far, both ends say LEFT and hostd frees the ring pairs; the job goes
+// on over the leases. A reload that allows them again makes hostd send
+// READY for the same leases (the same records, by name): both directions
+// go back to rings (SWITCH on the same lease). The job's data is checked
+// across both switches, and it spends time on each path (rounds counted).
 func TestMPIBTLPolicyFlip(t *testing.T) {
 	e := newEnv(t, 2, "")
-	r := e.startMPI(t, mpiJob{prog: "btlcheck", args: []string{"-t", "10", "-m", "262144"},
-		mca: []string{"--mca", "btl_shunt_retry_ms", "200", "--mca", "btl_shunt_retry_max_ms", "500"}})
+	r := e.startMPI(t, mpiJob{prog: "btlcheck", args: []string{"-t", "20", "-m", "262144"}})
 	e.waitFlows(t, r, 2, "both directions on rings")
+	fl, err := e.Conns()
+	if err != nil {
+		t.Fatal(err)
+	}
+	before := onRings(fl)
 	reload := func(policy string) {
 		e.writeConfig(policy)
 		var rep map[string]int
@@ -413,18 +493,92 @@ func TestMPIBTLPolicyFlip(t *testing.T) {
 			t.Fatalf("reload: %v", err)
 		}
 	}
+	rounds := func() int { return strings.Count(r.out.String(), "ok at ") }
+	waitRounds := func(what string) {
+		t.Helper()
+		want := rounds() + 2
+		deadline := time.Now().Add(30 * time.Second)
+		for rounds() < want {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: the job made no progress in 30s\n%s\nhostd flows: %s", what, r.out.String(), e.flowsJSON())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitRounds("on the rings")
 	reload(`rule "mpi-tcp" {
   action = "tcp"
   ports  = ["` + btlPorts + `"]
 }`)
-	e.waitFlows(t, r, 0, "the rings revoked")
-	time.Sleep(time.Second) // let the job run on the leases for a while (and retries get tcp (policy))
+	e.waitFlows(t, r, 0, "both directions off the rings")
+	// Both ends LEFT: hostd freed the ring pairs (leaving -> tcp).
+	deadline := time.Now().Add(30 * time.Second)
+	for {
+		fl, err = e.Conns()
+		if err != nil {
+			t.Fatal(err)
+		}
+		freed := len(fl) == 2
+		for _, f := range fl {
+			freed = freed && f.Path == "tcp" && f.Ring == 0
+		}
+		if freed {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("30s after the reload to tcp the ring pairs are not freed (both ends LEFT)\n%s\nhostd flows: %s", r.out.String(), e.flowsJSON())
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+	lease := e.vethBytes(t)
+	waitRounds("on the leases")
+	if moved := e.vethBytes(t) - lease; moved < 1<<20 {
+		t.Fatalf("the job made rounds on tcp but only %d bytes crossed the guest's link: the data did not take the leases", moved)
+	}
 	reload("")
 	e.waitFlows(t, r, 2, "both directions back on rings")
+	fl, err = e.Conns()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if after := onRings(fl); strings.Join(after, ",") != strings.Join(before, ",") {
+		t.Fatalf("records on the rings were %v and are %v after the flip back: want the same leases back on rings\n%s", before, after, e.flowsJSON())
+	}
+	for _, f := range fl {
+		if f.Switches < 3 {
+			t.Fatalf("record %s switched %d times, want at least 3 (rings, tcp, rings)\n%s", f.Conn, f.Switches, e.flowsJSON())
+		}
+	}
+	ring := e.vethBytes(t)
+	waitRounds("back on the rings")
+	if moved := e.vethBytes(t) - ring; moved > 1<<20 {
+		t.Fatalf("back on the rings, %d bytes crossed the guest's link for two rounds", moved)
+	}
 	out := r.wait(t, e)
 	mustContain(t, out, e, "data ok", "ring ended, back on the lease (policy-reload)")
-	if got := ringLines(out); got < 4 {
-		t.Fatalf("%d moves to a ring, want at least 4 (2 directions, twice)\n%s", got, out)
+	if got := ringLines(out); got != 4 {
+		t.Fatalf("%d moves to a ring, want 4 (2 directions, twice)\n%s", got, out)
+	}
+	if strings.Contains(out, "a new lease") {
+		t.Fatalf("the BTL opened new leases; hostd should have moved the same ones back\n%s", out)
+	}
+	logBTL(t, out)
+}
+
+// TestMPIBTLBarrierFirst: a job whose first operation is a barrier (both
+// ranks connect their leases to each other at the same moment) gets the
+// fast path: both directions move to a ring (the BTL says so, and hostd
+// lists both records on their rings), with the data checked after it.
+func TestMPIBTLBarrierFirst(t *testing.T) {
+	e := newEnv(t, 2, "")
+	var out string
+	flows := e.maxRings(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck", args: []string{"-b", "-t", "2", "-m", "262144"}}) })
+	mustContain(t, out, e, "data ok")
+	if ringLines(out) != 2 || flows != 2 {
+		t.Fatalf("after a barrier first, %d directions moved to a ring and hostd listed %d records on rings; want 2 and 2\n%s", ringLines(out), flows, out)
+	}
+	if strings.Contains(out, ": tcp (") {
+		t.Fatalf("a direction went to tcp\n%s", out)
 	}
 	logBTL(t, out)
 }
@@ -452,6 +606,48 @@ func TestMPIBTLHostdRestart(t *testing.T) {
 	}
 	out := r.wait(t, e)
 	mustContain(t, out, e, "data ok", "reconnected to hostd")
+	logBTL(t, out)
+}
+
+// TestMPIBTLHostdRestartOnTCP: hostd is restarted while the job runs on
+// its leases (policy tcp): each rank's session reconnects and OPENs its
+// leases again with their request ids, the new hostd pairs them again, and
+// a reload that allows the BTL's ports then moves both directions to rings
+// (no new lease); the data is checked throughout.
+func TestMPIBTLHostdRestartOnTCP(t *testing.T) {
+	e := newEnv(t, 2, `rule "mpi-tcp" {
+  action = "tcp"
+  ports  = ["`+btlPorts+`"]
+}`)
+	r := e.startMPI(t, mpiJob{prog: "btlcheck", args: []string{"-t", "12", "-m", "262144"}})
+	waitOut := func(what, s string, n int) {
+		t.Helper()
+		deadline := time.Now().Add(30 * time.Second)
+		for strings.Count(r.out.String(), s) < n {
+			if time.Now().After(deadline) {
+				t.Fatalf("%s: no %d lines %q within 30s\n%s\nhostd flows: %s", what, n, s, r.out.String(), e.flowsJSON())
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+	}
+	waitOut("on the leases", ": tcp (policy)", 2)
+	e.killHostd()
+	e.startHostd()
+	waitOut("after the restart", "ring pairs and 2 leases on tcp", 2)
+	e.writeConfig("")
+	var rep map[string]int
+	if err := admin.Call(e.Admin, admin.Request{Cmd: "reload"}, &rep); err != nil {
+		t.Fatalf("reload: %v", err)
+	}
+	e.waitFlows(t, r, 2, "both directions on rings after the reload")
+	out := r.wait(t, e)
+	mustContain(t, out, e, "data ok", "reconnected to hostd")
+	if got := ringLines(out); got != 2 {
+		t.Fatalf("%d moves to a ring, want 2\n%s", got, out)
+	}
+	if strings.Contains(out, "a new lease") {
+		t.Fatalf("the BTL opened new leases; the new hostd should have moved the first ones\n%s", out)
+	}
 	logBTL(t, out)
 }
 
@@ -528,7 +724,7 @@ func TestVMMPIBTL(t *testing.T) {
 		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
 		prog, "-m", "262144"}
 	var out string
-	flows := v.env.maxFlows(func() {
+	flows := v.env.maxRings(func() {
 		out = runIn(t, v.rig.HostNSPath(), exec.Command("mpirun", args...), 4*time.Minute)
 	})
 	if !strings.Contains(out, "data ok") || ringLines(out) != 2 || flows != 2 {

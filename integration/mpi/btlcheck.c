@@ -1,6 +1,9 @@
 /* Data checks for an MPI transport across guests (integration/mpi_btl_test.go).
  *
- *   btlcheck [-t SECONDS] [-m MAXBYTES]
+ *   btlcheck [-b] [-t SECONDS] [-m MAXBYTES]
+ *
+ * -b: the first MPI operation after MPI_Init is a barrier (both ranks of a
+ * pair connect to each other at the same moment), then the phases.
  *
  * Every rank checks every byte it receives. Phases, all ranks at once:
  *   p2p      blocking send/recv with a partner in the other half of the
@@ -178,9 +181,11 @@ int main(int argc, char **argv)
 {
 	double seconds = 0;
 	size_t max = 4 << 20;
-	int opt;
-	while ((opt = getopt(argc, argv, "t:m:")) != -1) {
-		if (opt == 't')
+	int opt, barrier = 0;
+	while ((opt = getopt(argc, argv, "bt:m:")) != -1) {
+		if (opt == 'b')
+			barrier = 1;
+		else if (opt == 't')
 			seconds = atof(optarg);
 		else if (opt == 'm')
 			max = (size_t)atol(optarg);
@@ -188,6 +193,8 @@ int main(int argc, char **argv)
 	MPI_Init(&argc, &argv);
 	MPI_Comm_rank(MPI_COMM_WORLD, &rank);
 	MPI_Comm_size(MPI_COMM_WORLD, &size);
+	if (barrier)
+		MPI_Barrier(MPI_COMM_WORLD);
 	if (size < 2 || size % 2) {
 		if (!rank)
 			fprintf(stderr, "run with an even number of ranks\n");

@@ -15,8 +15,9 @@
  *   lease.c      lease I/O: the write queue, reading and parsing records
  *   handover.c   the path state machine of each direction (lease, ring,
  *                handover, downgrade, re-lease) and the ring's receiver
- *   hostd.c      the session with hostd: INTENT, OPEN and its verdict,
- *                REVOKE, LISTEN and REATTACH after a hostd restart
+ *   hostd.c      the session with hostd: OPEN, the READY, TCP and DOWN
+ *                that come for it, LEFT, CLOSE; LISTEN, REATTACH and OPEN
+ *                again after a hostd restart
  *
  * Records in a ring, in place, are the core's (shunt.h, records.c).
  *
@@ -26,21 +27,25 @@
  * waits for the other. A direction's data is one ordered stream of records
  * that moves between places, each move marked in the stream itself:
  *
- *   lease k --SWITCH--> ring k --DOWN(bytes)--> lease k --MOVE--> lease k+1 ...
+ *   lease k --SWITCH--> ring --DOWN(bytes)--> lease k --SWITCH--> ring' ...
+ *                                            lease k --MOVE--> lease k+1 ...
  *
  * SWITCH is written on the lease once hostd said READY to both ends and the
- * reader said RING_OK (it attached the ring); DOWN once the ring is reset
- * (revoked) or broken, with the ring's final byte count, so the reader
- * drains the ring exactly that far; MOVE when a newer lease (a retry after
- * a TCP verdict or a revocation) got READY. Every DATA record carries its
+ * reader said RING_OK for that ring pair (it attached the ring); DOWN once
+ * hostd said DOWN (or the ring broke), with the ring's final byte count, so
+ * the reader drains the ring exactly that far; each end then tells hostd it
+ * LEFT the pair, and hostd may give the same lease a fresh pair later
+ * (READY again: SWITCH again). MOVE when a newer lease (a retry where hostd
+ * keeps no record to upgrade: no hostd, a pairing timeout, the peer's
+ * session gone) got READY. Every DATA record carries its
  * number in the stream's count (leases) or a stamp (rings), and every mark
  * carries the count so far: a gap is a fatal error naming the peer, never
  * wrong data.
  *
  * Threads: ob1 calls in from any MPI thread; everything here runs under the
  * module's recursive lock when opal_using_threads() (a no-op otherwise).
- * The session's reader thread and the verdict threads only touch the
- * registry (hostd.c, its own mutex) and atomics. */
+ * The session's reader thread only touches the registry (hostd.c, its own
+ * mutex) and atomics. */
 #ifndef BTL_SHUNT_H
 #define BTL_SHUNT_H
 
@@ -74,20 +79,20 @@ enum rec_kind {
 	REC_SWITCH,   /* the stream goes on in this lease's ring (struct rec_switch) */
 	REC_DOWN,     /* the ring ended (struct rec_down); the stream goes on here */
 	REC_MOVE,     /* the stream goes on on another lease (struct rec_move) */
-	REC_RING_OK,  /* either direction: this end attached the ring */
-	REC_RING_NO,  /* either direction: this end will not use the ring (reason) */
+	REC_RING_OK,  /* receiver to sender: it attached the ring pair (struct rec_ring) */
+	REC_RING_NO,  /* sender to receiver: it will not use the ring pair (struct rec_ring) */
 	REC_BYE,      /* this end closes the lease on purpose */
 	REC_KINDS
 };
 
 #define SHUNT_BTL_MAGIC   0x42534853u /* "SHSB" */
-#define SHUNT_BTL_VERSION 1
+#define SHUNT_BTL_VERSION 2 /* 2: ring pairs named in SWITCH, RING_OK, RING_NO (protocol v3) */
 
 struct rec_hello { uint32_t magic; uint16_t version, zero; uint32_t jobid, vpid, lease, zero2; };
-struct rec_switch { uint64_t epoch, frags; };
+struct rec_switch { uint64_t epoch, frags, gen; uint32_t region, slot; };
 struct rec_down { uint64_t bytes, records, frags; };
 struct rec_move { uint32_t lease, zero; uint64_t frags; };
-struct rec_no { uint16_t reason, zero[3]; };
+struct rec_ring { uint64_t gen; uint32_t region, slot; uint16_t reason, zero[3]; };
 struct rec_bye { uint64_t frags; };
 
 /* ---- fragments: ob1's descriptors ---- */
@@ -132,9 +137,12 @@ static inline struct frag *fq_pop(struct fragq *q)
 
 /* ---- connections (conn.c, lease.c, handover.c) ---- */
 
-enum { F_NONE, F_ASKING, F_READY, F_TCP, F_CLOSED }; /* a connection's standing with hostd */
+/* A connection's standing with hostd (hostd.c): never announced (no hostd,
+ * btl_shunt_ring=0), OPEN sent and no answer yet, on TCP by hostd's word
+ * (READY may still come), holding an attached ring pair, CLOSE sent. */
+enum { F_NONE, F_ASKING, F_TCP, F_READY, F_CLOSED };
 
-struct verdict; /* hostd.c */
+struct held; /* hostd.c */
 
 struct conn {
 	struct conn *next;                  /* the module's list */
@@ -152,15 +160,15 @@ struct conn {
 	int pollout;
 	/* hostd */
 	struct shunt_addr local, remote;
-	struct verdict *v;
+	struct held *h;       /* its registry entry while announced (hostd.c) */
 	int fstate;
 	uint16_t reason;      /* why it is on TCP, or why the ring ended */
-	int revoked;          /* REVOKE came (atomic; hostd.c) */
-	uint16_t revoke_reason;
-	uint32_t region_id;
-	struct shunt_flow sf;
-	int peer_ok, peer_no; /* the other end's RING_OK / RING_NO */
-	uint16_t peer_reason;
+	int told;             /* out: a TCP verdict not yet said (handover.c) */
+	int down;             /* hostd said DOWN for the pair held (sf) */
+	uint16_t down_reason;
+	struct shunt_flow sf; /* the ring pair while F_READY; sf.region_id names its region */
+	struct rec_ring ok;   /* out: the receiver's last RING_OK */
+	struct rec_ring no;   /* in: the sender's last RING_NO */
 	struct shunt_rec_ring rr;      /* out: writer of sf.w; in: reader of sf.r */
 };
 
@@ -201,7 +209,7 @@ struct shunt_btl_component {
 	char *if_include;  /* CIDR of the address to publish */
 	int port_min, port_max;
 	char *control;     /* hostd's socket; "" = $SHUNT_CONTROL or /run/shunt/guest.sock */
-	int connect_ms, verdict_ms, retry_ms, retry_max_ms;
+	int connect_ms, retry_ms, retry_max_ms;
 	int ring;          /* 0: never use rings (lease only, for comparisons) */
 	int poll_every;    /* progress calls between lease checks when all is on rings */
 };
@@ -274,7 +282,7 @@ void finish(struct conn *c);
 
 /* handover.c */
 void paths_step(struct mca_btl_base_endpoint_t *ep); /* handover, downgrade, re-lease */
-void rx_step(struct conn *c); /* the receiver answers its verdict (RING_OK, RING_NO) */
+
 int ring_rx_poll(struct mca_btl_base_endpoint_t *ep);
 /* Takes ep off the module's ring reader list (conn.c when its rx conn goes,
  * lease.c at BYE). */
@@ -284,6 +292,9 @@ void ring_rx_del(struct mca_btl_base_endpoint_t *ep);
  * or the record is out of order). */
 int rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p);
 int rx_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p);
+/* RING_NO on an accepted lease c: the sender will not use the pair it
+ * names (1, or -1 if malformed). */
+int rx_refused(struct conn *c, const struct shunt_rec *h, const uint8_t *p);
 void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *what);
 const char *reason_name(uint16_t r);
 
@@ -305,20 +316,28 @@ enum {
 	R_REFUSED = 1000, /* the lease connect was refused (a firewall REJECT?) */
 	R_UNREACHABLE,    /* the lease connect failed or timed out */
 	R_RING_SMALL,     /* the ring cannot hold two fragments of btl_shunt_max_send_size */
-	R_RING_BROKEN,    /* the ring was reset or closed (no REVOKE seen) */
+	R_RING_BROKEN,    /* the ring was reset or its reader closed (no DOWN came) */
 	R_LEASE_ONLY,     /* btl_shunt_ring = 0 */
-	R_PEER,           /* the peer's end said no */
 };
 
 /* hostd.c */
 int hostd_init(void);
 int hostd_ready(void);       /* the session is open (ensures it; rate limited) */
 void hostd_listen(void);     /* LISTEN our address if hostd has not heard it */
-void hostd_intent(struct conn *c);
-void hostd_open(struct conn *c, uint8_t role);
-void hostd_take(struct conn *c); /* apply c's verdict if it arrived */
-void hostd_close(struct conn *c); /* CLOSE c's flow once */
+void hostd_open(struct conn *c, uint8_t role); /* OPEN, answered later (hostd_take) */
+/* Whether READY, TCP or DOWN came for some connection since the last call
+ * (then the progress loop takes them: hostd_take). */
+int hostd_pending(void);
+void hostd_take(struct conn *c); /* apply what hostd said for c, in order */
+/* c leaves its ring pair: LEFT to hostd, the pair let go; c is on TCP
+ * for reason and may get READY again. */
+void hostd_left(struct conn *c, uint16_t reason);
+void hostd_close(struct conn *c); /* CLOSE c once: hostd forgets it */
 void hostd_fini(void);
-int conn_revoked(struct conn *c, uint16_t *reason);
+/* Whether r names the pair c holds. */
+static inline int holds_pair(const struct conn *c, const struct rec_ring *r)
+{
+	return c->fstate == F_READY && r->gen == c->sf.gen && r->slot == c->sf.slot && r->region == c->sf.region_id;
+}
 
 #endif

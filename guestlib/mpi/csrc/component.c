@@ -87,10 +87,8 @@ static int shunt_register(void)
 	c->connect_ms = 2000;
 	reg_int("connect_timeout_ms", "how long a lease connect may take before the peer is left to the next BTL", &c->connect_ms,
 		OPAL_INFO_LVL_5);
-	c->verdict_ms = 5000;
-	reg_int("verdict_timeout_ms", "how long hostd's verdict on a lease may take", &c->verdict_ms, OPAL_INFO_LVL_5);
 	c->retry_ms = 1000;
-	reg_int("retry_ms", "first wait before a new lease after a tcp verdict or a revocation (doubles)", &c->retry_ms, OPAL_INFO_LVL_5);
+	reg_int("retry_ms", "first wait before a new lease when hostd keeps no record to upgrade (no hostd, a pairing timeout, the peer's session gone; doubles)", &c->retry_ms, OPAL_INFO_LVL_5);
 	c->retry_max_ms = 8000;
 	reg_int("retry_max_ms", "longest wait between new leases", &c->retry_max_ms, OPAL_INFO_LVL_5);
 	c->ring = 1;
@@ -351,9 +349,9 @@ static int flush_queues(void)
 	return n;
 }
 
-/* lease_work: sockets (accepts, lease records, writes), verdicts, path
+/* lease_work: sockets (accepts, lease records, writes), hostd's word, path
  * changes, retries; then dead connections go. Returns events handled. */
-static int lease_work(void)
+static int lease_work(int events)
 {
 	struct epoll_event evs[64];
 	int n = epoll_wait(shunt_btl.efd, evs, 64, 0), busy = 0;
@@ -363,9 +361,10 @@ static int lease_work(void)
 		else
 			conn_event(evs[i].data.ptr, evs[i].events);
 	}
-	for (struct conn *c = shunt_btl.conns; c; c = c->next)
-		if (c->v && !c->out && c->hello)
-			rx_step(c);
+	if (events) /* READY, TCP, DOWN from hostd: receivers take theirs here */
+		for (struct conn *c = shunt_btl.conns; c; c = c->next)
+			if (!c->out && c->hello)
+				hostd_take(c);
 	for (uint32_t i = 0; i < shunt_btl.neps; i++) {
 		struct mca_btl_base_endpoint_t *ep = shunt_btl.eps[i];
 		if (!ep)
@@ -380,7 +379,7 @@ static int lease_work(void)
 		next = c->next;
 		if (c->dead)
 			conn_free(c);
-		else if (c->lq.head || c->v || c->closing || (!c->out && !c->hello))
+		else if (c->lq.head || c->fstate == F_ASKING || c->closing || (!c->out && !c->hello))
 			busy = 1;
 	}
 	int64_t now = now_ns();
@@ -407,8 +406,9 @@ int shunt_btl_progress(void)
 		n += ring_rx_poll(shunt_btl.ring_rx[i]);
 	if (shunt_btl.queued) /* fragments waiting for ring room: no system call */
 		n += flush_queues();
-	if (shunt_btl.lease_busy || (++shunt_btl.tick & shunt_btl.tick_mask) == 0)
-		n += lease_work();
+	int events = hostd_pending();
+	if (events || shunt_btl.lease_busy || (++shunt_btl.tick & shunt_btl.tick_mask) == 0)
+		n += lease_work(events);
 	shunt_btl.in_progress = 0;
 	SHUNT_UNLOCK();
 	return n;

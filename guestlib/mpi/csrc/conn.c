@@ -6,7 +6,7 @@
  * A lease is one direction's kernel TCP connection, opened by the sender:
  *
  *   sender                                 receiver
- *   INTENT to hostd, connect(), OPEN  -->  accept_all: a conn, no peer yet
+ *   connect(), OPEN to hostd          -->  accept_all: a conn, no peer yet
  *   HELLO (job, rank, lease number)   -->  conn_hello: its endpoint, OPEN
  *
  * Closing: an end that is done with a lease writes BYE, then shuts down its
@@ -43,7 +43,7 @@ struct conn *conn_new(int fd, int out)
 	}
 	c->next = shunt_btl.conns;
 	shunt_btl.conns = c;
-	shunt_btl.lease_busy = 1; /* HELLO, verdicts, the handover: check often */
+	shunt_btl.lease_busy = 1; /* HELLO, hostd's word, the handover: check often */
 	return c;
 }
 
@@ -146,9 +146,10 @@ static void tune(int fd)
 	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one); /* the lease */
 }
 
-/* lease_open connects a new lease to ep, announced to hostd (INTENT before
- * connect, OPEN after), and sends HELLO. The connect itself waits at most
- * wait_ms: a local peer answers in well under a millisecond. Returns 0 (the
+/* lease_open connects a new lease to ep (nothing bound first: the kernel
+ * picks the source), announces it to hostd once connected (OPEN, answered
+ * later) and sends HELLO. The connect itself waits at most wait_ms: a
+ * local peer answers in well under a millisecond. Returns 0 (the
  * connection is ep->tx, or ep->tx_next if ep already has one) or -errno. */
 int lease_open(struct mca_btl_base_endpoint_t *ep, int wait_ms)
 {
@@ -157,28 +158,9 @@ int lease_open(struct mca_btl_base_endpoint_t *ep, int wait_ms)
 	remote.port = ep->addr.port;
 	struct sockaddr_storage dst, src;
 	socklen_t dlen = to_sockaddr(&remote, &dst);
-	struct shunt_addr me = shunt_btl.laddr;
-	me.port = 0;
-	socklen_t slen = to_sockaddr(&me, &src);
-	if (src.ss_family != dst.ss_family)
-		return -EAFNOSUPPORT;
 	int fd = socket(dst.ss_family, SOCK_STREAM | SOCK_NONBLOCK | SOCK_CLOEXEC, 0);
 	if (fd < 0)
 		return -errno;
-	struct shunt_addr local;
-	socklen_t l = sizeof src;
-	if (bind(fd, (struct sockaddr *)&src, slen) < 0 || getsockname(fd, (struct sockaddr *)&src, &l) < 0) {
-		int e = errno;
-		close(fd);
-		return -e;
-	}
-	from_sockaddr(&src, &local);
-	int asked = mca_btl_shunt_component.ring && hostd_ready();
-	if (asked) {
-		hostd_listen();
-		struct conn tmp = {.local = local, .remote = remote};
-		hostd_intent(&tmp);
-	}
 	int r = connect(fd, (struct sockaddr *)&dst, dlen);
 	if (r < 0 && errno == EINPROGRESS) {
 		struct pollfd p = {.fd = fd, .events = POLLOUT};
@@ -199,11 +181,16 @@ int lease_open(struct mca_btl_base_endpoint_t *ep, int wait_ms)
 		r = err ? -1 : 0;
 		errno = err;
 	}
+	struct shunt_addr local;
+	socklen_t l = sizeof src;
+	if (r == 0 && getsockname(fd, (struct sockaddr *)&src, &l) < 0)
+		r = -1;
 	if (r < 0) {
 		int e = errno;
 		close(fd);
 		return -e;
 	}
+	from_sockaddr(&src, &local);
 	tune(fd);
 	struct conn *c = conn_new(fd, 1);
 	if (!c) {
@@ -217,12 +204,7 @@ int lease_open(struct mca_btl_base_endpoint_t *ep, int wait_ms)
 	struct rec_hello h = {.magic = SHUNT_BTL_MAGIC, .version = SHUNT_BTL_VERSION,
 			      .jobid = OPAL_PROC_MY_NAME.jobid, .vpid = OPAL_PROC_MY_NAME.vpid, .lease = c->lease};
 	push_control(c, REC_HELLO, &h, sizeof h);
-	if (asked) {
-		hostd_open(c, SHUNT_ROLE_ACTIVE);
-	} else {
-		c->fstate = F_TCP;
-		c->reason = mca_btl_shunt_component.ring ? SHUNT_REASON_NO_HOSTD : R_LEASE_ONLY;
-	}
+	hostd_open(c, SHUNT_ROLE_ACTIVE);
 	if (!ep->tx)
 		ep->tx = c;
 	else
@@ -286,7 +268,5 @@ int conn_hello(struct conn *c, const struct shunt_rec *h, const uint8_t *p)
 	if (!ep->rx && hello.lease == 0)
 		ep->rx = c;
 	hostd_open(c, SHUNT_ROLE_PASSIVE);
-	if (c->fstate == F_TCP)
-		push_control(c, REC_RING_NO, &(struct rec_no){.reason = c->reason}, sizeof(struct rec_no));
 	return 1;
 }

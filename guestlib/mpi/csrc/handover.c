@@ -1,24 +1,29 @@
 /* Handover (btl_shunt.h): the path state machine of each direction, which
- * moves its stream between the lease and the ring, marking every move in
- * the stream itself (SWITCH, DOWN, MOVE).
+ * moves its stream between the lease and a ring, marking every move in the
+ * stream itself (SWITCH, DOWN, MOVE).
  *
  * Sender's side of a direction (paths_step):
  *
- *   lease k, asking hostd --READY + RING_OK--> SWITCH, ring k
- *        |                                          |
- *        | TCP(reason) or RING_NO                   | reset (REVOKE) or broken
- *        v                                          v
- *   lease k, on TCP  <------------------------ DOWN(bytes, records)
- *        |
- *        | retry (backoff): lease k+1 gets READY + RING_OK
- *        v
- *   MOVE(k+1) and BYE on lease k; SWITCH on lease k+1, ring k+1
+ *   lease k, on TCP --READY + RING_OK(pair)--> SWITCH(pair), its ring
+ *        ^    |                                       |
+ *        |    | TCP(reason) hostd                     | DOWN(reason) from hostd,
+ *        |    | does not recover from                 | or the ring broke
+ *        |    v                                       v
+ *        |  retry (backoff)       lease k <-- DOWN(bytes, records) mark; LEFT
+ *        |    |                      (READY again later: SWITCH again)
+ *        |    v
+ *   MOVE(k+1) and BYE on lease k once lease k+1 got READY + RING_OK;
+ *   SWITCH on lease k+1, its ring
+ *
+ * A pair that hostd takes back before the sender used it (DOWN, or a ring
+ * too small) gets RING_NO(pair) on the lease instead of SWITCH.
  *
  * Receiver's side: it reads the one place where the stream goes on (ep->rx
- * and ep->rx_ring) and follows the marks; it attaches a ring when hostd says
- * READY and answers RING_OK (or RING_NO) on the lease's reverse direction
- * (rx_step), so the sender never writes a ring that its reader cannot
- * read. */
+ * and ep->rx_ring) and follows the marks; it attaches a pair when hostd
+ * says READY and answers RING_OK(pair) on the lease's reverse direction
+ * (hostd.c), so the sender never writes a ring that its reader cannot
+ * read. It leaves a pair (LEFT) when the stream says the sender did: DOWN
+ * drained, or RING_NO; hostd's DOWN needs nothing more from it. */
 #include "btl_shunt.h"
 
 #include <errno.h>
@@ -37,7 +42,6 @@ const char *reason_name(uint16_t r)
 	case R_RING_SMALL: return "ring too small";
 	case R_RING_BROKEN: return "ring reset";
 	case R_LEASE_ONLY: return "btl_shunt_ring=0";
-	case R_PEER: return "peer said no";
 	}
 	return shunt_reason_name(r);
 }
@@ -47,6 +51,23 @@ static int permanent(uint16_t r)
 {
 	return r == SHUNT_REASON_LOOPBACK || r == SHUNT_REASON_NOT_LOCAL || r == SHUNT_REASON_CROSS_GROUP ||
 	       r == SHUNT_REASON_DISABLED || r == SHUNT_REASON_VERSION || r == R_RING_SMALL || r == R_LEASE_ONLY;
+}
+
+/* recovers: hostd keeps the lease's record with this reason and sends
+ * READY by itself once the reason goes (a policy reload, the firewall's
+ * check, room in the region), or answers later (no-intent, no-listener:
+ * READY or TCP(timeout) follows). For the others (no hostd, a pairing
+ * timeout, the peer's session or the conntrack entry gone) only a new
+ * lease can get a ring. */
+static int recovers(uint16_t r)
+{
+	switch (r) {
+	case SHUNT_REASON_POLICY: case SHUNT_REASON_POLICY_RELOAD: case SHUNT_REASON_GUEST_LIMIT:
+	case SHUNT_REASON_GUEST_QUOTA: case SHUNT_REASON_NO_SPACE: case SHUNT_REASON_ADMIN: case SHUNT_REASON_FIREWALL:
+	case SHUNT_REASON_INTERNAL: case SHUNT_REASON_NO_INTENT: case SHUNT_REASON_NO_LISTENER:
+		return 1;
+	}
+	return 0;
 }
 
 void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *what)
@@ -135,9 +156,14 @@ static int drain(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struc
 int rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shunt_rec *h, const uint8_t *p)
 {
 	struct rec_switch s;
-	if (h->len < sizeof s || c->fstate != F_READY)
+	if (h->len < sizeof s)
 		return -1;
 	memcpy(&s, p, sizeof s);
+	struct rec_ring pair = {.gen = s.gen, .region = s.region, .slot = s.slot};
+	if (!holds_pair(c, &pair)) {
+		peer_failed(ep, "it switched to a ring pair this end does not hold");
+		return -1;
+	}
 	if (s.frags != ep->rx_frags) {
 		peer_failed(ep, "its ring starts at another count than its lease ended");
 		return -1;
@@ -163,8 +189,26 @@ int rx_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct shu
 	}
 	ep->rx_ring = 0;
 	ring_rx_del(ep);
-	hostd_close(c);
+	shunt_ring_leave_read(&c->sf.r);
+	hostd_left(c, c->down ? c->down_reason : R_RING_BROKEN);
 	say(1, "from %s: ring ended after %llu fragments; on the lease", ep->who, (unsigned long long)d.frags);
+	return 1;
+}
+
+/* rx_refused takes RING_NO on c: the sender will not use the pair it
+ * names. Off it now, or when its READY comes (hostd.c). */
+int rx_refused(struct conn *c, const struct shunt_rec *h, const uint8_t *p)
+{
+	struct rec_ring r;
+	if (h->len < sizeof r)
+		return -1;
+	memcpy(&r, p, sizeof r);
+	if (holds_pair(c, &r)) {
+		shunt_ring_leave_read(&c->sf.r);
+		hostd_left(c, r.reason);
+	} else {
+		c->no = r;
+	}
 	return 1;
 }
 
@@ -180,7 +224,7 @@ static uint64_t new_epoch(void)
 
 static void schedule_retry(struct mca_btl_base_endpoint_t *ep, uint16_t reason)
 {
-	if (permanent(reason) || shunt_btl.finalizing) {
+	if (permanent(reason) || recovers(reason) || shunt_btl.finalizing) {
 		ep->retry_at = 0;
 		return;
 	}
@@ -200,47 +244,74 @@ static uint16_t ring_reason(struct conn *c)
 	return r ? r : R_RING_BROKEN;
 }
 
-static void switch_up(struct mca_btl_base_endpoint_t *ep, struct conn *c)
+/* refuse tells the receiver that c's pair will not carry the stream
+ * (RING_NO) and leaves it. */
+static void refuse(struct conn *c, uint16_t reason)
+{
+	struct rec_ring no = {.gen = c->sf.gen, .region = c->sf.region_id, .slot = c->sf.slot, .reason = reason};
+	push_control(c, REC_RING_NO, &no, sizeof no);
+	shunt_ring_leave(&c->sf.w);
+	hostd_left(c, reason);
+}
+
+static int peer_ok(struct conn *c) { return holds_pair(c, &c->ok); }
+
+/* switch_up moves ep's stream into c's ring (SWITCH on c), c the lease it
+ * is on: 1, or 0 if the ring is too small (then c is done with hostd). */
+static int switch_up(struct mca_btl_base_endpoint_t *ep, struct conn *c)
 {
 	if (!ring_fits(c)) {
-		push_control(c, REC_RING_NO, &(struct rec_no){.reason = R_RING_SMALL}, sizeof(struct rec_no));
-		hostd_close(c);
-		c->reason = R_RING_SMALL;
-		c->fstate = F_TCP;
 		say(0, "to %s: the ring (%llu bytes) is too small for fragments of %zu bytes; raise ring_size in hostd's policy or lower btl_shunt_max_send_size",
 		    ep->who, (unsigned long long)c->sf.w.cap, (size_t)shunt_btl.super.btl_max_send_size);
-		return;
+		refuse(c, R_RING_SMALL);
+		hostd_close(c); /* hostd forgets the lease: no READY again */
+		c->reason = R_RING_SMALL;
+		return 0;
 	}
-	struct rec_switch s = {.epoch = new_epoch(), .frags = ep->tx_frags};
+	struct rec_switch s = {.epoch = new_epoch(), .frags = ep->tx_frags, .gen = c->sf.gen, .region = c->sf.region_id,
+			       .slot = c->sf.slot};
 	c->rr.epoch = s.epoch;
 	c->rr.next = 0;
+	shunt_ring_start(&c->sf.w, 0);
 	push_control(c, REC_SWITCH, &s, sizeof s);
 	ep->tx_ring = 1;
 	ep->retry_ms = 0;
+	ep->retry_at = 0;
 	char what[80];
 	snprintf(what, sizeof what, "ring (slot %u, %llu bytes)", c->sf.slot, (unsigned long long)c->sf.w.cap);
 	say_path(ep, SHUNT_REASON_NONE, what);
+	return 1;
 }
 
-/* go_down moves ep's stream from the ring back to its lease. */
+/* go_down moves ep's stream from the ring back to its lease c. */
 static void go_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, uint16_t reason)
 {
 	struct rec_down d = {.bytes = c->sf.w.own, .records = c->rr.next, .frags = ep->tx_frags};
 	push_control(c, REC_DOWN, &d, sizeof d);
 	ep->tx_ring = 0;
-	hostd_close(c);
-	c->fstate = F_TCP;
-	c->reason = reason;
+	shunt_ring_leave(&c->sf.w);
+	hostd_left(c, reason);
 	struct frag *f;
 	while ((f = fq_pop(&ep->q))) {
 		f->hdr = (struct shunt_rec){.len = f->seg.seg_len, .kind = REC_DATA, .tag = f->hdr.tag};
 		lease_push(c, f);
 	}
-	char what[64];
-	snprintf(what, sizeof what, "ring ended, back on the lease");
 	ep->said = 0;
-	say_path(ep, reason, what);
+	say_path(ep, reason, "ring ended, back on the lease");
 	schedule_retry(ep, reason);
+}
+
+/* drop_next gives up ep's newer lease n: BYE, CLOSE. */
+static void drop_next(struct mca_btl_base_endpoint_t *ep, struct conn *n, uint16_t r, int retry)
+{
+	if (n->fstate == F_READY)
+		refuse(n, r);
+	finish(n);
+	ep->tx_next = NULL;
+	if (retry) {
+		say(1, "to %s: a new lease got tcp (%s); staying on the old one", ep->who, reason_name(r));
+		schedule_retry(ep, r);
+	}
 }
 
 void paths_step(struct mca_btl_base_endpoint_t *ep)
@@ -253,39 +324,37 @@ void paths_step(struct mca_btl_base_endpoint_t *ep)
 		hostd_take(n);
 	if (c->closing)
 		return;
-	uint16_t why;
 	if (ep->tx_ring) {
 		if (c->rr.resv)
 			return;
-		if (conn_revoked(c, &why))
-			go_down(ep, c, why);
+		if (c->down)
+			go_down(ep, c, c->down_reason);
 		else if (shunt_rec_broken(&c->rr))
 			go_down(ep, c, ring_reason(c));
+		else if (n)
+			drop_next(ep, n, SHUNT_REASON_NONE, 0);
 		return;
 	}
-	if (c->fstate == F_READY && c->peer_ok) {
-		switch_up(ep, c);
+	if (c->fstate == F_READY && c->down) /* taken back before it was used */
+		refuse(c, c->down_reason);
+	if (c->fstate == F_READY && peer_ok(c) && switch_up(ep, c)) {
+		if (n)
+			drop_next(ep, n, SHUNT_REASON_NONE, 0);
 		return;
 	}
-	if (c->fstate == F_READY && c->peer_no) {
-		hostd_close(c);
-		c->fstate = F_TCP;
-		c->reason = c->peer_reason;
-	}
-	if (c->fstate == F_READY && conn_revoked(c, &why)) { /* revoked before it was used */
-		push_control(c, REC_RING_NO, &(struct rec_no){.reason = why}, sizeof(struct rec_no));
-		hostd_close(c);
-		c->fstate = F_TCP;
-		c->reason = why;
-	}
-	if (c->fstate == F_TCP) {
-		say_path(ep, c->reason, "tcp");
+	if ((c->fstate == F_TCP || c->fstate == F_NONE) && c->told) {
+		c->told = 0;
+		/* no-intent and no-listener are answers for now: READY or
+		 * TCP(timeout) follows. */
+		if (c->reason != SHUNT_REASON_NO_INTENT && c->reason != SHUNT_REASON_NO_LISTENER)
+			say_path(ep, c->reason, "tcp");
 		if (!n && !ep->retry_at)
 			schedule_retry(ep, c->reason);
-		c->fstate = F_CLOSED; /* said; retries go by ep->retry_at */
 	}
 	if (n) {
-		if (n->fstate == F_READY && n->peer_ok && ring_fits(n)) {
+		if (n->fstate == F_READY && n->down)
+			refuse(n, n->down_reason);
+		if (n->fstate == F_READY && peer_ok(n) && ring_fits(n)) {
 			struct rec_move m = {.lease = n->lease, .frags = ep->tx_frags};
 			push_control(c, REC_MOVE, &m, sizeof m);
 			finish(c);
@@ -295,16 +364,10 @@ void paths_step(struct mca_btl_base_endpoint_t *ep)
 			switch_up(ep, n);
 			return;
 		}
-		int gave_up = n->fstate == F_TCP || n->fstate == F_CLOSED || n->peer_no ||
-			      (n->fstate == F_READY && conn_revoked(n, &why));
-		if (gave_up) {
-			uint16_t r = n->fstate == F_TCP ? n->reason : n->peer_no ? n->peer_reason : R_RING_BROKEN;
-			push_control(n, REC_RING_NO, &(struct rec_no){.reason = r}, sizeof(struct rec_no));
-			finish(n);
-			ep->tx_next = NULL;
-			say(1, "to %s: a new lease got tcp (%s); staying on the old one", ep->who, reason_name(r));
-			schedule_retry(ep, r);
-		}
+		if (n->fstate == F_READY && !ring_fits(n))
+			drop_next(ep, n, R_RING_SMALL, 1);
+		else if ((n->fstate == F_TCP && !recovers(n->reason)) || n->fstate == F_NONE || n->fstate == F_CLOSED)
+			drop_next(ep, n, n->reason, 1);
 		return;
 	}
 	if (ep->retry_at && now_ns() >= ep->retry_at) {
@@ -313,19 +376,4 @@ void paths_step(struct mca_btl_base_endpoint_t *ep)
 		if (r < 0)
 			schedule_retry(ep, SHUNT_REASON_NO_HOSTD);
 	}
-}
-
-/* rx_step: the receiving side of c answers hostd's verdict on the lease's
- * reverse direction. */
-
-void rx_step(struct conn *c)
-{
-	int was = c->fstate;
-	hostd_take(c);
-	if (was != F_ASKING || c->fstate == F_ASKING || c->closing)
-		return;
-	if (c->fstate == F_READY)
-		push_control(c, REC_RING_OK, NULL, 0);
-	else
-		push_control(c, REC_RING_NO, &(struct rec_no){.reason = c->reason}, sizeof(struct rec_no));
 }

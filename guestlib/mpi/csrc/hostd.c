@@ -1,16 +1,25 @@
 /* The BTL's session with hostd (btl_shunt.h), through the core's session
- * (shunt.h): LISTEN for the lease listener, INTENT before a lease connects,
- * OPEN after it connected (active) or was accepted (passive), and the
- * verdict; REVOKE; after a hostd restart, LISTEN and REATTACH again.
+ * (shunt.h), protocol version 3: LISTEN for the lease listener; OPEN once a
+ * lease connected (active) or said HELLO (passive), with nothing waiting
+ * for the answer; then any number of READY, TCP and DOWN for that lease's
+ * request id, for its whole life (docs/protocol.md):
  *
- * OPEN waits for its verdict, and hostd answers only once both ends asked,
- * so each OPEN runs on a short-lived thread of its own: the progress loop
- * never waits, and two ranks connecting to each other at once cannot stall
- * each other. The thread posts the verdict in its struct verdict; the
- * progress loop applies it (hostd_take).
+ *   TCP(reason)* ... READY ... DOWN ... READY ...
  *
- * The registry: the flows this process holds, for the session's reader
- * thread (REVOKE, REATTACH), under reg_mu; the data path never takes it.
+ * READY: attach the ring pair (handover.c decides when the stream moves).
+ * DOWN: the direction goes back to its lease (handover.c), and once this
+ * end is off the pair, LEFT (hostd_left): hostd frees the pair when both
+ * ends left, and may send READY again with a fresh pair when the reason
+ * goes. CLOSE (hostd_close) when the BTL is done with a lease: hostd
+ * forgets it, and a READY that crossed the CLOSE is given back (hostd
+ * releases our side of it at the CLOSE). After a hostd restart: LISTEN,
+ * REATTACH (with the request id) for the pairs held, OPEN again (same
+ * request id) for the leases on TCP.
+ *
+ * The registry: one entry per announced lease, found by request id by the
+ * session's reader thread (on_conn), which queues what hostd said there;
+ * the progress loop applies it (hostd_take). Under reg_mu; the data path
+ * never takes it.
  *
  * Lifetime: the core's session has no close yet (shunt.h), and its reader
  * thread runs code of this library, so the library pins itself
@@ -29,68 +38,99 @@
 
 static struct shunt_session *session;
 static int listened; /* hostd heard our LISTEN (reset when the channel drops) */
-
-struct verdict {
-	struct shunt_msg req, reply;
-	int done;  /* atomic: reply is set */
-	int refs;  /* atomic: the thread and the connection */
-	int taken; /* the connection applied the reply (progress loop only) */
-};
-
-/* verdict_put drops one reference to v. The last one gives back a READY
- * that no connection took (its connection closed or gave up first), so
- * hostd frees that flow now instead of when the session ends. */
-static void verdict_put(struct verdict *v)
-{
-	if (__atomic_sub_fetch(&v->refs, 1, __ATOMIC_ACQ_REL) != 0)
-		return;
-	if (__atomic_load_n(&v->done, __ATOMIC_ACQUIRE) && !v->taken && v->reply.type == SHUNT_READY) {
-		struct shunt_flow id = {.region_id = v->reply.region_id, .slot = v->reply.slot, .gen = v->reply.gen,
-					.side = v->reply.side, .session = session};
-		shunt_flow_close(&id);
-	}
-	free(v);
-}
+static int pending;  /* atomic: some entry has events */
 
 /* ---- the registry ---- */
 
+/* An event: what hostd said (READY, TCP, DOWN), the fields that matter. */
+struct hword {
+	struct hword *next;
+	uint8_t type, side;
+	uint16_t reason;
+	uint32_t region_id, slot, capacity;
+	uint64_t gen, ring_ab, ring_ba;
+};
+
+/* held: an announced lease. c, req, role, local and remote are set once;
+ * rings and the pair's names change under reg_mu (the progress loop) and
+ * are what a new hostd hears (on_announce). */
 struct held {
 	struct conn *c;
+	uint32_t req;
+	uint8_t role;
+	struct shunt_addr local, remote;
+	int rings; /* holds an attached pair: REATTACH it, else OPEN again */
 	uint32_t region_id, slot;
 	uint64_t gen;
 	uint8_t side;
-	struct shunt_addr local, remote;
+	struct hword *head, *tail;
 };
 
 static pthread_mutex_t reg_mu = PTHREAD_MUTEX_INITIALIZER;
-static struct held *reg;
+static struct held **reg;
 static int nreg, reg_cap;
 
-static void reg_add(struct conn *c)
+static struct held *reg_add(struct conn *c, uint32_t req, uint8_t role)
 {
+	struct held *h = calloc(1, sizeof *h);
+	if (!h)
+		return NULL;
+	*h = (struct held){.c = c, .req = req, .role = role, .local = c->local, .remote = c->remote};
 	pthread_mutex_lock(&reg_mu);
 	if (nreg == reg_cap) {
 		int cap = reg_cap ? 2 * reg_cap : 16;
-		struct held *n = realloc(reg, cap * sizeof *n);
+		struct held **n = realloc(reg, cap * sizeof *n);
 		if (!n) {
 			pthread_mutex_unlock(&reg_mu);
-			say(0, "out of memory: a hostd restart will revoke a flow of %s", c->ep ? c->ep->who : "a peer");
-			return;
+			free(h);
+			return NULL;
 		}
 		reg = n;
 		reg_cap = cap;
 	}
-	reg[nreg++] = (struct held){c, c->region_id, c->sf.slot, c->sf.gen, c->sf.side, c->local, c->remote};
+	reg[nreg++] = h;
 	pthread_mutex_unlock(&reg_mu);
+	return h;
 }
 
-static void reg_del(struct conn *c)
+static void reg_del(struct held *h)
 {
 	pthread_mutex_lock(&reg_mu);
 	for (int i = 0; i < nreg; i++)
-		if (reg[i].c == c)
-			reg[i--] = reg[--nreg];
+		if (reg[i] == h) {
+			reg[i] = reg[--nreg];
+			break;
+		}
 	pthread_mutex_unlock(&reg_mu);
+	for (struct hword *e = h->head, *next; e; e = next) {
+		next = e->next;
+		free(e);
+	}
+	free(h);
+}
+
+/* reg_rings records the pair c holds now (rings 0: none), for a new hostd. */
+static void reg_rings(struct conn *c, int rings)
+{
+	if (!c->h)
+		return;
+	pthread_mutex_lock(&reg_mu);
+	c->h->rings = rings;
+	c->h->region_id = c->sf.region_id;
+	c->h->slot = c->sf.slot;
+	c->h->gen = c->sf.gen;
+	c->h->side = c->sf.side;
+	pthread_mutex_unlock(&reg_mu);
+}
+
+/* give_back returns a READY that no lease takes (its lease closed): CLOSE
+ * by request id and pair, which releases our side of it. A CLOSE that
+ * hostd already had changes nothing. */
+static void give_back(const struct shunt_msg *m)
+{
+	struct shunt_msg c = {.type = SHUNT_CLOSE, .req_id = m->req_id, .region_id = m->region_id, .slot = m->slot,
+			      .gen = m->gen, .side = m->side};
+	shunt_session_send(session, &c);
 }
 
 /* ---- session callbacks (the session's reader thread) ---- */
@@ -112,16 +152,55 @@ static void on_log(void *arg, const char *line)
 		__atomic_store_n(&listened, 0, __ATOMIC_SEQ_CST);
 }
 
+/* queue hands m to the lease it names: by request id, or (a DOWN or
+ * REVOKE naming no request) by the pair held. A READY no lease takes is
+ * given back. */
+static void queue(const struct shunt_msg *m)
+{
+	struct hword *e = malloc(sizeof *e);
+	int taken = 0;
+	pthread_mutex_lock(&reg_mu);
+	for (int i = 0; i < nreg && e && !taken; i++) {
+		struct held *h = reg[i];
+		if (m->req_id ? h->req != m->req_id
+			      : !h->rings || h->gen != m->gen || h->slot != m->slot || h->region_id != m->region_id)
+			continue;
+		*e = (struct hword){.type = m->type == SHUNT_REVOKE ? SHUNT_DOWN : m->type, .side = m->side, .reason = m->reason,
+				    .region_id = m->region_id, .slot = m->slot, .capacity = m->capacity, .gen = m->gen,
+				    .ring_ab = m->ring_ab, .ring_ba = m->ring_ba};
+		if (h->tail)
+			h->tail->next = e;
+		else
+			h->head = e;
+		h->tail = e;
+		taken = 1;
+	}
+	pthread_mutex_unlock(&reg_mu);
+	if (taken) {
+		__atomic_store_n(&pending, 1, __ATOMIC_RELEASE);
+		return;
+	}
+	int lost = !e;
+	free(e);
+	if (m->type == SHUNT_READY)
+		give_back(m);
+	else if (lost)
+		say(0, "out of memory: hostd's word on a lease was lost");
+}
+
+static void on_conn(void *arg, const struct shunt_msg *m)
+{
+	(void)arg;
+	queue(m);
+}
+
+/* on_revoke: a version-3 hostd sends no REVOKE; one that does means DOWN. */
 static void on_revoke(void *arg, const struct shunt_msg *m)
 {
 	(void)arg;
-	pthread_mutex_lock(&reg_mu);
-	for (int i = 0; i < nreg; i++)
-		if (reg[i].slot == m->slot && reg[i].gen == m->gen && reg[i].region_id == m->region_id) {
-			__atomic_store_n(&reg[i].c->revoke_reason, m->reason, __ATOMIC_RELAXED);
-			__atomic_store_n(&reg[i].c->revoked, 1, __ATOMIC_RELEASE);
-		}
-	pthread_mutex_unlock(&reg_mu);
+	struct shunt_msg d = *m;
+	d.req_id = 0;
+	queue(&d);
 }
 
 static int on_holds(void *arg)
@@ -130,31 +209,38 @@ static int on_holds(void *arg)
 	return !__atomic_load_n(&shunt_btl.finalizing, __ATOMIC_RELAXED);
 }
 
-/* on_announce tells a new hostd of the listener and of every flow held,
- * which it adopted from the region and keeps for its grace. */
+/* on_announce tells a new hostd of the listener, of every pair held
+ * (REATTACH: it adopted them from the region and keeps them for its grace)
+ * and of every lease on TCP (OPEN again with the same request id: once
+ * both ends did, it may move the lease to a ring pair). */
 static void on_announce(void *arg, struct shunt_session *s)
 {
 	(void)arg;
 	struct shunt_msg l = {.type = SHUNT_LISTEN, .local = shunt_btl.laddr};
 	shunt_session_send(s, &l);
 	pthread_mutex_lock(&reg_mu);
-	int n = nreg;
+	int n = nreg, pairs = 0;
 	struct held *copy = n ? malloc(n * sizeof *copy) : NULL;
-	if (copy)
-		memcpy(copy, reg, n * sizeof *copy);
+	for (int i = 0; copy && i < n; i++)
+		copy[i] = *reg[i];
 	pthread_mutex_unlock(&reg_mu);
 	if (n && !copy) {
-		say(0, "out of memory: cannot tell the new hostd of %d flows; they will be revoked", n);
+		say(0, "out of memory: cannot tell the new hostd of %d leases; their rings will be taken back", n);
 		n = 0;
 	}
 	for (int i = 0; i < n; i++) {
-		struct shunt_msg m = {.type = SHUNT_REATTACH, .region_id = copy[i].region_id, .slot = copy[i].slot,
-				      .gen = copy[i].gen, .side = copy[i].side, .local = copy[i].local, .remote = copy[i].remote};
+		struct held *h = &copy[i];
+		struct shunt_msg m = {.type = SHUNT_OPEN, .req_id = h->req, .role = h->role, .local = h->local, .remote = h->remote};
+		if (h->rings) {
+			m = (struct shunt_msg){.type = SHUNT_REATTACH, .req_id = h->req, .region_id = h->region_id, .slot = h->slot,
+					       .gen = h->gen, .side = h->side, .local = h->local, .remote = h->remote};
+			pairs++;
+		}
 		shunt_session_send(s, &m);
 	}
 	free(copy);
 	__atomic_store_n(&listened, 1, __ATOMIC_SEQ_CST);
-	say(1, "told the new hostd of the listener and %d flows", n);
+	say(1, "told the new hostd of the listener, %d ring pairs and %d leases on tcp", pairs, n - pairs);
 }
 
 /* pin keeps this library mapped for the life of the process (see top). */
@@ -183,6 +269,7 @@ int hostd_init(void)
 		.region = region && *region ? region : NULL,
 		.log = on_log,
 		.revoked = on_revoke,
+		.conn = on_conn,
 		.holds = on_holds,
 		.announce = on_announce,
 	};
@@ -208,114 +295,149 @@ void hostd_listen(void)
 	}
 }
 
-void hostd_intent(struct conn *c)
-{
-	struct shunt_msg m = {.type = SHUNT_INTENT, .local = c->local, .remote = c->remote};
-	shunt_session_send(session, &m);
-}
-
-static void *verdict_main(void *arg)
-{
-	struct verdict *v = arg;
-	shunt_session_request(session, &v->req, &v->reply, mca_btl_shunt_component.verdict_ms);
-	__atomic_store_n(&v->done, 1, __ATOMIC_RELEASE);
-	verdict_put(v);
-	return NULL;
-}
-
-/* hostd_open asks for c's verdict on a thread of its own; without hostd
- * the verdict is TCP(no-hostd) at once. */
 void hostd_open(struct conn *c, uint8_t role)
 {
-	c->fstate = F_ASKING;
+	c->fstate = F_NONE;
+	c->told = 1;
 	if (!mca_btl_shunt_component.ring) {
-		c->fstate = F_TCP;
 		c->reason = R_LEASE_ONLY;
 		return;
 	}
 	if (!hostd_ready()) {
-		c->fstate = F_TCP;
-		c->reason = SHUNT_REASON_NO_HOSTD;
+		c->reason = session ? shunt_session_reason(session) : SHUNT_REASON_NO_HOSTD;
 		return;
 	}
 	hostd_listen();
-	struct verdict *v = calloc(1, sizeof *v);
-	if (!v) {
-		c->fstate = F_TCP;
+	/* The entry first: the answer may come before OPEN returns. */
+	struct shunt_msg m = {.type = SHUNT_OPEN, .req_id = shunt_session_new_req(session), .role = role,
+			      .local = c->local, .remote = c->remote};
+	if (!(c->h = reg_add(c, m.req_id, role))) {
 		c->reason = SHUNT_REASON_INTERNAL;
+		say(0, "out of memory: a lease to %s stays on tcp", c->ep ? c->ep->who : "a peer");
 		return;
 	}
-	v->req = (struct shunt_msg){.type = SHUNT_OPEN, .role = role, .local = c->local, .remote = c->remote};
-	v->refs = 2;
-	if (shunt_thread_detached(verdict_main, v)) {
-		free(v);
+	c->fstate = F_ASKING;
+	c->told = 0;
+	if (shunt_session_open(session, &m)) {
+		/* The channel just dropped: the reconnect OPENs it again. */
 		c->fstate = F_TCP;
-		c->reason = SHUNT_REASON_INTERNAL;
-		return;
+		c->reason = SHUNT_REASON_NO_HOSTD;
+		c->told = 1;
 	}
-	c->v = v;
 }
 
-/* give_up drops the connection's claim on its verdict. */
-static void give_up(struct conn *c)
+int hostd_pending(void)
 {
-	if (c->v)
-		verdict_put(c->v);
-	c->v = NULL;
+	return __atomic_load_n(&pending, __ATOMIC_RELAXED) && __atomic_exchange_n(&pending, 0, __ATOMIC_ACQUIRE);
+}
+
+/* ready attaches the pair a READY names, if c may take it. */
+static void ready(struct conn *c, const struct hword *e)
+{
+	struct shunt_msg m = {.type = SHUNT_READY, .req_id = c->h->req, .region_id = e->region_id, .slot = e->slot,
+			      .gen = e->gen, .capacity = e->capacity, .ring_ab = e->ring_ab, .ring_ba = e->ring_ba,
+			      .side = e->side};
+	if (c->fstate == F_READY) {
+		/* A second pair while one is held breaks the protocol: off it. */
+		struct shunt_flow f = {.region_id = m.region_id, .slot = m.slot, .gen = m.gen, .side = m.side, .req = m.req_id,
+				       .session = session};
+		shunt_flow_left(&f);
+		return;
+	}
+	if (c->closing || c->dead) {
+		give_back(&m);
+		return;
+	}
+	if (!c->out && c->no.gen == m.gen && c->no.slot == m.slot && c->no.region == m.region_id) {
+		/* The sender said RING_NO for this pair before we saw it. */
+		struct shunt_flow f = {.region_id = m.region_id, .slot = m.slot, .gen = m.gen, .side = m.side, .req = m.req_id,
+				       .session = session};
+		shunt_flow_left(&f);
+		return;
+	}
+	if (shunt_flow_attach(session, &m, &c->sf)) {
+		/* As the core says: CLOSE, and the lease stays on TCP for good
+		 * (the peer gets DOWN(peer-gone)). */
+		say(0, "%s: READY does not match the region; the lease stays on tcp", c->ep ? c->ep->who : "a peer");
+		hostd_close(c);
+		c->reason = SHUNT_REASON_INTERNAL;
+		return;
+	}
+	c->fstate = F_READY;
+	c->down = 0;
+	c->rr = (struct shunt_rec_ring){.r = c->out ? &c->sf.w : &c->sf.r};
+	reg_rings(c, 1);
+	if (!c->out) {
+		shunt_ring_attach_reader(&c->sf.r);
+		struct rec_ring ok = {.gen = m.gen, .region = m.region_id, .slot = m.slot};
+		push_control(c, REC_RING_OK, &ok, sizeof ok);
+	}
 }
 
 void hostd_take(struct conn *c)
 {
-	if (!c->v || !__atomic_load_n(&c->v->done, __ATOMIC_ACQUIRE))
+	if (!c->h)
 		return;
-	struct shunt_msg m = c->v->reply;
-	int use = c->fstate == F_ASKING;
-	c->v->taken = use; /* otherwise the last reference gives a READY back */
-	give_up(c);
-	if (!use)
-		return;
-	if (m.type != SHUNT_READY) {
-		c->fstate = F_TCP;
-		c->reason = m.reason;
-		return;
+	pthread_mutex_lock(&reg_mu);
+	struct hword *e = c->h->head;
+	c->h->head = c->h->tail = NULL;
+	pthread_mutex_unlock(&reg_mu);
+	while (e) {
+		struct hword *next = e->next;
+		if (c->fstate != F_CLOSED) {
+			switch (e->type) {
+			case SHUNT_READY:
+				ready(c, e);
+				break;
+			case SHUNT_TCP:
+				if (c->fstate != F_READY) {
+					c->fstate = F_TCP;
+					c->reason = e->reason;
+					c->told = 1;
+				}
+				break;
+			case SHUNT_DOWN:
+				if (c->fstate == F_READY && e->gen == c->sf.gen && e->slot == c->sf.slot && e->region_id == c->sf.region_id) {
+					c->down = 1;
+					c->down_reason = e->reason;
+				}
+				break;
+			}
+		}
+		free(e);
+		e = next;
 	}
-	if (shunt_flow_attach(session, &m, &c->sf)) {
-		struct shunt_flow id = {.region_id = m.region_id, .slot = m.slot, .gen = m.gen, .side = m.side, .session = session};
-		shunt_flow_close(&id);
-		c->fstate = F_TCP;
-		c->reason = SHUNT_REASON_INTERNAL;
-		say(0, "%s: READY does not match the region; the lease stays on tcp", c->ep ? c->ep->who : "a peer");
+}
+
+void hostd_left(struct conn *c, uint16_t reason)
+{
+	if (c->fstate != F_READY)
 		return;
-	}
-	c->region_id = m.region_id;
-	c->fstate = F_READY;
-	c->rr = (struct shunt_rec_ring){.r = c->out ? &c->sf.w : &c->sf.r};
-	reg_add(c);
+	shunt_flow_left(&c->sf);
+	reg_rings(c, 0);
+	/* Nothing touches the rings after LEFT: the writer marked the ring's
+	 * end (DOWN) or never used it, the reader drained it. */
+	shunt_flow_detach(&c->sf);
+	c->fstate = F_TCP;
+	c->reason = reason;
+	c->down = 0;
 }
 
 void hostd_close(struct conn *c)
 {
-	if (c->fstate == F_ASKING)
-		give_up(c);
-	if (c->fstate != F_READY) {
-		if (c->fstate == F_ASKING)
-			c->fstate = F_CLOSED;
+	if (!c->h) {
+		c->fstate = F_CLOSED;
 		return;
 	}
-	reg_del(c);
-	shunt_flow_close(&c->sf);
-	/* Nothing touches the rings after CLOSE: the writer marked the ring's
-	 * end (DOWN) or never used it, the reader drained it. */
+	struct shunt_msg m = {.type = SHUNT_CLOSE, .req_id = c->h->req, .side = c->h->role};
+	if (c->fstate == F_READY)
+		shunt_flow_close(&c->sf);
+	else
+		shunt_session_send(session, &m);
 	shunt_flow_detach(&c->sf);
+	reg_del(c->h);
+	c->h = NULL;
 	c->fstate = F_CLOSED;
-}
-
-int conn_revoked(struct conn *c, uint16_t *reason)
-{
-	if (!__atomic_load_n(&c->revoked, __ATOMIC_ACQUIRE))
-		return 0;
-	*reason = __atomic_load_n(&c->revoke_reason, __ATOMIC_RELAXED);
-	return 1;
 }
 
 void hostd_fini(void)

@@ -4,8 +4,9 @@
  *
  * A lease carries, from sender to receiver, HELLO first, then the
  * direction's stream while it is on this lease (DATA, numbered by the
- * stream's count) and its marks (SWITCH, DOWN, MOVE; handover.c), and BYE;
- * in the reverse direction the receiver's RING_OK or RING_NO and its BYE.
+ * stream's count) and its marks (SWITCH, DOWN, MOVE; handover.c), RING_NO
+ * for a pair it will not use, and BYE; in the reverse direction the
+ * receiver's RING_OK for each pair it attached, and its BYE.
  * A record on a lease that is not (or not yet) where the stream goes on
  * waits in the buffer until it is (MOVE). Any record out of order fails
  * the peer. */
@@ -114,11 +115,9 @@ static int handle(struct conn *c, struct shunt_rec *h, uint8_t *p)
 	if (c->out) { /* the reverse direction of our own lease */
 		switch (h->kind) {
 		case REC_RING_OK:
-			c->peer_ok = 1;
-			return 1;
-		case REC_RING_NO:
-			c->peer_no = 1;
-			c->peer_reason = h->len >= sizeof(struct rec_no) ? ((struct rec_no *)p)->reason : R_PEER;
+			if (h->len < sizeof c->ok)
+				return -1;
+			memcpy(&c->ok, p, sizeof c->ok);
 			return 1;
 		case REC_BYE:
 			c->bye = 1;
@@ -128,10 +127,8 @@ static int handle(struct conn *c, struct shunt_rec *h, uint8_t *p)
 	}
 	if (!c->hello)
 		return conn_hello(c, h, p);
-	if (h->kind == REC_RING_NO) { /* the sender will not use the ring: let it go */
-		hostd_close(c);
-		return 1;
-	}
+	if (h->kind == REC_RING_NO) /* the sender will not use a pair: let it go */
+		return rx_refused(c, h, p);
 	if (h->kind == REC_BYE) {
 		c->bye = 1;
 		if (ep->rx == c) {

@@ -6,8 +6,8 @@
  * the peer's accept (the kernel completes the handshake). A refused or
  * timed-out connect leaves the peer to the next BTL in the list (tcp) and
  * says why. Peers in this guest are left to vader (OPAL_PROC_ON_LOCAL_NODE,
- * as vader decides). Once reachable, a peer stays reachable: verdicts and
- * revocations only move its stream between lease and ring.
+ * as vader decides). Once reachable, a peer stays reachable: hostd's READY
+ * and DOWN only move its stream between lease and ring.
  *
  * Sending: sendi writes ob1's header and the packed data straight into the
  * ring as one record (for a small message, one cache line), with no lock
