@@ -486,6 +486,24 @@ func TestPreloadEdgeCases(t *testing.T) {
 			t.Fatalf("connrefused:\n%s", out)
 		}
 	})
+	// Short connections in a row (shunt-connrate's loop), some of them
+	// paired while they close. hostd reads the client's session slowly
+	// meanwhile (the OPEN of a connection already gone costs it a
+	// conntrack lookup's retries): nothing may wait for it. connect() and
+	// close() once blocked in a full control socket for ~10 s at a time.
+	t.Run("shortconns", func(t *testing.T) {
+		cmd := client("shortconns")
+		cmd.Env = append(cmd.Env, "SHUNT_EDGE_CONNS=1000")
+		out := e.runT(t, 1, cmd)
+		m := regexp.MustCompile(`PASS shortconns (\d+) connections in (\d+) ms`).FindStringSubmatch(out)
+		if m == nil {
+			t.Fatalf("client:\n%s", out)
+		}
+		if ms, _ := strconv.Atoi(m[2]); ms > 5000 {
+			t.Fatalf("%s connections took %s ms: a call waited for hostd\n%s", m[1], m[2], out)
+		}
+		t.Log(m[0])
+	})
 	t.Run("uring", func(t *testing.T) {
 		out := e.runT(t, 1, client("uring"))
 		if !strings.Contains(out, "PASS uring") || fastLines(out) != 0 || !strings.Contains(out, "tcp (io_uring") {

@@ -1,5 +1,7 @@
-/* VM discovery through sysfs, as vhost/vserial.FindAll and
- * vhost/ivshmem.Find do in Go: the control ports and the region's BAR. */
+/* VM discovery through sysfs: the control ports and the region's BAR.
+ * The rules are docs/vm.md, "Discovery", which the Go library applies
+ * too (vhost/vserial.FindAll and Open, vhost/ivshmem.Find); a change to
+ * them changes both. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -156,26 +158,34 @@ static int pci_attr(char *out, size_t n, const char *dev, const char *attr)
 
 int shunt_find_bar(char *out, size_t n)
 {
-	int found = -1;
+	/* The first ivshmem device in address order (PCI addresses have a
+	 * fixed width, so in strcmp order), as Go's sorted glob finds it. */
+	char best[SMALL_FILE] = "";
 	DIR *dir = opendir(PCI_SYSFS);
-	for (struct dirent *e; found && dir && (e = readdir(dir));) {
+	for (struct dirent *e; dir && (e = readdir(dir));) {
 		char p[SHUNT_PATH_MAX], v[SMALL_FILE], d[SMALL_FILE];
-		if (e->d_name[0] == '.' || pci_attr(p, sizeof p, e->d_name, "vendor") ||
-		    read_small(p, v, sizeof v) < 0 || strcmp(v, "0x1af4"))
+		if (e->d_name[0] == '.' || strlen(e->d_name) >= sizeof best || (best[0] && strcmp(e->d_name, best) >= 0))
+			continue;
+		if (pci_attr(p, sizeof p, e->d_name, "vendor") || read_small(p, v, sizeof v) < 0 || strcmp(v, "0x1af4"))
 			continue;
 		if (pci_attr(p, sizeof p, e->d_name, "device") || read_small(p, d, sizeof d) < 0 || strcmp(d, "0x1110"))
 			continue;
-		if (pci_attr(p, sizeof p, e->d_name, "enable") == 0) {
-			int fd = open(p, O_WRONLY | O_CLOEXEC);
-			if (fd >= 0) { /* if this fails, mapping the BAR will say so */
-				(void)sys_write(fd, "1", 1);
-				sys_close(fd);
-			}
-		}
-		if (pci_attr(out, n, e->d_name, "resource2") == 0)
-			found = 0;
+		strcpy(best, e->d_name);
 	}
 	if (dir)
 		closedir(dir);
-	return found;
+	if (!best[0])
+		return -1;
+	/* Enabled unless it is already (each write of "1" counts one more
+	 * enable, and needs root). If this fails, mapping the BAR will say
+	 * so. */
+	char p[SHUNT_PATH_MAX], en[SMALL_FILE];
+	if (pci_attr(p, sizeof p, best, "enable") == 0 && (read_small(p, en, sizeof en) < 0 || strcmp(en, "1"))) {
+		int fd = open(p, O_WRONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			(void)sys_write(fd, "1", 1);
+			sys_close(fd);
+		}
+	}
+	return pci_attr(out, n, best, "resource2");
 }

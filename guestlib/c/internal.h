@@ -71,6 +71,12 @@ struct shunt_session {
 	unsigned why;       /* why the last open failed: SHUNT_REASON_VERSION or NO_HOSTD (shunt_session_reason) */
 	struct pending *pend;
 	uint64_t nonce, pong;
+	/* What the channel has not taken yet: encoded frames, in order (a
+	 * write never waits for hostd; session.c, write_locked). A writer
+	 * thread drains it while writer is set. */
+	uint8_t *outq;
+	size_t outlen, outcap;
+	int writer;
 };
 
 /* The channel (channel.c). channel_open opens it (socket or port, found

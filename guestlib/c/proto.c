@@ -199,6 +199,7 @@ static const char *const reason_names[SHUNT_NUM_REASONS] = {
 	"none", "loopback", "not-local", "no-intent", "no-listener", "policy", "not-owner",
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
-	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown"};
+	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
+	"migrating"};
 
 const char *shunt_reason_name(unsigned r) { return r < SHUNT_NUM_REASONS ? reason_names[r] : "?"; }

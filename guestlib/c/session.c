@@ -76,6 +76,8 @@ static void fork_child(void)
 		__atomic_store_n(&s->fd, -1, __ATOMIC_SEQ_CST);
 		s->pend = NULL; /* on the stacks of threads the child does not have */
 		s->tried = 0;
+		s->outlen = 0; /* the parent's; its writer thread did not come along */
+		s->writer = 0;
 	}
 	pthread_condattr_destroy(&ca);
 	regions_fork_child();
@@ -141,13 +143,118 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 
 int shunt_session_vm(struct shunt_session *s) { return __atomic_load_n(&s->vm, __ATOMIC_SEQ_CST); }
 
-/* write_locked sends m on the channel. A fork child never writes to its
- * parent's channel: the child has its own once it calls ensure. */
+/* ---- writing: nothing waits for hostd ----
+ *
+ * The callers are a program's connect(), accept() and close() (OPEN,
+ * CLOSE, LEFT) and the reader thread (PONG, LEFT): none may wait for
+ * hostd. A hostd that reads slowly (each OPEN of a connection that is
+ * already gone costs it a conntrack lookup's retries) filled the socket,
+ * and a blocking write then held the program, and the session's lock (so
+ * the reader too), until hostd had read three quarters of it: seconds.
+ * So a frame is written without blocking, and what the channel does not
+ * take waits in s->outq, in order, for a writer thread that drains it as
+ * hostd reads. Past OUTQ_MAX queued bytes only CLOSE and LEFT are queued
+ * (what hostd must hear to free slots); anything else fails, as with no
+ * hostd (an OPEN's connection stays on TCP, and is owed no CLOSE: so the
+ * queue stays bounded even while hostd reads nothing). A port that takes
+ * nothing for SHUNT_PORT_WRITE_NS drops its queue, as a port whose host
+ * end is gone takes no data (a socket's end shows as EOF to the reader). */
+#define OUTQ_MAX (64 << 10)
+
+/* nb_write writes what the channel takes now: bytes, or -1 with errno. */
+static ssize_t nb_write(int fd, int port, const uint8_t *buf, size_t n)
+{
+	return port ? sys_write(fd, buf, n) : sys_send(fd, buf, n, MSG_DONTWAIT | MSG_NOSIGNAL);
+}
+
+static int again(void) { return errno == EAGAIN || errno == EWOULDBLOCK || errno == EINTR; }
+
+/* drain is the writer thread: it writes s->outq until it is empty or the
+ * channel is gone, waiting for room without the lock. */
+static void *drain(void *arg)
+{
+	struct shunt_session *s = arg;
+	pid_t pid = getpid();
+	int fd = -1;
+	int64_t progress = 0;
+	pthread_mutex_lock(&s->mu);
+	while (s->outlen && s->fd >= 0 && s->pid == pid) {
+		int port = shunt_session_vm(s);
+		if (s->fd != fd) { /* a new channel (its queue is its own: set_fd) */
+			fd = s->fd;
+			progress = shunt_now_ns();
+		}
+		ssize_t k = nb_write(fd, port, s->outq, s->outlen);
+		if (k > 0) {
+			memmove(s->outq, s->outq + k, s->outlen - k);
+			s->outlen -= k;
+			progress = shunt_now_ns();
+			continue;
+		}
+		if (k < 0 && !again()) { /* broken: the reader sees the end */
+			s->outlen = 0;
+			break;
+		}
+		if (port && shunt_now_ns() - progress > SHUNT_PORT_WRITE_NS) {
+			shunt_logf(s, "shunt: the control port took none of %zu queued bytes in %lld ms: dropped", s->outlen,
+				   SHUNT_PORT_WRITE_NS / 1000000);
+			s->outlen = 0;
+			break;
+		}
+		pthread_mutex_unlock(&s->mu);
+		sys_poll1(fd, POLLOUT, 100); /* bounded: fd may be closed (and its number reused) meanwhile */
+		pthread_mutex_lock(&s->mu);
+	}
+	s->writer = 0;
+	pthread_mutex_unlock(&s->mu);
+	return NULL;
+}
+
+/* write_locked sends m on the channel, or queues what the channel does
+ * not take now (see above): 0, or -1 (no channel, or the queue is full).
+ * A fork child never writes to its parent's channel: the child has its
+ * own once it calls ensure. */
 static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 {
 	if (s->fd < 0 || s->pid != getpid())
 		return -1;
-	return channel_write(s->fd, shunt_session_vm(s), m);
+	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
+	ssize_t n = shunt_msg_encode(m, buf, sizeof buf), off = 0;
+	if (n < 0) {
+		errno = EINVAL;
+		return -1;
+	}
+	if (!s->outlen) {
+		off = nb_write(s->fd, shunt_session_vm(s), buf, n);
+		if (off == n)
+			return 0;
+		if (off < 0 && !again())
+			return -1;
+		if (off < 0)
+			off = 0;
+	} else if (s->outlen + n > OUTQ_MAX && m->type != SHUNT_CLOSE && m->type != SHUNT_LEFT) {
+		errno = EAGAIN;
+		return -1;
+	}
+	if (s->outlen + (n - off) > s->outcap) {
+		size_t cap = s->outcap ? 2 * s->outcap : 4096;
+		while (cap < s->outlen + (n - off))
+			cap *= 2;
+		uint8_t *q = realloc(s->outq, cap);
+		if (!q) {
+			if (off) /* half a frame is out: the stream is broken */
+				syscall(SYS_shutdown, s->fd, SHUT_RDWR);
+			errno = ENOMEM;
+			return -1;
+		}
+		s->outq = q;
+		s->outcap = cap;
+	}
+	memcpy(s->outq + s->outlen, buf + off, n - off);
+	s->outlen += n - off;
+	if (!s->writer && shunt_thread_detached(drain, s) == 0)
+		s->writer = 1; /* else the next write tries again */
+	return 0;
 }
 
 int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m)
@@ -167,7 +274,11 @@ int shunt_session_connected(struct shunt_session *s)
 
 /* set_fd changes the channel (mu held); readers without mu load it
  * atomically (shunt_session_connected). */
-static void set_fd(struct shunt_session *s, int fd) { __atomic_store_n(&s->fd, fd, __ATOMIC_SEQ_CST); }
+static void set_fd(struct shunt_session *s, int fd)
+{
+	s->outlen = 0; /* what the old channel did not take is not the new one's */
+	__atomic_store_n(&s->fd, fd, __ATOMIC_SEQ_CST);
+}
 
 /* deadline is now + ms on the cond var's clock. */
 static struct timespec deadline(int ms)

@@ -298,7 +298,8 @@ enum shunt_reason {
 	SHUNT_REASON_GUEST_LIMIT, SHUNT_REASON_INTERNAL, SHUNT_REASON_CONNTRACK_GONE,
 	SHUNT_REASON_POLICY_RELOAD, SHUNT_REASON_PEER_GONE, SHUNT_REASON_ADMIN, SHUNT_REASON_MALFORMED,
 	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_REASON_GUEST_QUOTA, SHUNT_REASON_VERSION,
-	SHUNT_REASON_CONTROL_LIMIT, SHUNT_REASON_FIREWALL, SHUNT_REASON_SHUTDOWN, SHUNT_NUM_REASONS
+	SHUNT_REASON_CONTROL_LIMIT, SHUNT_REASON_FIREWALL, SHUNT_REASON_SHUTDOWN, SHUNT_REASON_MIGRATING,
+	SHUNT_NUM_REASONS
 };
 
 /* The reason's name as Go prints it ("no-hostd"), or "?". */
@@ -418,7 +419,9 @@ int shunt_session_ensure(struct shunt_session *s);
 int shunt_session_connected(struct shunt_session *s);
 /* Whether the channel is a port (VM mode: BAR region, kicks). */
 int shunt_session_vm(struct shunt_session *s);
-/* Sends m without waiting: 0, or -1 if the channel is down. */
+/* Sends m without waiting (what the channel does not take now is queued,
+ * in order): 0, or -1 if the channel is down, or the queue is full (hostd
+ * reads nothing) and m is neither CLOSE nor LEFT. */
 int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m);
 /* Sends the request m (OPEN), giving it a req_id, and waits up to
  * timeout_ms for its READY or TCP. reply is always set: on a lost channel
@@ -428,8 +431,8 @@ void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct 
 /* Sends OPEN m without waiting for anything: its answers (READY, TCP,
  * DOWN) come to the config's conn callback. A zero m->req_id gets a new
  * one, unique in the session; a non-zero one is kept (the same connection
- * announced again after a reconnect). 0, or -1 if the channel is down
- * (m->req_id is set either way). */
+ * announced again after a reconnect). 0, or -1 if the channel is down or
+ * its queue full (m->req_id is set either way). */
 int shunt_session_open(struct shunt_session *s, struct shunt_msg *m);
 /* A fresh request id, for a caller that must know it before OPEN goes out
  * (its answer may come at once). */
@@ -494,8 +497,9 @@ int shunt_flow_left(const struct shunt_flow *f);
  * if there is no memory. */
 char **shunt_find_ports(void);
 void shunt_free_ports(char **ports);
-/* Finds the ivshmem device (PCI 1af4:1110), enables it and writes the path
- * of its memory BAR (resource2) to out: 0, or -1 if there is none. */
+/* Finds the ivshmem device (PCI 1af4:1110; the first in address order),
+ * enables it unless it is already and writes the path of its memory BAR
+ * (resource2) to out: 0, or -1 if there is none. docs/vm.md, "Discovery". */
 int shunt_find_bar(char *out, size_t n);
 
 /* ---- kicks (VM mode) ----

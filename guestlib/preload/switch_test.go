@@ -1,6 +1,7 @@
 package preload
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"fmt"
@@ -303,6 +304,123 @@ func TestVersionFallback(t *testing.T) {
 	}
 }
 
+// TestShortConnsDeafHostd: short connections in a row (connect, 8 bytes
+// each way, close: shunt-connrate's loop) while hostd has stopped reading
+// the control channel, as a real one does for a while when each OPEN of a
+// connection that is already gone costs it a conntrack lookup's retries.
+// The library owes hostd an OPEN and a CLOSE per connection; nothing may
+// wait for hostd, so they queue up (and, past a bound, new connections
+// stay on TCP untold) instead of blocking connect() or close() in a write
+// to a full control socket, which stalled the benchmark for seconds.
+func TestShortConnsDeafHostd(t *testing.T) {
+	lib, edge := buildPreload(t)
+	h := guesttest.Start(t)
+	port := plainEcho(t, 0)
+	const conns = 3000
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "shortconns")
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1",
+		fmt.Sprintf("SHUNT_EDGE_CONNS=%d", conns))
+	var out syncBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s := h.Greet(t) // and then reads nothing more
+	defer s.Close()
+	err := cmd.Wait()
+	if !strings.Contains(out.String(), "PASS shortconns") {
+		t.Fatalf("%d short connections with hostd not reading: %v (killed after 20 s: blocked on the control channel?)\n%s", conns, err, out.String())
+	}
+	t.Log(strings.TrimSpace(out.String()))
+}
+
+// plainEcho serves the edge suite's "plain" test on a loopback port, in
+// Go (no library): the name line, then an echo until EOF, each answer
+// delay late.
+func plainEcho(t *testing.T, delay time.Duration) string {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ln.Close() })
+	go func() {
+		for {
+			c, err := ln.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer c.Close()
+				r := bufio.NewReader(c)
+				if _, err := r.ReadString('\n'); err != nil {
+					return
+				}
+				buf := make([]byte, 4096)
+				for {
+					n, err := r.Read(buf)
+					if err != nil {
+						return
+					}
+					time.Sleep(delay)
+					c.Write(buf[:n])
+				}
+			}()
+		}
+	}()
+	return strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+}
+
+// TestLateMessagesReusedFd: hostd's READY, TCP and DOWN for a connection
+// that was closed meanwhile, arriving while a new connection has its fd
+// number (the kernel reuses the lowest free one at once), must not reach
+// the new one: messages name requests, which are never reused, not fds.
+func TestLateMessagesReusedFd(t *testing.T) {
+	lib, edge := buildPreload(t)
+	h := guesttest.Start(t)
+	port := plainEcho(t, 500*time.Millisecond) // the second connection waits in its read meanwhile
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "shortconns")
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1",
+		"SHUNT_EDGE_CONNS=2")
+	var out syncBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s := h.Greet(t)
+	first := s.Expect(t, proto.Open)
+	if c := s.Expect(t, proto.Close); c.ReqID != first.ReqID {
+		t.Fatalf("CLOSE names request %d, want %d", c.ReqID, first.ReqID)
+	}
+	second := s.Expect(t, proto.Open)
+	if second.ReqID == first.ReqID {
+		t.Fatalf("the second connection reuses request id %d", first.ReqID)
+	}
+	late := h.Pair(t, first, first).A
+	s.Send(t, late)
+	s.Send(t, proto.Msg{Type: proto.TCP, ReqID: first.ReqID, Reason: proto.ReasonPolicy})
+	s.Send(t, guesttest.Down(late, proto.ReasonPolicy))
+	if c := s.Expect(t, proto.Close); c.ReqID != second.ReqID || c.Slot != 0 {
+		t.Fatalf("the second connection's CLOSE is %+v, want request %d without rings", c, second.ReqID)
+	}
+	err := cmd.Wait()
+	o := out.String()
+	if !strings.Contains(o, "PASS shortconns") {
+		t.Fatalf("%v\n%s", err, o)
+	}
+	if fds := regexp.MustCompile(`fd (\d+) connect .*: open \(request`).FindAllStringSubmatch(o, -1); len(fds) != 2 || fds[0][1] != fds[1][1] {
+		t.Fatalf("want two connections on one fd number:\n%s", o)
+	}
+	for _, bad := range []string{": shunt (slot", ": down (", ": tcp (policy)"} {
+		if strings.Contains(o, bad) {
+			t.Fatalf("a message for the closed connection reached the new one (%q):\n%s", bad, o)
+		}
+	}
+}
+
 // TestStash: the reader's rarest path, made likely. The C end (the edge
 // server, under the library) reads TCP while its ring is attached and not
 // started; the test widens the moment between its check and its read
@@ -440,6 +558,200 @@ func TestStash(t *testing.T) {
 		}
 	}
 	t.Fatalf("no attempt went through the stash\nserver:\n%s", srvOut.String())
+}
+
+// TestLeaveAfterEarlyDown: DOWN soon after READY, while the C end (the
+// edge server's echo, under the library) is asleep in the kernel's recv
+// (READY then only marks its reader attached once the recv is back) or
+// ping-pongs small messages with the Go end as fast as it can (its
+// writer's short steps under the write lock). Neither ring ever starts
+// (the Go end, playing the peer's library by hand, never attaches its
+// reader, and never starts its writer: it leaves it at DOWN). Both
+// directions must count as left at once and LEFT reach hostd, so that it
+// can give the connection rings again, without the program reading or
+// writing anything more: hostd kept sockperf's connection "leaving" for
+// seconds when its first DOWN came during the warmup.
+func TestLeaveAfterEarlyDown(t *testing.T) {
+	lib, edge := buildPreload(t)
+	h := guesttest.Start(t)
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
+	ln.Close()
+	var srvOut syncBuffer
+	srv := exec.Command(edge, "server", "127.0.0.1", port)
+	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1")
+	srv.Stdout, srv.Stderr = &srvOut, &srvOut
+	if err := srv.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { srv.Process.Kill(); srv.Wait() }()
+	s := h.Greet(t)
+	s.Pongs = true
+	var tcp net.Conn
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
+		if tcp, err = net.Dial("tcp", "127.0.0.1:"+port); err == nil {
+			break
+		}
+		if time.Now().After(deadline) {
+			t.Fatalf("the server does not listen: %v\n%s", err, srvOut.String())
+		}
+	}
+	defer tcp.Close()
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Fatalf(format+"\nserver:\n%s", append(args, srvOut.String())...)
+	}
+	next := func(want proto.Type) proto.Msg {
+		t.Helper()
+		for {
+			if m := s.Next(t); m.Type == want {
+				return m
+			}
+		}
+	}
+	if _, err := tcp.Write([]byte("plain\n")); err != nil { // the echo
+		t.Fatal(err)
+	}
+	passive := next(proto.Open)
+	active := proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Active, Local: passive.Remote, Remote: passive.Local}
+	reg, err := region.Open(h.Region)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer reg.Close()
+
+	msg := []byte("14-byte ping!\n")
+	echo := make([]byte, len(msg))
+	pingPong := func() error {
+		tcp.SetDeadline(time.Now().Add(5 * time.Second))
+		if _, err := tcp.Write(msg); err != nil {
+			return err
+		}
+		if _, err := io.ReadFull(tcp, echo); err != nil {
+			return err
+		}
+		if !bytes.Equal(echo, msg) {
+			return fmt.Errorf("echo %q, want %q", echo, msg)
+		}
+		return nil
+	}
+	const bound = time.Second
+	for i := 0; i < 12; i++ {
+		busy := i%2 == 1 // else idle: the server asleep in its recv
+		for k := 0; k < 100; k++ {
+			if err := pingPong(); err != nil {
+				fail("cycle %d: ping-pong: %v", i, err)
+			}
+		}
+		var stop chan struct{}
+		var pinged sync.WaitGroup
+		var pingErr error
+		if busy {
+			stop = make(chan struct{})
+			pinged.Add(1)
+			go func() {
+				defer pinged.Done()
+				for {
+					select {
+					case <-stop:
+						return
+					default:
+					}
+					if pingErr = pingPong(); pingErr != nil {
+						return
+					}
+				}
+			}()
+		} else {
+			time.Sleep(20 * time.Millisecond) // back in the kernel's recv
+		}
+		f := h.Pair(t, active, passive)
+		s.Send(t, f.B)
+		time.Sleep(time.Duration(1+i%4) * time.Millisecond)
+		s.Send(t, guesttest.Down(f.B, proto.ReasonPolicyReload))
+		down := time.Now()
+		ab, _, err := reg.Rings(int(f.A.Slot), f.A.Gen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		w, err := ring.NewWriter(ab, &wait.Policy{})
+		if err != nil {
+			t.Fatal(err)
+		}
+		// The peer's writer leaves too, without a stretch. (next fails
+		// the test after guesttest.Wait.)
+		w.Leave()
+		m := next(proto.Left)
+		took := time.Since(down)
+		if busy {
+			close(stop)
+			pinged.Wait()
+			if pingErr != nil {
+				fail("cycle %d: ping-pong: %v", i, pingErr)
+			}
+		}
+		if took > bound {
+			fail("cycle %d (busy %v): LEFT %v after DOWN, want it within %v", i, busy, took, bound)
+		}
+		if m.ReqID != passive.ReqID || m.Slot != f.B.Slot || m.Gen != f.B.Gen || m.Side != proto.SideB {
+			fail("cycle %d: LEFT %+v for READY %+v", i, m, f.B)
+		}
+		t.Logf("cycle %d (busy %v): LEFT %v after DOWN", i, busy, took.Round(time.Microsecond))
+		for owner := uint32(1); owner <= 2; owner++ {
+			h.Pool.Release(int(f.A.Slot), f.A.Gen, owner)
+		}
+	}
+	if err := pingPong(); err != nil {
+		fail("after the cycles: %v", err)
+	}
+
+	// A reader that attached and then reads nothing (the edge server's
+	// sink waits before it reads), whose ring's writer leaves only after
+	// DOWN came: it leaves without a read (the library's leaver).
+	idle, err := net.Dial("tcp", "127.0.0.1:"+port)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer idle.Close()
+	idle.SetDeadline(time.Now().Add(10 * time.Second))
+	if _, err := idle.Write([]byte("sink\n")); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := io.ReadFull(idle, echo[:1]); err != nil || echo[0] != 'k' {
+		fail("sink: %q, %v", echo[:1], err)
+	}
+	passive = next(proto.Open)
+	active = proto.Msg{Type: proto.Open, ReqID: 2, Role: proto.Active, Local: passive.Remote, Remote: passive.Local}
+	f := h.Pair(t, active, passive)
+	s.Send(t, f.B)
+	ab, _, err := reg.Rings(int(f.A.Slot), f.A.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w, err := ring.NewWriter(ab, &wait.Policy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(5 * time.Second); !w.ReaderAttached(); time.Sleep(time.Millisecond) {
+		if time.Now().After(end) {
+			fail("the sink's reader never attached its ring")
+		}
+	}
+	s.Send(t, guesttest.Down(f.B, proto.ReasonPolicyReload))
+	time.Sleep(20 * time.Millisecond)
+	w.Leave()
+	left := time.Now()
+	if m := next(proto.Left); m.ReqID != passive.ReqID || m.Slot != f.B.Slot || m.Gen != f.B.Gen {
+		fail("LEFT %+v for READY %+v", m, f.B)
+	}
+	if took := time.Since(left); took > bound {
+		fail("an idle reader: LEFT %v after its ring's writer left, want it within %v", took, bound)
+	} else {
+		t.Logf("idle reader: LEFT %v after its ring's writer left", took.Round(time.Microsecond))
+	}
 }
 
 // gen is edge_switch.c's stream generator (integration has its own copy).

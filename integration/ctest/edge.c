@@ -605,7 +605,8 @@ int main(int argc, char **argv)
 		printf("PASS exec\n");
 		return 0;
 	}
-	if (argc == 5 && !strcmp(argv[1], "client") && switch_client && (!strncmp(argv[4], "stream", 6) || !strcmp(argv[4], "nbconnect")))
+	if (argc == 5 && !strcmp(argv[1], "client") && switch_client && (!strncmp(argv[4], "stream", 6) || !strcmp(argv[4], "nbconnect") ||
+	    !strcmp(argv[4], "shortconns")))
 		return switch_client(argv[2], atoi(argv[3]), argv[4]);
 	if (argc == 5 && !strcmp(argv[1], "client"))
 		return client(argv[2], atoi(argv[3]), argv[4]);

@@ -13,6 +13,11 @@
  *   streamet SEED BYTES  non-blocking, edge-triggered epoll
  *   streampoll SEED BYTES non-blocking, poll
  *   nbconnect            a non-blocking connect used at once
+ *   shortconns           SHUNT_EDGE_CONNS (1000) short connections in a
+ *                        row, as shunt-connrate makes them: connect, 8
+ *                        bytes each way ("plain" echo), close. None may
+ *                        wait for hostd, even one that stops reading
+ *                        its control channel
  *
  * The client sends "NAME SEED BYTES\n"; the server plays the same test
  * with the directions swapped. Each prints "PASS NAME sent S received R"
@@ -346,8 +351,43 @@ int switch_serve(int c, const char *name)
 	return 1;
 }
 
+/* shortconns: connect, "connrate" there and back, close, n times. The
+ * fd number of each is the last one's: a late READY, TCP or DOWN for a
+ * closed connection must not reach the next. */
+static int shortconns(const char *ip, int port, const char *t)
+{
+	const char *e = getenv("SHUNT_EDGE_CONNS");
+	int n = e && *e ? atoi(e) : 1000;
+	struct timespec t0, t1, c0;
+	clock_gettime(CLOCK_MONOTONIC, &t0);
+	settle_ms = 0;
+	for (int i = 0; i < n; i++) {
+		clock_gettime(CLOCK_MONOTONIC, &c0);
+		int fd = dial(ip, port, 0);
+		if (fd < 0)
+			return fail(t, "connect");
+		struct timeval tv = {5, 0};
+		setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+		char b[8];
+		int k = write(fd, "plain\nconnrate", 14) == 14 ? full(fd, b, 8) : -2;
+		if (k != 8 || memcmp(b, "connrate", 8)) {
+			clock_gettime(CLOCK_MONOTONIC, &t1);
+			printf("FAIL %s: connection %d of %d, after %ld ms: %s (errno %d %s)\n", t, i + 1, n,
+			       (long)((t1.tv_sec - c0.tv_sec) * 1000 + (t1.tv_nsec - c0.tv_nsec) / 1000000),
+			       k == -2 ? "write" : k == 8 ? "the echo differs" : "read the echo", errno, strerror(errno));
+			return 1;
+		}
+		close(fd);
+	}
+	clock_gettime(CLOCK_MONOTONIC, &t1);
+	printf("PASS %s %d connections in %ld ms\n", t, n, (long)((t1.tv_sec - t0.tv_sec) * 1000 + (t1.tv_nsec - t0.tv_nsec) / 1000000));
+	return 0;
+}
+
 int switch_client(const char *ip, int port, const char *t)
 {
+	if (!strcmp(t, "shortconns"))
+		return shortconns(ip, port, t);
 	if (!strcmp(t, "nbconnect")) {
 		/* Used at once: a write before the connect is known to be up
 		 * gets the kernel's answer, and the bytes arrive in order. */

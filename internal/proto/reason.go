@@ -33,6 +33,7 @@ const (
 	ReasonControlLimit          // the guest is over a control-plane limit (sessions, listeners, intents, pending opens)
 	ReasonFirewall              // v3: the firewall's ruleset changed; back on the rings once the lease carried packets both ways under it
 	ReasonShutdown              // v3: hostd is stopping (or gave up the flow's region)
+	ReasonMigrating             // v3: the guest (a VM) is migrating; back on the rings once it arrived
 	numReasons
 )
 
@@ -41,6 +42,7 @@ var reasonNames = [...]string{
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
 	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
+	"migrating",
 }
 
 func (r Reason) String() string {

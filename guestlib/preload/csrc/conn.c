@@ -13,6 +13,7 @@
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
+#include <time.h>
 
 /* ---- ring pairs: kept for reuse, never freed (preload.h) ---- */
 
@@ -127,7 +128,8 @@ void conn_end(struct flow *f)
 	}
 	pthread_mutex_unlock(&f->wmu);
 	pthread_mutex_unlock(&f->rmu);
-	shunt_flow_close(&id);
+	if (rg || f->told) /* a connection hostd never heard of is owed nothing */
+		shunt_flow_close(&id);
 	if (rg) {
 		shunt_flow_detach(&rg->sf);
 		rings_free(rg);
@@ -158,28 +160,41 @@ void conn_open(int fd, uint8_t role, const char *who)
 	pthread_mutex_lock(&tab_mu);
 	flow_publish(fd, f);
 	pthread_mutex_unlock(&tab_mu);
+	/* Never waits: a channel hostd does not read queues it, and past a
+	 * bound it fails, as with hostd away (session.c). */
+	f->told = 1; /* before: a close meanwhile (another thread) still owes hostd the CLOSE */
 	int r = shunt_session_open(session, &m);
+	if (r)
+		f->told = 0;
 	plog("shunt: fd %d %s [%s]:%u: open (request %u%s)", fd, who, ip, m.remote.port, m.req_id,
-	     r ? ", hostd away: told when it is back" : "");
+	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
 }
 
 /* ---- hostd's messages ---- */
 
-/* by_req finds the connection with request id req and takes a reference
- * (flow_get), or NULL. */
+/* hold takes a reference to f, which fds[] holds (tab_mu held): its users
+ * are above zero while an fd points to it. Taken by the flow found, not by
+ * its fd: a closed fd's number is reused at once, and a late READY, TCP or
+ * DOWN must never reach the connection that took it. */
+static struct flow *hold(struct flow *f)
+{
+	__atomic_add_fetch(&f->users, 1, __ATOMIC_ACQ_REL);
+	return f;
+}
+
+/* by_req finds the connection with request id req (unique per session,
+ * never reused) and takes a reference, or NULL. */
 static struct flow *by_req(uint32_t req)
 {
-	int fd = -1;
+	struct flow *hit = NULL;
 	pthread_mutex_lock(&tab_mu);
-	for (int i = 0; i < FD_MAX; i++) {
+	for (int i = 0; i < FD_MAX && !hit; i++) {
 		struct flow *f = fds[i];
-		if (f && f->owner == my_pid && f->req == req) {
-			fd = i;
-			break;
-		}
+		if (f && f->owner == my_pid && f->req == req)
+			hit = hold(f);
 	}
 	pthread_mutex_unlock(&tab_mu);
-	return fd < 0 ? NULL : flow_get(fd);
+	return hit;
 }
 
 static void ready(struct flow *f, const struct shunt_msg *m)
@@ -217,10 +232,134 @@ static void ready(struct flow *f, const struct shunt_msg *m)
 	flow_wake(f); /* a reader asleep on TCP now waits for the ring's start too */
 }
 
-/* down: the writer leaves at once if no write is in progress, else the
- * write in progress does at its next step (path.c); the reader drains
- * and leaves when it reads the writer's mark (or, the peer gone, when the
- * ring is empty). Sleepers are woken to see it. */
+/* reader_idle_leave: at DOWN, the reader leaves at once if nothing can
+ * come through its ring any more (rmu held): it never marked the ring
+ * attached (READY came while it was asleep in the kernel's recv, so the
+ * peer's writer cannot have started; it would mark it only once a byte
+ * came, and an idle peer sends none), or the ring's writer left (or is
+ * gone) and the ring holds nothing more for it. Else it leaves when it
+ * reads the writer's mark (path.c). */
+static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
+{
+	if (rg->rleft)
+		return NULL;
+	if (f->attach_due) {
+		f->attach_due = 0;
+		return reader_leave(f, rg);
+	}
+	struct shunt_ring *r = &rg->sf.r;
+	uint64_t start;
+	/* The mark is read first: a writer's start and bytes come before it. */
+	if (!shunt_ring_writer_left(r) && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST))
+		return NULL;
+	if (!shunt_ring_started(r, &start) || ((f->rring || f->roff == start) && shunt_ring_buffered(r) == 0))
+		return reader_leave(f, rg);
+	return NULL;
+}
+
+/* The leaver: a reader that DOWN could not make leave (the ring's writer
+ * had not left yet) leaves when it reads the writer's mark; a program that
+ * reads nothing meanwhile (idle, or asleep elsewhere) would never send
+ * LEFT, and hostd could never give the connection rings again. One thread
+ * per process, started at the first such DOWN, looks again at the
+ * connections that wait for a leave, every 1 ms and backing off to 50 ms,
+ * and sleeps on leaver_due (a futex word, no lock: fork-safe; a child
+ * starts its own) while none waits. */
+static pid_t leaver_pid;     /* atomic: the process whose leaver runs */
+static uint32_t leaver_due;  /* atomic: 1 after a DOWN that left a reader behind */
+
+#define LEAVER_BATCH 64
+
+/* leave_idle makes the readers (and writers) of connections that had DOWN
+ * leave where they can: how many still wait. */
+static int leave_idle(void)
+{
+	struct flow *fl[LEAVER_BATCH];
+	int n = 0, waiting = 0;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = fds[fd];
+		struct rings *rg = f && f->owner == my_pid ? __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) : NULL;
+		if (!rg || !__atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) || (__atomic_load_n(&rg->left, __ATOMIC_SEQ_CST) & 3) == 3)
+			continue;
+		waiting++;
+		int dup = 0;
+		for (int i = 0; i < n && !dup; i++)
+			dup = fl[i] == f;
+		if (!dup && n < LEAVER_BATCH)
+			fl[n++] = hold(f);
+	}
+	pthread_mutex_unlock(&tab_mu);
+	for (int i = 0; i < n; i++) {
+		struct flow *f = fl[i];
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), *done = NULL, *d = NULL;
+		if (rg) {
+			pthread_mutex_lock(&f->wmu);
+			if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+				done = writer_leave(f, rg);
+			pthread_mutex_unlock(&f->wmu);
+			pthread_mutex_lock(&f->rmu);
+			if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+				d = reader_idle_leave(f, rg);
+			pthread_mutex_unlock(&f->rmu);
+		}
+		if (done || d)
+			waiting--;
+		rings_done(f, done ? done : d);
+		flow_put(f);
+	}
+	return waiting;
+}
+
+static void *leaver(void *arg)
+{
+	(void)arg;
+	int64_t ns = 1000000;
+	for (;;) {
+		__atomic_store_n(&leaver_due, 0, __ATOMIC_SEQ_CST);
+		if (leave_idle() > 0) {
+			struct timespec ts = {0, ns};
+			nanosleep(&ts, NULL);
+			ns = ns * 2 < 50000000 ? ns * 2 : 50000000;
+			continue;
+		}
+		ns = 1000000;
+		/* Returns at once if a DOWN set leaver_due since the store. */
+		syscall(SYS_futex, &leaver_due, FUTEX_WAIT, 0, NULL, NULL, 0);
+	}
+	return NULL;
+}
+
+/* leaver_kick: a DOWN left a direction behind; the leaver looks again. */
+static void leaver_kick(void)
+{
+	__atomic_store_n(&leaver_due, 1, __ATOMIC_SEQ_CST);
+	pid_t p = __atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST);
+	if (p != my_pid && __atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+		pthread_t th;
+		pthread_attr_t at;
+		pthread_attr_init(&at);
+		pthread_attr_setstacksize(&at, 64 << 10);
+		pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+		sigset_t all, old;
+		sigfillset(&all);
+		pthread_sigmask(SIG_SETMASK, &all, &old); /* the leaver takes no signals */
+		int e = pthread_create(&th, &at, leaver, NULL);
+		pthread_sigmask(SIG_SETMASK, &old, NULL);
+		pthread_attr_destroy(&at);
+		if (e) {
+			plog("shunt: cannot start the leaver thread: %s (idle readers leave at their next read)", strerror(e));
+			__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);
+		}
+	}
+	syscall(SYS_futex, &leaver_due, FUTEX_WAKE, 1, NULL, NULL, 0);
+}
+
+/* down: the writer leaves at once, after the step of a write in progress
+ * (each step under wmu is short, and the ring's stop ends its spin); the
+ * reader leaves at once if it can (reader_idle_leave), else it drains and
+ * leaves when it reads the writer's mark (or, the peer gone, when the ring
+ * is empty). Sleepers are woken to see it. */
 static void down(struct flow *f, const struct shunt_msg *m)
 {
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
@@ -233,13 +372,23 @@ static void down(struct flow *f, const struct shunt_msg *m)
 	}
 	__atomic_store_n(&rg->down, 1, __ATOMIC_SEQ_CST);
 	shunt_ring_stop(&rg->sf.w, 0); /* a writer asleep on a full ring leaves */
-	struct rings *done = NULL;
-	if (pthread_mutex_trylock(&f->wmu) == 0) {
-		if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
-			done = writer_leave(f, rg);
-		pthread_mutex_unlock(&f->wmu);
-	}
-	rings_done(f, done);
+	struct rings *done = NULL, *d = NULL;
+	/* Not a trylock: a writer that held wmu (a step on TCP, before or
+	 * after its kernel send) would never look at DOWN again if it never
+	 * started the ring, and one that did would leave only at its next
+	 * write: an idle writer never. */
+	pthread_mutex_lock(&f->wmu);
+	if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+		done = writer_leave(f, rg);
+	pthread_mutex_unlock(&f->wmu);
+	pthread_mutex_lock(&f->rmu);
+	int behind = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg;
+	if (behind)
+		d = reader_idle_leave(f, rg);
+	pthread_mutex_unlock(&f->rmu);
+	rings_done(f, done ? done : d);
+	if (behind && !done && !d)
+		leaver_kick(); /* the reader waits for the writer's mark */
 	flow_wake(f);
 }
 
@@ -262,17 +411,15 @@ void conn_cb(void *arg, const struct shunt_msg *m)
 void conn_revoked(void *arg, const struct shunt_msg *m)
 {
 	(void)arg;
-	struct flow *hit = NULL;
+	struct flow *f = NULL;
 	pthread_mutex_lock(&tab_mu);
-	for (int fd = 0; fd < FD_MAX && !hit; fd++) {
-		struct flow *f = fds[fd];
-		struct rings *rg = f ? __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) : NULL;
+	for (int fd = 0; fd < FD_MAX && !f; fd++) {
+		struct flow *g = fds[fd];
+		struct rings *rg = g && g->owner == my_pid ? __atomic_load_n(&g->rg, __ATOMIC_ACQUIRE) : NULL;
 		if (rg && rg->sf.region_id == m->region_id && rg->sf.slot == m->slot && rg->sf.gen == m->gen)
-			hit = f;
+			f = hold(g);
 	}
-	int fd = hit ? hit->fd : -1;
 	pthread_mutex_unlock(&tab_mu);
-	struct flow *f = fd >= 0 ? flow_get(fd) : NULL;
 	if (!f)
 		return;
 	struct shunt_msg d = *m;
@@ -323,9 +470,10 @@ void conn_announce(void *arg, struct shunt_session *s)
 			if (dup)
 				continue;
 			struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+			f->told = 1; /* told now (a send that fails leaves a CLOSE hostd ignores) */
 			if (rg)
-				m = (struct shunt_msg){.type = SHUNT_REATTACH, .region_id = rg->sf.region_id, .slot = rg->sf.slot,
-						       .gen = rg->sf.gen, .side = rg->sf.side};
+				m = (struct shunt_msg){.type = SHUNT_REATTACH, .req_id = f->req, .region_id = rg->sf.region_id,
+						       .slot = rg->sf.slot, .gen = rg->sf.gen, .side = rg->sf.side};
 			else
 				m = (struct shunt_msg){.type = SHUNT_OPEN, .req_id = f->req, .role = f->role};
 			if (local_of(fd, &m.local) || remote_of(fd, &m.remote))

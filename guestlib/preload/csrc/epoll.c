@@ -2,7 +2,8 @@
  * worked out (wait.c, fast_events: the kernel socket's for a TCP path, the
  * ring's for a ring path, and the switch between them). Their kernel
  * sockets are in the kernel's set too, edge-triggered and tagged
- * (CONN_TAG), only to wake a wait: the tagged events are never reported.
+ * (CONN_TAG), only to wake a wait and to note the TCP path's own edges
+ * for EPOLLET interests (drop_magic): the tagged events are never reported.
  * Everything else is the kernel's. A set that holds an epoll set (nesting)
  * is told of the inner set's connections' readiness too. Waiting is
  * wait.c's: spin, arm, block with the helper's eventfd in the set. */
@@ -11,6 +12,7 @@
 #include <errno.h>
 #include <limits.h>
 #include <stdlib.h>
+#include <string.h>
 
 #define EFD_MAGIC      0x5348554e54454644ull /* "SHUNTEFD": the helper's eventfd in a set */
 #define CONN_TAG       0x53484e5400000000ull /* "SHNT" + fd: a connection's kernel socket in a set, a wake-up only */
@@ -18,11 +20,29 @@
 #define KERNEL_EVERY   16                    /* while spinning, the kernel is asked every this many turns */
 #define KERNEL_POLL_NS 5000                  /* epoll_wait(0) asks the kernel at most this often */
 
+/* What an EPOLLET interest in a connection was last reported at: where
+ * each direction is (stream offsets, paths, the rings' positions and the
+ * flags the peer sets on them: start, leave, FIN, attach) and the events.
+ * A report is due when any of it moved: every switch of path, every
+ * byte or room on a ring, every start or leave mark is a new edge, even
+ * when the stream offsets did not move (a report whose read found nothing
+ * yet, then the writer's leave mark, with the TCP bytes after it already
+ * in the kernel: no new kernel edge will come for them). */
+struct edge {
+	uint64_t roff, sent, rtail, whead;
+	const struct rings *rg;
+	uint32_t rflags, wflags, got;
+	size_t slen;
+	int seof, rring, wring, rleft, wleft, down, peer_gone;
+};
+
 /* One interest in a fast-path fd, or in a nested set (in). */
 struct epi {
 	int fd;
 	struct epoll_event ev;
-	uint64_t seen;   /* EPOLLET: the ring positions last reported, plus 1 */
+	int seen;        /* EPOLLET: last is what was reported */
+	struct edge last;
+	uint32_t kedge;  /* EPOLLET: the kernel socket's own edges (tagged events) not reported yet */
 	struct ep *in;   /* a nested set */
 	int pend;        /* a socket whose connect is under way: in the kernel's set too, until settled */
 };
@@ -257,6 +277,7 @@ static void settle_set(struct ep *e)
 		if (flow_of(x->fd)) {
 			ctl_kernel(e->fd, EPOLL_CTL_MOD, x->fd, &x->ev);
 			x->seen = 0;
+			x->kedge = 0;
 		} else {
 			e->it[i--] = e->it[--e->n];
 		}
@@ -292,7 +313,7 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 		e->pend -= e->it[at].pend;
 		e->it[at] = e->it[--e->n];
 	} else if (op == EPOLL_CTL_MOD) {
-		e->it[at].ev = *ev, e->it[at].seen = 0;
+		e->it[at].ev = *ev, e->it[at].seen = 0, e->it[at].kedge = 0;
 		if (!e->it[at].pend)
 			ctl_kernel(epfd, EPOLL_CTL_MOD, fd, ev);
 	} else if ((r = ctl_kernel(epfd, EPOLL_CTL_ADD, fd, ev)) == 0 && (r = add(e, (struct epi){.fd = fd, .ev = *ev})))
@@ -309,8 +330,44 @@ static uint32_t ep_from_poll(short r)
 
 enum scan { REPORT, PEEK, ARM };
 
+/* edge_of takes f's state for an EPOLLET report of got (struct edge).
+ * Read without the reader's and writer's locks: a torn view only makes
+ * one more report, never one less, since every change is compared. */
+static void edge_of(struct flow *f, uint32_t got, struct edge *d)
+{
+	memset(d, 0, sizeof *d);
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	d->roff = __atomic_load_n(&f->roff, __ATOMIC_RELAXED);
+	d->sent = __atomic_load_n(&f->sent, __ATOMIC_RELAXED);
+	d->rring = __atomic_load_n(&f->rring, __ATOMIC_RELAXED);
+	d->wring = __atomic_load_n(&f->wring, __ATOMIC_RELAXED);
+	d->slen = __atomic_load_n(&f->slen, __ATOMIC_RELAXED);
+	d->seof = __atomic_load_n(&f->seof, __ATOMIC_RELAXED);
+	d->got = got;
+	d->rg = rg;
+	if (rg) {
+		d->rtail = __atomic_load_n((uint64_t *)(rg->sf.r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST);
+		d->wflags = __atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_WFLAGS), __ATOMIC_SEQ_CST);
+		d->whead = __atomic_load_n((uint64_t *)(rg->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST);
+		d->rflags = __atomic_load_n((uint32_t *)(rg->sf.w.hdr + SHUNT_OFF_RFLAGS), __ATOMIC_SEQ_CST);
+		d->rleft = __atomic_load_n(&rg->rleft, __ATOMIC_RELAXED);
+		d->wleft = __atomic_load_n(&rg->wleft, __ATOMIC_RELAXED);
+		d->down = __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST);
+		d->peer_gone = __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST);
+	}
+}
+
+static int same_edge(const struct edge *a, const struct edge *b)
+{
+	return a->roff == b->roff && a->sent == b->sent && a->rtail == b->rtail && a->whead == b->whead && a->rg == b->rg &&
+	       a->rflags == b->rflags && a->wflags == b->wflags && a->got == b->got && a->slen == b->slen && a->seof == b->seof &&
+	       a->rring == b->rring && a->wring == b->wring && a->rleft == b->rleft && a->wleft == b->wleft && a->down == b->down &&
+	       a->peer_gone == b->peer_gone;
+}
+
 /* scan goes over a set's fast-path interests. REPORT writes up to max
- * ready ones to out (level-triggered; EPOLLET once per new ring position;
+ * ready ones to out (level-triggered; EPOLLET once per new state of the
+ * paths or new edge of the kernel socket, struct edge and drop_magic;
  * EPOLLONESHOT then disarms), PEEK only counts them (at most max) and
  * changes nothing, ARM adds their rings' wait words to a. A nested set is
  * ready (EPOLLIN) when a PEEK of it finds something. */
@@ -349,16 +406,17 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 		if (!got)
 			continue;
 		if (x->ev.events & EPOLLET) {
-			/* Once per new position of the stream or the rings. */
-			struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-			uint64_t mark = __atomic_load_n(&f->roff, __ATOMIC_RELAXED) * 3 ^ __atomic_load_n(&f->sent, __ATOMIC_RELAXED) * 5 ^ got;
-			if (rg)
-				mark ^= __atomic_load_n((uint64_t *)(rg->sf.r.hdr + SHUNT_OFF_TAIL), __ATOMIC_SEQ_CST) * 7 ^
-					__atomic_load_n((uint64_t *)(rg->sf.w.hdr + SHUNT_OFF_HEAD), __ATOMIC_SEQ_CST) << 1;
-			if (mark + 1 == x->seen)
+			/* Once per new state of the paths (edge_of), or a new
+			 * edge of the kernel socket for an event it reports. */
+			struct edge now;
+			edge_of(f, got, &now);
+			if (x->seen && same_edge(&now, &x->last) && !(x->kedge & got))
 				continue;
-			if (mode == REPORT)
-				x->seen = mark + 1;
+			if (mode == REPORT) {
+				x->seen = 1;
+				x->last = now;
+				x->kedge = 0;
+			}
 		}
 		if (mode == REPORT) {
 			if (x->ev.events & EPOLLONESHOT)
@@ -372,13 +430,29 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 }
 
 /* drop_magic removes the helper's eventfd and the connections' tagged
- * kernel sockets (wake-ups only) from n kernel events at ev. */
-static int drop_magic(struct epoll_event *ev, int n)
+ * kernel sockets (wake-ups only) from n kernel events at ev. A tagged
+ * event is the kernel socket's own edge (new bytes or room on TCP): it is
+ * kept in the interest (kedge), so that an EPOLLET interest reports the
+ * TCP path's new data even when nothing the library tracks moved. */
+static int drop_magic(struct ep *e, struct epoll_event *ev, int n)
 {
-	int kept = 0;
+	int kept = 0, tagged = 0;
 	for (int i = 0; i < n; i++)
 		if (ev[i].data.u64 != EFD_MAGIC && (ev[i].data.u64 & TAG_MASK) != CONN_TAG)
 			ev[kept++] = ev[i];
+		else if (ev[i].data.u64 != EFD_MAGIC)
+			tagged = 1;
+	if (!tagged)
+		return kept;
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < n; i++) {
+		if ((ev[i].data.u64 & TAG_MASK) != CONN_TAG || ev[i].data.u64 == EFD_MAGIC)
+			continue;
+		int at = find(e, (int)(uint32_t)ev[i].data.u64);
+		if (at >= 0 && !e->it[at].in && !e->it[at].pend)
+			e->it[at].kedge |= ev[i].events & (EPOLLIN | EPOLLOUT | EPOLLRDHUP | EPOLLPRI | EPOLLERR | EPOLLHUP);
+	}
+	pthread_mutex_unlock(&e->mu);
 	return kept;
 }
 
@@ -402,7 +476,7 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 			if (r < 0 && !k)
 				return r;
 			if (r > 0)
-				k += drop_magic(ev + k, r);
+				k += drop_magic(e, ev + k, r);
 		}
 		if (k)
 			return k;
@@ -440,7 +514,7 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		errno = err;
 		if (r < 0)
 			return r;
-		if ((r = drop_magic(ev, r)))
+		if ((r = drop_magic(e, ev, r)))
 			return r;
 	}
 }

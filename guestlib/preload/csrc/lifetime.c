@@ -38,6 +38,7 @@ struct flow *flow_new(void)
 	f->owner = 0;
 	f->next_free = NULL;
 	f->req = 0;
+	f->told = 0;
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
 	f->shead = f->slen = 0;

@@ -422,7 +422,9 @@ static int writer_moves(struct flow *f, struct rings *rg, struct rings **done)
 		if (verbose > 1)
 			plog("shunt: fd %d: writer started the ring at %llu", f->fd, (unsigned long long)f->sent);
 	}
-	if (f->wring && rg && __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST))
+	/* After DOWN it leaves, on the ring or not: a writer that never
+	 * started counts as left too (its mark says: no stretch). */
+	if (rg && !rg->wleft && __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST))
 		*done = writer_leave(f, rg);
 	return f->wring && rg;
 }

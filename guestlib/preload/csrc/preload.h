@@ -144,6 +144,7 @@ struct flow {
 	int64_t rcvtimeo, sndtimeo;
 	int fd;         /* the fd it was opened on (logs, and hostd's callbacks) */
 	uint32_t req;   /* its request id: names it to hostd for its whole life */
+	int told;       /* hostd was sent its OPEN (or REATTACH): it is owed a CLOSE */
 	uint8_t role;   /* SHUNT_ROLE_ACTIVE (it connected) or PASSIVE, for OPEN again */
 	struct rings *rg; /* atomic: the ring pair READY gave, until both directions left it */
 	/* A futex word for events that sleepers on the kernel socket must see
