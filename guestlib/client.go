@@ -6,18 +6,30 @@ import (
 	"net"
 	"net/netip"
 	"os"
+	"strconv"
 	"sync"
+	"sync/atomic"
 	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/shm/wait"
+	"github.com/shuntnet/shunt/vhost/ivshmem"
+	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
-// Options configure a Client. The zero value reads the environment.
+// Options configure a Client. The zero value reads the environment, and
+// inside a VM finds the control port and the region on its own.
 type Options struct {
-	Control string       // control socket; "" = $SHUNT_CONTROL or /run/shunt/guest.sock
-	Region  string       // region file override; "" = $SHUNT_REGION or what hostd says
+	// Control is the control socket, or a virtio-serial port's character
+	// device. "" = $SHUNT_CONTROL, else /run/shunt/guest.sock if it
+	// exists, else the first of the VM's control ports that no other
+	// process holds (docs/vm.md, "Discovery").
+	Control string
+	// Region is the region file to map instead of the one hostd names.
+	// "" = $SHUNT_REGION, else on a control port the ivshmem BAR, else
+	// what hostd says.
+	Region  string
 	Wait    *wait.Policy // nil = $SHUNT_WAIT or adaptive
 	Disable bool         // always plain TCP ($SHUNT_DISABLE=1)
 	// Logf, if set, receives a line per path change of a connection,
@@ -25,16 +37,36 @@ type Options struct {
 	Logf func(format string, args ...any)
 	// Kick makes ends wake their peers through hostd (KICK) instead of
 	// futexes: for VMs, whose peers are in other guest kernels. It is set
-	// on its own when Control is a virtio-serial port.
+	// on its own once the control channel is a virtio-serial port.
 	Kick bool
+	// OpenDelay is how long a new connection stays on TCP before it is
+	// offered to hostd at all: a connection closed sooner (an HTTP/1.0
+	// request, an RPC per connection) costs hostd nothing and the program
+	// nothing, as flow offload in a router waits for a flow to prove
+	// itself. 0 = $SHUNT_OPEN_DELAY_MS, else DefaultOpenDelay; negative:
+	// offer at once.
+	OpenDelay time.Duration
 }
 
-func (o Options) withEnv() (Options, error) {
+// DefaultOpenDelay is OpenDelay's default: well under the 50 ms in which
+// two processes that connect to each other at once reach the rings, well
+// over the life of a short connection on this kind of host (~0.1 ms).
+const DefaultOpenDelay = 5 * time.Millisecond
+
+// defaultControl is the control socket of a process guest (shunt-run).
+const defaultControl = "/run/shunt/guest.sock"
+
+// withEnv fills in the environment's settings. discover is true when
+// neither o nor the environment names the control channel (SHUNT_CONTROL
+// unset, as the C core's rule is): then a VM's ports are looked for
+// whenever nothing is at the default socket.
+func (o Options) withEnv() (_ Options, discover bool, _ error) {
+	env, set := os.LookupEnv("SHUNT_CONTROL")
 	if o.Control == "" {
-		o.Control = os.Getenv("SHUNT_CONTROL")
+		o.Control, discover = env, !set
 	}
 	if o.Control == "" {
-		o.Control = "/run/shunt/guest.sock"
+		o.Control = defaultControl
 	}
 	if o.Region == "" {
 		o.Region = os.Getenv("SHUNT_REGION")
@@ -44,7 +76,7 @@ func (o Options) withEnv() (Options, error) {
 		if s := os.Getenv("SHUNT_WAIT"); s != "" {
 			m, err := wait.ParseMode(s)
 			if err != nil {
-				return o, fmt.Errorf("SHUNT_WAIT: %w", err)
+				return o, false, fmt.Errorf("SHUNT_WAIT: %w", err)
 			}
 			o.Wait.Mode = m
 		}
@@ -52,7 +84,20 @@ func (o Options) withEnv() (Options, error) {
 	if os.Getenv("SHUNT_DISABLE") == "1" {
 		o.Disable = true
 	}
-	return o, nil
+	if o.OpenDelay == 0 {
+		o.OpenDelay = DefaultOpenDelay
+		if s := os.Getenv("SHUNT_OPEN_DELAY_MS"); s != "" {
+			ms, err := strconv.Atoi(s)
+			if err != nil {
+				return o, false, fmt.Errorf("SHUNT_OPEN_DELAY_MS: %w", err)
+			}
+			o.OpenDelay = time.Duration(ms) * time.Millisecond
+			if ms == 0 {
+				o.OpenDelay = -1 // at once
+			}
+		}
+	}
+	return o, discover, nil
 }
 
 // retryEvery is how often a Listen tries a missing hostd again; a Dial or
@@ -67,8 +112,15 @@ const retryEvery = time.Second
 // only through its methods. It reconnects on its own when hostd restarts;
 // Close ends the session and waits for its goroutines.
 type Client struct {
-	opts Options
-	kick *kickSignal // nil unless Options.Kick
+	opts     Options
+	discover bool   // Control is the default: look for a VM's ports when nothing is there
+	vm       vmRoot // where a VM's ports and BAR are looked for
+	// kick is set once, for Options.Kick or when a control port opens (VM
+	// mode): from then on ends wake their peers by KICK.
+	kick atomic.Pointer[kickSignal]
+	// busyLogged: the log has said that every port is busy, since the
+	// last session (one line, not one a retry).
+	busyLogged atomic.Bool
 
 	// loopback lets package tests ask hostd about loopback connections,
 	// which real guests never do.
@@ -108,24 +160,27 @@ func keyOf(m proto.Msg) flowKey { return flowKey{m.RegionID, m.Slot, m.Gen} }
 
 // NewClient returns a client; it connects to hostd lazily, on first use.
 func NewClient(opts Options) (*Client, error) {
-	o, err := opts.withEnv()
+	o, discover, err := opts.withEnv()
 	if err != nil {
 		return nil, err
 	}
 	c := &Client{
-		opts: o, conns: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
+		opts: o, discover: discover, vm: hostRoot,
+		conns: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
 		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
 	}
-	if isPort(o.Control) {
-		c.opts.Kick = true
-	}
-	if c.opts.Kick {
-		c.kick = newKickSignal(c)
-		w := *c.opts.Wait
-		w.Signal = c.kick
-		c.opts.Wait = &w
+	if o.Kick {
+		c.enableKicks()
 	}
 	return c, nil
+}
+
+// enableKicks puts the client in VM mode for good: flows attached from
+// now on sleep and wake through KICK.
+func (c *Client) enableKicks() {
+	if c.kick.Load() == nil {
+		c.kick.CompareAndSwap(nil, newKickSignal(c, *c.opts.Wait))
+	}
 }
 
 var (
@@ -193,6 +248,9 @@ func (c *Client) connectUnlocked() error {
 	c.mu.Unlock()
 
 	conn, welcome, r, err := c.handshake(regionPath, mapped)
+	if err == nil && mapped {
+		c.remapRegionZero(welcome) // a VM's device plugged back (remap.go)
+	}
 
 	c.mu.Lock()
 	c.connecting = nil
@@ -224,16 +282,34 @@ func (c *Client) connectUnlocked() error {
 // handshake dials hostd, says HELLO and maps the region if not yet mapped.
 // It takes no lock.
 func (c *Client) handshake(regionPath string, mapped bool) (net.Conn, proto.Msg, *region.Region, error) {
-	conn, err := dialControl(c.opts.Control)
-	if err != nil {
-		return nil, proto.Msg{}, nil, fmt.Errorf("control %s: %w", c.opts.Control, err)
+	conn, err := c.dialControl()
+	if errors.Is(err, vserial.ErrAllBusy) && c.busyLogged.CompareAndSwap(false, true) {
+		c.logf("shunt: %v; connections stay on TCP (%s) until a port is free", err, proto.ReasonControlLimit)
 	}
+	if err != nil {
+		return nil, proto.Msg{}, nil, err
+	}
+	c.busyLogged.Store(false)
 	m, err := hello(conn)
 	if err != nil {
 		return conn, m, nil, err
 	}
+	port, onPort := conn.(portConn)
+	if onPort {
+		c.enableKicks()
+		c.logf("shunt: control port %s", port.Name())
+	}
 	if mapped {
 		return conn, m, nil, nil
+	}
+	if regionPath == "" && onPort {
+		// The region is the ivshmem device's BAR: the path in WELCOME
+		// is the host's.
+		bar, err := ivshmem.Find(c.vm.sysfs)
+		if err != nil && !errors.Is(err, ivshmem.ErrNotFound) {
+			return conn, m, nil, fmt.Errorf("map the region: %w", err)
+		}
+		regionPath = bar
 	}
 	if regionPath == "" {
 		regionPath = m.Region

@@ -5,6 +5,7 @@ import (
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
 // The Client's side of its connections: it names each by a request id
@@ -36,11 +37,24 @@ func (c *Client) open(conn *Conn) {
 	}
 }
 
+// unreachable reports whether hostd is known to be out of reach now (no
+// session, and the last try failed): a new connection's OPEN would only
+// record why, so it is not delayed.
+func (c *Client) unreachable() bool {
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	return c.sess == nil && c.lastErr != nil
+}
+
 // downReasonLocked is why connections are on TCP while there is no
-// session: hostd unreachable, or an older hostd.
+// session: hostd unreachable, an older hostd, or every port of the VM
+// held by other processes.
 func (c *Client) downReasonLocked() string {
 	if errors.Is(c.lastErr, proto.ErrVersion) {
 		return proto.ReasonVersion.String()
+	}
+	if errors.Is(c.lastErr, vserial.ErrAllBusy) {
+		return proto.ReasonControlLimit.String() // more processes than the VM has ports
 	}
 	return proto.ReasonNoHostd.String()
 }
@@ -85,7 +99,10 @@ func (c *Client) attach(m proto.Msg) (*flow, error) {
 	if err != nil {
 		return nil, err
 	}
-	p := c.opts.Wait
+	p, k := c.opts.Wait, c.kick.Load()
+	if k != nil {
+		p = k.wait
+	}
 	f := &flow{key: keyOf(m), side: m.Side, reg: reg, client: c}
 	if f.w, err = ring.NewWriter(out, p); err == nil {
 		f.rd, err = ring.NewReader(in, p)
@@ -94,7 +111,7 @@ func (c *Client) attach(m proto.Msg) (*flow, error) {
 		c.releaseRegion(reg)
 		return nil, err
 	}
-	if k := c.kick; k != nil {
+	if k != nil {
 		peer := proto.SideB
 		if m.Side == proto.SideB {
 			peer = proto.SideA
@@ -120,8 +137,8 @@ func (c *Client) unregister(k flowKey, mp *mapping) {
 	c.mu.Lock()
 	delete(c.flows, k)
 	c.mu.Unlock()
-	if c.kick != nil {
-		c.kick.forget(k)
+	if ks := c.kick.Load(); ks != nil {
+		ks.forget(k)
 	}
 	c.releaseRegion(mp)
 }

@@ -60,7 +60,10 @@ type Conn struct {
 	answered chan struct{}        // closed at hostd's first answer or a local reason
 	ansOnce  sync.Once
 	leaving  chan struct{} // non-nil while a leaver runs (see leaver); guarded by fmu
-	leaverWG sync.WaitGroup
+
+	annMu     sync.Mutex  // orders the delayed OPEN (offerNow) with Close
+	openTimer *time.Timer // the delayed OPEN; guarded by annMu
+	leaverWG  sync.WaitGroup
 
 	// Reader state, guarded by readMu (conn_read.go).
 	readMu  sync.Mutex
@@ -123,7 +126,7 @@ type Stats struct {
 func (c *Conn) Stats() Stats {
 	s := &c.st
 	return Stats{
-		ReqID: c.req, Path: c.Path(),
+		ReqID: c.reqID(), Path: c.Path(),
 		RingSent: s.ringSent.Load(), RingReceived: s.ringRecv.Load(),
 		TCPSent: s.tcpSent.Load(), TCPReceived: s.tcpRecv.Load(),
 		WriteToRing: s.wToRing.Load(), WriteToTCP: s.wToTCP.Load(),
@@ -145,7 +148,8 @@ func newConn(c *Client, tcp *net.TCPConn, role proto.Role) *Conn {
 }
 
 // announce offers the connection to hostd (OPEN, queued: nothing waits
-// for it), or settles it on TCP for a local reason.
+// for it) once it has lived the Client's OpenDelay, or settles it on TCP
+// for a local reason.
 func (c *Conn) announce() {
 	cl := c.client
 	switch {
@@ -155,8 +159,39 @@ func (c *Conn) announce() {
 		c.settle(proto.ReasonDisabled.String())
 	case c.remote.Addr().IsLoopback() && !cl.loopback:
 		c.settle(proto.ReasonLoopback.String())
+	case cl.opts.OpenDelay <= 0 || cl.unreachable():
+		cl.open(c) // at once; without hostd it only records why (no-hostd, version)
 	default:
-		cl.open(c)
+		c.annMu.Lock()
+		c.openTimer = time.AfterFunc(cl.opts.OpenDelay, c.offerNow)
+		c.annMu.Unlock()
+	}
+}
+
+// offerNow is announce's timer: the OPEN, unless Close came first.
+func (c *Conn) offerNow() {
+	c.annMu.Lock()
+	defer c.annMu.Unlock()
+	if !c.closed.Load() {
+		c.client.open(c)
+	}
+}
+
+// reqID is c.req for readers outside Close and the Client's lock: the
+// delayed OPEN sets it on its timer's goroutine.
+func (c *Conn) reqID() uint32 {
+	c.annMu.Lock()
+	defer c.annMu.Unlock()
+	return c.req
+}
+
+// unannounce stops an offer not made yet; after it, c.req says for good
+// whether hostd was told (Close owes it a CLOSE only then).
+func (c *Conn) unannounce() {
+	c.annMu.Lock()
+	defer c.annMu.Unlock()
+	if c.openTimer != nil {
+		c.openTimer.Stop()
 	}
 }
 
@@ -380,6 +415,7 @@ func (c *Conn) close() error {
 	if unread {
 		_ = c.tcp.SetLinger(0)
 	}
+	c.unannounce() // closed is set: no OPEN from now on
 	if c.client != nil && c.req != 0 {
 		c.client.connClosed(c, f)
 	}

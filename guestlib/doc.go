@@ -20,11 +20,21 @@
 //
 // Configuration, by Options or environment:
 //
-//	SHUNT_CONTROL  control socket (default /run/shunt/guest.sock)
+//	SHUNT_CONTROL  control socket or port (default /run/shunt/guest.sock,
+//	               or in a VM a port found on its own, see below)
 //	SHUNT_REGION   region file to map instead of the one hostd names
-//	               (a VM's ivshmem BAR: /sys/bus/pci/devices/.../resource2)
+//	               (default in a VM: its ivshmem BAR)
 //	SHUNT_WAIT     adaptive (default), spin or block
 //	SHUNT_DISABLE  1: always plain TCP
+//
+// Inside a VM a program needs no settings. With neither Options.Control
+// nor SHUNT_CONTROL, and no /run/shunt/guest.sock, the client takes the
+// first of the VM's virtio-serial control ports (org.shunt.ctl[.N]) that
+// no other process holds, maps the ivshmem device's BAR as the region and
+// wakes its peers through hostd (KICK), by the rules the C library follows
+// too (docs/vm.md, "Discovery"; vhost/vserial, vhost/ivshmem). When other
+// processes hold every port, connections stay on TCP with the reason
+// "control-limit", and the client takes a port once one is free.
 //
 // If hostd is unreachable, everything works on plain TCP and Path says
 // "no-hostd". If hostd restarts, connections keep their paths and move

@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/wait"
 )
 
 // kickSignal is the wait.Signal for VMs: a writer cannot wake a reader in
@@ -15,7 +16,8 @@ import (
 // Sleeps are also bounded (fallback), so a lost kick costs latency, never a
 // hang.
 type kickSignal struct {
-	c *Client
+	c    *Client
+	wait *wait.Policy // the client's policy with this Signal: what the rings use
 
 	mu    sync.Mutex
 	flags map[*atomic.Uint32]kickTarget // every flag word of this client's flows
@@ -29,8 +31,13 @@ type kickTarget struct {
 
 const kickFallback = 20 * time.Millisecond
 
-func newKickSignal(c *Client) *kickSignal {
-	return &kickSignal{c: c, flags: map[*atomic.Uint32]kickTarget{}, local: map[flowKey]chan struct{}{}}
+// newKickSignal returns the signal for c, whose rings wait by p's mode
+// and sleep with it.
+func newKickSignal(c *Client, p wait.Policy) *kickSignal {
+	k := &kickSignal{c: c, flags: map[*atomic.Uint32]kickTarget{}, local: map[flowKey]chan struct{}{}}
+	p.Signal = k
+	k.wait = &p
+	return k
 }
 
 // track registers a flow's four flag words.

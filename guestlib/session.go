@@ -13,6 +13,7 @@ import (
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
 // Limits of the control channel. A full queue means hostd has not read for
@@ -155,22 +156,51 @@ func (c *Client) writeLoop(s *session) {
 	}
 }
 
-// dialControl opens the control channel: a Unix socket (process guests)
-// or a virtio-serial port's character device (VMs).
-func dialControl(path string) (net.Conn, error) {
-	if isPort(path) {
-		f, err := os.OpenFile(path, os.O_RDWR, 0)
-		if err != nil {
-			return nil, err
-		}
-		return portConn{f}, nil
-	}
-	return net.DialTimeout("unix", path, dialTimeout)
+// vmRoot is where a VM's control ports and ivshmem BAR are looked for:
+// the guest's /sys and /dev, or a test's fake trees, and how a port is
+// opened (vserial.Open; a test's stand-in can answer EBUSY).
+type vmRoot struct {
+	sysfs, dev string
+	open       func(ports []string) (*os.File, error)
 }
 
-func isPort(path string) bool {
+var hostRoot = vmRoot{sysfs: "/sys", dev: "/dev", open: vserial.Open}
+
+// dialControl opens the control channel (docs/vm.md, "Discovery"), as the
+// C core's channel_open does:
+//
+//   - Control, if it is a character device: a virtio-serial port (VMs);
+//   - else, when discovering (no Control, no $SHUNT_CONTROL) and nothing
+//     is at Control (the default socket), the first of the VM's control
+//     ports that no other process holds (vserial.FindAll, vserial.Open):
+//     vserial.ErrAllBusy if every one is held, and the socket is not
+//     tried if the VM has ports;
+//   - else the Unix socket at Control (process guests).
+func (c *Client) dialControl() (net.Conn, error) {
+	path := c.opts.Control
 	st, err := os.Stat(path)
-	return err == nil && st.Mode()&os.ModeCharDevice != 0
+	if err == nil && st.Mode()&os.ModeCharDevice != 0 {
+		return c.openPort([]string{path})
+	}
+	if err != nil && c.discover {
+		if ports, err := vserial.FindAll(c.vm.sysfs, c.vm.dev); err == nil {
+			return c.openPort(ports)
+		}
+	}
+	conn, err := net.DialTimeout("unix", path, dialTimeout)
+	if err != nil {
+		return nil, fmt.Errorf("control %s: %w", path, err)
+	}
+	return conn, nil
+}
+
+// openPort opens the first of ports that is free, as a control channel.
+func (c *Client) openPort(ports []string) (net.Conn, error) {
+	f, err := c.vm.open(ports)
+	if err != nil {
+		return nil, err
+	}
+	return portConn{f}, nil
 }
 
 // hello says HELLO until hostd answers WELCOME: a virtio-serial port drops
@@ -277,8 +307,8 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 	case proto.Ping:
 		_ = c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 	case proto.Kick:
-		if c.kick != nil {
-			c.kick.kicked(keyOf(m))
+		if k := c.kick.Load(); k != nil {
+			k.kicked(keyOf(m))
 		}
 	case proto.Pong:
 		c.ponged(m.Nonce)
@@ -289,6 +319,7 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		}
 		c.logf("shunt: hostd closed the control channel: %s (%s)", m.Text, m.Reason)
 	case proto.Welcome:
+		c.remapRegionZero(m)
 		c.welcomed(s)
 	case proto.RegionMsg:
 		fd := -1

@@ -157,12 +157,21 @@ func (v *vmEnv) failed(name string, m *vm.VM) {
 // TestVMFastPath: two QEMU VMs; vm2 connects to vm1 through the host's
 // routing, firewall and conntrack, starts on TCP, gets the fast path over
 // the ivshmem region (READY), and moves 64 MiB with matching checksums.
+// The agents use guestlib with no settings (no SHUNT_CONTROL or
+// SHUNT_REGION in their environment, no Options.Control or Region): each
+// finds its VM's first control port and the ivshmem BAR itself
+// (docs/vm.md, "Discovery").
 func TestVMFastPath(t *testing.T) {
 	v := newVMEnv(t, 2)
 	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
 	defer cancel()
 	a1, _ := vmAddr(1)
 	srv, cli := v.bootPair(ctx, 0, []string{"server", "7000"}, []string{"client", a1.String() + ":7000", fmt.Sprint(64 << 20)})
+	for _, m := range []*vm.VM{srv, cli} {
+		if l := mustWait(t, ctx, m, "SHUNT-VM LOG shunt: control port "); !strings.HasPrefix(l, "SHUNT-VM LOG shunt: control port /dev/vport") {
+			t.Fatalf("agent log %q: want the port it discovered, /dev/vportNpM (no udev in the test VMs)", l)
+		}
+	}
 	sent := mustWait(t, ctx, cli, "SHUNT-VM SENT")
 	recv := mustWait(t, ctx, srv, "SHUNT-VM RECV")
 	if strings.TrimPrefix(sent, "SHUNT-VM SENT") != strings.TrimPrefix(recv, "SHUNT-VM RECV") {

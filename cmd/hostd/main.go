@@ -43,6 +43,11 @@ commands:
   downgrade CONN          move one connection to TCP until the next reload (name as in
                           'hostd flows')
   revoke CONN             the old name of downgrade
+  migrate-out GUEST       move a VM's connections to TCP and keep them there, until
+                          none holds rings: then unplug its ivshmem device and migrate it
+  migrate-in GUEST        let its connections take the rings again; with -control SOCKET
+                          and -interface TAP, serve its new control socket and mark its
+                          new tap (the destination QEMU's)
 
 client flags: -admin SOCKET (default /run/shunt/admin.sock), -json
 `
@@ -59,7 +64,8 @@ func main() {
 		err = runAgent(args)
 	case "check":
 		os.Exit(runCheck(args))
-	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke, admin.CmdDowngrade:
+	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke, admin.CmdDowngrade,
+		admin.CmdMigrateOut, admin.CmdMigrateIn:
 		err = runClient(cmd, args)
 	case "-h", "-help", "--help", "help":
 		fmt.Print(usage)
@@ -140,8 +146,19 @@ func runClient(cmd string, args []string) error {
 	fs := flag.NewFlagSet(cmd, flag.ExitOnError)
 	sock := fs.String("admin", "/run/shunt/admin.sock", "hostd admin socket")
 	asJSON := fs.Bool("json", false, "print JSON")
+	var control, iface string
+	if cmd == admin.CmdMigrateIn {
+		fs.StringVar(&control, "control", "", "the guest's new control socket (base path, as in the configuration)")
+		fs.StringVar(&iface, "interface", "", "the guest's new host-side interface (its tap)")
+	}
 	fs.Parse(args)
-	req := admin.Request{Cmd: cmd}
+	req := admin.Request{Cmd: cmd, Control: control, Interface: iface}
+	if cmd == admin.CmdMigrateOut || cmd == admin.CmdMigrateIn {
+		if fs.NArg() != 1 {
+			return fmt.Errorf("usage: hostd %s GUEST", cmd)
+		}
+		req.Guest = fs.Arg(0)
+	}
 	if cmd == admin.CmdRevoke || cmd == admin.CmdDowngrade {
 		if fs.NArg() != 1 {
 			return fmt.Errorf("usage: hostd %s CONN", cmd)
@@ -211,6 +228,19 @@ func runClient(cmd string, args []string) error {
 		sort.Strings(keys)
 		for _, k := range keys {
 			fmt.Fprintf(tw, "%s\t%g\n", k, cs[k])
+		}
+	case admin.CmdMigrateOut, admin.CmdMigrateIn:
+		var rep admin.MigrateReply
+		if err := json.Unmarshal(out, &rep); err != nil {
+			return err
+		}
+		if cmd == admin.CmdMigrateIn {
+			fmt.Fprintf(tw, "guest %s: %d connections back on the rings now; the others follow as its library reconnects\n", rep.Guest, rep.Moved)
+			break
+		}
+		fmt.Fprintf(tw, "guest %s: %d connections moved to TCP in %s\n", rep.Guest, rep.Moved, rep.Took)
+		if rep.Held > 0 {
+			return fmt.Errorf("%d ring pairs still held: do not unplug the guest's ivshmem device yet (run migrate-out again)", rep.Held)
 		}
 	default:
 		fmt.Fprintln(tw, string(out))

@@ -1,8 +1,9 @@
 //go:build linux
 
 // Command shunt-vm-agent is the program the VM tests run inside QEMU guests
-// (integration/vm): guestlib over the VM's ivshmem region and control port,
-// found on its own, reporting on the console with "SHUNT-VM" lines.
+// (integration/vm): guestlib with its defaults, which find the VM's
+// control port and ivshmem region on their own, reporting on the console
+// with "SHUNT-VM" lines.
 //
 //	shunt-vm-agent server PORT        accept one connection; read it to EOF
 //	shunt-vm-agent client ADDR BYTES  send BYTES (seeded), half-close, await "done"
@@ -30,6 +31,9 @@
 //	shunt-vm-agent kill-writer ADDR BYTES  run "writer ADDR" (a checked stream on
 //	                                  the rings, forever) as a child process and
 //	                                  SIGKILL it once it wrote BYTES (stream.go)
+//	shunt-vm-agent port-clients ADDR N BYTES  N clients in one process, a
+//	                                  control port each while there are ports
+//	shunt-vm-agent accept-many PORT N  accept N connections (ports.go)
 //
 // A first argument "tcp" keeps every connection on the VM's kernel TCP
 // (virtio-net), for comparison.
@@ -53,9 +57,6 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
-	"github.com/shuntnet/shunt/shm/wait"
-	"github.com/shuntnet/shunt/vhost/ivshmem"
-	"github.com/shuntnet/shunt/vhost/vserial"
 )
 
 func say(format string, args ...any) { fmt.Printf("SHUNT-VM "+format+"\n", args...) }
@@ -133,19 +134,10 @@ func run(args []string) error {
 	if disable {
 		args = args[1:]
 	}
-	port, err := vserial.Find("/sys", "/dev")
-	if err != nil {
-		return err
-	}
-	bar, err := ivshmem.Find("/sys")
-	if err != nil {
-		return err
-	}
-	c, err := guestlib.NewClient(guestlib.Options{Control: port, Region: bar,
-		// Another VM's writer cannot wake this VM's sleeping reader.
-		Wait:    &wait.Policy{Mode: wait.Adaptive, SpinFor: 50 * time.Microsecond, Signal: wait.Sleeper{}},
-		Disable: disable,
-		Logf:    func(f string, a ...any) { say("LOG "+f, a...) }})
+	// guestlib's defaults: the first free control port, the ivshmem BAR
+	// as the region, wake-ups by KICK (docs/vm.md, "Discovery").
+	c, err := guestlib.NewClient(guestlib.Options{Disable: disable,
+		Logf: func(f string, a ...any) { say("LOG "+f, a...) }})
 	if err != nil {
 		return err
 	}

@@ -15,6 +15,7 @@ import (
 // flow and TCP(policy) to new pairs, and SetFast(true) sends READY again
 // to every connection whose ends have both left their last rings (LEFT or
 // CLOSE). A repeated OPEN (after a reconnect) replaces its end's session.
+// A KICK goes to the end it names.
 type Auto struct {
 	h *Hostd
 	// Seen carries what the libraries send, for checks (dropped when
@@ -116,6 +117,8 @@ func (a *Auto) serve(s *Session) {
 		case proto.Close:
 			a.stats.Closes++
 			a.leftLocked(s, m, true)
+		case proto.Kick:
+			a.kickLocked(m)
 		}
 		a.mu.Unlock()
 	}

@@ -21,15 +21,39 @@ const (
 	CmdReload    = "reload"    // re-read the policy ({"downgraded": n}; "revoked" too, the old name)
 	CmdDowngrade = "downgrade" // move Request.Flow to TCP ({"downgraded": name})
 	CmdRevoke    = "revoke"    // the old name of CmdDowngrade
+	// CmdMigrateOut moves Request.Guest's connections to TCP and keeps
+	// them there, and waits until none holds a ring pair (MigrateReply):
+	// then its VM's ivshmem device may be unplugged and the VM migrated.
+	CmdMigrateOut = "migrate-out"
+	// CmdMigrateIn ends Request.Guest's migration: hostd serves its new
+	// control socket (Request.Control) and marks the connections coming
+	// in by its new interface (Request.Interface), each if given, and its
+	// connections move to the rings again as its library reconnects
+	// (MigrateReply).
+	CmdMigrateIn = "migrate-in"
 )
 
 // Commands lists the admin commands, in the order `hostd help` shows them.
-var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke}
+var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke, CmdMigrateOut, CmdMigrateIn}
 
 // Request is what the CLI sends.
 type Request struct {
 	Cmd  string `json:"cmd"`            // one of Commands
 	Flow string `json:"flow,omitempty"` // for CmdDowngrade: a connection's or its ring pair's name
+	// For CmdMigrateOut and CmdMigrateIn: the guest's name; for
+	// CmdMigrateIn, optionally its new control socket (the base path, as
+	// the configuration's control) and its new host-side interface.
+	Guest     string `json:"guest,omitempty"`
+	Control   string `json:"control,omitempty"`
+	Interface string `json:"interface,omitempty"`
+}
+
+// MigrateReply answers CmdMigrateOut and CmdMigrateIn.
+type MigrateReply struct {
+	Guest string `json:"guest"`
+	Moved int    `json:"moved"`          // connections moved to TCP (out) or to the rings at once (in)
+	Held  int    `json:"held"`           // out: ring pairs its connections still hold (0: ready to unplug)
+	Took  string `json:"took,omitempty"` // out: how long the connections took to leave the rings
 }
 
 // Reply is what hostd answers: Error, or Data (command-specific JSON).

@@ -49,6 +49,8 @@ type Agent struct {
 	vguests  map[string]*broker.Guest // by domain name
 	vpending []server.Endpoint        // registered before the server runs
 
+	mig sync.Mutex // one migrate-out or migrate-in at a time
+
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	started time.Time

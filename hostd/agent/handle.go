@@ -40,6 +40,10 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 			return nil, fmt.Errorf("no connection on the rings named %q (see hostd flows)", r.Flow)
 		}
 		return map[string]string{"revoked": r.Flow, "downgraded": r.Flow}, nil
+	case admin.CmdMigrateOut:
+		return a.migrateOut(r)
+	case admin.CmdMigrateIn:
+		return a.migrateIn(r)
 	}
 	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
 }

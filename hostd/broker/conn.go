@@ -250,6 +250,8 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 		return proto.ReasonShutdown
 	case c.flow != nil:
 		return c.reason // never READY while a ring pair of it is not freed
+	case c.a.g.migrating || c.b.g.migrating:
+		return proto.ReasonMigrating
 	case c.a.sess == nil || c.b.sess == nil:
 		return proto.ReasonPeerGone
 	case c.noReqs:
@@ -342,8 +344,9 @@ func (b *Broker) connFlowFreedLocked(c *Conn, f *Flow) {
 }
 
 // retryAfterFree are the reasons that may be over by the time a ring pair
-// is freed (a policy flipped back, the firewall's lease check passed).
-var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true}
+// is freed (a policy flipped back, the firewall's lease check passed, the
+// migrating guest arrived before its connection left the rings).
+var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true, proto.ReasonMigrating: true}
 
 // retryOnReload are the reasons a policy reload retries a connection on
 // TCP for; the others (gone, version, conntrack-gone, ...) do not change

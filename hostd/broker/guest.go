@@ -27,8 +27,9 @@ type Guest struct {
 	// get a region per peer (see Broker.UsePairRegions).
 	SharedRegion bool
 
-	addrs atomic.Pointer[Addrs] // what it owns; swapped whole
-	ctl   usage                 // what it holds of the control plane (limits.go)
+	addrs     atomic.Pointer[Addrs] // what it owns; swapped whole
+	migrating bool                  // between MigrateOut and MigrateIn: no READY; guarded by the broker's mutex
+	ctl       usage                 // what it holds of the control plane (limits.go)
 }
 
 // Addrs is what a guest owns: the prefixes routed to it (single addresses

@@ -147,6 +147,7 @@ type GuestInfo struct {
 	Sessions  int      `json:"sessions"`
 	Listening []string `json:"listening"`
 	Flows     int      `json:"flows"`
+	Migrating bool     `json:"migrating,omitempty"` // between hostd migrate-out and migrate-in
 }
 
 // guestCopy is what a listing needs of a guest, copied under the lock.
@@ -155,6 +156,7 @@ type guestCopy struct {
 	sessions int
 	flows    int
 	listens  []netip.AddrPort
+	moving   bool
 }
 
 // Guests lists the known guests: configured ones, then those that libvirt
@@ -173,7 +175,7 @@ func (b *Broker) Guests() []GuestInfo {
 	}
 	cs := make([]guestCopy, 0, len(b.guests))
 	for _, g := range b.guests {
-		c := guestCopy{g: g, sessions: g.ctl.sessions, flows: flows[g], listens: make([]netip.AddrPort, 0, len(g.ctl.listens))}
+		c := guestCopy{g: g, sessions: g.ctl.sessions, flows: flows[g], listens: make([]netip.AddrPort, 0, len(g.ctl.listens)), moving: g.migrating}
 		for a := range g.ctl.listens {
 			c.listens = append(c.listens, a)
 		}
@@ -183,7 +185,7 @@ func (b *Broker) Guests() []GuestInfo {
 	out := make([]GuestInfo, 0, len(cs))
 	for _, c := range cs {
 		g := c.g
-		gi := GuestInfo{Name: g.Name, ID: g.ID, Group: g.Group.Name, Source: g.Source, Sessions: c.sessions, Flows: c.flows}
+		gi := GuestInfo{Name: g.Name, ID: g.ID, Group: g.Group.Name, Source: g.Source, Sessions: c.sessions, Flows: c.flows, Migrating: c.moving}
 		for _, p := range g.Prefixes() {
 			gi.Addresses = append(gi.Addresses, p.String())
 		}

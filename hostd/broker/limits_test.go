@@ -178,8 +178,9 @@ var nopLog = hclog.NewNullLogger()
 // as not yet ESTABLISHED.
 type countingTracker struct {
 	ctrack.Tracker
-	n      atomic.Int64
-	notYet bool
+	n       atomic.Int64
+	notYet  bool
+	closing bool // the connection closed before its OPEN was served (TIME_WAIT)
 }
 
 func (c *countingTracker) Lookup(t ctrack.Tuple) (ctrack.Entry, error) {
@@ -187,6 +188,9 @@ func (c *countingTracker) Lookup(t ctrack.Tuple) (ctrack.Entry, error) {
 	e, err := c.Tracker.Lookup(t)
 	if c.notYet {
 		e.Assured = false
+	}
+	if c.closing {
+		e.TCPState = 7 // TIME_WAIT
 	}
 	return e, err
 }
@@ -197,7 +201,10 @@ func (c *countingTracker) Destroyed(ctx context.Context, fn func(ctrack.Entry)) 
 
 // TestLookupCost: an OPEN whose tuple has no conntrack entry costs one
 // lookup, INTENT or not, either role; an entry that is not yet ESTABLISHED
-// is retried (within LookupTimeout) only for an announced active side.
+// is retried (within LookupTimeout) only for an active side, and only
+// while it may still become ESTABLISHED: a closing one costs one lookup
+// (a short connection, closed before its OPEN was served, must not hold
+// up its guest's session for LookupTimeout).
 func TestLookupCost(t *testing.T) {
 	for _, tc := range []struct {
 		name      string
@@ -205,20 +212,22 @@ func TestLookupCost(t *testing.T) {
 		intent    bool
 		entry     bool
 		notYet    bool
+		closing   bool
 		want      proto.Reason
 		lookupsGT int64 // more than this many lookups
 		lookupsLE int64 // at most this many
 	}{
-		{"active, no entry, no intent", proto.Active, false, false, false, proto.ReasonNoConntrack, 0, 1},
-		{"active, no entry, intent", proto.Active, true, false, false, proto.ReasonNoConntrack, 0, 1},
-		{"passive, no entry", proto.Passive, false, false, false, proto.ReasonNoConntrack, 0, 1},
-		{"active, not established, no intent", proto.Active, false, true, true, proto.ReasonNotEstablished, 1, 1000},
-		{"passive, not established", proto.Passive, false, true, true, proto.ReasonNotEstablished, 0, 1},
-		{"active, not established, intent", proto.Active, true, true, true, proto.ReasonNotEstablished, 1, 1000},
+		{"active, no entry, no intent", proto.Active, false, false, false, false, proto.ReasonNoConntrack, 0, 1},
+		{"active, no entry, intent", proto.Active, true, false, false, false, proto.ReasonNoConntrack, 0, 1},
+		{"passive, no entry", proto.Passive, false, false, false, false, proto.ReasonNoConntrack, 0, 1},
+		{"active, not established, no intent", proto.Active, false, true, true, false, proto.ReasonNotEstablished, 1, 1000},
+		{"passive, not established", proto.Passive, false, true, true, false, proto.ReasonNotEstablished, 0, 1},
+		{"active, not established, intent", proto.Active, true, true, true, false, proto.ReasonNotEstablished, 1, 1000},
+		{"active, closing", proto.Active, false, true, false, true, proto.ReasonNotEstablished, 0, 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			w := newWorld(t, policy.Spec{})
-			ct := &countingTracker{Tracker: w.ct, notYet: tc.notYet}
+			ct := &countingTracker{Tracker: w.ct, notYet: tc.notYet, closing: tc.closing}
 			b := broker.New(nopLog, ct, w.m, mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2},
 				broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 20 * time.Millisecond, IntentGrace: 30 * time.Millisecond})
 			t.Cleanup(b.Close)

@@ -7,6 +7,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/region"
 )
 
 // half is one side's OPEN, verified, waiting for the other side. While it
@@ -96,6 +97,15 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	st := b.sessions[s]
 	if b.closed || st == nil { // hostd stopping, or the session went meanwhile
 		return false
+	}
+	if c := b.conns[key]; c != nil && c.ctid == e.ID {
+		side := uint32(region.SideB)
+		if m.Role == proto.Active {
+			side = region.SideA
+		}
+		if b.rejoinLocked(c, s, m.ReqID, side) {
+			return false
+		}
 	}
 	now := time.Now()
 	if r, ok := b.remembered.get(key, now); ok {
@@ -308,7 +318,11 @@ func (b *Broker) lookup(t ctrack.Tuple, retry bool) (ctrack.Entry, proto.Reason)
 			}
 			return e, proto.ReasonNone
 		}
-		if !retry || errors.Is(err, ctrack.ErrNotFound) || time.Now().After(deadline) {
+		// Retry only a handshake that may still complete: a connection
+		// already closing (a short one, closed before its OPEN was
+		// served) is answered at once, so it never holds up the rest of
+		// its guest's session.
+		if !retry || errors.Is(err, ctrack.ErrNotFound) || (err == nil && !e.Opening()) || time.Now().After(deadline) {
 			switch {
 			case errors.Is(err, ctrack.ErrNotFound):
 				return e, proto.ReasonNoConntrack

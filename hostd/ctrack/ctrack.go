@@ -43,6 +43,18 @@ func (e Entry) Counted() bool { return e.PacketsOrig != 0 || e.PacketsReply != 0
 // Established reports whether the connection is ESTABLISHED and assured.
 func (e Entry) Established() bool { return e.TCPState == StateEstablished && e.Assured }
 
+// Opening reports whether the entry may still become Established: its
+// handshake is under way (SYN_SENT, SYN_RECV, SYN_SENT2) or it is
+// ESTABLISHED but not yet assured. A closing or closed connection
+// (FIN_WAIT and later) never will.
+func (e Entry) Opening() bool {
+	switch e.TCPState {
+	case 1, 2, 9: // SYN_SENT, SYN_RECV, SYN_SENT2
+		return true
+	}
+	return e.TCPState == StateEstablished && !e.Assured
+}
+
 // ErrNotFound means the kernel has no entry for the tuple.
 var ErrNotFound = errors.New("no conntrack entry")
 

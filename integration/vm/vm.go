@@ -39,6 +39,16 @@ type Options struct {
 	// ShareUsr gives the guest the host's /usr, read-only over 9p, so
 	// host programs (Open MPI) run in it without copying them in.
 	ShareUsr bool
+	// Migratable gives QEMU a QMP socket (VM.QMP) and the ivshmem
+	// device a fixed slot (HotplugAddr), so that the device can be
+	// unplugged (VM.Unplug), the VM migrated (VM.Migrate) and the device
+	// plugged back (VM.Plug).
+	Migratable bool
+	// Incoming starts a Migratable VM as a migration's destination
+	// (QEMU's -incoming, e.g. "unix:/path"): without the ivshmem device
+	// (plug it after the migration) and without configuring the host
+	// side of its tap (HostSide, once the source's tap is gone).
+	Incoming string
 }
 
 func (o Options) cmdline() string {
@@ -127,6 +137,12 @@ type VM struct {
 	cmd     *exec.Cmd
 	stop    chan struct{} // Follow's: closed by Stop
 	monitor string        // HMP socket of a Resettable VM
+	qmpPath string        // QMP socket of a Migratable VM
+
+	qmpMu    sync.Mutex
+	qmp      *QMP              // connected on first use
+	plugs    int               // Plug calls, for fresh backend names
+	backends map[string]string // device id -> its memory backend, for those Plug added
 
 	mu    sync.Mutex
 	lines []string
@@ -138,6 +154,9 @@ type VM struct {
 // must Stop it.
 func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 	att, err := o.Attach.QEMUArgs()
+	if o.Migratable {
+		att, err = migratableArgs(o)
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -159,12 +178,22 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 	} else {
 		args = append(args, "-no-reboot")
 	}
+	var qmpPath string
+	if o.Migratable {
+		if qmpPath, err = tempSocket("shunt-qmp-*.sock"); err != nil {
+			return nil, err
+		}
+		args = append(args, "-qmp", fmt.Sprintf("unix:%s,server=on,wait=off", qmpPath))
+		if o.Incoming != "" {
+			args = append(args, "-incoming", o.Incoming)
+		}
+	}
 	if o.ShareUsr {
 		args = append(args, "-virtfs", "local,path=/usr,mount_tag=hostusr,security_model=none,readonly=on")
 	}
 	args = append(append(args, "-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
 		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"), att...)
-	v := &VM{Name: o.Name, cmd: exec.Command("qemu-system-x86_64", args...), monitor: monitor}
+	v := &VM{Name: o.Name, cmd: exec.Command("qemu-system-x86_64", args...), monitor: monitor, qmpPath: qmpPath}
 	v.cond = sync.NewCond(&v.mu)
 	out, err := v.cmd.StdoutPipe()
 	if err != nil {
@@ -175,6 +204,9 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	go v.read(out)
+	if o.Incoming != "" {
+		return v, nil
+	}
 	if err := HostSide(o); err != nil {
 		v.Stop()
 		return nil, err
@@ -331,4 +363,39 @@ func (v *VM) Stop() {
 	if v.monitor != "" {
 		os.Remove(v.monitor)
 	}
+	v.qmpMu.Lock()
+	if v.qmp != nil {
+		v.qmp.Close()
+	}
+	v.qmpMu.Unlock()
+	if v.qmpPath != "" {
+		os.Remove(v.qmpPath)
+	}
+}
+
+// migratableArgs are o.Attach's arguments for a Migratable VM: the ivshmem
+// device at HotplugAddr; none on a migration's destination or without
+// o.Attach.Region.Path.
+func migratableArgs(o Options) ([]string, error) {
+	ctl, err := o.Attach.Control.QEMUArgs()
+	if err != nil || o.Incoming != "" || o.Attach.Region.Path == "" {
+		return ctl, err
+	}
+	reg, err := hotplugArgs(o.Attach.Region)
+	if err != nil {
+		return nil, err
+	}
+	return append(reg, ctl...), nil
+}
+
+// tempSocket returns a fresh path for a Unix socket QEMU creates.
+func tempSocket(pattern string) (string, error) {
+	f, err := os.CreateTemp("", pattern)
+	if err != nil {
+		return "", err
+	}
+	path := f.Name()
+	f.Close()
+	os.Remove(path)
+	return path, nil
 }

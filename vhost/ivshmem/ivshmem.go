@@ -65,9 +65,13 @@ func (d Device) LibvirtXML() (string, error) {
 // ErrNotFound means the guest has no ivshmem device.
 var ErrNotFound = errors.New("no ivshmem device (PCI 1af4:1110) in this guest")
 
-// Find looks for the ivshmem device under sysfs (normally "/sys", found by
-// ids, not by address), enables it, and returns the path of its memory
-// BAR, which guestlib maps as the region.
+// Find looks for the ivshmem device under sysfs (normally "/sys"), enables
+// it, and returns the path of its memory BAR, which guestlib maps as the
+// region (docs/vm.md, "Discovery"; the C core's shunt_find_bar applies the
+// same rules): the first device under bus/pci/devices with vendor 0x1af4
+// and device 0x1110 (by ids, not by address), enabled unless its enable
+// file says "1" already (writing "1" needs root, and counts one more
+// enable each time), and its resource2.
 func Find(sysfs string) (string, error) {
 	devs, err := filepath.Glob(filepath.Join(sysfs, "bus/pci/devices/*"))
 	if err != nil {
@@ -77,8 +81,10 @@ func Find(sysfs string) (string, error) {
 		if !hasID(dev, "vendor", Vendor) || !hasID(dev, "device", DeviceID) {
 			continue
 		}
-		if err := os.WriteFile(filepath.Join(dev, "enable"), []byte("1"), 0); err != nil {
-			return "", fmt.Errorf("enable ivshmem %s: %w", filepath.Base(dev), err)
+		if !enabled(dev) {
+			if err := os.WriteFile(filepath.Join(dev, "enable"), []byte("1"), 0); err != nil {
+				return "", fmt.Errorf("enable ivshmem %s (needs root): %w", filepath.Base(dev), err)
+			}
 		}
 		bar := filepath.Join(dev, "resource2")
 		if _, err := os.Stat(bar); err != nil {
@@ -97,4 +103,10 @@ func hasID(dev, file string, want int) bool {
 	var got int
 	_, err = fmt.Sscanf(strings.TrimSpace(string(b)), "0x%x", &got)
 	return err == nil && got == want
+}
+
+// enabled reports whether the device's enable file says it is enabled.
+func enabled(dev string) bool {
+	b, err := os.ReadFile(filepath.Join(dev, "enable"))
+	return err == nil && strings.TrimSpace(string(b)) == "1"
 }

@@ -75,6 +75,36 @@ func TestFindByIDsNotAddress(t *testing.T) {
 	}
 }
 
+// A device enabled already is left alone: writing "1" again needs root
+// and counts one more enable.
+func TestFindEnabledAlready(t *testing.T) {
+	sysfs := t.TempDir()
+	dir := fakeDev(t, sysfs, "0000:00:05.0", "0x1af4", "0x1110", true)
+	os.WriteFile(filepath.Join(dir, "enable"), []byte("1\n"), 0o644)
+	if _, err := ivshmem.Find(sysfs); err != nil {
+		t.Fatal(err)
+	}
+	if b, _ := os.ReadFile(filepath.Join(dir, "enable")); string(b) != "1\n" {
+		t.Fatalf("enable = %q: written again", b)
+	}
+}
+
+// The first matching device in address order, and an error that says
+// what failed when it has no BAR.
+func TestFindFirstAndNoBAR(t *testing.T) {
+	sysfs := t.TempDir()
+	first := fakeDev(t, sysfs, "0000:00:04.0", "0x1af4", "0x1110", true)
+	fakeDev(t, sysfs, "0000:00:06.0", "0x1af4", "0x1110", true)
+	if bar, err := ivshmem.Find(sysfs); err != nil || bar != filepath.Join(first, "resource2") {
+		t.Fatalf("Find = %s, %v; want %s", bar, err, filepath.Join(first, "resource2"))
+	}
+	sysfs = t.TempDir()
+	fakeDev(t, sysfs, "0000:00:05.0", "0x1af4", "0x1110", false)
+	if _, err := ivshmem.Find(sysfs); err == nil || errors.Is(err, ivshmem.ErrNotFound) || !strings.Contains(err.Error(), "BAR2") {
+		t.Fatalf("Find without resource2 = %v, want an error naming BAR2", err)
+	}
+}
+
 func TestFindNone(t *testing.T) {
 	sysfs := t.TempDir()
 	fakeDev(t, sysfs, "0000:00:02.0", "0x8086", "0x1110", true)

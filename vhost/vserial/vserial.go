@@ -1,7 +1,8 @@
 // Package vserial gives a VM its control channel to hostd as a
 // virtio-serial port named org.shunt.ctl, bound to a Unix socket that hostd
 // listens on (one per VM: the channel is the guest's identity), and finds
-// the port from inside the guest.
+// and opens a port from inside the guest (FindAll, Open: the rules of
+// docs/vm.md, "Discovery", which guestlib uses and the C core repeats).
 //
 // Both ends of a virtio-serial port drop data until both are open, so the
 // guest says HELLO until hostd answers WELCOME, and QEMU reconnects to the
@@ -16,6 +17,7 @@ import (
 	"sort"
 	"strconv"
 	"strings"
+	"syscall"
 )
 
 // Name is the port name guests look for.
@@ -121,28 +123,46 @@ func (p Port) LibvirtXML() (string, error) {
 	return strings.Join(chans, "\n"), nil
 }
 
-// FindAll returns the character devices of all Shunt ports, port 0 first
-// (each by its udev link if there is one).
+// FindAll returns the character devices of this guest's Shunt ports in
+// the order a process tries them, port 0 first (docs/vm.md, "Discovery";
+// the C core's shunt_find_ports applies the same rules):
+//
+//   - every entry of sysfs/class/virtio-ports whose name file holds
+//     PortName(i) is port i, at dev/<entry> (/dev/vport1p2: guests without
+//     udev);
+//   - every udev link dev/virtio-ports/PortName(i) that exists is port i
+//     too, and wins over the sysfs entry (and is enough without sysfs).
+//
+// It returns ErrNotFound if there is none. sysfs and dev are normally
+// "/sys" and "/dev".
 func FindAll(sysfs, dev string) ([]string, error) {
 	byIndex := map[int]string{}
-	ports, _ := filepath.Glob(filepath.Join(sysfs, "class/virtio-ports/vport*"))
-	for _, p := range ports {
-		b, err := os.ReadFile(filepath.Join(p, "name"))
+	classDir := filepath.Join(sysfs, "class/virtio-ports")
+	entries, _ := os.ReadDir(classDir)
+	for _, e := range entries {
+		if strings.HasPrefix(e.Name(), ".") {
+			continue
+		}
+		b, err := os.ReadFile(filepath.Join(classDir, e.Name(), "name"))
 		if err != nil {
 			continue
 		}
-		name := strings.TrimSpace(string(b))
-		if i, ok := IndexOf(name); ok {
-			byIndex[i] = filepath.Join(dev, filepath.Base(p))
-			if _, err := os.Stat(filepath.Join(dev, "virtio-ports", name)); err == nil {
-				byIndex[i] = filepath.Join(dev, "virtio-ports", name)
-			}
+		if i, ok := IndexOf(strings.TrimSpace(string(b))); ok {
+			byIndex[i] = filepath.Join(dev, e.Name())
+		}
+	}
+	udevDir := filepath.Join(dev, "virtio-ports")
+	links, _ := os.ReadDir(udevDir)
+	for _, e := range links {
+		i, ok := IndexOf(e.Name())
+		if !ok {
+			continue
+		}
+		if _, err := os.Stat(filepath.Join(udevDir, e.Name())); err == nil {
+			byIndex[i] = filepath.Join(udevDir, e.Name())
 		}
 	}
 	if len(byIndex) == 0 {
-		if p, err := Find(sysfs, dev); err == nil {
-			return []string{p}, nil
-		}
 		return nil, ErrNotFound
 	}
 	idx := make([]int, 0, len(byIndex))
@@ -158,22 +178,39 @@ func FindAll(sysfs, dev string) ([]string, error) {
 }
 
 // ErrNotFound means the guest has no Shunt control port.
-var ErrNotFound = errors.New("no virtio-serial port named " + Name + " in this guest")
+var ErrNotFound = errors.New("no virtio-serial port named " + Name + "[.N] in this guest")
 
-// Find returns the character device of the port named Name: the udev link
-// under dev/virtio-ports if there is one, else /dev/vportNpM found by name
-// under sysfs class/virtio-ports (guests without udev).
-func Find(sysfs, dev string) (string, error) {
-	link := filepath.Join(dev, "virtio-ports", Name)
-	if _, err := os.Stat(link); err == nil {
-		return link, nil
-	}
-	ports, _ := filepath.Glob(filepath.Join(sysfs, "class/virtio-ports/vport*"))
+// ErrAllBusy means every Shunt port of the guest is held by another
+// process: a port has one user at a time, so the VM needs more ports
+// (control_ports in hostd.hcl) or fewer processes using Shunt at once.
+var ErrAllBusy = errors.New("every " + Name + " port is in use by another process")
+
+// Open opens the first of ports (FindAll's order) that no other process
+// holds: the guest kernel lets a port be open once at a time and answers
+// any other open EBUSY, so a busy port is skipped and the next one tried.
+// Any other failure ends the search with its error, as does ErrAllBusy
+// when every port is busy. The caller owns the returned file (read-write,
+// close-on-exec, non-blocking under Go's poller so that deadlines work;
+// its Name is the port's path); closing it frees the port.
+func Open(ports []string) (*os.File, error) {
 	for _, p := range ports {
-		b, err := os.ReadFile(filepath.Join(p, "name"))
-		if err == nil && strings.TrimSpace(string(b)) == Name {
-			return filepath.Join(dev, filepath.Base(p)), nil
+		f, err := openPort(p)
+		if errors.Is(err, syscall.EBUSY) {
+			continue
 		}
+		if err != nil {
+			return nil, fmt.Errorf("open control port: %w", err)
+		}
+		return f, nil
 	}
-	return "", ErrNotFound
+	if len(ports) == 0 {
+		return nil, ErrNotFound
+	}
+	return nil, fmt.Errorf("%w: %d ports (a VM needs one per process using Shunt at once: control_ports in hostd.hcl)", ErrAllBusy, len(ports))
+}
+
+// openPort opens one port; a variable for tests, where nothing answers
+// EBUSY. O_NOCTTY: a port is no terminal, but a test's stand-in may be.
+var openPort = func(path string) (*os.File, error) {
+	return os.OpenFile(path, os.O_RDWR|syscall.O_NOCTTY, 0)
 }

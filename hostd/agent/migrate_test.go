@@ -1,0 +1,60 @@
+package agent
+
+import (
+	"path/filepath"
+	"strings"
+	"testing"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/ctrack/cttest"
+	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/policy"
+)
+
+// TestMigrateCommands: migrate-out and migrate-in name a guest that hostd
+// knows; a guest without connections migrates out at once (nothing held);
+// only a configured guest is re-pointed to a new control socket or tap.
+func TestMigrateCommands(t *testing.T) {
+	tab, err := policy.Compile(policy.Spec{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	m := metrics.New()
+	grp := &broker.Group{Name: "t"}
+	vm1 := &broker.Guest{Name: "vm1", ID: 1, Group: grp, Source: "config"}
+	lv := &broker.Guest{Name: "dom", ID: 2, Group: grp, Source: "libvirt"}
+	b := broker.New(hclog.NewNullLogger(), &cttest.Table{}, m, tab, []*broker.Guest{vm1, lv}, broker.Options{})
+	defer b.Close()
+	a := &Agent{log: hclog.NewNullLogger(), m: m, b: b, cfg: &config.Config{Path: filepath.Join(t.TempDir(), "none.hcl"),
+		Guests: []config.Guest{{Name: "vm1", ID: 1, Group: "t", Control: "/run/vm1.sock", Ports: 1}}}}
+	for _, tc := range []struct {
+		name string
+		req  admin.Request
+		err  string // "" for none
+	}{
+		{"no guest", admin.Request{Cmd: admin.CmdMigrateOut}, "name the guest"},
+		{"unknown guest", admin.Request{Cmd: admin.CmdMigrateOut, Guest: "vm9"}, "no guest named"},
+		{"out", admin.Request{Cmd: admin.CmdMigrateOut, Guest: "vm1"}, ""},
+		{"in", admin.Request{Cmd: admin.CmdMigrateIn, Guest: "vm1"}, ""},
+		{"libvirt re-pointed", admin.Request{Cmd: admin.CmdMigrateIn, Guest: "dom", Interface: "tap9"}, "only configured guests"},
+		{"in without a server", admin.Request{Cmd: admin.CmdMigrateIn, Guest: "vm1", Control: "/run/vm1m.sock"}, "not running"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out, err := a.handle(tc.req)
+			switch {
+			case tc.err == "" && err != nil:
+				t.Fatalf("%+v: %v", tc.req, err)
+			case tc.err != "" && (err == nil || !strings.Contains(err.Error(), tc.err)):
+				t.Fatalf("%+v: got %v, want an error with %q", tc.req, err, tc.err)
+			case err == nil:
+				if rep := out.(admin.MigrateReply); rep.Guest != tc.req.Guest || rep.Moved != 0 || rep.Held != 0 {
+					t.Fatalf("%+v: reply %+v, want guest %s, nothing moved or held", tc.req, rep, tc.req.Guest)
+				}
+			}
+		})
+	}
+}

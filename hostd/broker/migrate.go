@@ -1,0 +1,116 @@
+package broker
+
+import (
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/region"
+)
+
+// Live migration of a VM guest (docs/vm.md, "Live migration"):
+//
+//	MigrateOut(g): every connection of g on the rings gets DOWN(migrating);
+//	               none of g's connections gets READY from now on
+//	... the VM's ivshmem device is unplugged, the VM moves to another QEMU,
+//	    the device is plugged again there, hostd serves g's new control
+//	    socket; g's library reconnects and OPENs its connections on TCP
+//	    again (same request ids): rejoinLocked gives each record the new
+//	    session ...
+//	MigrateIn(g):  g's connections may take the rings again; those whose
+//	               both ends have a session move now, the others when
+//	               their end's OPEN comes.
+
+// GuestNamed returns the registered guest called name, or nil.
+func (b *Broker) GuestNamed(name string) *Guest {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for _, g := range b.guests {
+		if g.Name == name {
+			return g
+		}
+	}
+	return nil
+}
+
+// MigrateOut moves every connection of g on the rings to TCP
+// (DOWN(migrating)) and keeps all of g's connections off the rings until
+// MigrateIn. It returns how many connections moved; they leave the rings
+// as the ends answer (LEFT), which RingsHeld counts.
+func (b *Broker) MigrateOut(g *Guest) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	g.migrating = true
+	n := 0
+	for c := range b.records {
+		if (c.a.g == g || c.b.g == g) && b.downgradeLocked(c, proto.ReasonMigrating) {
+			n++
+		}
+	}
+	b.log.Info("guest migrating: its connections are kept on TCP", "guest", g.Name, "to_tcp", n)
+	return n
+}
+
+// RingsHeld returns how many ring pairs g's connections still hold (after
+// MigrateOut, until both ends left them): at 0 its region may be unplugged.
+func (b *Broker) RingsHeld(g *Guest) (held int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	for c := range b.records {
+		if (c.a.g == g || c.b.g == g) && c.flow != nil {
+			held++
+		}
+	}
+	return held
+}
+
+// MigrateIn ends g's migration: its connections may take the rings again.
+// Those whose ends both have a session move now; it returns how many.
+func (b *Broker) MigrateIn(g *Guest) int {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	g.migrating = false
+	n := 0
+	for c := range b.records {
+		if (c.a.g == g || c.b.g == g) && c.path == PathTCP && c.flow == nil && c.live() &&
+			b.upgradeLocked(c, time.Now()) == proto.ReasonNone {
+			n++
+		}
+	}
+	b.log.Info("guest migrated in", "guest", g.Name, "to_rings", n)
+	return n
+}
+
+// rejoinLocked handles an OPEN of session s (request req, its end side)
+// for the connection of record c, whose end on that side has no session
+// any more (its session ended: a VM's control port reconnected after a
+// migration, say) while the other end still has one: the record takes the
+// new session, and the connection moves to the rings if it may (else
+// s is told TCP(reason)). It reports whether the OPEN was handled so;
+// otherwise it pairs as usual.
+func (b *Broker) rejoinLocked(c *Conn, s Session, req uint32, side uint32) bool {
+	e, o := c.end(side), c.end(otherSide(side))
+	if e.g != s.Guest() || e.sess != nil || o.sess == nil || c.noReqs {
+		return false
+	}
+	st := b.sessions[s]
+	if st == nil {
+		return false
+	}
+	e.sess, e.req, e.done = s, req, false
+	st.conns[req] = c
+	b.log.Debug("connection rejoined by a new session", "conn", c.Name(), "guest", e.g.Name)
+	if c.flow != nil {
+		return true // its old rings are not freed yet: READY comes after both LEFTs
+	}
+	if reason := b.upgradeLocked(c, time.Now()); reason != proto.ReasonNone {
+		b.fallbackLocked(s, req, reason, false)
+	}
+	return true
+}
+
+func otherSide(side uint32) uint32 {
+	if side == region.SideA {
+		return region.SideB
+	}
+	return region.SideA
+}
