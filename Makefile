@@ -170,6 +170,7 @@ bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodi
 
 fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	@for t in FuzzAttach FuzzIndices; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/ring || exit 1; done
+	$(GO) test -run '^$$' -fuzz '^FuzzRecords$$' -fuzztime $${FUZZTIME:-30s} ./shm/ring
 	@for t in FuzzHeader FuzzEntry; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./shm/region || exit 1; done
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $${FUZZTIME:-30s} ./internal/proto
 	$(GO) test -run '^$$' -fuzz '^FuzzParseMessages$$' -fuzztime $${FUZZTIME:-30s} ./hostd/ctrack

@@ -16,7 +16,20 @@
  *   drain     the writer stops after a reset (the MPI transport's DOWN):
  *             the reader reads exactly to the writer's final count, then
  *             finds nothing
- *   half      a record larger than half the ring is refused (SHUNT_EINVAL) */
+ *   half      a record larger than half the ring is refused (SHUNT_EINVAL)
+ *
+ * and, across processes, with a Go end (shm/ring/records.go) or another C
+ * one: fd 3 is a region, the flow is slot SHUNT_REC_SLOT of generation
+ * SHUNT_REC_GEN, this process is side SHUNT_REC_SIDE (1: A writes ring AB
+ * and reads BA; 2: B), and both rings' writers stamp from SHUNT_REC_EPOCH:
+ *   echo      writes every record back (its length, tag and bytes; the
+ *             pad of shunt_rec_pad(0, len)) until the ring it reads is
+ *             reset and drained; prints "echo N records"
+ *   ping      SHUNT_REC_COUNT round trips of an 8-byte record, after one
+ *             untimed; prints "ns T" for them, then resets the ring it
+ *             writes, which stops an echo
+ * Both wait by spinning, and yield the CPU after SHUNT_YIELD_AFTER_NS as
+ * every waiter does (guestlib/preload/records_test.go, shm/records_bench_test.go). */
 #define _GNU_SOURCE
 #include "shunt.h"
 
@@ -24,6 +37,9 @@
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <time.h>
 
 #define CAP (64u << 10)
 
@@ -228,6 +244,136 @@ static int half(void)
 	return 0;
 }
 
+static uint64_t env_u64(const char *name)
+{
+	const char *v = getenv(name);
+	return v ? strtoull(v, NULL, 0) : 0;
+}
+
+static int64_t now_ns(void)
+{
+	struct timespec ts;
+	clock_gettime(CLOCK_MONOTONIC, &ts);
+	return (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+}
+
+/* attach maps the region on fd 3 and attaches this side's ends of the
+ * flow the environment names: w writes one ring, r reads the other. */
+static void attach(void)
+{
+	struct stat st;
+	if (fstat(3, &st) < 0)
+		fail("no region on fd 3", 0, 0);
+	uint8_t *m = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, 3, 0);
+	if (m == MAP_FAILED)
+		fail("mmap the region", st.st_size, 0);
+	struct shunt_region g;
+	struct shunt_slot s;
+	uint64_t slot = env_u64("SHUNT_REC_SLOT"), gen = env_u64("SHUNT_REC_GEN"), epoch = env_u64("SHUNT_REC_EPOCH");
+	if (shunt_region_attach(&g, m, st.st_size) || shunt_region_slot(&g, slot, &s) || s.gen != gen)
+		fail("bad region or slot", slot, gen);
+	int a = env_u64("SHUNT_REC_SIDE") == 1;
+	size_t len = SHUNT_RING_HEADER + s.capacity;
+	if (shunt_ring_writer(&wr, m + (a ? s.ring_ab : s.ring_ba), len, s.capacity) ||
+	    shunt_ring_reader(&rd, m + (a ? s.ring_ba : s.ring_ab), len, s.capacity))
+		fail("attach the rings", s.ring_ab, s.ring_ba);
+	w = (struct shunt_rec_ring){.r = &wr, .epoch = epoch};
+	r = (struct shunt_rec_ring){.r = &rd, .epoch = epoch};
+}
+
+/* spin is one empty turn of a wait that started at *start (0: now), as
+ * shm/wait spins: PAUSE on every turn (it slows the loads of the line the
+ * peer is about to write, so its store gets the line sooner), and every 64
+ * turns a clock read, yielding once SHUNT_YIELD_AFTER_NS passed. */
+static void spin(unsigned *turn, int64_t *start)
+{
+	if (!*start)
+		*start = now_ns();
+#if defined(__x86_64__)
+	__builtin_ia32_pause();
+#endif
+	if (++*turn % 64)
+		return;
+	shunt_spin_yield(now_ns() - *start);
+}
+
+/* next returns the next DATA record, waiting for it, or NULL once the
+ * ring is reset and drained. */
+static struct shunt_rec *next(void)
+{
+	unsigned turn = 0;
+	int64_t start = 0;
+	for (;;) {
+		int err = 0;
+		struct shunt_rec *h = shunt_rec_poll(&r, &err);
+		if (err)
+			fail("poll", (unsigned long long)-err, r.next);
+		if (h && h->kind == SHUNT_REC_PAD) {
+			shunt_rec_consume(&r, h);
+			continue;
+		}
+		if (h)
+			return h;
+		if (shunt_rec_broken(&r))
+			return NULL;
+		spin(&turn, &start);
+	}
+}
+
+/* room reserves a record of pad + len bytes, waiting while the ring is full. */
+static struct shunt_rec *room(size_t n)
+{
+	unsigned turn = 0;
+	int64_t start = 0;
+	for (;;) {
+		int err;
+		struct shunt_rec *h = shunt_rec_reserve(&w, n, &err);
+		if (h)
+			return h;
+		if (err != SHUNT_EAGAIN)
+			fail("reserve", (unsigned long long)-err, w.next);
+		spin(&turn, &start);
+	}
+}
+
+static int echo(void)
+{
+	attach();
+	uint64_t n = 0;
+	struct shunt_rec *h;
+	while ((h = next())) {
+		uint16_t pad = shunt_rec_pad(0, h->len);
+		struct shunt_rec *o = room(pad + h->len);
+		memcpy((uint8_t *)(o + 1) + pad, shunt_rec_payload(h), h->len);
+		shunt_rec_commit(&w, o, h->len, pad, SHUNT_REC_DATA, h->tag);
+		shunt_rec_consume(&r, h);
+		n++;
+	}
+	printf("echo %llu records\n", (unsigned long long)n);
+	return 0;
+}
+
+static int ping(void)
+{
+	attach();
+	uint64_t count = env_u64("SHUNT_REC_COUNT");
+	int64_t t0 = 0;
+	for (uint64_t i = 0; i <= count; i++) {
+		if (i == 1)
+			t0 = now_ns(); /* round trip 0 waited for the echo to start */
+		struct shunt_rec *o = room(8);
+		memcpy(o + 1, &i, 8);
+		shunt_rec_commit(&w, o, 8, 0, SHUNT_REC_DATA, 0);
+		struct shunt_rec *h = next();
+		if (!h || h->len != 8 || memcmp(shunt_rec_payload(h), &i, 8))
+			fail("echoed record", i, h ? h->len : 0);
+		shunt_rec_consume(&r, h);
+	}
+	printf("ns %lld\n", (long long)(count ? now_ns() - t0 : 0));
+	shunt_ring_abort(&wr);
+	return 0;
+}
+
 /* records runs one case (xtest.c's main calls it). */
 int records(const char *c)
 {
@@ -241,6 +387,10 @@ int records(const char *c)
 		return drain();
 	if (!strcmp(c, "half"))
 		return half();
-	fprintf(stderr, "unknown case %s: stream|stale|corrupt|drain|half\n", c);
+	if (!strcmp(c, "echo"))
+		return echo();
+	if (!strcmp(c, "ping"))
+		return ping();
+	fprintf(stderr, "unknown case %s: stream|stale|corrupt|drain|half|echo|ping\n", c);
 	return 2;
 }
