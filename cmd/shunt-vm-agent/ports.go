@@ -41,7 +41,7 @@ func portClients(_ *guestlib.Client, args []string) error {
 	}
 	n, err := strconv.Atoi(args[1])
 	if err != nil {
-		return fmt.Errorf("N %q: %w", args[1], err)
+		return fmt.Errorf("count %q: %w", args[1], err)
 	}
 	total, err := strconv.Atoi(args[2])
 	if err != nil {
@@ -134,7 +134,7 @@ func acceptMany(c *guestlib.Client, args []string) error {
 	}
 	n, err := strconv.Atoi(args[1])
 	if err != nil {
-		return fmt.Errorf("N %q: %w", args[1], err)
+		return fmt.Errorf("count %q: %w", args[1], err)
 	}
 	l, err := (&guestlib.ListenConfig{Client: c}).Listen(context.Background(), "tcp4", ":"+args[0])
 	if err != nil {

@@ -22,7 +22,7 @@ func (h *Hostd) Port(t testing.TB) string {
 	m, err := os.OpenFile("/dev/ptmx", os.O_RDWR|syscall.O_NOCTTY, 0)
 	if err == nil && !ptySupported {
 		m.Close()
-		err = errors.New("Linux only")
+		err = errors.New("pseudo-terminal ports need Linux")
 	}
 	if err != nil {
 		t.Skipf("guesttest: no pseudo-terminal to stand in for a port (needs Linux, with devpts on /dev/pts): %v", err)
