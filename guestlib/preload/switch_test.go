@@ -781,3 +781,35 @@ func (g *gen) fill(p []byte) {
 		g.have--
 	}
 }
+
+// TestCloseLeavesNoEpollWatch: a connection on the rings whose fd closes
+// is taken out of the library's own epoll sets (the safety net's watcher)
+// before the kernel close. On Linux 6.10+ epoll_wait polls an item under
+// a reference of its own: a close landing then leaves that reference the
+// last, and the socket's release (the FIN) waits until the watcher thread
+// returns to user space, at its next event, maybe never. shunt-connrate's
+// server, reading until the client's close, then waited out its 10 s
+// SO_RCVTIMEO. The race is rare; what must hold is checked directly: a
+// dup keeps the socket open, and the closed fd must be in no set.
+func TestCloseLeavesNoEpollWatch(t *testing.T) {
+	lib, edge := buildPreload(t)
+	h := guesttest.Start(t)
+	port := plainEcho(t, 0)
+	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "closeunwatched")
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1")
+	var out syncBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	s := h.Greet(t)
+	defer s.Close()
+	open := s.Expect(t, proto.Open)
+	s.Send(t, h.Pair(t, open, open).A)
+	err := cmd.Wait()
+	if o := out.String(); !strings.Contains(o, "PASS closeunwatched") {
+		t.Fatalf("%v\n%s", err, o)
+	}
+}

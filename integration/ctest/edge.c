@@ -606,7 +606,7 @@ int main(int argc, char **argv)
 		return 0;
 	}
 	if (argc == 5 && !strcmp(argv[1], "client") && switch_client && (!strncmp(argv[4], "stream", 6) || !strcmp(argv[4], "nbconnect") ||
-	    !strcmp(argv[4], "shortconns")))
+	    !strcmp(argv[4], "shortconns") || !strcmp(argv[4], "closeunwatched")))
 		return switch_client(argv[2], atoi(argv[3]), argv[4]);
 	if (argc == 5 && !strcmp(argv[1], "client"))
 		return client(argv[2], atoi(argv[3]), argv[4]);

@@ -18,6 +18,11 @@
  *                        bytes each way ("plain" echo), close. None may
  *                        wait for hostd, even one that stops reading
  *                        its control channel
+ *   closeunwatched       a connection on the rings (READY) is dup'd and
+ *                        its fd closed: no epoll set of the library may
+ *                        still hold that fd (a set polling the socket
+ *                        when the last fd closes can hold its release,
+ *                        the FIN, until the waiting thread wakes)
  *
  * The client sends "NAME SEED BYTES\n"; the server plays the same test
  * with the directions swapped. Each prints "PASS NAME sent S received R"
@@ -384,10 +389,59 @@ static int shortconns(const char *ip, int port, const char *t)
 	return 0;
 }
 
+/* in_epoll_set: whether some epoll fd of this process lists fd (its
+ * /proc/self/fdinfo "tfd:" lines). */
+static int in_epoll_set(int fd)
+{
+	char path[64], line[256], want[32];
+	snprintf(want, sizeof want, "tfd: %8d ", fd);
+	for (int e = 0; e < 1024; e++) {
+		snprintf(path, sizeof path, "/proc/self/fdinfo/%d", e);
+		FILE *f = fopen(path, "r");
+		if (!f)
+			continue;
+		int hit = 0;
+		while (fgets(line, sizeof line, f))
+			if (!strncmp(line, want, strlen(want)))
+				hit = 1;
+		fclose(f);
+		if (hit)
+			return 1;
+	}
+	return 0;
+}
+
+static int closeunwatched(const char *ip, int port, const char *t)
+{
+	settle_ms = 0;
+	int fd = dial(ip, port, 0);
+	if (fd < 0)
+		return fail(t, "connect");
+	char b[8];
+	if (write(fd, "plain\nconnrate", 14) != 14 || full(fd, b, 8) != 8)
+		return fail(t, "echo");
+	/* The library watches a connection's socket once it holds rings. */
+	for (int i = 0; i < 2000 && !in_epoll_set(fd); i++)
+		usleep(1000);
+	if (!in_epoll_set(fd))
+		return fail(t, "the connection's socket never showed in an epoll set (no READY?)");
+	int d = dup(fd);
+	if (d < 0)
+		return fail(t, "dup");
+	close(fd);
+	if (in_epoll_set(fd))
+		return fail(t, "a closed fd of a connection is still in an epoll set of the library");
+	close(d);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
 int switch_client(const char *ip, int port, const char *t)
 {
 	if (!strcmp(t, "shortconns"))
 		return shortconns(ip, port, t);
+	if (!strcmp(t, "closeunwatched"))
+		return closeunwatched(ip, port, t);
 	if (!strcmp(t, "nbconnect")) {
 		/* Used at once: a write before the connect is known to be up
 		 * gets the kernel's answer, and the bytes arrive in order. */

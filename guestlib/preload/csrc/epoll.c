@@ -103,14 +103,24 @@ static struct ep *ep_get(int epfd, int create)
 
 int ep_is_set(int fd) { return ep_get(fd, 0) != NULL; }
 
+/* drop_locked forgets fd's interests in e before fd's kernel close, and
+ * takes its kernel socket out of e's kernel set: a thread asleep in that
+ * set's epoll_wait may hold the file's last reference after the close
+ * (Linux 6.10+ polls an item under a reference of its own), and the
+ * socket's release (the FIN) would then wait until that thread returns to
+ * user space (guard.c, guard_forget). */
 static void drop_locked(struct ep *e, int fd)
 {
+	int had = 0;
 	pthread_mutex_lock(&e->mu);
 	for (int j = 0; j < e->n; j++)
 		if (e->it[j].fd == fd) {
 			e->pend -= e->it[j].pend;
 			e->it[j--] = e->it[--e->n];
+			had = 1;
 		}
+	if (had)
+		real_epoll_ctl(e->fd, EPOLL_CTL_DEL, fd, NULL);
 	pthread_mutex_unlock(&e->mu);
 }
 

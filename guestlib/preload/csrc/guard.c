@@ -44,13 +44,26 @@ int uring_seen;
 
 static pthread_mutex_t guard_mu = PTHREAD_MUTEX_INITIALIZER;
 static int guard_ep = -1; /* under guard_mu; -2: cannot be made, no watcher */
+/* fds in guard_ep (under guard_mu): each is taken out before its kernel
+ * close (guard_forget). An fd left in the set can stall the close: the
+ * watcher's epoll_wait takes a reference to the file while it polls it
+ * (Linux 6.10+), and when the program's close lands meanwhile, that
+ * reference is the last one: the socket's release (FIN) then waits for the
+ * watcher to return to user space, which it does only at its next event,
+ * maybe never. The peer reads no EOF (a server reading until the client's
+ * close sat 10 s in its recv). EPOLL_CTL_DEL waits for a scan in progress
+ * (the set's lock) and the fd still holds the file then. */
+static uint8_t guarded[FD_MAX];
 
 static void trip(int ep, int fd)
 {
 	struct flow *f = flow_get(fd);
 	struct rings *rg = f ? __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) : NULL;
 	if (!rg || f->owner != my_pid) {
-		real_epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL); /* no rings: TCP bytes are all legal */
+		pthread_mutex_lock(&guard_mu); /* no rings: TCP bytes are all legal */
+		if (fd >= 0 && fd < FD_MAX && guarded[fd] && real_epoll_ctl(ep, EPOLL_CTL_DEL, fd, NULL) == 0)
+			guarded[fd] = 0;
+		pthread_mutex_unlock(&guard_mu);
 		if (f)
 			flow_put(f);
 		return;
@@ -120,11 +133,23 @@ void guard(int fd)
 		pthread_sigmask(SIG_SETMASK, &old, NULL);
 		pthread_attr_destroy(&at);
 	}
-	if (guard_ep >= 0) {
+	if (guard_ep >= 0 && fd >= 0 && fd < FD_MAX) {
 		struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = fd};
-		if (real_epoll_ctl(guard_ep, EPOLL_CTL_ADD, fd, &ev) < 0 && errno == EEXIST)
-			real_epoll_ctl(guard_ep, EPOLL_CTL_MOD, fd, &ev);
+		if (real_epoll_ctl(guard_ep, EPOLL_CTL_ADD, fd, &ev) == 0 ||
+		    (errno == EEXIST && real_epoll_ctl(guard_ep, EPOLL_CTL_MOD, fd, &ev) == 0))
+			guarded[fd] = 1;
 	}
+	pthread_mutex_unlock(&guard_mu);
+}
+
+void guard_forget(int fd)
+{
+	if (fd < 0 || fd >= FD_MAX || !__atomic_load_n(&guarded[fd], __ATOMIC_RELAXED))
+		return;
+	pthread_mutex_lock(&guard_mu);
+	if (guarded[fd] && guard_ep >= 0)
+		real_epoll_ctl(guard_ep, EPOLL_CTL_DEL, fd, NULL);
+	guarded[fd] = 0;
 	pthread_mutex_unlock(&guard_mu);
 }
 
@@ -135,6 +160,7 @@ void guard_after_fork(void)
 	if (guard_ep >= 0)
 		real_close(guard_ep);
 	guard_ep = -1;
+	memset(guarded, 0, sizeof guarded);
 }
 
 /* ---- io_uring ---- */

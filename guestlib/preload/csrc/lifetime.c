@@ -144,6 +144,7 @@ static void forget(int fd)
 			shunt_session_send(session, &m);
 	}
 	ep_forget(fd, f != NULL || was_pending);
+	guard_forget(fd); /* before the kernel close: the watcher's epoll must not hold the last reference (guard.c) */
 	if (!last)
 		return;
 	/* Calls still inside (other threads) end with EBADF; the last one

@@ -297,6 +297,9 @@ void lifetime_init(void);
  * flow is ended with ECONNRESET instead of hanging. uring_seen is set once
  * the process sets up io_uring: new connections stay on TCP. */
 void guard(int fd);
+/* guard_forget takes fd out of the watcher's set: before every kernel
+ * close of an fd (close, dup2 and dup3 onto it), see guard.c. */
+void guard_forget(int fd);
 void guard_after_fork(void);
 extern int uring_seen;
 
