@@ -70,8 +70,16 @@ func newEnv(t testing.TB, n int, policy string) *env {
 // directory, logging to t) for a test, as newEnv says.
 func startEnv(t testing.TB, prefix string, o stack.Options) *env {
 	t.Helper()
-	rigSeq++
-	o.Name = fmt.Sprintf("%s%d%d", prefix, os.Getpid()%1000, rigSeq)
+	// A name whose region file is still there (left by a test process
+	// that was killed) is skipped: hostd rightly refuses a region it has
+	// no record of creating.
+	for {
+		rigSeq++
+		o.Name = fmt.Sprintf("%s%d%d", prefix, os.Getpid()%1000, rigSeq)
+		if _, err := os.Stat("/dev/shm/shunt-" + o.Name); err != nil {
+			break
+		}
+	}
 	o.Dir = t.TempDir()
 	o.Logf = t.Logf
 	s, err := stack.Start(o)

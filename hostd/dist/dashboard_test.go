@@ -84,7 +84,7 @@ func TestDashboard(t *testing.T) {
 // checks the same against the installed hostd.
 func TestDashboardMetricsExist(t *testing.T) {
 	m := metrics.New()
-	m.Revokes.WithLabelValues("admin").Inc()
+	m.Switches.WithLabelValues("tcp", "admin").Inc()
 	m.Opens.WithLabelValues("active").Inc()
 	m.Flows.WithLabelValues("ready", "direct").Inc()
 	m.Setup.Observe(300e-6)
