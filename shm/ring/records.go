@@ -28,10 +28,10 @@ import (
 // the reader, which polls the stamp at its head instead of the tail (which
 // lives on another line), receives header and payload with one line
 // transfer. The writer still publishes the tail after each record, for
-// hostd's counters and its own room accounting, and zeroes the stamp of
-// the line after each record once the reader is done with that line, so
-// the reader never finds a stale stamp of this ring's epoch there; a fresh
-// ring's old bytes carry another flow's epoch.
+// hostd's counters and its own room accounting. Before a record's stamp it
+// zeroes the stamp field of the line after the record if that line may
+// hold other bytes (a payload of an earlier lap), so the reader polling
+// there never finds the stamp it waits for in old bytes.
 //
 // Record ends poll; they never sleep (the C ends do not either, and their
 // index stores are release stores, not the sequentially consistent ones
