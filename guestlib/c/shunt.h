@@ -7,7 +7,7 @@
  * and re-announce, and in a VM the virtio-serial port, the ivshmem BAR and
  * kicks. Cross-language tests (guestlib/preload/preload_test.go, with
  * xtest/xtest.c) keep the two implementations in step. On top of the ring
- * it adds records in place (records.c), which only C uses so far; their
+ * it adds records in place (records.c; Go: shm/ring/records.go, the same bytes); their
  * tests are xtest/records.c (guestlib/preload/records_test.go).
  *
  * Everything read from shared memory is validated, as in Go: a corrupt or
