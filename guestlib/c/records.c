@@ -191,13 +191,17 @@ struct shunt_rec *shunt_rec_poll(struct shunt_rec_ring *rd, int *err)
 		*err = SHUNT_ECORRUPT;
 		return NULL;
 	}
+	/* Consume moves the head by what was checked here: the writer (a
+	 * hostile peer) may rewrite the header after this check. */
+	rd->span = shunt_rec_span(len);
 	return h;
 }
 
 void shunt_rec_consume(struct shunt_rec_ring *rd, const struct shunt_rec *h)
 {
 	struct shunt_ring *r = rd->r;
-	r->own += shunt_rec_span((size_t)h->pad + h->len);
+	(void)h; /* its span was checked and kept by shunt_rec_poll */
+	r->own += rd->span;
 	r->msgs++;
 	rd->next++;
 	__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, __ATOMIC_RELEASE);

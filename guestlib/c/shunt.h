@@ -230,6 +230,7 @@ struct shunt_rec_ring {
 	uint64_t epoch; /* the writer's random base for stamps */
 	uint64_t next;  /* number of the next record */
 	int resv;       /* writer: a reservation is open */
+	uint64_t span;  /* reader: the ring bytes of the record shunt_rec_poll returned, as it checked them */
 };
 
 /* Writer: room for a record of len bytes after its header (pad and
