@@ -1,36 +1,22 @@
 package agent
 
 import (
-	"path/filepath"
 	"strings"
 	"testing"
-
-	"github.com/hashicorp/go-hclog"
 
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
-	"github.com/shuntnet/shunt/hostd/ctrack/cttest"
-	"github.com/shuntnet/shunt/hostd/metrics"
-	"github.com/shuntnet/shunt/policy"
 )
 
 // TestMigrateCommands: migrate-out and migrate-in name a guest that hostd
 // knows; a guest without connections migrates out at once (nothing held);
 // only a configured guest is re-pointed to a new control socket or tap.
 func TestMigrateCommands(t *testing.T) {
-	tab, err := policy.Compile(policy.Spec{})
-	if err != nil {
-		t.Fatal(err)
-	}
-	m := metrics.New()
 	grp := &broker.Group{Name: "t"}
 	vm1 := &broker.Guest{Name: "vm1", ID: 1, Group: grp, Source: "config"}
 	lv := &broker.Guest{Name: "dom", ID: 2, Group: grp, Source: "libvirt"}
-	b := broker.New(hclog.NewNullLogger(), &cttest.Table{}, m, tab, []*broker.Guest{vm1, lv}, broker.Options{})
-	defer b.Close()
-	a := &Agent{log: hclog.NewNullLogger(), m: m, b: b, cfg: &config.Config{Path: filepath.Join(t.TempDir(), "none.hcl"),
-		Guests: []config.Guest{{Name: "vm1", ID: 1, Group: "t", Control: "/run/vm1.sock", Ports: 1}}}}
+	a := testAgent(t, []*broker.Guest{vm1, lv}, []config.Guest{{Name: "vm1", ID: 1, Group: "t", Control: "/run/vm1.sock", Ports: 1}})
 	for _, tc := range []struct {
 		name string
 		req  admin.Request
