@@ -271,6 +271,7 @@ int conn_hello(struct conn *c, const struct shunt_rec *h, const uint8_t *p);
 
 /* lease.c */
 void lease_push(struct conn *c, struct frag *f); /* append and try to write */
+ssize_t lease_writev(int fd, struct iovec *iov, int n); /* writev without SIGPIPE */
 int lease_flush(struct conn *c);                 /* write what can be; 1 if the queue is empty */
 void conn_event(struct conn *c, uint32_t events);
 /* A record of our own on c (HELLO, marks, RING_OK/NO, BYE), in order with

@@ -23,6 +23,14 @@ static size_t max_record(void) { return sizeof(struct shunt_rec) + shunt_btl.sup
 
 /* ---- writing a lease ---- */
 
+/* lease_writev writes iov to a lease without SIGPIPE: a peer that is gone
+ * is an error for the BTL to name, never a signal that kills the rank. */
+ssize_t lease_writev(int fd, struct iovec *iov, int n)
+{
+	struct msghdr mh = {.msg_iov = iov, .msg_iovlen = (size_t)n};
+	return sendmsg(fd, &mh, MSG_NOSIGNAL | MSG_DONTWAIT);
+}
+
 /* lease_flush writes queued records: 1 when the queue is empty, 0 when the
  * socket is full (EPOLLOUT then resumes), -1 when the connection failed. */
 int lease_flush(struct conn *c)
@@ -38,7 +46,7 @@ int lease_flush(struct conn *c)
 		}
 		iov[i].iov_base = (uint8_t *)iov[i].iov_base + skip;
 		iov[i].iov_len -= skip;
-		ssize_t n = writev(c->fd, iov + i, 2 - i);
+		ssize_t n = lease_writev(c->fd, iov + i, 2 - i);
 		if (n < 0) {
 			if (errno == EINTR)
 				continue;

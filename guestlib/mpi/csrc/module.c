@@ -368,7 +368,7 @@ static int shunt_send(struct mca_btl_base_module_t *btl, struct mca_btl_base_end
 		if (!c->lq.head) {
 			f->hdr.stamp = ep->tx_frags;
 			struct iovec iov[2] = {{&f->hdr, sizeof f->hdr}, {f->seg.seg_addr.pval, f->seg.seg_len}};
-			ssize_t n = writev(c->fd, iov, 2);
+			ssize_t n = lease_writev(c->fd, iov, 2);
 			if (n == (ssize_t)(sizeof f->hdr + f->seg.seg_len)) {
 				ep->tx_frags++;
 				r = done_now(f);
