@@ -17,11 +17,13 @@ set -euo pipefail
 demo_pkgs=(gcc libc6-dev make iproute2 nftables procps kmod)
 
 # What the whole test suite needs on top: conntrack(8) and iptables for the
-# rig tests, the unmodified programs, Open MPI, QEMU and a kernel for the VM
-# tests, libvirt for the libvirt test, ruby for the Vagrantfile check,
-# systemd for checking the unit.
+# rig tests, the unmodified programs (and the real servers and their
+# clients of integration/servers_*_test.go), Open MPI, QEMU and a kernel for
+# the VM tests, libvirt for the libvirt test, ruby for the Vagrantfile
+# check, systemd for checking the unit.
 test_pkgs=("${demo_pkgs[@]}" iptables conntrack
 	sockperf iperf3 redis-server redis-tools openmpi-bin libopenmpi-dev
+	nginx openssh-server openssh-client socat apache2-utils curl
 	qemu-system-x86 linux-image-amd64 busybox-static xz-utils
 	libvirt-daemon-system libvirt-clients ruby systemd)
 

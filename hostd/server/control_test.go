@@ -82,9 +82,12 @@ func TestKeepalive(t *testing.T) {
 	const keepalive, silence = 20 * time.Millisecond, 300 * time.Millisecond
 	w := newWorldOpts(t, server.Options{Keepalive: keepalive, Silence: silence}, broker.Options{})
 	answers, mute := w.hello(t, w.g1), w.hello(t, w.g1)
-	done := make(chan int)
+	done := make(chan int, 1)
 	go func() {
 		n := 0
+		// Sent even when next fails (t.Fatalf ends this goroutine), so
+		// the test never waits on it for ever.
+		defer func() { done <- n }()
 		for start := time.Now(); time.Since(start) < 3*silence; n++ {
 			m := answers.next()
 			if m.Type != proto.Ping {
@@ -93,7 +96,6 @@ func TestKeepalive(t *testing.T) {
 			}
 			answers.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 		}
-		done <- n
 	}()
 	pings := 0
 	for {
