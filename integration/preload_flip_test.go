@@ -2,6 +2,8 @@ package integration
 
 import (
 	"encoding/json"
+	"os/exec"
+	"path/filepath"
 	"regexp"
 	"strings"
 	"sync"
@@ -9,6 +11,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/integration/stack"
+	"github.com/shuntnet/shunt/internal/testenv"
 )
 
 // Unmodified programs under shunt-run while hostd moves their connections
@@ -143,6 +146,26 @@ func TestPreloadToolsUnderFlips(t *testing.T) {
 		f.stop(t)
 		if !regexp.MustCompile(`percentile 50\.000 =\s+[0-9.]+`).MatchString(out) || strings.Contains(out, "ERROR") {
 			t.Fatal("sockperf under flips")
+		}
+	})
+	t.Run("openmpi-tcp", func(t *testing.T) {
+		// Open MPI's own TCP BTL (not btl/shunt) with both ranks under
+		// the library: its connections are ordinary sockets that move
+		// with the flips; btlcheck checks every byte of every phase.
+		testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
+		testenv.NeedTool(t, "mpirun", "openmpi-bin")
+		e := newEnv(t, 2, "")
+		needPreload(t)
+		dir := t.TempDir()
+		prog := filepath.Join(dir, "btlcheck")
+		if out, err := exec.Command("mpicc", "-O2", "-o", prog, "mpi/btlcheck.c").CombinedOutput(); err != nil {
+			t.Fatalf("mpicc: %v\n%s", err, out)
+		}
+		f := flipDuring(e, 2*time.Second)
+		out := e.mpirun(t, dir, prog, true, "-t", "5", "-m", "262144")
+		f.stop(t)
+		if !strings.Contains(out, "data ok") || strings.Contains(out, "MISMATCH") {
+			t.Fatalf("Open MPI's TCP BTL under flips:\n%s", out)
 		}
 	})
 }
