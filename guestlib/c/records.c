@@ -15,11 +15,16 @@
  *     instead of the tail (which lives on another line), so an 8-byte
  *     message costs one line;
  *   - before it publishes a record, the writer zeroes the header line after
- *     it when the reader is done with that line, so the reader polling
- *     there never finds a stale stamp of this ring's own epoch; a fresh
- *     ring's stale bytes (an earlier flow's) carry another epoch, which is
- *     random. The tail is still published after each record, for hostd's
- *     counters and the writer's room accounting.
+ *     it when that line may hold payload of this ring's own (a multi-line
+ *     record or a PAD covered it within the last lap, or it is the first
+ *     lap) and the reader is done with it, so the reader polling there
+ *     never finds its stamp in stale bytes. A line that held a header
+ *     holds an older stamp, which never matches, so a stream of one-line
+ *     records clears nothing after its first lap: the zeroing store would
+ *     cost a second line transfer per message (Go: shm/ring/records.go,
+ *     the same rule with a bit per line). The tail is still published
+ *     after each record, for hostd's counters and the writer's room
+ *     accounting.
  *
  * Both ends validate what they read: a stamp matches only its own record
  * number, a length must fit before the ring's end, the head may only move
@@ -92,13 +97,25 @@ static void publish(struct shunt_ring *r)
 	poke(r, SHUNT_OFF_RWAIT);
 }
 
-/* clear_ahead zeroes the header line that follows a record ending at the
- * absolute position end, if the reader is done with it (see the file
- * comment). It is not when the reader's head is exactly there: then the
- * line holds an unread record of this ring, whose stamp is older than any
- * the reader will look for there. */
-static void clear_ahead(struct shunt_ring *r, uint64_t end)
+/* wrote notes that the lines after the header of a record at the
+ * absolute position at, span bytes long, hold payload (or, for a PAD,
+ * whatever was there): a lap later they may be record boundaries. */
+static void wrote(struct shunt_rec_ring *w, uint64_t at, uint64_t span)
 {
+	if (span > SHUNT_REC_LINE && at + span + w->r->cap > w->dirty_until)
+		w->dirty_until = at + span + w->r->cap;
+}
+
+/* clear_ahead zeroes the header line that follows a record ending at the
+ * absolute position end, if it may be dirty and the reader is done with
+ * it (see the file comment). It is not when the reader's head is exactly
+ * there: then the line holds an unread record of this ring, whose stamp is
+ * older than any the reader will look for there. */
+static void clear_ahead(struct shunt_rec_ring *w, uint64_t end)
+{
+	struct shunt_ring *r = w->r;
+	if (end >= w->dirty_until)
+		return;
 	if (end + sizeof(struct shunt_rec) > r->peer + r->cap) {
 		if (refresh(r) || end + sizeof(struct shunt_rec) > r->peer + r->cap)
 			return;
@@ -130,6 +147,8 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 		*err = __atomic_load_n(w32(r, SHUNT_OFF_RESET), __ATOMIC_RELAXED) ? SHUNT_ERESET : SHUNT_EPIPE;
 		return NULL;
 	}
+	if (!w->dirty_until)
+		w->dirty_until = r->own + r->cap; /* the first lap: a fresh ring's bytes */
 	size_t span = shunt_rec_span(len);
 	uint64_t off = r->own & r->mask, to_end = r->cap - off;
 	uint64_t need = span <= to_end ? span : to_end + span;
@@ -152,8 +171,9 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 		pad->kind = SHUNT_REC_PAD;
 		pad->tag = 0;
 		pad->pad = 0;
+		wrote(w, r->own, to_end);
 		r->own += to_end;
-		clear_ahead(r, r->own);
+		clear_ahead(w, r->own);
 		put_stamp(w, pad, 0);
 		publish(r);
 		off = 0;
@@ -169,8 +189,10 @@ void shunt_rec_commit(struct shunt_rec_ring *w, struct shunt_rec *h, size_t len,
 	h->kind = kind;
 	h->tag = tag;
 	h->pad = pad;
-	r->own += shunt_rec_span(pad + len);
-	clear_ahead(r, r->own);
+	uint64_t span = shunt_rec_span(pad + len);
+	wrote(w, r->own, span);
+	r->own += span;
+	clear_ahead(w, r->own);
 	put_stamp(w, h, len);
 	w->resv = 0;
 	publish(r);

@@ -230,6 +230,11 @@ struct shunt_rec_ring {
 	uint64_t epoch; /* the writer's random base for stamps */
 	uint64_t next;  /* number of the next record */
 	int resv;       /* writer: a reservation is open */
+	/* writer: record boundaries before this absolute position may hold
+	 * payload or a fresh ring's bytes in their stamp field, so clear_ahead
+	 * zeroes them; a stream of one-line records leaves none after its
+	 * first lap. 0: not yet set (the first reservation sets it). */
+	uint64_t dirty_until;
 	uint64_t span;  /* reader: the ring bytes of the record shunt_rec_poll returned, as it checked them */
 };
 
