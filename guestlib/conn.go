@@ -141,8 +141,8 @@ func newConn(c *Client, tcp *net.TCPConn, role proto.Role) *Conn {
 	ra := tcp.RemoteAddr().(*net.TCPAddr).AddrPort()
 	return &Conn{
 		tcp: tcp, client: c, role: role, answered: make(chan struct{}),
-		local:  netip.AddrPortFrom(la.Addr().Unmap(), la.Port()),
-		remote: netip.AddrPortFrom(ra.Addr().Unmap(), ra.Port()),
+		local:  proto.Unmap(la), // an IPv4 peer of an AF_INET6 socket: its IPv4 tuple
+		remote: proto.Unmap(ra),
 		reason: reasonPending,
 	}
 }

@@ -49,7 +49,8 @@ func (lc *ListenConfig) Listen(ctx context.Context, network, addr string) (*List
 		return nil, fmt.Errorf("shunt: listen %s: only tcp is supported", network)
 	}
 	ap := tl.Addr().(*net.TCPAddr).AddrPort()
-	l := &Listener{tcp: tl, client: c, addr: netip.AddrPortFrom(ap.Addr().Unmap(), ap.Port())}
+	// [::] (dual-stack) stays [::]: hostd takes it for both families.
+	l := &Listener{tcp: tl, client: c, addr: proto.Unmap(ap)}
 	if !c.opts.Disable {
 		c.listen(l.addr)
 	}

@@ -139,6 +139,12 @@ func action(s string, dflt bool) (bool, error) {
 	return false, fmt.Errorf("action %q: want \"fastpath\" or \"tcp\"", s)
 }
 
+// prefixes parses CIDRs and single addresses. An IPv4 one written in
+// IPv4-mapped IPv6 form (::ffff:10.0.0.0/104) is made the IPv4 prefix it
+// names (10.0.0.0/8): flows carry IPv4 addresses in IPv4 form (Decide
+// unmaps them too), so it matches the same flows as if written so. IPv6
+// prefixes match IPv6 flows only, IPv4 ones IPv4 flows only ("::/0" is
+// every IPv6 flow, not every flow).
 func prefixes(ss []string) ([]netip.Prefix, error) {
 	var out []netip.Prefix
 	for _, s := range ss {
@@ -148,7 +154,16 @@ func prefixes(ss []string) ([]netip.Prefix, error) {
 			if aerr != nil {
 				return nil, fmt.Errorf("%q is neither a CIDR nor an address", s)
 			}
+			if a.Zone() != "" {
+				return nil, fmt.Errorf("%q: an address with a zone; write it without", s)
+			}
 			p = netip.PrefixFrom(a, a.BitLen())
+		}
+		if p.Addr().Is4In6() {
+			if p.Bits() < 96 {
+				return nil, fmt.Errorf("%q mixes IPv4-mapped and other IPv6 addresses; write the IPv4 part as an IPv4 CIDR", s)
+			}
+			p = netip.PrefixFrom(p.Addr().Unmap(), p.Bits()-96)
 		}
 		out = append(out, p.Masked())
 	}

@@ -52,6 +52,44 @@ func TestDecide(t *testing.T) {
 	}
 }
 
+// TestDecideIPv6: rules on IPv6 prefixes decide IPv6 flows and never
+// IPv4 ones (nor the other way round); a rule written with an
+// IPv4-mapped prefix is an IPv4 rule; a flow named with IPv4-mapped
+// addresses (an AF_INET6 socket's IPv4 peer) is decided as its IPv4 form.
+func TestDecideIPv6(t *testing.T) {
+	tab, err := policy.Compile(policy.Spec{
+		Rules: []policy.RuleSpec{
+			{Name: "v6-tcp", Action: "tcp", From: []string{"fd00:77::/32"}, To: []string{"fd00:77:2::/64"}},
+			{Name: "mapped-tcp", Action: "tcp", To: []string{"::ffff:10.88.0.0/112"}},
+			{Name: "one-v6", Action: "tcp", To: []string{"fd00:99::9"}, Ports: []string{"80"}},
+			{Name: "all-v6-ssh", Action: "tcp", To: []string{"::/0"}, Ports: []string{"22"}},
+		},
+	})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for _, tt := range []struct {
+		name string
+		f    policy.Flow
+		rule string
+	}{
+		{"v6 in both prefixes", flow("[fd00:77:1::2]:40000", "[fd00:77:2::2]:5201"), "v6-tcp"},
+		{"v6 to another guest", flow("[fd00:77:1::2]:40000", "[fd00:77:3::2]:5201"), "default"},
+		{"v4 between the same guests", flow("10.77.1.2:40000", "10.77.2.2:5201"), "default"},
+		{"mapped rule, v4 flow", flow("10.77.1.2:40000", "10.88.1.2:80"), "mapped-tcp"},
+		{"mapped rule, mapped flow", flow("[::ffff:10.77.1.2]:40000", "[::ffff:10.88.1.2]:80"), "mapped-tcp"},
+		{"single v6 address", flow("[fd00:1::1]:1", "[fd00:99::9]:80"), "one-v6"},
+		{"::/0 is IPv6 only", flow("10.77.1.2:1", "10.77.2.2:22"), "default"},
+		{"::/0 matches IPv6", flow("[fd00:1::1]:1", "[fd00:1::2]:22"), "all-v6-ssh"},
+	} {
+		t.Run(tt.name, func(t *testing.T) {
+			if v := tab.Decide(tt.f); v.Rule != tt.rule || v.FastPath != (tt.rule == "default") {
+				t.Fatalf("Decide = %+v; want rule %s", v, tt.rule)
+			}
+		})
+	}
+}
+
 func TestDefaults(t *testing.T) {
 	tab, err := policy.Compile(policy.Spec{})
 	if err != nil {
@@ -76,6 +114,8 @@ func TestCompileErrors(t *testing.T) {
 		{"bad cidr", policy.Spec{Rules: []policy.RuleSpec{{Name: "r", Action: "tcp", From: []string{"10.0.0/8"}, Line: 7}}}, `rule "r" (line 7): from: "10.0.0/8"`},
 		{"bad port", policy.Spec{Rules: []policy.RuleSpec{{Name: "r", Action: "tcp", Ports: []string{"6000-5000"}}}}, `"6000-5000"`},
 		{"missing action", policy.Spec{Rules: []policy.RuleSpec{{Name: "r"}}}, `action ""`},
+		{"mixed mapped prefix", policy.Spec{Rules: []policy.RuleSpec{{Name: "r", Action: "tcp", To: []string{"::ffff:0:0/80"}}}}, "IPv4-mapped"},
+		{"zone", policy.Spec{Rules: []policy.RuleSpec{{Name: "r", Action: "tcp", To: []string{"fe80::1%eth0"}}}}, "zone"},
 		{"duplicate", policy.Spec{Rules: []policy.RuleSpec{{Name: "r", Action: "tcp"}, {Name: "r", Action: "tcp"}}}, "already exists"},
 	}
 	for _, tt := range tests {

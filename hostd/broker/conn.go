@@ -72,7 +72,7 @@ type Conn struct {
 	reason   proto.Reason // why it is on TCP or leaving
 	flow     *Flow        // its ring pair while on the rings or leaving them
 	switches int
-	rule     string
+	rule     string // the policy rule that last decided it (rings, or tcp(policy))
 	created  time.Time
 	ringAB   uint64  // bytes its freed ring pairs carried, per direction
 	ringBA   uint64  //
@@ -268,6 +268,7 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 	}
 	v := b.policy.Load().Decide(policy.Flow{From: c.orig.Src, To: c.to()})
 	if !v.FastPath {
+		c.rule = v.Rule // `hostd flows` names the rule that keeps it on TCP
 		return v.Reason
 	}
 	limit := b.policy.Load().MaxFlowsPerGuest()

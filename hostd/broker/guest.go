@@ -278,8 +278,10 @@ func (b *Broker) Detach(s Session) {
 // Listen records that s accepts connections on addr (the unspecified
 // address means all of the guest's addresses). A LISTEN over the session's
 // or the guest's limit is ignored and counted: connections to it stay on
-// TCP (no-listener), as if the guest had not announced it.
+// TCP (no-listener), as if the guest had not announced it. An IPv4
+// address in IPv4-mapped form is taken as the IPv4 one.
 func (b *Broker) Listen(s Session, addr netip.AddrPort, on bool) {
+	addr = netip.AddrPortFrom(addr.Addr().Unmap().WithZone(""), addr.Port())
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	st := b.sessions[s]

@@ -83,7 +83,9 @@ func (b *Broker) Open(s Session, m proto.Msg) {
 func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	at := time.Now()
 	b.log.Trace("open", "guest", s.Guest().Name, "role", m.Role, "local", m.Local, "remote", m.Remote)
-	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}
+	// An IPv4 connection by its IPv4 tuple, however the guest's socket
+	// named it (proto.Decode already gives this form).
+	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}.Unmap()
 	e, reason := b.verify(s.Guest(), m.Role, t)
 	if reason != proto.ReasonNone {
 		b.log.Debug("open refused", "guest", s.Guest().Name, "role", m.Role, "tuple", t, "reason", reason)

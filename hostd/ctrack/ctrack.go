@@ -13,6 +13,17 @@ type Tuple struct {
 
 func (t Tuple) String() string { return t.Src.String() + "->" + t.Dst.String() }
 
+// Unmap returns t with IPv4-mapped IPv6 addresses (::ffff:a.b.c.d) as
+// IPv4 and no zones: the form conntrack names an IPv4 connection in (its
+// entry is AF_INET whether the sockets were AF_INET or AF_INET6). Lookup
+// takes either form; Entry tuples are always in this one.
+func (t Tuple) Unmap() Tuple {
+	un := func(a netip.AddrPort) netip.AddrPort {
+		return netip.AddrPortFrom(a.Addr().Unmap().WithZone(""), a.Port())
+	}
+	return Tuple{un(t.Src), un(t.Dst)}
+}
+
 // Reverse returns the other direction.
 func (t Tuple) Reverse() Tuple { return Tuple{t.Dst, t.Src} }
 
@@ -62,7 +73,7 @@ var ErrNotFound = errors.New("no conntrack entry")
 // safe for concurrent use.
 type Tracker interface {
 	// Lookup finds the TCP entry that has t as its original or its reply
-	// direction.
+	// direction (IPv4 or IPv6; an IPv4 tuple may be in IPv4-mapped form).
 	Lookup(t Tuple) (Entry, error)
 	// Destroyed calls fn for every destroyed TCP entry until ctx ends or the
 	// event stream fails (then it returns the error; ENOBUFS means events

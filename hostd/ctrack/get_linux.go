@@ -70,8 +70,8 @@ func newGetter(netnsPath string) (*getter, error) {
 
 func (g *getter) close() error { return unix.Close(g.fd) }
 
-// get asks for the TCP entry with tuple t (either direction). The caller
-// serializes calls.
+// get asks for the TCP entry with tuple t (either direction; t unmapped:
+// AF_INET for IPv4, AF_INET6 for IPv6). The caller serializes calls.
 func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 	g.seq++
 	ae := netlink.NewAttributeEncoder()

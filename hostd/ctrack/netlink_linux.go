@@ -52,6 +52,7 @@ func dial(netnsPath string) (*conntrack.Conn, error) {
 
 // Lookup implements Tracker.
 func (n *Netlink) Lookup(t Tuple) (Entry, error) {
+	t = t.Unmap() // an IPv4 entry is asked for as AF_INET
 	n.mu.Lock()
 	f, err := n.query.get(t)
 	n.mu.Unlock()

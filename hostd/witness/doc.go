@@ -8,9 +8,13 @@
 // are the default proof.
 //
 // The program is built in Go with cilium/ebpf's assembler (no clang needed)
-// and attached with TCX. Its map is a plain hash keyed by the IPv4 tuple as
-// it is on the wire, and it is written so that no later packet can change
-// what a claim will read:
+// and attached with TCX. Its map is a plain hash keyed by the tuple as it
+// is on the wire: IPv4 (a plain 20-byte header) and IPv6 (TCP right after
+// the fixed header; a SYN behind extension headers is not recorded), an
+// IPv4 address keyed in IPv4-mapped form, so Origin finds an IPv4 tuple
+// whichever form a socket named it in (an IPv6 SYN with an IPv4-mapped
+// address, which would take such a key, is not recorded). It is written so that no later
+// packet can change what a claim will read:
 //
 //   - the first SYN of a tuple wins: a later SYN for it from another
 //     interface is ignored and counted (Stats.Conflicts), one from the

@@ -57,7 +57,7 @@ func LoadWith(o Options) (_ *Witness, err error) {
 	}()
 	// A plain hash, not an LRU: a burst of SYNs cannot evict a live record;
 	// when the map is full, new records are refused and counted.
-	if w.syn, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn", Type: ebpf.Hash, KeySize: 12, ValueSize: 16, MaxEntries: uint32(o.MaxRecords)}); err != nil {
+	if w.syn, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn", Type: ebpf.Hash, KeySize: keySize, ValueSize: 16, MaxEntries: uint32(o.MaxRecords)}); err != nil {
 		return nil, fmt.Errorf("witness map: %w (needs CAP_BPF: run hostd as root)", err)
 	}
 	if w.perIf, err = ebpf.NewMap(&ebpf.MapSpec{Name: "shunt_syn_if", Type: ebpf.Hash, KeySize: 4, ValueSize: 4, MaxEntries: 4096}); err != nil {
@@ -74,8 +74,14 @@ func LoadWith(o Options) (_ *Witness, err error) {
 	return w, nil
 }
 
+// keySize is a record's key: source and destination address (16 bytes
+// each, an IPv4 one as IPv4-mapped IPv6, ::ffff:a.b.c.d), source and
+// destination port, all in network order as on the wire.
+const keySize = 36
+
 // program records, for each TCP SYN without ACK that has a plain 20-byte
-// IPv4 header, the interface it came in by, keyed by its tuple, and passes
+// IPv4 header or an IPv6 header whose next header is TCP (no extension
+// headers), the interface it came in by, keyed by its tuple, and passes
 // every packet on:
 //
 //   - a new tuple is recorded (BPF_NOEXIST), unless its interface already
@@ -86,42 +92,106 @@ func LoadWith(o Options) (_ *Witness, err error) {
 //     the first SYN wins, and the conflict is counted.
 //
 // Record: ifindex (u32), pad (u32), time (u64, bpf_ktime_get_ns).
-// Stack: key fp-16..-5, quota key fp-20, count fp-24, record fp-40..-25,
-// stat index fp-44.
+// Stack: key fp-40..-5 (saddr fp-40, daddr fp-24, sport fp-8, dport
+// fp-6), quota key fp-44, count fp-48, record fp-64..-49, stat index
+// fp-68.
 func program(synFD, perIfFD, statsFD int, perIf int) asm.Instructions {
-	const out = "out"
+	const (
+		out   = "out"
+		key   = -40 // the tuple key on the stack
+		quota = -44
+		count = -48
+		rec   = -64
+		stat  = -68
+		v4    = 14      // IPv4 header, after Ethernet
+		v4TCP = v4 + 20 // its TCP header
+		v6    = 14      // IPv6 header
+		v6TCP = v6 + 40
+	)
 	ins := asm.Instructions{
 		asm.Mov.Reg(asm.R6, asm.R1),
 		asm.LoadMem(asm.R2, asm.R6, skbData, asm.Word),
 		asm.LoadMem(asm.R3, asm.R6, skbDataEnd, asm.Word),
 		asm.Mov.Reg(asm.R4, asm.R2),
-		asm.Add.Imm(asm.R4, 14+20+20), // Ethernet + IPv4 + TCP
+		asm.Add.Imm(asm.R4, 14),
 		asm.JGT.Reg(asm.R4, asm.R3, out),
 		asm.LoadMem(asm.R5, asm.R2, 12, asm.Half), // EtherType, network order
-		asm.JNE.Imm(asm.R5, 0x0008, out),          // 0x0800 as a little-endian load
-		asm.LoadMem(asm.R5, asm.R2, 14, asm.Byte), // version, IHL
+		asm.JEq.Imm(asm.R5, 0xdd86, "ipv6"),       // 0x86dd as a little-endian load
+		asm.JNE.Imm(asm.R5, 0x0008, out),          // 0x0800
+		// IPv4
+		asm.Mov.Reg(asm.R4, asm.R2),
+		asm.Add.Imm(asm.R4, v4TCP+20),
+		asm.JGT.Reg(asm.R4, asm.R3, out),
+		asm.LoadMem(asm.R5, asm.R2, v4, asm.Byte), // version, IHL
 		asm.JNE.Imm(asm.R5, 0x45, out),
-		asm.LoadMem(asm.R5, asm.R2, 14+9, asm.Byte), // protocol
+		asm.LoadMem(asm.R5, asm.R2, v4+9, asm.Byte), // protocol
 		asm.JNE.Imm(asm.R5, 6, out),
-		asm.LoadMem(asm.R5, asm.R2, 14+20+13, asm.Byte), // TCP flags
+		asm.LoadMem(asm.R5, asm.R2, v4TCP+13, asm.Byte), // TCP flags
 		asm.And.Imm(asm.R5, 0x12),
 		asm.JNE.Imm(asm.R5, 0x02, out), // SYN without ACK
-		// key: saddr, daddr, sport, dport (wire order)
-		asm.LoadMem(asm.R5, asm.R2, 14+12, asm.Word),
-		asm.StoreMem(asm.RFP, -16, asm.R5, asm.Word),
-		asm.LoadMem(asm.R5, asm.R2, 14+16, asm.Word),
-		asm.StoreMem(asm.RFP, -12, asm.R5, asm.Word),
-		asm.LoadMem(asm.R5, asm.R2, 14+20, asm.Half),
-		asm.StoreMem(asm.RFP, -8, asm.R5, asm.Half),
-		asm.LoadMem(asm.R5, asm.R2, 14+22, asm.Half),
-		asm.StoreMem(asm.RFP, -6, asm.R5, asm.Half),
-		asm.LoadMem(asm.R7, asm.R6, skbIfindex, asm.Word), // r7: the interface
+		// key: ::ffff:saddr, ::ffff:daddr, sport, dport (wire order)
+		asm.Mov.Imm(asm.R5, 0), // (no 64-bit store of an immediate)
+		asm.StoreMem(asm.RFP, key, asm.R5, asm.DWord),
+		asm.StoreImm(asm.RFP, key+8, 0, asm.Half),
+		asm.StoreImm(asm.RFP, key+10, 0xffff, asm.Half),
+		asm.StoreMem(asm.RFP, key+16, asm.R5, asm.DWord),
+		asm.LoadMem(asm.R5, asm.R2, v4+12, asm.Word),
+		asm.StoreMem(asm.RFP, key+12, asm.R5, asm.Word),
+		asm.StoreImm(asm.RFP, key+24, 0, asm.Half),
+		asm.StoreImm(asm.RFP, key+26, 0xffff, asm.Half),
+		asm.LoadMem(asm.R5, asm.R2, v4+16, asm.Word),
+		asm.StoreMem(asm.RFP, key+28, asm.R5, asm.Word),
+		asm.LoadMem(asm.R5, asm.R2, v4TCP, asm.Half),
+		asm.StoreMem(asm.RFP, key+32, asm.R5, asm.Half),
+		asm.LoadMem(asm.R5, asm.R2, v4TCP+2, asm.Half),
+		asm.StoreMem(asm.RFP, key+34, asm.R5, asm.Half),
+		asm.Ja.Label("keyed"),
+		// IPv6, TCP right after the fixed header
+		asm.Mov.Reg(asm.R4, asm.R2).WithSymbol("ipv6"),
+		asm.Add.Imm(asm.R4, v6TCP+20),
+		asm.JGT.Reg(asm.R4, asm.R3, out),
+		asm.LoadMem(asm.R5, asm.R2, v6, asm.Byte), // version, traffic class
+		asm.And.Imm(asm.R5, 0xf0),
+		asm.JNE.Imm(asm.R5, 0x60, out),
+		asm.LoadMem(asm.R5, asm.R2, v6+6, asm.Byte), // next header
+		asm.JNE.Imm(asm.R5, 6, out),
+		asm.LoadMem(asm.R5, asm.R2, v6TCP+13, asm.Byte), // TCP flags
+		asm.And.Imm(asm.R5, 0x12),
+		asm.JNE.Imm(asm.R5, 0x02, out), // SYN without ACK
+	}
+	// An IPv4-mapped address in an IPv6 header names no real connection
+	// (no stack answers such a SYN) and would take an IPv4 tuple's key:
+	// not recorded.
+	for _, a := range []int16{v6 + 8, v6 + 24} {
+		next := fmt.Sprintf("unmapped%d", a)
+		ins = append(ins,
+			asm.LoadMem(asm.R5, asm.R2, a, asm.Word),
+			asm.JNE.Imm(asm.R5, 0, next),
+			asm.LoadMem(asm.R5, asm.R2, a+4, asm.Word),
+			asm.JNE.Imm(asm.R5, 0, next),
+			asm.LoadMem(asm.R5, asm.R2, a+8, asm.Word),
+			asm.JEq.Imm32(asm.R5, -0x10000, out), // 00 00 ff ff as a little-endian load
+			asm.Mov.Imm(asm.R5, 0).WithSymbol(next),
+		)
+	}
+	// key: saddr, daddr (v6+8, v6+24: 32 bytes), sport, dport
+	for off := int16(0); off < 32; off += 4 {
+		ins = append(ins,
+			asm.LoadMem(asm.R5, asm.R2, v6+8+off, asm.Word),
+			asm.StoreMem(asm.RFP, key+off, asm.R5, asm.Word))
+	}
+	ins = append(ins,
+		asm.LoadMem(asm.R5, asm.R2, v6TCP, asm.Half),
+		asm.StoreMem(asm.RFP, key+32, asm.R5, asm.Half),
+		asm.LoadMem(asm.R5, asm.R2, v6TCP+2, asm.Half),
+		asm.StoreMem(asm.RFP, key+34, asm.R5, asm.Half),
+		asm.LoadMem(asm.R7, asm.R6, skbIfindex, asm.Word).WithSymbol("keyed"), // r7: the interface
 		asm.FnKtimeGetNs.Call(),
 		asm.Mov.Reg(asm.R8, asm.R0), // r8: now
 		// A record for this tuple?
 		asm.LoadMapPtr(asm.R1, synFD),
 		asm.Mov.Reg(asm.R2, asm.RFP),
-		asm.Add.Imm(asm.R2, -16),
+		asm.Add.Imm(asm.R2, key),
 		asm.FnMapLookupElem.Call(),
 		asm.JEq.Imm(asm.R0, 0, "new"),
 		asm.LoadMem(asm.R1, asm.R0, 0, asm.Word),
@@ -129,23 +199,23 @@ func program(synFD, perIfFD, statsFD int, perIf int) asm.Instructions {
 		asm.StoreMem(asm.R0, 8, asm.R8, asm.DWord), // same interface: refresh
 		asm.Ja.Label(out),
 		// A new tuple: within its interface's quota?
-		asm.StoreMem(asm.RFP, -20, asm.R7, asm.Word).WithSymbol("new"),
+		asm.StoreMem(asm.RFP, quota, asm.R7, asm.Word).WithSymbol("new"),
 		asm.LoadMapPtr(asm.R1, perIfFD),
 		asm.Mov.Reg(asm.R2, asm.RFP),
-		asm.Add.Imm(asm.R2, -20),
+		asm.Add.Imm(asm.R2, quota),
 		asm.FnMapLookupElem.Call(),
 		asm.Mov.Reg(asm.R9, asm.R0), // r9: its count, or NULL
 		asm.JEq.Imm(asm.R9, 0, "insert"),
 		asm.LoadMem(asm.R1, asm.R9, 0, asm.Word),
 		asm.JGE.Imm(asm.R1, int32(perIf), "quota"),
-		asm.StoreMem(asm.RFP, -40, asm.R7, asm.Word).WithSymbol("insert"),
-		asm.StoreImm(asm.RFP, -36, 0, asm.Word),
-		asm.StoreMem(asm.RFP, -32, asm.R8, asm.DWord),
+		asm.StoreMem(asm.RFP, rec, asm.R7, asm.Word).WithSymbol("insert"),
+		asm.StoreImm(asm.RFP, rec+4, 0, asm.Word),
+		asm.StoreMem(asm.RFP, rec+8, asm.R8, asm.DWord),
 		asm.LoadMapPtr(asm.R1, synFD),
 		asm.Mov.Reg(asm.R2, asm.RFP),
-		asm.Add.Imm(asm.R2, -16),
+		asm.Add.Imm(asm.R2, key),
 		asm.Mov.Reg(asm.R3, asm.RFP),
-		asm.Add.Imm(asm.R3, -40),
+		asm.Add.Imm(asm.R3, rec),
 		asm.Mov.Imm(asm.R4, bpfNoExist),
 		asm.FnMapUpdateElem.Call(),
 		asm.JNE.Imm(asm.R0, 0, "full"),
@@ -153,24 +223,24 @@ func program(synFD, perIfFD, statsFD int, perIf int) asm.Instructions {
 		asm.Mov.Imm(asm.R1, 1),
 		asm.AddAtomic.Mem(asm.R9, asm.R1, asm.Word, 0),
 		asm.Ja.Label("recorded"),
-		asm.StoreImm(asm.RFP, -24, 1, asm.Word).WithSymbol("first"),
+		asm.StoreImm(asm.RFP, count, 1, asm.Word).WithSymbol("first"),
 		asm.LoadMapPtr(asm.R1, perIfFD),
 		asm.Mov.Reg(asm.R2, asm.RFP),
-		asm.Add.Imm(asm.R2, -20),
+		asm.Add.Imm(asm.R2, quota),
 		asm.Mov.Reg(asm.R3, asm.RFP),
-		asm.Add.Imm(asm.R3, -24),
+		asm.Add.Imm(asm.R3, count),
 		asm.Mov.Imm(asm.R4, bpfNoExist),
 		asm.FnMapUpdateElem.Call(),
-	}
+	)
 	for _, s := range []struct {
 		label string
 		stat  Stat
 	}{{"recorded", StatRecorded}, {"conflict", StatConflicts}, {"full", StatFull}, {"quota", StatOverQuota}} {
 		ins = append(ins,
-			asm.StoreImm(asm.RFP, -44, int64(s.stat), asm.Word).WithSymbol(s.label),
+			asm.StoreImm(asm.RFP, stat, int64(s.stat), asm.Word).WithSymbol(s.label),
 			asm.LoadMapPtr(asm.R1, statsFD),
 			asm.Mov.Reg(asm.R2, asm.RFP),
-			asm.Add.Imm(asm.R2, -44),
+			asm.Add.Imm(asm.R2, stat),
 			asm.FnMapLookupElem.Call(),
 			asm.JEq.Imm(asm.R0, 0, out),
 			asm.Mov.Imm(asm.R1, 1),
@@ -211,21 +281,23 @@ func (w *Witness) Detach(ifindex int) {
 	}
 }
 
-func key(src, dst netip.AddrPort) [12]byte {
-	var k [12]byte
-	s, d := src.Addr().As4(), dst.Addr().As4()
+// key is the program's key of the tuple src->dst (IPv4 as IPv4-mapped
+// IPv6, whichever form the caller gives).
+func key(src, dst netip.AddrPort) [keySize]byte {
+	var k [keySize]byte
+	s, d := src.Addr().As16(), dst.Addr().As16()
 	copy(k[0:], s[:])
-	copy(k[4:], d[:])
-	binary.BigEndian.PutUint16(k[8:], src.Port())
-	binary.BigEndian.PutUint16(k[10:], dst.Port())
+	copy(k[16:], d[:])
+	binary.BigEndian.PutUint16(k[32:], src.Port())
+	binary.BigEndian.PutUint16(k[34:], dst.Port())
 	return k
 }
 
 // Origin returns the interface the first SYN of src->dst came in by.
 func (w *Witness) Origin(src, dst netip.AddrPort) (int, error) {
 	src, dst = unmap(src), unmap(dst)
-	if !src.Addr().Is4() || !dst.Addr().Is4() {
-		return 0, fmt.Errorf("witness: IPv4 only: %w", ErrNoSYN)
+	if src.Addr().Is4() != dst.Addr().Is4() || src.Addr().Zone() != "" || dst.Addr().Zone() != "" {
+		return 0, ErrNoSYN // no packet has one IPv4 and one IPv6 address
 	}
 	k := key(src, dst)
 	var rec [16]byte
@@ -259,8 +331,8 @@ func (w *Witness) Sweep() int {
 	}
 	oldest := uint64(ts.Nano()) - uint64(w.opts.TTL.Nanoseconds())
 	var (
-		stale  [][12]byte
-		kk     [12]byte
+		stale  [][keySize]byte
+		kk     [keySize]byte
 		rec    [16]byte
 		counts = map[uint32]uint32{}
 	)

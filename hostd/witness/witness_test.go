@@ -61,7 +61,11 @@ func rig(t *testing.T, name string, n int, o witness.Options) (*nsrig.Rig, *witn
 func dialFrom(g *nsrig.Guest, src, dst netip.AddrPort) {
 	nsrig.In(g.NSPath(), func() error {
 		d := net.Dialer{LocalAddr: net.TCPAddrFromAddrPort(src), Timeout: time.Second}
-		if c, err := d.Dial("tcp4", dst.String()); err == nil {
+		network := "tcp4"
+		if dst.Addr().Is6() {
+			network = "tcp6"
+		}
+		if c, err := d.Dial(network, dst.String()); err == nil {
 			c.Close()
 		}
 		return nil
@@ -81,11 +85,87 @@ func TestRecordsSYNOrigin(t *testing.T) {
 	if err != nil || got != idx[0] {
 		t.Fatalf("Origin(%s -> %s) = %d, %v; want ifindex %d", src, dst, got, err, idx[0])
 	}
+	// The same tuple named in IPv4-mapped IPv6 form (as an AF_INET6
+	// socket names it) is the same record.
+	mapped := func(a netip.AddrPort) netip.AddrPort {
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr().As16()), a.Port())
+	}
+	if got, err := w.Origin(mapped(src), mapped(dst)); err != nil || got != idx[0] {
+		t.Fatalf("Origin(%s -> %s) = %d, %v; want ifindex %d", mapped(src), mapped(dst), got, err, idx[0])
+	}
 	if _, err := w.Origin(netip.MustParseAddrPort("10.9.9.9:1"), dst); !errors.Is(err, witness.ErrNoSYN) {
 		t.Fatalf("Origin of an unseen tuple = %v, want ErrNoSYN", err)
 	}
 	if st := w.Stats(); st.Recorded != 1 {
 		t.Fatalf("stats %+v, want 1 recorded", st)
+	}
+}
+
+// TestRecordsSYNOriginIPv6: the same over IPv6: the SYN of a connection
+// the guest opens from its IPv6 address is recorded with its interface,
+// apart from the IPv4 tuple with the same ports; a spoofed IPv6 SYN with
+// that tuple from another guest changes nothing (the first SYN wins); an
+// IPv6 SYN with IPv4-mapped addresses is not recorded, so it cannot take
+// an IPv4 tuple's record first.
+func TestRecordsSYNOriginIPv6(t *testing.T) {
+	r, w, idx := rig(t, "wit6", 2, witness.Options{})
+	g1, g2 := r.Guests[0], r.Guests[1]
+	src := netip.AddrPortFrom(g1.Addr6, 40125)
+	dst := netip.AddrPortFrom(g1.HostAddr6, 9)
+	dialFrom(g1, src, dst)
+	if got, err := w.Origin(src, dst); err != nil || got != idx[0] {
+		t.Fatalf("Origin(%s -> %s) = %d, %v; want ifindex %d", src, dst, got, err, idx[0])
+	}
+	if _, err := w.Origin(netip.AddrPortFrom(g1.Addr, 40125), netip.AddrPortFrom(g1.HostAddr, 9)); !errors.Is(err, witness.ErrNoSYN) {
+		t.Fatalf("Origin of the IPv4 tuple with the same ports = %v, want ErrNoSYN", err)
+	}
+	if _, err := w.Origin(netip.AddrPortFrom(g1.Addr, 40125), dst); !errors.Is(err, witness.ErrNoSYN) {
+		t.Fatalf("Origin of a mixed tuple = %v, want ErrNoSYN", err)
+	}
+	if err := nsrig.SendTCP(g2.NSPath(), "", src, dst, 0x02, 1); err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(5 * time.Second)
+	for w.Stats().Conflicts == 0 {
+		if time.Now().After(deadline) {
+			t.Fatalf("the spoofed IPv6 SYN was not seen within 5s: %+v", w.Stats())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	if got, err := w.Origin(src, dst); err != nil || got != idx[0] {
+		t.Fatalf("after g2's SYN, Origin = %d, %v; want g1's ifindex %d", got, err, idx[0])
+	}
+	if st := w.Stats(); st.Recorded != 1 || st.Conflicts != 1 {
+		t.Fatalf("stats %+v, want 1 recorded and 1 conflict", st)
+	}
+	// g2 sends an IPv6 SYN with IPv4-mapped addresses, g1's next IPv4
+	// tuple in the form the map keys it: not recorded, so g1's own SYN
+	// for that tuple is the first.
+	src4, dst4 := netip.AddrPortFrom(g1.Addr, 40126), netip.AddrPortFrom(g1.HostAddr, 9)
+	mapped := func(a netip.AddrPort) netip.AddrPort {
+		return netip.AddrPortFrom(netip.AddrFrom16(a.Addr().As16()), a.Port())
+	}
+	if err := nsrig.SendTCP(g2.NSPath(), "", mapped(src4), mapped(dst4), 0x02, 1); err != nil {
+		t.Fatal(err)
+	}
+	// A plain IPv6 SYN after it, on the same link, is recorded: once it
+	// is, the program has seen the mapped one.
+	marker := netip.AddrPortFrom(g2.Addr6, 40127)
+	if err := nsrig.SendTCP(g2.NSPath(), "", marker, dst, 0x02, 1); err != nil {
+		t.Fatal(err)
+	}
+	for !countOf(w, marker, dst) {
+		if time.Now().After(deadline) {
+			t.Fatalf("g2's marker SYN was not seen within 5s: %+v", w.Stats())
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+	dialFrom(g1, src4, dst4)
+	if got, err := w.Origin(src4, dst4); err != nil || got != idx[0] {
+		t.Fatalf("after a mapped IPv6 SYN from g2, Origin(%s -> %s) = %d, %v; want g1's ifindex %d", src4, dst4, got, err, idx[0])
+	}
+	if st := w.Stats(); st.Recorded != 3 || st.Conflicts != 1 {
+		t.Fatalf("stats %+v, want 3 recorded (g1's two, g2's marker) and still 1 conflict", st)
 	}
 }
 

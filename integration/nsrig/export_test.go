@@ -4,6 +4,7 @@ package nsrig
 
 // For tests.
 var (
-	TCPSegment = tcpSegment
-	Checksum   = checksum
+	TCPSegment  = tcpSegment
+	TCPSegment6 = tcpSegment6
+	Checksum    = checksum
 )

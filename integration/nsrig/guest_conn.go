@@ -9,13 +9,17 @@ import (
 	"time"
 )
 
-// Listen accepts TCP connections on the guest's address (and drops them)
-// until the test ends, and returns the address it listens on.
-func (g *Guest) Listen(t testing.TB) netip.AddrPort {
+// Listen accepts TCP connections on the guest's IPv4 address (and drops
+// them) until the test ends, and returns the address it listens on.
+func (g *Guest) Listen(t testing.TB) netip.AddrPort { return g.ListenOn(t, g.Addr) }
+
+// ListenOn is Listen on address a (the guest's Addr6, or an unspecified
+// address).
+func (g *Guest) ListenOn(t testing.TB, a netip.Addr) netip.AddrPort {
 	t.Helper()
 	var l net.Listener
 	err := In(g.NSPath(), func() (err error) {
-		l, err = net.Listen("tcp4", g.Addr.String()+":0")
+		l, err = net.Listen(network(a), netip.AddrPortFrom(a, 0).String())
 		return err
 	})
 	if err != nil {
@@ -40,11 +44,19 @@ func (g *Guest) Dial(t testing.TB, to netip.AddrPort) net.Conn {
 	t.Helper()
 	var c net.Conn
 	err := In(g.NSPath(), func() (err error) {
-		c, err = net.DialTimeout("tcp4", to.String(), 5*time.Second)
+		c, err = net.DialTimeout(network(to.Addr()), to.String(), 5*time.Second)
 		return err
 	})
 	if err != nil {
 		t.Fatal(err)
 	}
 	return c
+}
+
+// network is "tcp4" for an IPv4 address, "tcp6" for an IPv6 one.
+func network(a netip.Addr) string {
+	if a.Is4() {
+		return "tcp4"
+	}
+	return "tcp6"
 }

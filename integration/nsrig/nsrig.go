@@ -23,12 +23,21 @@ import (
 
 // Guest is one guest namespace.
 type Guest struct {
-	Index    int
-	Name     string     // g1, g2, ...
-	NS       string     // netns name
-	Addr     netip.Addr // the guest's address
-	HostAddr netip.Addr // the host side of its veth
-	HostIf   string     // the host side interface name
+	Index     int
+	Name      string     // g1, g2, ...
+	NS        string     // netns name
+	Addr      netip.Addr // the guest's IPv4 address
+	HostAddr  netip.Addr // the host side of its veth (IPv4)
+	Addr6     netip.Addr // the guest's IPv6 address (ULA, fd00:77:i::2/64)
+	HostAddr6 netip.Addr // the host side of its veth (IPv6)
+	HostIf    string     // the host side interface name
+}
+
+// v6 is address host of guest i's link, fd00:77:i::/64 (i in hex: g10's
+// is fd00:77:a::/64), a unique local address (RFC 4193) never routed off
+// the host.
+func v6(i int, host byte) netip.Addr {
+	return netip.AddrFrom16([16]byte{0xfd, 0x00, 0x00, 0x77, byte(i >> 8), byte(i), 15: host})
 }
 
 // NSPath is the guest namespace's bind-mount path.
@@ -56,9 +65,11 @@ func New(name string, n int) (*Rig, error) {
 	for i := 1; i <= n; i++ {
 		r.Guests = append(r.Guests, &Guest{
 			Index: i, Name: fmt.Sprintf("g%d", i), NS: fmt.Sprintf("shunt-%s-g%d", name, i),
-			Addr:     netip.AddrFrom4([4]byte{10, 77, byte(i), 2}),
-			HostAddr: netip.AddrFrom4([4]byte{10, 77, byte(i), 1}),
-			HostIf:   fmt.Sprintf("sh-%s-%d", name, i),
+			Addr:      netip.AddrFrom4([4]byte{10, 77, byte(i), 2}),
+			HostAddr:  netip.AddrFrom4([4]byte{10, 77, byte(i), 1}),
+			Addr6:     v6(i, 2),
+			HostAddr6: v6(i, 1),
+			HostIf:    fmt.Sprintf("sh-%s-%d", name, i),
 		})
 	}
 	return r, nil
@@ -90,7 +101,12 @@ func (r *Rig) Create() (err error) {
 		return err
 	}
 	if err := r.In(r.HostNSPath(), func() error {
-		return os.WriteFile("/proc/sys/net/ipv4/ip_forward", []byte("1"), 0o644)
+		return sysctls(map[string]string{
+			"net/ipv4/ip_forward":                "1",
+			"net/ipv6/conf/all/forwarding":       "1",
+			"net/ipv6/conf/default/disable_ipv6": "0",
+			"net/ipv6/conf/default/accept_dad":   "0",
+		})
 	}); err != nil {
 		return fmt.Errorf("enable forwarding in %s: %w", r.HostNS, err)
 	}
@@ -108,7 +124,30 @@ func (r *Rig) addGuest(hh *netlink.Handle, host netns.NsHandle, g *Guest) error 
 		return err
 	}
 	defer gns.Close()
+	// IPv6 on, and no duplicate address detection on the links made
+	// later (their link-local addresses too): an address still tentative
+	// cannot be bound or used, and the rig's addresses are unique by
+	// construction.
+	if err := In(g.NSPath(), func() error {
+		return sysctls(map[string]string{"net/ipv6/conf/default/disable_ipv6": "0", "net/ipv6/conf/default/accept_dad": "0"})
+	}); err != nil {
+		return fmt.Errorf("IPv6 settings in %s: %w", g.NS, err)
+	}
 	return r.linkGuest(hh, host, gns, g)
+}
+
+// sysctls writes each /proc/sys/ key in the calling thread's network
+// namespace.
+func sysctls(kv map[string]string) error {
+	for k, v := range kv {
+		if err := os.WriteFile("/proc/sys/"+k, []byte(v), 0o644); err != nil {
+			if errors.Is(err, os.ErrNotExist) && strings.HasPrefix(k, "net/ipv6/") {
+				return fmt.Errorf("%w: the rig's guests are dual-stack; boot without ipv6.disable=1", err)
+			}
+			return err
+		}
+	}
+	return nil
 }
 
 // linkGuest joins guest namespace gns to the host by g's veth pair, with
@@ -127,11 +166,14 @@ func (r *Rig) linkGuest(hh *netlink.Handle, host, gns netns.NsHandle, g *Guest) 
 	if err := hh.LinkAdd(veth); err != nil {
 		return fmt.Errorf("veth %s: %w", g.HostIf, err)
 	}
-	if err := addAddr(hh, g.HostIf, g.HostAddr); err != nil {
-		return err
-	}
-	if err := addAddr(gh, "eth0", g.Addr); err != nil {
-		return err
+	for _, a := range []struct {
+		h      *netlink.Handle
+		ifname string
+		addr   netip.Addr
+	}{{hh, g.HostIf, g.HostAddr}, {hh, g.HostIf, g.HostAddr6}, {gh, "eth0", g.Addr}, {gh, "eth0", g.Addr6}} {
+		if err := addAddr(a.h, a.ifname, a.addr); err != nil {
+			return err
+		}
 	}
 	for _, name := range []string{"lo", "eth0"} {
 		if err := linkUp(gh, name); err != nil {
@@ -145,20 +187,33 @@ func (r *Rig) linkGuest(hh *netlink.Handle, host, gns netns.NsHandle, g *Guest) 
 	if err != nil {
 		return err
 	}
-	gw := net.IP(g.HostAddr.AsSlice())
-	if err := gh.RouteAdd(&netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: gw}); err != nil {
-		return fmt.Errorf("default route in %s: %w", g.NS, err)
+	for _, gw := range []netip.Addr{g.HostAddr, g.HostAddr6} {
+		rt := &netlink.Route{LinkIndex: eth0.Attrs().Index, Gw: net.IP(gw.AsSlice())}
+		if gw.Is6() {
+			rt.Family = netlink.FAMILY_V6
+			rt.Dst = &net.IPNet{IP: net.IPv6zero, Mask: net.CIDRMask(0, 128)}
+		}
+		if err := gh.RouteAdd(rt); err != nil {
+			return fmt.Errorf("default route via %s in %s: %w", gw, g.NS, err)
+		}
 	}
 	return nil
 }
 
+// addAddr puts a on interface ifname: an IPv4 address as a /24, an IPv6
+// one as a /64 without duplicate address detection (nodad: usable at
+// once, not tentative).
 func addAddr(h *netlink.Handle, ifname string, a netip.Addr) error {
 	l, err := h.LinkByName(ifname)
 	if err != nil {
 		return fmt.Errorf("link %s: %w", ifname, err)
 	}
 	ipn := &net.IPNet{IP: a.AsSlice(), Mask: net.CIDRMask(24, 32)}
-	if err := h.AddrAdd(l, &netlink.Addr{IPNet: ipn}); err != nil {
+	var flags int
+	if a.Is6() {
+		ipn.Mask, flags = net.CIDRMask(64, 128), unix.IFA_F_NODAD
+	}
+	if err := h.AddrAdd(l, &netlink.Addr{IPNet: ipn, Flags: flags}); err != nil {
 		return fmt.Errorf("address %s on %s: %w", a, ifname, err)
 	}
 	return nil

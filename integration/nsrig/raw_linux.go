@@ -13,8 +13,8 @@ import (
 )
 
 // AddLink joins guest g to the host by one more veth pair: hostIf in the
-// host namespace with hostAddr/24, ifname in the guest's with guestAddr/24,
-// both up. Tests use it to send a guest's packets in by an interface that
+// host namespace with hostAddr, ifname in the guest's with guestAddr (/24
+// for IPv4, /64 for IPv6), both up. Tests use it to send a guest's packets in by an interface that
 // is not the guest's own (a second NIC, or another guest's path).
 func (r *Rig) AddLink(g *Guest, hostIf, ifname string, hostAddr, guestAddr netip.Addr) error {
 	host, gns, err := r.namespaces(g)
@@ -52,18 +52,29 @@ func (r *Rig) AddLink(g *Guest, hostIf, ifname string, hostAddr, guestAddr netip
 	return linkUp(gh, ifname)
 }
 
-// SendTCP sends one hand-made IPv4 TCP segment from inside the namespace
-// at nsPath, with any source address, out of interface dev ("": as routed):
-// flags are TCP flag bits (0x02 SYN, 0x10 ACK), seq its sequence number.
-// The checksum is right, so conntrack takes the segment as valid. For
-// tests of spoofing.
+// SendTCP sends one hand-made TCP segment (IPv4 or IPv6, as src and dst
+// are: IPv4-mapped addresses go in an IPv6 header) from inside the namespace at nsPath, with any source address, out
+// of interface dev ("": as routed): flags are TCP flag bits (0x02 SYN,
+// 0x10 ACK), seq its sequence number. The checksum is right, so
+// conntrack takes the segment as valid. For tests of spoofing.
 func SendTCP(nsPath, dev string, src, dst netip.AddrPort, flags uint8, seq uint32) error {
-	if !src.Addr().Is4() || !dst.Addr().Is4() {
-		return fmt.Errorf("SendTCP: IPv4 only (%s -> %s)", src, dst)
+	if src.Addr().Is4() != dst.Addr().Is4() {
+		return fmt.Errorf("SendTCP: one IPv4 and one IPv6 address (%s -> %s)", src, dst)
 	}
-	pkt := tcpSegment(src, dst, flags, seq)
+	var (
+		family int
+		pkt    []byte
+		to     unix.Sockaddr
+	)
+	if dst.Addr().Is4() {
+		family, pkt, to = unix.AF_INET, tcpSegment(src, dst, flags, seq), &unix.SockaddrInet4{Addr: dst.Addr().As4()}
+	} else {
+		// IPPROTO_RAW on an AF_INET6 socket takes the IPv6 header from
+		// the caller (IPV6_HDRINCL, Linux 4.5 and later).
+		family, pkt, to = unix.AF_INET6, tcpSegment6(src, dst, flags, seq), &unix.SockaddrInet6{Addr: dst.Addr().As16()}
+	}
 	return In(nsPath, func() error {
-		fd, err := unix.Socket(unix.AF_INET, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
+		fd, err := unix.Socket(family, unix.SOCK_RAW|unix.SOCK_CLOEXEC, unix.IPPROTO_RAW)
 		if err != nil {
 			return fmt.Errorf("raw socket: %w", err)
 		}
@@ -73,7 +84,6 @@ func SendTCP(nsPath, dev string, src, dst netip.AddrPort, flags uint8, seq uint3
 				return fmt.Errorf("raw socket on %s: %w", dev, err)
 			}
 		}
-		to := &unix.SockaddrInet4{Addr: dst.Addr().As4()}
 		if err := unix.Sendto(fd, pkt, 0, to); err != nil {
 			return fmt.Errorf("send raw segment %s -> %s: %w", src, dst, err)
 		}
@@ -90,19 +100,41 @@ func tcpSegment(src, dst netip.AddrPort, flags uint8, seq uint32) []byte {
 	copy(b[12:], s[:])
 	copy(b[16:], d[:])
 	binary.BigEndian.PutUint16(b[10:], checksum(b[:20], 0))
-	t := b[20:]
+	tcpHeader(b[20:], src, dst, flags, seq, pseudoSum(s[:], d[:]))
+	return b
+}
+
+// tcpSegment6 is an IPv6 header (40 bytes) and a TCP header (20 bytes).
+func tcpSegment6(src, dst netip.AddrPort, flags uint8, seq uint32) []byte {
+	b := make([]byte, 60)
+	s, d := src.Addr().As16(), dst.Addr().As16()
+	b[0] = 0x60
+	binary.BigEndian.PutUint16(b[4:], 20) // payload length
+	b[6], b[7] = unix.IPPROTO_TCP, 64     // next header, hop limit
+	copy(b[8:], s[:])
+	copy(b[24:], d[:])
+	tcpHeader(b[40:], src, dst, flags, seq, pseudoSum(s[:], d[:]))
+	return b
+}
+
+// pseudoSum is the checksum's sum over the pseudo header of a 20-byte TCP
+// header: source, destination, protocol, TCP length (RFC 793, RFC 8200).
+func pseudoSum(s, d []byte) uint32 {
+	sum := uint32(unix.IPPROTO_TCP) + 20
+	for i := 0; i+1 < len(s); i += 2 {
+		sum += uint32(binary.BigEndian.Uint16(s[i:])) + uint32(binary.BigEndian.Uint16(d[i:]))
+	}
+	return sum
+}
+
+// tcpHeader fills t (20 bytes) with a TCP header and its checksum.
+func tcpHeader(t []byte, src, dst netip.AddrPort, flags uint8, seq uint32, pseudo uint32) {
 	binary.BigEndian.PutUint16(t[0:], src.Port())
 	binary.BigEndian.PutUint16(t[2:], dst.Port())
 	binary.BigEndian.PutUint32(t[4:], seq)
 	t[12], t[13] = 5<<4, flags
 	binary.BigEndian.PutUint16(t[14:], 64240)
-	// The pseudo header: source, destination, protocol, TCP length.
-	pseudo := uint32(unix.IPPROTO_TCP) + 20
-	for i := 0; i < 4; i += 2 {
-		pseudo += uint32(binary.BigEndian.Uint16(s[i:])) + uint32(binary.BigEndian.Uint16(d[i:]))
-	}
 	binary.BigEndian.PutUint16(t[16:], checksum(t, pseudo))
-	return b
 }
 
 func checksum(b []byte, sum uint32) uint16 {

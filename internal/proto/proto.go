@@ -197,6 +197,20 @@ func layoutOf(v uint8, t Type) ([]field, bool) {
 
 var le = binary.LittleEndian
 
+// Unmap returns ap in the form conntrack and hostd name it: an IPv4-mapped
+// IPv6 address (::ffff:a.b.c.d, as an AF_INET6 socket names an IPv4 peer
+// or a dual-stack listener's IPv4 side) as the IPv4 address a.b.c.d, and
+// no zone (the wire has none). Every other address is unchanged. An
+// address is 16 bytes on the wire, IPv4 as IPv4-mapped, so both forms of
+// an IPv4 address encode alike, and Decode returns this form: a guest's
+// OPEN for an IPv4 connection names its IPv4 conntrack tuple whether the
+// socket was AF_INET or AF_INET6. The guest libraries name connections
+// and listeners in this form too (the C library keeps the 16-byte wire
+// form, in which the two are already one).
+func Unmap(ap netip.AddrPort) netip.AddrPort {
+	return netip.AddrPortFrom(ap.Addr().Unmap().WithZone(""), ap.Port())
+}
+
 func appendAddrPort(b []byte, ap netip.AddrPort) []byte {
 	a := ap.Addr().As16()
 	if !ap.Addr().IsValid() {
@@ -338,7 +352,7 @@ func (d *decoder) take(n int) []byte {
 }
 
 func (d *decoder) addrPort() netip.AddrPort {
-	a := netip.AddrFrom16([16]byte(d.take(16))).Unmap()
+	a := netip.AddrFrom16([16]byte(d.take(16))).Unmap() // as Unmap
 	p := le.Uint16(d.take(2))
 	if a == netip.IPv6Unspecified() && p == 0 {
 		return netip.AddrPort{}

@@ -3,6 +3,7 @@ package proto_test
 import (
 	"bytes"
 	"errors"
+	"net/netip"
 	"testing"
 
 	"github.com/shuntnet/shunt/internal/proto"
@@ -140,4 +141,45 @@ func FuzzDecode(f *testing.F) {
 			t.Fatalf("round trip: %+v, %v; want %+v", m2, err, m)
 		}
 	})
+}
+
+// TestAddressForms: an IPv4 address encodes to the same 16 bytes whether
+// it is given as IPv4 or IPv4-mapped IPv6 (an AF_INET6 socket's name for
+// an IPv4 peer), and decodes as IPv4: OPENs from an AF_INET and an
+// AF_INET6 socket name one conntrack tuple. IPv6 addresses, and the two
+// unspecified addresses of a LISTEN, keep their family; a zone is dropped.
+func TestAddressForms(t *testing.T) {
+	for _, tc := range []struct {
+		name     string
+		in, want string
+	}{
+		{"ipv4", "10.77.1.2:5201", "10.77.1.2:5201"},
+		{"ipv4-mapped", "[::ffff:10.77.1.2]:5201", "10.77.1.2:5201"},
+		{"ipv6", "[fd00:77:1::2]:5201", "[fd00:77:1::2]:5201"},
+		{"ipv6-zone", "[fe80::1%eth0]:5201", "[fe80::1]:5201"},
+		{"ipv4-any", "0.0.0.0:5201", "0.0.0.0:5201"},
+		{"ipv4-any-mapped", "[::ffff:0.0.0.0]:5201", "0.0.0.0:5201"},
+		{"ipv6-any", "[::]:5201", "[::]:5201"},
+		{"ipv6-loopback", "[::1]:5201", "[::1]:5201"},
+		{"ipv4-compatible-is-ipv6", "[::10.77.1.2]:5201", "[::a4d:102]:5201"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			in, want := netip.MustParseAddrPort(tc.in), netip.MustParseAddrPort(tc.want)
+			if got := proto.Unmap(in); got != want {
+				t.Fatalf("Unmap(%s) = %s, want %s", in, got, want)
+			}
+			m := proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Passive, Local: in, Remote: want}
+			frame, err := m.Append(nil)
+			if err != nil {
+				t.Fatal(err)
+			}
+			got, err := proto.Decode(frame)
+			if err != nil || got.Local != want || got.Remote != want {
+				t.Fatalf("decoded %s and %s (%v); want %s for both", got.Local, got.Remote, err, want)
+			}
+			if w, _ := (&proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Passive, Local: want, Remote: want}).Append(nil); !bytes.Equal(w, frame) {
+				t.Fatalf("%s and %s encode differently:\n% x\n% x", in, want, frame, w)
+			}
+		})
+	}
 }

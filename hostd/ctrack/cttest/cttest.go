@@ -72,6 +72,7 @@ func (t *Table) Uncount(id uint32) {
 
 // Lookup implements ctrack.Tracker: either direction matches.
 func (t *Table) Lookup(q ctrack.Tuple) (ctrack.Entry, error) {
+	q = q.Unmap() // as the kernel's: either form of an IPv4 tuple
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	for _, e := range t.entries {
