@@ -22,17 +22,14 @@ import (
 // Path switching under the preload library (issue 11): streams across
 // switches between C ends, and between a C end and a Go end.
 
-// buildEdgeSwitch builds the edge suite with its switch tests
-// (edge_switch.c; the Makefile's shunt-edge leaves it out until EDGE_SRC
-// names it).
+// buildEdgeSwitch builds the edge suite, switch tests included
+// (edge_switch.c), through the Makefile's shunt-edge target.
 func buildEdgeSwitch(t *testing.T) string {
 	t.Helper()
-	testenv.NeedTool(t, "gcc", "gcc")
-	edge := filepath.Join(t.TempDir(), "shunt-edge")
-	cmd := exec.Command("gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-Wno-unused-result", "-o", edge,
-		"ctest/edge.c", "ctest/edge_blocking.c", "ctest/edge_switch.c")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		testenv.Missing(t, fmt.Sprintf("cannot build the edge suite: %v\n%s", err, out), "apt-get install gcc libc6-dev")
+	dir := t.TempDir()
+	edge := filepath.Join(dir, "shunt-edge")
+	if err := makeC(dir, edge); err != nil {
+		testenv.Missing(t, "cannot build the edge suite: "+err.Error(), "apt-get install make gcc libc6-dev")
 	}
 	return edge
 }

@@ -558,6 +558,60 @@ func TestPreloadEdgeCases(t *testing.T) {
 			}
 		})
 	}
+	// Fork models (ctest/edge_fork.c; docs/preload.md, Rules: fork). An
+	// accept-then-fork server forks inside the open delay: the connection
+	// is let go to the kernel in both processes ("tcp (fork") and the
+	// child serves it, or execs /bin/cat on it (inetd). Pre-fork workers
+	// accepting on their parent's listener each get the fast path, and so
+	// do workers with SO_REUSEPORT listeners of their own (each closes a
+	// second one, which must not unregister the first). A fork while a
+	// connection streams on the rings leaves it there.
+	serveMode := func(mode, port string, env ...string) *bytes.Buffer {
+		srv := exec.Command(shuntRun, "-v", edge, mode, g2, port)
+		srv.Env = append(append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib), env...)
+		return e.start(2, srv)
+	}
+	forkOut := serveMode("forkserver", "7702")
+	preOut := serveMode("prefork", "7703")
+	reuseOut := serveMode("reuseport", "7704")
+	// Without the open delay the server's OPEN is out before the fork:
+	// the parent tells hostd (CLOSE), and the client stays on TCP.
+	toldOut := serveMode("forkserver", "7705", "SHUNT_OPEN_DELAY_MS=0")
+	for _, p := range []int{7702, 7703, 7704, 7705} {
+		e.waitListening(2, p)
+	}
+	for _, tc := range []struct {
+		name, test, port string
+		fast             int
+		srv              *bytes.Buffer // the server's output, shown on failure
+		srvWant          string        // a line the server must print, and how often
+		srvCount         int
+	}{
+		{"afork", "afork", "7702", 0, forkOut, ": tcp (fork: ", 1},
+		{"afork-told", "afork", "7705", 0, toldOut, ", hostd told)", 1},
+		{"inetd", "inetd", "7702", 0, forkOut, ": tcp (fork: ", 2},
+		{"prefork", "prefork", "7703", 2, preOut, ": shunt (slot ", 2},
+		{"reuseport", "reuseport", "7704", 2, reuseOut, ": shunt (slot ", 2},
+		{"forkring", "forkring", "7700", 1, srvOut, "", 0},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			out := e.runT(t, 1, clientAt(tc.port, tc.test))
+			n := fastLines(out)
+			if !strings.Contains(out, "PASS "+tc.test) || n != tc.fast {
+				t.Fatalf("%s (%d connections on the fast path, want %d):\n%s\nserver:\n%s", tc.test, n, tc.fast, out, tc.srv.String())
+			}
+			if tc.test == "forkring" && (strings.Contains(out, "tcp (fork") || strings.Contains(out, "left the rings")) {
+				t.Fatalf("a fork moved the connection off the rings:\n%s", out)
+			}
+			for end := time.Now().Add(5 * time.Second); tc.srvWant != "" && strings.Count(tc.srv.String(), tc.srvWant) < tc.srvCount && time.Now().Before(end); {
+				time.Sleep(10 * time.Millisecond) // the server's -v lines come through a pipe
+			}
+			if tc.srvWant != "" && strings.Count(tc.srv.String(), tc.srvWant) < tc.srvCount {
+				t.Fatalf("the server printed %q %d times, want %d:\n%s\nclient:\n%s", tc.srvWant,
+					strings.Count(tc.srv.String(), tc.srvWant), tc.srvCount, tc.srv.String(), out)
+			}
+		})
+	}
 	t.Run("hostd-absent", func(t *testing.T) {
 		cmd := client("plain")
 		cmd.Env = append(cmd.Env, "SHUNT_CONTROL=/nonexistent/shunt.sock")

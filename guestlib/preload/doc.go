@@ -6,8 +6,10 @@
 // the session with hostd, VM discovery and kicks; shunt.h), which the Open
 // MPI transport (guestlib/mpi) links too, plus the interposition files in csrc/: the
 // fd table and configuration (preload.c, preload.h), sockets (socket.c),
-// I/O (io.c), poll and select (wait.c), epoll (epoll.c), close, dup,
-// fork, exec and exit (lifetime.c), and the safety net that resets a flow
+// I/O (io.c), poll and select (wait.c), epoll (epoll.c), hostd's side of
+// connections (conn.c), OPEN after the open delay and the request-id index
+// (open.c), close, dup, exec and exit (lifetime.c), fork (fork.c), and the
+// safety net that resets a flow
 // whose kernel socket receives bytes written past the library, plus
 // io_uring detection (guard.c). The C files sit in csrc/ because the
 // go command refuses C files in a package that does not use cgo.

@@ -25,25 +25,19 @@ import (
 	"github.com/shuntnet/shunt/shm/wait"
 )
 
-// buildPreload builds the preload library with the Makefile and the edge
-// suite with its switch tests (integration/ctest/edge_switch.c).
+// buildPreload builds the preload library and the edge suite, its switch
+// tests included (integration/ctest/edge_switch.c), with the Makefile.
 func buildPreload(t *testing.T) (lib, edge string) {
 	t.Helper()
 	testenv.NeedTool(t, "make", "make")
 	testenv.NeedTool(t, "gcc", "gcc")
 	dir := t.TempDir()
 	lib = filepath.Join(dir, "libshunt-preload.so")
-	cmd := exec.Command("make", "-s", "-C", "../..", "BIN="+dir, lib)
+	edge = filepath.Join(dir, "shunt-edge")
+	cmd := exec.Command("make", "-s", "-C", "../..", "BIN="+dir, lib, edge)
 	cmd.Env = append(os.Environ(), "MAKEFLAGS=")
 	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build the preload library: %v\n%s", err, out)
-	}
-	edge = filepath.Join(dir, "shunt-edge")
-	src := "../../integration/ctest/"
-	cmd = exec.Command("gcc", "-std=c11", "-Wall", "-Wextra", "-Werror", "-pthread", "-Wno-unused-result", "-o", edge,
-		src+"edge.c", src+"edge_blocking.c", src+"edge_switch.c")
-	if out, err := cmd.CombinedOutput(); err != nil {
-		t.Fatalf("build the edge suite: %v\n%s", err, out)
+		t.Fatalf("build the preload library and the edge suite: %v\n%s", err, out)
 	}
 	return lib, edge
 }

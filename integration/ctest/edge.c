@@ -20,7 +20,10 @@
  * connrefused (PORT closed: a non-blocking connect says EINPROGRESS, then
  * POLLERR and ECONNREFUSED in SO_ERROR; a blocking one ECONNREFUSED)
  * uring (after io_uring_setup, connections stay on TCP)
- * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR) */
+ * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR)
+ * afork inetd prefork reuseport forkring (fork models, edge_fork.c:
+ * against "edge forkserver", "edge prefork" and "edge reuseport",
+ * forkring against the server) */
 #include "edge.h"
 
 #include <limits.h>
@@ -283,6 +286,9 @@ static int client(const char *ip, int port, const char *t)
 			return signals(ip, port, t);
 	if (!strcmp(t, "forkloop"))
 		return forkloop(ip, port, t);
+	if (!strcmp(t, "afork") || !strcmp(t, "inetd") || !strcmp(t, "prefork") || !strcmp(t, "reuseport") ||
+	    !strcmp(t, "forkring"))
+		return fork_client(ip, port, t);
 	if (!strcmp(t, "connrefused"))
 		return connrefused(ip, port, t);
 	if (!strcmp(t, "uring")) {
@@ -592,6 +598,10 @@ int main(int argc, char **argv)
 			pthread_detach(th);
 		}
 	}
+	if (argc == 4 && !strcmp(argv[1], "forkserver"))
+		return forkserver(argv[2], atoi(argv[3]));
+	if (argc == 4 && (!strcmp(argv[1], "prefork") || !strcmp(argv[1], "reuseport")))
+		return prefork(argv[2], atoi(argv[3]), !strcmp(argv[1], "reuseport"));
 	if (argc == 3 && !strcmp(argv[1], "exec-child")) {
 		int fd = atoi(argv[2]);
 		usleep(10000);
@@ -610,6 +620,6 @@ int main(int argc, char **argv)
 		return switch_client(argv[2], atoi(argv[3]), argv[4]);
 	if (argc == 5 && !strcmp(argv[1], "client"))
 		return client(argv[2], atoi(argv[3]), argv[4]);
-	fprintf(stderr, "usage: edge server IP PORT | edge client IP PORT TEST\n");
+	fprintf(stderr, "usage: edge server|forkserver|prefork|reuseport IP PORT | edge client IP PORT TEST\n");
 	return 2;
 }

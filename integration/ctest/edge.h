@@ -1,6 +1,7 @@
-/* edge.h: what the edge suite's two files share (edge.c: the server, the
+/* edge.h: what the edge suite's files share (edge.c: the server, the
  * client's basic tests and main; edge_blocking.c: many connections in one
- * wait set, blocked calls acted on from another thread, fork loops). */
+ * wait set, blocked calls acted on from another thread, fork loops;
+ * edge_fork.c: servers' fork models). */
 #ifndef SHUNT_EDGE_H
 #define SHUNT_EDGE_H
 
@@ -42,5 +43,10 @@ int echo_ok(int fd, const char *msg);
 int many(const char *ip, int port, const char *t);
 int signals(const char *ip, int port, const char *t);
 int forkloop(const char *ip, int port, const char *t);
+
+/* edge_fork.c */
+int forkserver(const char *ip, int port);
+int prefork(const char *ip, int port, int reuseport);
+int fork_client(const char *ip, int port, const char *t);
 
 #endif

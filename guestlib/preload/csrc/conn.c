@@ -1,9 +1,10 @@
-/* Connections and hostd: OPEN when a connection is established, and the
- * session's callbacks that move it between TCP and the rings (READY,
- * DOWN, TCP), LEFT when both directions left a ring pair, CLOSE at the
- * last close, and what a new hostd must hear after a restart (LISTEN,
- * REATTACH, OPEN again). Nothing here waits for hostd: a connection is on
- * TCP until READY, and its reads and writes go on meanwhile (path.c). */
+/* Connections and hostd: the session's callbacks that move a connection
+ * between TCP and the rings (READY, DOWN, TCP), LEFT when both directions
+ * left a ring pair, CLOSE at the last close, what a new hostd must hear
+ * after a restart (LISTEN, REATTACH, OPEN again), and the leaver thread,
+ * which also sends the OPENs the open delay holds back (open.c). Nothing
+ * here waits for hostd: a connection is on TCP until READY, and its reads
+ * and writes go on meanwhile (path.c). */
 #include "preload.h"
 
 #include <arpa/inet.h>
@@ -37,7 +38,18 @@ static struct rings *rings_new(void)
 	return rg;
 }
 
-static void rings_free(struct rings *rg)
+/* conn_fork: rings_mu across fork (fork.c). */
+void conn_fork(int phase)
+{
+	if (phase == FORK_PREPARE)
+		pthread_mutex_lock(&rings_mu);
+	else if (phase == FORK_PARENT)
+		pthread_mutex_unlock(&rings_mu);
+	else
+		pthread_mutex_init(&rings_mu, NULL);
+}
+
+void rings_free(struct rings *rg)
 {
 	pthread_mutex_lock(&rings_mu);
 	rg->next_free = free_rings;
@@ -136,40 +148,6 @@ void conn_end(struct flow *f)
 	}
 }
 
-/* ---- OPEN ---- */
-
-void conn_open(int fd, uint8_t role, const char *who)
-{
-	char ip[INET6_ADDRSTRLEN];
-	struct shunt_msg m = {.type = SHUNT_OPEN, .role = role};
-	if (local_of(fd, &m.local) || remote_of(fd, &m.remote))
-		return;
-	inet_ntop(AF_INET6, m.remote.ip, ip, sizeof ip);
-	struct flow *f = flow_new();
-	if (!f) {
-		plog("shunt: fd %d %s [%s]:%u: tcp (out of memory)", fd, who, ip, m.remote.port);
-		return;
-	}
-	f->owner = my_pid;
-	f->fd = fd;
-	f->role = role;
-	f->nonblock = nonblk[fd];
-	flow_timeouts(fd, f);
-	m.req_id = f->req = shunt_session_new_req(session);
-	/* Published before OPEN goes out: READY may come at once. */
-	pthread_mutex_lock(&tab_mu);
-	flow_publish(fd, f);
-	pthread_mutex_unlock(&tab_mu);
-	/* Never waits: a channel hostd does not read queues it, and past a
-	 * bound it fails, as with hostd away (session.c). */
-	f->told = 1; /* before: a close meanwhile (another thread) still owes hostd the CLOSE */
-	int r = shunt_session_open(session, &m);
-	if (r)
-		f->told = 0;
-	plog("shunt: fd %d %s [%s]:%u: open (request %u%s)", fd, who, ip, m.remote.port, m.req_id,
-	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
-}
-
 /* ---- hostd's messages ---- */
 
 /* hold takes a reference to f, which fds[] holds (tab_mu held): its users
@@ -180,21 +158,6 @@ static struct flow *hold(struct flow *f)
 {
 	__atomic_add_fetch(&f->users, 1, __ATOMIC_ACQ_REL);
 	return f;
-}
-
-/* by_req finds the connection with request id req (unique per session,
- * never reused) and takes a reference, or NULL. */
-static struct flow *by_req(uint32_t req)
-{
-	struct flow *hit = NULL;
-	pthread_mutex_lock(&tab_mu);
-	for (int i = 0; i < FD_MAX && !hit; i++) {
-		struct flow *f = fds[i];
-		if (f && f->owner == my_pid && f->req == req)
-			hit = hold(f);
-	}
-	pthread_mutex_unlock(&tab_mu);
-	return hit;
 }
 
 static void ready(struct flow *f, const struct shunt_msg *m)
@@ -221,6 +184,13 @@ static void ready(struct flow *f, const struct shunt_msg *m)
 	/* A reader asleep in a blocking kernel recv would not see the ring
 	 * start: the peer must not move before it is back (path.c). */
 	pthread_mutex_lock(&f->rmu);
+	if (f->dropped) { /* a fork let it go to the kernel meanwhile (fork.c); hostd had its CLOSE */
+		pthread_mutex_unlock(&f->rmu);
+		plog("shunt: fd %d: READY (slot %u) after a fork let the connection go; ignored", f->fd, m->slot);
+		shunt_flow_detach(&rg->sf);
+		rings_free(rg);
+		return;
+	}
 	__atomic_store_n(&f->rg, rg, __ATOMIC_RELEASE);
 	if (f->rblocked)
 		f->attach_due = 1;
@@ -261,11 +231,13 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
  * had not left yet) leaves when it reads the writer's mark; a program that
  * reads nothing meanwhile (idle, or asleep elsewhere) would never send
  * LEFT, and hostd could never give the connection rings again. One thread
- * per process, started at the first such DOWN, looks again at the
+ * per process, started at the first connection, looks again at the
  * connections that wait for a leave, every 1 ms and backing off to 50 ms,
- * and sleeps on leaver_due (a futex word, no lock: fork-safe; a child
- * starts its own) while none waits. */
+ * and sends the OPENs that the open delay held back (open.c) when they are
+ * due. It sleeps on leaver_tick (a futex word, no lock: fork-safe; a child
+ * starts its own) with the earliest of those as its timeout, or none. */
 static pid_t leaver_pid;     /* atomic: the process whose leaver runs */
+static uint32_t leaver_tick; /* atomic: 1 after something the leaver must look at */
 static uint32_t leaver_due;  /* atomic: 1 after a DOWN that left a reader behind */
 
 #define LEAVER_BATCH 64
@@ -314,45 +286,72 @@ static int leave_idle(void)
 static void *leaver(void *arg)
 {
 	(void)arg;
-	int64_t ns = 1000000;
+	int64_t back = 1000000, leave_at = 0; /* 0: no reader waits for a leave */
 	for (;;) {
-		__atomic_store_n(&leaver_due, 0, __ATOMIC_SEQ_CST);
-		if (leave_idle() > 0) {
-			struct timespec ts = {0, ns};
-			nanosleep(&ts, NULL);
-			ns = ns * 2 < 50000000 ? ns * 2 : 50000000;
-			continue;
+		__atomic_store_n(&leaver_tick, 0, __ATOMIC_SEQ_CST);
+		int64_t now = now_ns();
+		if (__atomic_exchange_n(&leaver_due, 0, __ATOMIC_SEQ_CST))
+			leave_at = now, back = 1000000;
+		if (leave_at && now >= leave_at) {
+			if (leave_idle() > 0) {
+				leave_at = now + back;
+				back = back * 2 < 50000000 ? back * 2 : 50000000;
+			} else {
+				leave_at = 0;
+			}
 		}
-		ns = 1000000;
-		/* Returns at once if a DOWN set leaver_due since the store. */
-		syscall(SYS_futex, &leaver_due, FUTEX_WAIT, 0, NULL, NULL, 0);
+		int64_t open_at = open_due(), until = leave_at;
+		if (open_at && (!until || open_at < until))
+			until = open_at;
+		struct timespec ts, *tp = NULL;
+		if (until) {
+			int64_t ns = until - now_ns();
+			ns = ns > 0 ? ns : 0;
+			ts = (struct timespec){ns / 1000000000, ns % 1000000000};
+			tp = &ts;
+		}
+		/* Returns at once if a kick set leaver_tick since the store. */
+		syscall(SYS_futex, &leaver_tick, FUTEX_WAIT, 0, tp, NULL, 0);
 	}
 	return NULL;
+}
+
+int leaver_start(void)
+{
+	pid_t p = __atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST);
+	if (p == my_pid || !__atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+		return 0; /* running, or another thread starts it now */
+	pthread_t th;
+	pthread_attr_t at;
+	pthread_attr_init(&at);
+	pthread_attr_setstacksize(&at, 64 << 10);
+	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	sigset_t all, old;
+	sigfillset(&all);
+	pthread_sigmask(SIG_SETMASK, &all, &old); /* the leaver takes no signals */
+	int e = pthread_create(&th, &at, leaver, NULL);
+	pthread_sigmask(SIG_SETMASK, &old, NULL);
+	pthread_attr_destroy(&at);
+	if (e) {
+		plog("shunt: cannot start the leaver thread: %s (idle readers leave at their next read; OPEN goes at once)", strerror(e));
+		__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);
+		return -1;
+	}
+	return 0;
+}
+
+void leaver_wake(void)
+{
+	__atomic_store_n(&leaver_tick, 1, __ATOMIC_SEQ_CST);
+	syscall(SYS_futex, &leaver_tick, FUTEX_WAKE, 1, NULL, NULL, 0);
 }
 
 /* leaver_kick: a DOWN left a direction behind; the leaver looks again. */
 static void leaver_kick(void)
 {
 	__atomic_store_n(&leaver_due, 1, __ATOMIC_SEQ_CST);
-	pid_t p = __atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST);
-	if (p != my_pid && __atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
-		pthread_t th;
-		pthread_attr_t at;
-		pthread_attr_init(&at);
-		pthread_attr_setstacksize(&at, 64 << 10);
-		pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-		sigset_t all, old;
-		sigfillset(&all);
-		pthread_sigmask(SIG_SETMASK, &all, &old); /* the leaver takes no signals */
-		int e = pthread_create(&th, &at, leaver, NULL);
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
-		pthread_attr_destroy(&at);
-		if (e) {
-			plog("shunt: cannot start the leaver thread: %s (idle readers leave at their next read)", strerror(e));
-			__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);
-		}
-	}
-	syscall(SYS_futex, &leaver_due, FUTEX_WAKE, 1, NULL, NULL, 0);
+	leaver_start();
+	leaver_wake();
 }
 
 /* down: the writer leaves at once, after the step of a write in progress
@@ -463,7 +462,8 @@ void conn_announce(void *arg, struct shunt_session *s)
 			m.type = SHUNT_LISTEN;
 			if (local_of(fd, &m.local))
 				continue;
-		} else if (f && f->owner == my_pid && !__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
+		} else if (f && f->owner == my_pid && f->req && !__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
+			/* (one without a request id is still in the open delay: its OPEN comes when due) */
 			int dup = 0; /* once per connection, though dup'd fds share it */
 			for (int i = 0; i < n && !dup; i++)
 				dup = who[i] == f;

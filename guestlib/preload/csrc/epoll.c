@@ -148,6 +148,34 @@ void ep_forget(int fd, int was_fast)
 	pthread_mutex_unlock(&ep_mu);
 }
 
+/* ep_letgo: fd's connection became a plain kernel socket (a fork let it
+ * go, fork.c), so its interests here become the kernel's own, with the
+ * program's events and data. The kernel's set is shared by both processes
+ * of the fork: the parent changes it (kernel set), the child only forgets
+ * its copy of the interests. */
+void ep_letgo(int fd, int kernel)
+{
+	pthread_mutex_lock(&ep_mu);
+	for (int i = 0; i <= eps_top; i++) {
+		struct ep *e = i < eps_top ? eps[i] : eps_high;
+		for (; e; e = i < eps_top ? NULL : e->next) {
+			if (!e->live)
+				continue;
+			pthread_mutex_lock(&e->mu);
+			for (int j = 0; j < e->n; j++) {
+				struct epi *x = &e->it[j];
+				if (x->fd != fd || x->in || x->pend)
+					continue;
+				if (kernel)
+					real_epoll_ctl(e->fd, EPOLL_CTL_MOD, fd, &x->ev);
+				e->it[j--] = e->it[--e->n];
+			}
+			pthread_mutex_unlock(&e->mu);
+		}
+	}
+	pthread_mutex_unlock(&ep_mu);
+}
+
 /* ep_fork takes ep_mu and every set's mu before fork, and lets them go in
  * the parent, or makes them new in the child (lifetime.c). A thread that
  * holds a set's mu waits for no other lock of ours (scan lets go of it

@@ -1,11 +1,9 @@
-/* Lifetime of fds and flows: close, dup, fcntl, ioctl, fork, exec, exit
- * (the rules in docs/preload.md).
+/* Lifetime of fds and flows: close, dup, fcntl, ioctl, exec, exit (the
+ * rules in docs/preload.md; fork is fork.c's).
  *
- * fork: flows stay with the parent. The child's inherited copies fail with
- * ENOTCONN (io.c) and close() only forgets them; the child's own new
- * connections work (its session opens its own channel).
- * exec: the library's state goes with the old image, so a flow whose fd
- * stays open is reset first (before_exec).
+ * exec: the library's state goes with the old image, so a flow on the
+ * rings whose fd stays open is reset first, and a fork child's copy of
+ * its parent's flow is replaced by an unconnected socket (before_exec).
  * exit: FIN and CLOSE for the flows still open, as the kernel sends FIN
  * (fini).
  * Flows themselves: references, release and reuse (preload.h, struct
@@ -39,6 +37,9 @@ struct flow *flow_new(void)
 	f->next_free = NULL;
 	f->req = 0;
 	f->told = 0;
+	f->open_at = 0;
+	f->onext = f->oprev = f->inext = NULL;
+	f->dropped = f->fork_drop = f->fork_held = 0;
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
 	f->shead = f->slen = 0;
@@ -52,6 +53,17 @@ struct flow *flow_new(void)
 	__atomic_store_n(&f->rcvtimeo, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->sndtimeo, 0, __ATOMIC_RELAXED);
 	return f;
+}
+
+/* flows_fork: free_mu across fork (fork.c). */
+void flows_fork(int phase)
+{
+	if (phase == FORK_PREPARE)
+		pthread_mutex_lock(&free_mu);
+	else if (phase == FORK_PARENT)
+		pthread_mutex_unlock(&free_mu);
+	else
+		pthread_mutex_init(&free_mu, NULL);
 }
 
 void flow_discard(struct flow *f)
@@ -77,6 +89,14 @@ void flow_publish(int fd, struct flow *f)
  * never taken on a flow being released; a flow that left fd (closed, or
  * reused for another fd) between the two loads is let go again. Freed
  * flows are never unmapped, so a stale pointer is safe to look at. */
+int flow_hold(struct flow *f)
+{
+	int u = __atomic_load_n(&f->users, __ATOMIC_ACQUIRE);
+	while (u > 0 && !__atomic_compare_exchange_n(&f->users, &u, u + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
+		;
+	return u > 0;
+}
+
 struct flow *flow_get(int fd)
 {
 	settle(fd);
@@ -84,12 +104,10 @@ struct flow *flow_get(int fd)
 		struct flow *f = flow_of(fd);
 		if (!f)
 			return NULL;
-		int u = __atomic_load_n(&f->users, __ATOMIC_ACQUIRE);
-		while (u > 0 && !__atomic_compare_exchange_n(&f->users, &u, u + 1, 1, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE))
-			;
-		if (u > 0 && flow_of(fd) == f)
+		int u = flow_hold(f);
+		if (u && flow_of(fd) == f)
 			return f;
-		if (u > 0)
+		if (u)
 			flow_put(f);
 	}
 }
@@ -99,6 +117,7 @@ struct flow *flow_get(int fd)
  * forgotten. */
 static void release(struct flow *f)
 {
+	open_forget(f); /* out of the open queue and the index before it can be reused */
 	if (stats && f->owner == my_pid)
 		pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
 		      "to the rings: %u reading, %u writing; stashed %u",
@@ -133,16 +152,14 @@ static void forget(int fd)
 		f = fds[fd];
 		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
 		last = f && --f->refs == 0;
-		listener = kind[fd] == FD_LISTENER;
+		listener = kind[fd] == FD_LISTENER && !linherited[fd]; /* a fork child's copy was never its session's */
 		was_pending = kind[fd] == FD_PENDING;
 		kind[fd] = FD_NONE;
+		linherited[fd] = 0;
 		pthread_mutex_unlock(&tab_mu);
 	}
-	if (listener) {
-		struct shunt_msg m = {.type = SHUNT_UNLISTEN};
-		if (local_of(fd, &m.local) == 0)
-			shunt_session_send(session, &m);
-	}
+	if (listener)
+		unlisten(fd);
 	ep_forget(fd, f != NULL || was_pending);
 	guard_forget(fd); /* before the kernel close: the watcher's epoll must not hold the last reference (guard.c) */
 	if (!last)
@@ -305,45 +322,7 @@ INTERPOSE int ioctl(int fd, unsigned long req, ...)
 	return r;
 }
 
-/* ---- fork and exit ----
- *
- * fork: the child gets a copy of memory but only the forking thread, so a
- * lock another thread held at that moment would stay held in the child
- * for good. The prepare handler takes every lock of the library (in the
- * order preload.h gives; the core's handler, registered before this one,
- * runs after it and takes the session's), the parent's handler lets them
- * go, and the child's makes them new. The child's own first connection
- * then opens its own session (the core's handler marks the session as the
- * parent's). */
-
-static void fork_prepare(void)
-{
-	ep_fork(FORK_PREPARE);
-	pthread_mutex_lock(&tab_mu);
-	pthread_mutex_lock(&free_mu);
-}
-
-static void fork_parent(void)
-{
-	pthread_mutex_unlock(&free_mu);
-	pthread_mutex_unlock(&tab_mu);
-	ep_fork(FORK_PARENT);
-}
-
-static void fork_child(void)
-{
-	pthread_mutex_init(&free_mu, NULL);
-	pthread_mutex_init(&tab_mu, NULL);
-	ep_fork(FORK_CHILD);
-	my_pid = getpid();
-	wait_after_fork();
-	sleep_after_fork();
-	guard_after_fork();
-}
-
-/* After the session is made (preload.c), so that these prepare handlers
- * run before the core's: tab_mu comes before the session's lock. */
-void lifetime_init(void) { pthread_atfork(fork_prepare, fork_parent, fork_child); }
+/* ---- exit ---- */
 
 /* At exit() the kernel sends FIN on every socket the program left open:
  * before that, each connection's writer leaves its ring (so the peer reads
@@ -372,16 +351,31 @@ __attribute__((destructor)) static void fini(void)
  * sees EPIPE / EOF): an error on both sides, never silent loss. */
 static void before_exec(void)
 {
+	if (getpid() != my_pid)
+		return; /* a vfork child: this memory is its parent's, whose connections go on */
 	for (int fd = 0; fd < FD_MAX; fd++) {
 		struct flow *f = flow_of(fd);
-		if (!f || f->owner != my_pid)
+		if (!f)
 			continue;
 		int fl = real_fcntl(fd, F_GETFD, 0);
 		if (fl < 0 || (fl & FD_CLOEXEC))
 			continue;
+		if (f->owner != my_pid) {
+			/* A fork child's copy of its parent's flow (fork.c): the
+			 * new image gets an unconnected socket in its place
+			 * (ENOTCONN, as here), never the parent's connection. */
+			int s = real_socket(AF_INET, SOCK_STREAM, 0);
+			if (s >= 0 && real_dup2(s, fd) == fd)
+				plog("shunt: fd %d: the parent's connection on the rings: not usable across exec (ENOTCONN)", fd);
+			if (s >= 0)
+				real_close(s);
+			continue;
+		}
 		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-		if (!rg)
-			continue; /* on TCP: the new image goes on with the kernel socket */
+		if (!rg) {
+			open_forget(f); /* on TCP: the new image goes on with the kernel socket, no OPEN after all */
+			continue;
+		}
 		/* Both reset flags first, then the wake-ups (as hostd does). */
 		__atomic_store_n((uint32_t *)(rg->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
 		__atomic_store_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);

@@ -3,7 +3,8 @@
  * The program keeps its kernel socket fds; this library maps an fd to its
  * flow. Around connect() and accept() it talks to hostd (control protocol
  * v3, through the core's session) exactly as the Go guestlib does,
- * without waiting for it: a connection's bytes go over TCP until hostd
+ * without waiting for it, once the connection has lived the open delay
+ * (open.c): a connection's bytes go over TCP until hostd
  * sends READY, then through the rings, and back to TCP at DOWN, per
  * direction and at exact stream offsets (path.c, conn.c). Every fd this library does
  * not own goes straight to libc.
@@ -16,9 +17,11 @@
  * so one wake-up covers both worlds and an idle program burns no CPU
  * (wait.c).
  *
- * Rules (docs/preload.md): after fork() connections stay with the
- * parent; exec() resets connections on rings whose fds stay open;
- * exit() leaves the rings before the kernel's FIN (lifetime.c).
+ * Rules (docs/preload.md): fork() lets go to the kernel, in both
+ * processes, the connections no ring has carried yet, and leaves those on
+ * the rings with the parent (fork.c); exec() resets connections on rings
+ * whose fds stay open; exit() leaves the rings before the kernel's FIN
+ * (lifetime.c).
  *
  * This file: the libc symbols, configuration, logging, the fd table and
  * the process's session with hostd. preload.h lists the other files. */
@@ -156,6 +159,8 @@ __attribute__((constructor)) static void init(void)
 		stats = 1;
 	if ((s = getenv("SHUNT_DISABLE")) && *s == '1')
 		disabled = 1;
+	if ((s = getenv("SHUNT_OPEN_DELAY_MS")) && *s)
+		open_delay_ns = atoll(s) * 1000000; /* 0: OPEN at once */
 	if ((s = getenv("SHUNT_SPIN_NS")) && *s)
 		spin_ns = atoll(s);
 	if ((s = getenv("SHUNT_WAIT")) && !strcmp(s, "block"))
@@ -182,5 +187,5 @@ __attribute__((constructor)) static void init(void)
 		plog("shunt: out of memory: everything stays on TCP");
 		disabled = 1;
 	}
-	lifetime_init();
+	fork_init();
 }

@@ -4,12 +4,14 @@
  *   preload.c   libc symbols, configuration, logging, the fd table, the
  *               process's session with hostd
  *   socket.c    socket, connect, listen, accept; addresses
- *   conn.c      connections and hostd: OPEN, READY, DOWN, LEFT, CLOSE
+ *   conn.c      connections and hostd: READY, DOWN, LEFT, CLOSE
+ *   open.c      OPEN after the open delay; the request-id index
  *   path.c      a connection's reader and writer: TCP, rings, switching
  *   io.c        read/write, send/recv families, sendfile, splice, shutdown
  *   wait.c      poll, select, and the helper threads that sleep on rings
  *   epoll.c     epoll
- *   lifetime.c  close, dup, fcntl, ioctl, fork, exec, exit
+ *   lifetime.c  close, dup, fcntl, ioctl, exec, exit
+ *   fork.c      fork: which connections each process keeps
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
  *               io_uring detection
  *
@@ -19,13 +21,15 @@
  * are taken around one step of a read or write (path.c) and a ring wait's
  * first spin: never while a call sleeps or blocks in the kernel, so a
  * second reader, a non-blocking call, shutdown and close never wait behind
- * a sleeper. Both are taken only in that order (rings_done, conn_end).
- * free_mu (freed flows, lifetime.c) and rings_mu (conn.c) are leaves. The
- * core's session lock is innermost: messages are sent under tab_mu, and
- * the session calls back without its lock. fork: lifetime.c's atfork
- * handlers take every lock above (ep_mu and the sets, tab_mu, free_mu;
- * then the core's take the session's), so the child starts with none
- * held. */
+ * a sleeper. Both are taken only in that order (rings_done, conn_end),
+ * after tab_mu when both are held (fork). idx_mu (open.c: the open queue
+ * and the request-id index) comes after them; free_mu (freed flows,
+ * lifetime.c) and rings_mu (conn.c) are leaves. The core's session lock
+ * is innermost: messages are sent under tab_mu, a flow's wmu or idx_mu,
+ * and the session calls back without its lock. fork: fork.c's atfork
+ * handlers take every lock above (ep_mu and the sets, tab_mu, each
+ * connection's rmu and wmu, idx_mu, free_mu, rings_mu; then the core's
+ * take the session's), so the child starts with none held. */
 #ifndef SHUNT_PRELOAD_H
 #define SHUNT_PRELOAD_H
 
@@ -79,6 +83,7 @@ extern int verbose;      /* SHUNT_VERBOSE: 1 a line per connection, 2 also per s
 extern int disabled;     /* SHUNT_DISABLE=1 */
 extern int64_t spin_ns;  /* SHUNT_SPIN_NS, SHUNT_WAIT: how long a blocking call spins before it sleeps */
 extern pid_t my_pid;     /* getpid(), kept current across fork (a flow's owner is compared on every call) */
+extern int64_t open_delay_ns; /* SHUNT_OPEN_DELAY_MS (default 5, 0: at once): how long a connection lives before OPEN */
 
 extern int loopback;     /* SHUNT_TEST_LOOPBACK=1: loopback connections are candidates (tests with a fake hostd) */
 extern int stats;
@@ -143,8 +148,20 @@ struct flow {
 	 * none), read back from the kernel at OPEN and at each setsockopt */
 	int64_t rcvtimeo, sndtimeo;
 	int fd;         /* the fd it was opened on (logs, and hostd's callbacks) */
-	uint32_t req;   /* its request id: names it to hostd for its whole life */
+	uint32_t req;   /* its request id (0 until OPEN): names it to hostd for its whole life; set under wmu and idx_mu */
 	int told;       /* hostd was sent its OPEN (or REATTACH): it is owed a CLOSE */
+	/* The open delay and the request-id index (open.c), under idx_mu:
+	 * when OPEN is due (0: not waiting), the queue's links, and the
+	 * index's chain (in it from OPEN to release). */
+	int64_t open_at;
+	struct flow *onext, *oprev, *inext;
+	struct shunt_addr local, remote; /* the tuple at conn_open, for OPEN */
+	int dropped;    /* under rmu and wmu: a fork let it go to the kernel (fork.c): never OPENed, never on rings */
+	/* fork.c, from the prepare handler to the parent's or child's: to be
+	 * let go, its locks taken; what the parent owes hostd */
+	int fork_drop, fork_held, fork_close;
+	struct rings *fork_rg;
+	struct flow *fork_next;
 	uint8_t role;   /* SHUNT_ROLE_ACTIVE (it connected) or PASSIVE, for OPEN again */
 	struct rings *rg; /* atomic: the ring pair READY gave, until both directions left it */
 	/* A futex word for events that sleepers on the kernel socket must see
@@ -177,6 +194,7 @@ enum { FD_NONE, FD_TCP, FD_LISTENER, FD_PENDING };
 extern struct flow *fds[FD_MAX];  /* written under tab_mu, read atomically (flow_of) */
 extern uint8_t kind[FD_MAX];      /* under tab_mu, or by the thread that just got the fd */
 extern uint8_t nonblk[FD_MAX];    /* O_NONBLOCK of candidate sockets, before they are connections */
+extern uint8_t linherited[FD_MAX]; /* a listener a fork child inherited: not yet in its own session (socket.c) */
 extern pthread_mutex_t tab_mu;
 
 static inline struct flow *flow_of(int fd)
@@ -191,29 +209,48 @@ static inline struct flow *flow_of(int fd)
  * errno. */
 struct flow *flow_new(void);
 void flow_discard(struct flow *f);
+void flows_fork(int phase);
 void flow_publish(int fd, struct flow *f);
 struct flow *flow_get(int fd);
 void flow_put(struct flow *f);
+/* flow_hold takes a reference to f if it is not being released: 1, or 0. */
+int flow_hold(struct flow *f);
 
 /* ---- shared helpers ---- */
 
 /* socket.c */
 int local_of(int fd, struct shunt_addr *a);
+void unlisten(int fd);
 int remote_of(int fd, struct shunt_addr *a);
 /* settle: fd's non-blocking connect, if it was under way and has ended,
  * becomes a connection (OPEN, nothing waited for) or stays plain (failed,
  * the error left in SO_ERROR). Every call that looks at a socket's flow
  * calls it first (flow_get, poll, epoll). */
 void settle(int fd);
+void settle_after_fork(void);
 static inline int pending(int fd)
 {
 	return fd >= 0 && fd < FD_MAX && __atomic_load_n(&kind[fd], __ATOMIC_ACQUIRE) == FD_PENDING;
 }
 
-/* conn.c: hostd's side of connections. conn_open makes fd a connection
- * and sends OPEN (role active or passive); the session's callbacks attach
- * READY's rings, and DOWN makes both directions leave them. */
+/* open.c: conn_open makes fd a connection and sends OPEN (role active or
+ * passive) once it has lived open_delay_ns; by_req finds a connection
+ * by request id with a reference (flow_put), or NULL; open_forget takes f
+ * out of the open queue and the index (at release, and when a fork lets
+ * it go). open_due sends the OPENs that are due and returns when the next
+ * one is (ns, monotonic; 0: none): the leaver thread calls it. */
 void conn_open(int fd, uint8_t role, const char *who);
+struct flow *by_req(uint32_t req);
+void open_forget(struct flow *f);
+int64_t open_due(void);
+void open_fork(int phase);
+/* conn.c: hostd's side of connections: the session's callbacks attach
+ * READY's rings, and DOWN makes both directions leave them. leaver_start
+ * makes sure this process's leaver thread runs (0, or -1), leaver_wake
+ * wakes it to look at the open queue again. */
+int leaver_start(void);
+void leaver_wake(void);
+void conn_fork(int phase);
 void conn_cb(void *arg, const struct shunt_msg *m);
 void conn_revoked(void *arg, const struct shunt_msg *m);
 int conn_holds(void *arg);
@@ -226,6 +263,7 @@ void flow_wake(struct flow *f);
 struct rings *writer_leave(struct flow *f, struct rings *rg);
 struct rings *reader_leave(struct flow *f, struct rings *rg);
 void rings_done(struct flow *f, struct rings *rg);
+void rings_free(struct rings *rg);
 /* conn_end: the last fd closed: leave the rings, CLOSE to hostd. */
 void conn_end(struct flow *f);
 
@@ -285,12 +323,15 @@ void wait_after_fork(void);
 /* epoll.c: drop fd from every set, and forget the set if fd is one. */
 void ep_forget(int fd, int was_fast);
 int ep_is_set(int fd);
+/* epoll.c: fd's interests become the kernel's (fork.c lets its connection
+ * go); kernel: this process changes the shared kernel set. */
+void ep_letgo(int fd, int kernel);
 /* epoll.c: its locks across fork (lifetime.c's atfork handlers). */
 enum { FORK_PREPARE, FORK_PARENT, FORK_CHILD };
 void ep_fork(int phase);
 
-/* lifetime.c */
-void lifetime_init(void);
+/* fork.c: the atfork handlers, registered once the session is made */
+void fork_init(void);
 
 /* guard.c: guard watches fd, a new flow's kernel socket: bytes arriving
  * there mean the program wrote past the library (a raw syscall), and the

@@ -71,7 +71,10 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 {
 	REAL_READY();
 	struct shunt_addr remote;
-	if (fd < 0 || fd >= FD_MAX || kind[fd] != FD_TCP || disabled || !addr || to_addr(addr, &remote))
+	/* A connection's socket is connected again (hiredis asks connect()
+	 * whether its non-blocking connect ended: the kernel answers 0 once,
+	 * then EISCONN): the kernel's answer, and the same connection. */
+	if (fd < 0 || fd >= FD_MAX || kind[fd] != FD_TCP || flow_of(fd) || disabled || !addr || to_addr(addr, &remote))
 		return real_connect(fd, addr, len);
 	if (is_loopback(&remote) && !loopback) {
 		plog("shunt: fd %d connect: tcp (loopback)", fd);
@@ -107,6 +110,10 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 static pthread_mutex_t settle_mu = PTHREAD_MUTEX_INITIALIZER;
 static __thread int settling;
 
+/* settle_after_fork: a thread that was settling is not in the child; the
+ * sockets it settled are plain TCP there (fork.c). */
+void settle_after_fork(void) { pthread_mutex_init(&settle_mu, NULL); }
+
 void settle(int fd)
 {
 	if (!pending(fd) || settling)
@@ -141,24 +148,63 @@ INTERPOSE int getsockopt(int fd, int level, int name, void *val, socklen_t *len)
 	return real_getsockopt(fd, level, name, val, len);
 }
 
+/* Listeners are hostd's per guest, counted per session: LISTEN from each
+ * session that accepts on an address, UNLISTEN when its last listener there
+ * closes. */
+uint8_t linherited[FD_MAX];
+
+/* register_listener sends LISTEN for fd and waits for hostd to have it
+ * (PING/PONG), so that it is in effect before any OPEN: 0, or -1. */
+static int register_listener(int fd)
+{
+	struct shunt_msg m = {.type = SHUNT_LISTEN};
+	if (local_of(fd, &m.local) || shunt_session_send(session, &m))
+		return -1;
+	shunt_session_sync(session);
+	return 0;
+}
+
 INTERPOSE int listen(int fd, int backlog)
 {
 	REAL_READY();
 	int r = real_listen(fd, backlog);
-	if (r == 0 && fd >= 0 && fd < FD_MAX && kind[fd] == FD_TCP && !disabled && shunt_session_ensure(session) == 0) {
-		struct shunt_msg m = {.type = SHUNT_LISTEN};
-		if (local_of(fd, &m.local) == 0 && shunt_session_send(session, &m) == 0) {
-			shunt_session_sync(session);
-			kind[fd] = FD_LISTENER;
-		}
+	if (r == 0 && fd >= 0 && fd < FD_MAX && kind[fd] == FD_TCP && !disabled && shunt_session_ensure(session) == 0 &&
+	    register_listener(fd) == 0) {
+		linherited[fd] = 0;
+		kind[fd] = FD_LISTENER;
 	}
 	return r;
+}
+
+/* unlisten: fd, a listener this process registered, is closing (no longer
+ * in kind[]). UNLISTEN goes only if no other listener of this process is
+ * on its address (SO_REUSEPORT sockets, a dup'd listener), since hostd
+ * counts one per session. */
+void unlisten(int fd)
+{
+	struct shunt_msg m = {.type = SHUNT_UNLISTEN};
+	struct shunt_addr other;
+	if (local_of(fd, &m.local))
+		return;
+	for (int i = 0; i < FD_MAX; i++)
+		if (i != fd && __atomic_load_n(&kind[i], __ATOMIC_ACQUIRE) == FD_LISTENER && !linherited[i] && local_of(i, &other) == 0 &&
+		    !memcmp(&other, &m.local, sizeof other))
+			return;
+	shunt_session_send(session, &m);
 }
 
 INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 {
 	REAL_READY();
 	int c = real_accept4(fd, addr, len, flags);
+	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == FD_LISTENER && linherited[fd] &&
+	    shunt_session_ensure(session) == 0 && register_listener(fd) == 0) {
+		/* A fork child's first accept on its parent's listener: this
+		 * session listens too, so the listener outlives a parent that
+		 * exits (a daemon's first fork; an nginx master's workers). */
+		linherited[fd] = 0;
+		plog("shunt: fd %d: listener inherited at fork: registered in this process's session", fd);
+	}
 	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == FD_LISTENER) {
 		kind[c] = FD_TCP;
 		nonblk[c] = (flags & SOCK_NONBLOCK) != 0;

@@ -1,0 +1,223 @@
+/* OPEN: a connection is offered to hostd only once it has lived the open
+ * delay (SHUNT_OPEN_DELAY_MS, 5 ms; the Go library's Options.OpenDelay),
+ * as a router's flow offload waits for a flow to prove itself: one closed
+ * sooner (an HTTP/1.0 request, an RPC per connection) never reaches hostd,
+ * and costs neither end an OPEN, a pairing or a CLOSE. Nothing waits for
+ * the delay: the connection is on TCP meanwhile, as it would be while
+ * hostd answers.
+ *
+ * Waiting connections are in one queue, oldest first (the delay is the
+ * same for all, so the head is always the next due): the leaver thread
+ * (conn.c) sleeps until the head is due and sends its OPEN; a connection
+ * closed before leaves the queue at its release. A fork lets go of the
+ * connections still waiting (fork.c).
+ *
+ * The request-id index maps hostd's READY, TCP and DOWN to their
+ * connection: a hash of chains, filled when OPEN gives a connection its
+ * request id and emptied at its release, so a message costs a short chain
+ * walk under idx_mu instead of a look at every fd. */
+#include "preload.h"
+
+#include <arpa/inet.h>
+#include <stdlib.h>
+
+int64_t open_delay_ns = 5000000;
+
+/* idx_mu guards the queue, the index, and each flow's open_at and links;
+ * it comes after tab_mu and a flow's locks (preload.h). */
+static pthread_mutex_t idx_mu = PTHREAD_MUTEX_INITIALIZER;
+static struct flow *oq_head, *oq_tail;
+/* When the leaver wakes for the queue, as it last saw it (0: it does not):
+ * a new connection wakes it only if it would sleep past the new one's
+ * OPEN, so a stream of short connections costs no wake-up each. */
+static int64_t wake_at;
+
+#define IDX_BUCKETS 4096 /* request ids are sequential: consecutive ones never share a chain */
+static struct flow *idx[IDX_BUCKETS];
+
+static struct flow **bucket(uint32_t req) { return &idx[req & (IDX_BUCKETS - 1)]; }
+
+static void idx_remove_locked(struct flow *f)
+{
+	if (!f->req)
+		return;
+	for (struct flow **p = bucket(f->req); *p; p = &(*p)->inext)
+		if (*p == f) {
+			*p = f->inext;
+			break;
+		}
+	f->inext = NULL;
+}
+
+static void oq_remove_locked(struct flow *f)
+{
+	if (!f->open_at)
+		return;
+	if (f->oprev)
+		f->oprev->onext = f->onext;
+	else
+		oq_head = f->onext;
+	if (f->onext)
+		f->onext->oprev = f->oprev;
+	else
+		oq_tail = f->oprev;
+	f->onext = f->oprev = NULL;
+	f->open_at = 0;
+}
+
+void open_forget(struct flow *f)
+{
+	pthread_mutex_lock(&idx_mu);
+	oq_remove_locked(f);
+	idx_remove_locked(f);
+	pthread_mutex_unlock(&idx_mu);
+}
+
+struct flow *by_req(uint32_t req)
+{
+	struct flow *hit = NULL;
+	pthread_mutex_lock(&idx_mu);
+	for (struct flow *f = *bucket(req); f && !hit; f = f->inext)
+		if (f->req == req && f->owner == my_pid && flow_hold(f))
+			hit = f;
+	pthread_mutex_unlock(&idx_mu);
+	return hit;
+}
+
+/* send_open gives f its request id and sends OPEN (never waits: a channel
+ * hostd does not read queues it). Under wmu, so that a fork sees f either
+ * before (it lets it go, dropped) or after (told, it owes hostd a CLOSE). */
+static void send_open(struct flow *f)
+{
+	char ip[INET6_ADDRSTRLEN];
+	struct shunt_msg m = {.type = SHUNT_OPEN, .role = f->role};
+	pthread_mutex_lock(&f->wmu);
+	m.local = f->local;
+	m.remote = f->remote;
+	if (f->dropped || __atomic_load_n(&f->closed, __ATOMIC_SEQ_CST) || f->owner != my_pid) {
+		pthread_mutex_unlock(&f->wmu);
+		return;
+	}
+	m.req_id = shunt_session_new_req(session);
+	pthread_mutex_lock(&idx_mu);
+	f->req = m.req_id; /* in the index before OPEN goes out: READY may come at once */
+	f->inext = *bucket(f->req);
+	*bucket(f->req) = f;
+	pthread_mutex_unlock(&idx_mu);
+	f->told = 1; /* before: a close meanwhile (another thread) still owes hostd the CLOSE */
+	int r = shunt_session_open(session, &m);
+	if (r)
+		f->told = 0;
+	pthread_mutex_unlock(&f->wmu);
+	inet_ntop(AF_INET6, m.remote.ip, ip, sizeof ip);
+	plog("shunt: fd %d %s [%s]:%u: open (request %u%s)", f->fd, f->role == SHUNT_ROLE_ACTIVE ? "connect" : "accept", ip,
+	     m.remote.port, m.req_id,
+	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
+}
+
+void conn_open(int fd, uint8_t role, const char *who)
+{
+	struct shunt_addr local, remote;
+	if (local_of(fd, &local) || remote_of(fd, &remote))
+		return; /* not connected (any more): nothing to offer */
+	struct flow *f = flow_new();
+	if (!f) {
+		plog("shunt: fd %d %s: tcp (out of memory)", fd, who);
+		return;
+	}
+	/* The tuple now: by the time OPEN goes, fd may name another socket
+	 * (the program dup'd it and closed the original). */
+	f->local = local;
+	f->remote = remote;
+	f->owner = my_pid;
+	f->fd = fd;
+	f->role = role;
+	f->nonblock = nonblk[fd];
+	flow_timeouts(fd, f);
+	pthread_mutex_lock(&tab_mu);
+	int known = fds[fd] != NULL; /* one connection, one flow, whatever calls come twice */
+	if (!known)
+		flow_publish(fd, f);
+	pthread_mutex_unlock(&tab_mu);
+	if (known) {
+		flow_discard(f);
+		return;
+	}
+	/* The delay is skipped where it cannot help: when it is 0, and when
+	 * no thread can keep it (the OPEN then goes now, as before). */
+	if (open_delay_ns <= 0 || leaver_start()) {
+		if (flow_hold(f)) { /* another thread may close fd meanwhile */
+			send_open(f);
+			flow_put(f);
+		}
+		return;
+	}
+	pthread_mutex_lock(&idx_mu);
+	f->open_at = now_ns() + open_delay_ns;
+	int kick = !wake_at || wake_at > f->open_at;
+	f->oprev = oq_tail;
+	if (oq_tail)
+		oq_tail->onext = f;
+	else
+		oq_head = f;
+	oq_tail = f;
+	pthread_mutex_unlock(&idx_mu);
+	if (kick)
+		leaver_wake();
+}
+
+/* open_due sends every OPEN due within the next millisecond (so that a
+ * stream of new connections costs one wake-up per millisecond at most),
+ * each under a reference of its own, with no lock but its wmu held. */
+int64_t open_due(void)
+{
+	for (;;) {
+		int64_t next = 0;
+		struct flow *f = NULL;
+		pthread_mutex_lock(&idx_mu);
+		if (oq_head && oq_head->open_at <= now_ns() + 1000000) {
+			f = oq_head;
+			oq_remove_locked(f);
+			if (!flow_hold(f))
+				f = NULL; /* being released: its release finds it gone from the queue */
+		} else if (oq_head) {
+			next = oq_head->open_at;
+		}
+		int empty = !oq_head;
+		if (!f)
+			wake_at = next;
+		pthread_mutex_unlock(&idx_mu);
+		if (f) {
+			send_open(f);
+			flow_put(f);
+			continue;
+		}
+		if (next || empty)
+			return next;
+	}
+}
+
+/* open_fork: idx_mu across fork. The child's queue and index are its
+ * parent's, whose OPENs and request ids are not the child's: it starts
+ * with both empty (the flows themselves are fork.c's). */
+void open_fork(int phase)
+{
+	if (phase == FORK_PREPARE) {
+		pthread_mutex_lock(&idx_mu);
+		return;
+	}
+	if (phase == FORK_PARENT) {
+		pthread_mutex_unlock(&idx_mu);
+		return;
+	}
+	pthread_mutex_init(&idx_mu, NULL);
+	wake_at = 0; /* the child's leaver is its own, started with its first connection */
+	while (oq_head)
+		oq_remove_locked(oq_head);
+	for (int i = 0; i < IDX_BUCKETS; i++)
+		while (idx[i]) {
+			struct flow *f = idx[i];
+			idx[i] = f->inext;
+			f->inext = NULL;
+		}
+}
