@@ -149,7 +149,7 @@ func TestIPv6DualStackServer(t *testing.T) {
 	l := e.listenNet(2, "tcp", "[::]:5602")
 	for _, tc := range []struct {
 		name, network string
-		to, from     netip.Addr
+		to, from      netip.Addr
 	}{
 		{"ipv4-client", "tcp4", g2.Addr, g1.Addr},
 		{"ipv6-client", "tcp6", g2.Addr6, g1.Addr6},
