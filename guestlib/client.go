@@ -302,9 +302,10 @@ func (c *Client) handshake(regionPath string, mapped bool) (net.Conn, proto.Msg,
 	if mapped {
 		return conn, m, nil, nil
 	}
-	if regionPath == "" && onPort {
+	if regionPath == "" && onPort && m.RegionSize != 0 {
 		// The region is the ivshmem device's BAR: the path in WELCOME
-		// is the host's.
+		// is the host's. (A WELCOME without region 0 is a VM with pair
+		// regions, which come as devices of their own: bar.go.)
 		bar, err := ivshmem.Find(c.vm.sysfs)
 		if err != nil && !errors.Is(err, ivshmem.ErrNotFound) {
 			return conn, m, nil, fmt.Errorf("map the region: %w", err)

@@ -20,6 +20,7 @@ type mapping struct {
 	id       uint32
 	r        *region.Region
 	dev, ino uint64 // the file, to tell a new region with a reused id apart
+	bar      string // in a VM, the BAR of the device plugged for it ("" for a descriptor)
 	refs     int    // Conns attached to its rings
 	done     bool   // UNREGION came (or another region took its id)
 }

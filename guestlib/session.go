@@ -326,6 +326,10 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		if s.fds != nil {
 			fd = s.fds.take()
 		}
+		if fd < 0 && s.onPort() {
+			c.regionOnBar(m) // a VM pair region: a device plugged for it
+			return
+		}
 		c.regionGiven(m, fd)
 	case proto.Unregion:
 		c.regionTaken(m.RegionID)

@@ -7,6 +7,8 @@
 //	vserial  the control channel as a virtio-serial port: QEMU arguments
 //	         and libvirt <channel> XML, and the guest-side lookup of the
 //	         port by name
+//	qmp      a QMP client: hot-plug and unplug of an ivshmem-plain device
+//	         (hostd plugs VM pair regions with it; the VM tests migrate)
 //
 // A VM sees exactly what a process guest sees: the same region bytes (BAR2
 // of the ivshmem device is the region file) and the same control protocol

@@ -111,8 +111,17 @@ func sayPath(conn *guestlib.Conn) {
 var provisional = map[string]bool{"pending": true, "no-intent": true, "no-listener": true}
 
 func main() {
-	if err := run(os.Args[1:]); err != nil {
+	err := run(os.Args[1:])
+	if err != nil {
 		say("ERROR %v", err)
+	}
+	if len(os.Args) > 1 && os.Args[1] == "bars" {
+		// The VM stays up, reporting its devices (pair.go): hostd
+		// unplugs a region after its last flow, and the test watches.
+		say("DONE")
+		select {}
+	}
+	if err != nil {
 		os.Exit(1)
 	}
 }
@@ -130,6 +139,10 @@ func run(args []string) error {
 	if len(args) == 3 && args[0] == "kill-writer" {
 		return killWriter(args[1], args[2]) // the child takes the port
 	}
+	bars := len(args) > 0 && args[0] == "bars"
+	if bars {
+		args = args[1:]
+	}
 	disable := len(args) > 0 && args[0] == "tcp"
 	if disable {
 		args = args[1:]
@@ -140,6 +153,9 @@ func run(args []string) error {
 		Logf: func(f string, a ...any) { say("LOG "+f, a...) }})
 	if err != nil {
 		return err
+	}
+	if bars {
+		go reportBars(c) // pair.go
 	}
 	switch {
 	case len(args) == 2 && args[0] == "server":

@@ -163,6 +163,12 @@ func check(r io.Reader, seed uint64, h io.Writer) (int64, error) {
 // it reads and checks seed theirs to EOF; it says
 // "DUPLEX SENT n crc RECV m crc" when both are done.
 func duplex(conn *guestlib.Conn, mine, theirs uint64, seconds string) error {
+	return duplexAs(conn, mine, theirs, seconds, "DUPLEX")
+}
+
+// duplexAs is duplex reporting as "tag SENT n crc RECV m crc", for several
+// duplex streams in one agent.
+func duplexAs(conn *guestlib.Conn, mine, theirs uint64, seconds, tag string) error {
 	secs, err := strconv.Atoi(seconds)
 	if err != nil {
 		return fmt.Errorf("seconds %q: %w", seconds, err)
@@ -197,7 +203,7 @@ func duplex(conn *guestlib.Conn, mine, theirs uint64, seconds string) error {
 	if r.err != nil {
 		return fmt.Errorf("read after %d bytes: %w", r.n, r.err)
 	}
-	say("DUPLEX SENT %d %d RECV %d %d", sent, h.Sum32(), r.n, r.sum)
+	say("%s SENT %d %d RECV %d %d", tag, sent, h.Sum32(), r.n, r.sum)
 	return conn.Close()
 }
 

@@ -38,6 +38,7 @@ type Agent struct {
 	pools   []*region.Pool // the trust groups' regions
 	files   *region.Files  // region files and hostd's shadows of them
 	pairs   *pairRegions   // the regions of guest pairs
+	hot     *qmpHotplug    // plugs VM pair regions into bare QEMUs; nil without qmp sockets
 	guests  []*broker.Guest
 	witness *witness.Witness
 	marks   *mark.Marker // hostd's nftables table; nil when hostd does not mark

@@ -1,6 +1,7 @@
 package agent
 
 import (
+	"context"
 	"errors"
 	"fmt"
 	"os"
@@ -8,6 +9,7 @@ import (
 	"path/filepath"
 	"strconv"
 	"sync"
+	"time"
 
 	"github.com/hashicorp/go-hclog"
 
@@ -190,6 +192,7 @@ func (a *Agent) adoptPairs() {
 		}
 		n, ok := a.b.AdoptPair(m, pool, f)
 		if !ok {
+			a.unplugStale(m, path)
 			pool.Close()
 			f.Close()
 			_ = a.files.Remove(path, name)
@@ -206,6 +209,28 @@ func (a *Agent) adoptPairs() {
 		if !known[e.Name()] {
 			a.log.Warn("removing a file in region_dir that hostd has no record of", "path", filepath.Join(a.cfg.RegionDir, e.Name()))
 			_ = os.Remove(filepath.Join(a.cfg.RegionDir, e.Name()))
+		}
+	}
+}
+
+// unplugStale takes the devices of a VM pair region that is not adopted
+// (no live flow) out of its VMs, in the background: an earlier hostd
+// plugged them (docs/vm.md, "Pair regions").
+func (a *Agent) unplugStale(m region.Meta, path string) {
+	if a.hot == nil {
+		return
+	}
+	for _, g := range a.guests {
+		if g.PairVM && (g.ID == m.GuestA || g.ID == m.GuestB) {
+			a.wg.Add(1)
+			go func() {
+				defer a.wg.Done()
+				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
+				defer cancel()
+				if err := a.hot.unplugFile(ctx, g, path); err != nil {
+					a.log.Warn("cannot unplug a stale pair region from its VM", "guest", g.Name, "path", path, "error", err)
+				}
+			}()
 		}
 	}
 }

@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"sync"
 	"time"
 
 	"github.com/hashicorp/go-hclog"
@@ -61,13 +62,16 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	opts := broker.Options{PairingTimeout: cfg.PairingTimeout, Limits: broker.Limits{
 		ListensPerSession: lim.ListensPerSession, ListensPerGuest: lim.ListensPerGuest,
 		IntentsPerGuest: lim.IntentsPerGuest, PendingOpensPerGuest: lim.PendingOpensPerGuest, OpensPerSecond: lim.OpensPerSecond,
-	}}
+	}, PairRegionLinger: cfg.PairRegionLinger}
 	if a.witness != nil {
 		opts.Witness = a.witness
 	}
 	opts.MarkMask = a.markMask()
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.b.UsePairRegions(a.pairs)
+	if a.hot = a.hotplug(); a.hot != nil {
+		a.b.UseHotplug(a.hot)
+	}
 	a.m.NewFlowBytes(a.b.FlowStats)
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
@@ -89,6 +93,21 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	return a, nil
 }
 
+// hotplug returns how hostd plugs VM pair regions into the configured
+// VMs (their QMP sockets), or nil if no guest has one.
+func (a *Agent) hotplug() *qmpHotplug {
+	h := &qmpHotplug{log: a.log.Named("hotplug"), socks: map[uint32]string{}, locks: map[uint32]*sync.Mutex{}}
+	for _, gc := range a.cfg.Guests {
+		if gc.QMP != "" {
+			h.socks[gc.ID] = gc.QMP
+		}
+	}
+	if len(h.socks) == 0 {
+		return nil
+	}
+	return h
+}
+
 // configGuests makes the configured guests, with their addresses and, if
 // the witness is on (it is loaded here), their interfaces attached to it;
 // it returns their control endpoints. startMarks gives them their mark ids.
@@ -102,7 +121,8 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 	}
 	var eps []server.Endpoint
 	for _, gc := range cfg.Guests {
-		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config", SharedRegion: gc.SharedRegion}
+		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config", SharedRegion: gc.SharedRegion,
+			PairVM: gc.SharedRegion && gc.QMP != ""} // config.checkQMP: qmp only in vm_regions = "pair" groups
 		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
 		if err != nil {
 			return nil, err

@@ -78,6 +78,7 @@ type Broker struct {
 	shutting   bool                                 // Shutdown: no more READY
 	fwPolling  bool                                 // the firewall poller runs (firewall.go)
 	rg         regionState                          // regions and quotas (regions.go)
+	hotplug    Hotplug                              // plugs VM pair regions into VMs; nil: none (hotplug.go)
 	notes      rateLog                              // fallbacks and switches logged, rate-limited
 	stop       chan struct{}                        // closed by Close
 }

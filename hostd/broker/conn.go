@@ -186,9 +186,19 @@ func (b *Broker) upgradeLocked(c *Conn, start time.Time) proto.Reason {
 		return reason
 	}
 	was := c.reason
+	if was == reasonPlugging {
+		was = proto.ReasonNone // a first switch, after the region's plug
+	}
 	ga, gb := c.a.g, c.b.g
 	v := b.policy.Load().Decide(policy.Flow{From: c.orig.Src, To: c.to()})
 	r, reason := b.regionForLocked(ga, gb)
+	if reason == reasonPlugging {
+		// READY follows once the region is in both VMs (pluggedLocked);
+		// the connection runs on TCP meanwhile.
+		r.vm.waiting[c] = true
+		b.setPathLocked(c, PathTCP, reason)
+		return reason
+	}
 	if reason == proto.ReasonNone && (!canHand(c.a.sess, r) || !canHand(c.b.sess, r)) {
 		b.log.Warn("a session cannot take a region's descriptor", "a", ga.Name, "b", gb.Name)
 		reason = proto.ReasonInternal

@@ -48,8 +48,10 @@
 // and the lease-counter poller), notes.go (rate-limited logs of fallbacks
 // and switches), info.go (listings for the admin API and metrics),
 // regions.go (where flows live: the group region of SharedRegion guests, a
-// region per pair of process guests handed over by descriptor; per-guest
-// quotas), limits.go (per-guest limits on LISTENs, INTENTs and OPENs, and
+// region per pair of process guests handed over by descriptor, or of
+// PairVM guests plugged into both VMs; per-guest quotas), hotplug.go (a
+// VM pair region's plug before its first READY and unplug after its last
+// flow, through Hotplug), limits.go (per-guest limits on LISTENs, INTENTs and OPENs, and
 // ttlQueue, the time-ordered queue that INTENTs and remembered verdicts
 // expire from; listings copy under the lock and format after it).
 package broker

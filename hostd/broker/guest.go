@@ -26,6 +26,11 @@ type Guest struct {
 	// have their flows with each other in the group's region. The others
 	// get a region per peer (see Broker.UsePairRegions).
 	SharedRegion bool
+	// PairVM is a SharedRegion guest (a VM) of a trust group with pair
+	// regions for VMs (vm_regions = "pair"): its flows with other PairVM
+	// guests live in a region of the pair's own, plugged into both VMs
+	// (Broker.UseHotplug), and it has no region 0.
+	PairVM bool
 
 	addrs     atomic.Pointer[Addrs] // what it owns; swapped whole
 	migrating bool                  // between MigrateOut and MigrateIn: no READY; guarded by the broker's mutex

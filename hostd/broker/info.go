@@ -95,7 +95,7 @@ func (b *Broker) flowList(lease bool) []FlowInfo {
 			fi.State = "ready"
 		}
 		if c.reason != proto.ReasonNone {
-			fi.Reason = c.reason.String()
+			fi.Reason = reasonName(c.reason)
 		}
 		if c.a {
 			fi.Attached += "a"

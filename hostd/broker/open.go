@@ -438,6 +438,9 @@ func (b *Broker) fallback(s Session, req uint32, reason proto.Reason, count bool
 // whether this is the connection's one count and log line (each
 // connection's fallback is counted once, not once per end).
 func (b *Broker) fallbackLocked(s Session, req uint32, reason proto.Reason, count bool) {
+	if reason == reasonPlugging {
+		return // not an answer: READY follows (hotplug.go)
+	}
 	if count {
 		b.m.Fallbacks.WithLabelValues(reason.String()).Inc()
 		b.note("fallback", reason, "guest", s.Guest().Name)

@@ -11,15 +11,19 @@ import (
 
 // Region is shared memory that flows live in: a trust group's region
 // (ID 0: region 0 of each of its SharedRegion guests, which map it by path),
-// or the region of one pair of process guests (an ID hostd assigns, unique
-// while hostd's state lives; the two guests get it as a file descriptor,
-// never by path). Only hostd's Pool decides what is in it.
+// or the region of one pair of guests (an ID hostd assigns, unique while
+// hostd's state lives): process guests get it as a file descriptor, never
+// by path; two PairVM guests as a device plugged into both VMs (Hotplug),
+// which they find by the region header naming it. Only hostd's Pool
+// decides what is in it.
 type Region struct {
 	ID    uint32
 	Pool  *region.Pool
 	Group *Group
 	File  *os.File // a pair region's file, to hand to its guests; nil for a group region
 	A, B  *Guest   // a pair region's guests, A with the lower id; nil for a group region
+
+	vm *vmPlug // a VM pair region's hot-plug state; nil for others. Guarded by the broker's mutex
 
 	flows  int         // live flows in it; guarded by the broker's mutex
 	linger *time.Timer // drops it once it has had no flow for a while; guarded by the broker's mutex
@@ -101,7 +105,13 @@ func (b *Broker) zeroLocked(g *Group) *Region {
 func (b *Broker) usesGroupRegion(g *Guest) bool {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	return b.rgLocked().pairs == nil || g.SharedRegion
+	return b.rgLocked().pairs == nil || g.SharedRegion && !b.pairVMLocked(g)
+}
+
+// pairVMLocked reports whether g, a VM, gets pair regions by hot-plug and
+// so has no region 0.
+func (b *Broker) pairVMLocked(g *Guest) bool {
+	return g.PairVM && b.hotplug != nil && b.rgLocked().pairs != nil
 }
 
 // RegionZero is what WELCOME tells guest g of its region 0: the trust
@@ -127,18 +137,22 @@ func pairKey(a, b *Guest) ([2]uint32, *Guest, *Guest) {
 // region: that flow stays on TCP.
 func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 	rg := b.rgLocked()
-	if rg.pairs == nil || ga.SharedRegion && gb.SharedRegion {
+	vmPair := ga.SharedRegion && gb.SharedRegion && b.pairVMLocked(ga) && b.pairVMLocked(gb)
+	if rg.pairs == nil || ga.SharedRegion && gb.SharedRegion && !b.pairVMLocked(ga) && !b.pairVMLocked(gb) {
 		if ga.Group.Pool == nil {
 			return nil, proto.ReasonInternal
 		}
 		return b.zeroLocked(ga.Group), proto.ReasonNone
 	}
-	if ga.SharedRegion || gb.SharedRegion {
+	if ga.SharedRegion != gb.SharedRegion || ga.SharedRegion && !vmPair {
 		b.log.Debug("one side maps only its group region (shared_region), the other only pair regions: stays on TCP", "a", ga.Name, "b", gb.Name)
 		return nil, proto.ReasonCrossGroup
 	}
 	key, lo, hi := pairKey(ga, gb)
 	if r := rg.byPair[key]; r != nil {
+		if r.vm != nil && !r.vm.plugged {
+			return r, reasonPlugging
+		}
 		return r, proto.ReasonNone
 	}
 	id := rg.nextID + 1
@@ -154,6 +168,10 @@ func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 	r := &Region{ID: id, Pool: pool, Group: ga.Group, File: f, A: lo, B: hi}
 	rg.byPair[key], rg.byID[id] = r, r
 	b.log.Debug("pair region made", "region", r.Name(), "a", lo.Name, "b", hi.Name)
+	if vmPair {
+		b.plugLocked(r)
+		return r, reasonPlugging
+	}
 	return r, proto.ReasonNone
 }
 
@@ -162,7 +180,7 @@ func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 func (b *Broker) regionOfLocked(g *Guest, id uint32) *Region {
 	rg := b.rgLocked()
 	if id == 0 {
-		if (rg.pairs != nil && !g.SharedRegion) || g.Group.Pool == nil {
+		if (rg.pairs != nil && (!g.SharedRegion || b.pairVMLocked(g))) || g.Group.Pool == nil {
 			return nil
 		}
 		return b.zeroLocked(g.Group)
@@ -175,9 +193,10 @@ func (b *Broker) regionOfLocked(g *Guest, id uint32) *Region {
 }
 
 // canHand reports whether session s can be given region r: a group region
-// it has by WELCOME; a pair region takes a descriptor.
+// it has by WELCOME, a VM pair region is plugged into its VM; a process
+// pair region takes a descriptor.
 func canHand(s Session, r *Region) bool {
-	if r.ID == 0 {
+	if r.ID == 0 || r.vm != nil {
 		return true
 	}
 	_, ok := s.(FileSender)
@@ -200,7 +219,14 @@ func (b *Broker) holdLocked(s Session, r *Region, give bool) {
 		rg.held[s] = h
 	}
 	if _, has := h[r]; !has && give {
-		s.(FileSender).SendFile(proto.Msg{Type: proto.RegionMsg, RegionID: r.ID, RegionSize: uint64(r.Pool.Region().Layout().Size)}, r.File)
+		m := proto.Msg{Type: proto.RegionMsg, RegionID: r.ID, RegionSize: uint64(r.Pool.Region().Layout().Size)}
+		if r.vm != nil {
+			// No descriptor: the region is a device plugged into the
+			// VM, whose header names it (docs/vm.md, "Pair regions").
+			s.Send(m)
+		} else {
+			s.(FileSender).SendFile(m, r.File)
+		}
 	}
 	h[r]++
 }
@@ -254,6 +280,11 @@ func (b *Broker) flowFreedLocked(f *Flow) {
 	if r.flows--; r.flows > 0 || r.ID == 0 {
 		return
 	}
+	b.idleLocked(r)
+}
+
+// idleLocked drops pair region r, which no flow uses, after its linger.
+func (b *Broker) idleLocked(r *Region) {
 	d := b.linger()
 	if d <= 0 {
 		b.dropRegionLocked(r)
@@ -286,7 +317,11 @@ func (b *Broker) dropRegionLocked(r *Region) {
 		delete(rg.byPair, key)
 	}
 	delete(rg.byID, r.ID)
-	if rg.pairs != nil {
+	if r.vm != nil {
+		// A VM pair region: UNREGION first (the guest lets go of its
+		// mapping), then the device goes from both VMs, then the file.
+		defer b.unplugLocked(r)
+	} else if rg.pairs != nil {
 		rg.pairs.Drop(r) // before UNREGION: a guest told may look for it gone
 	}
 	for s, h := range rg.held {
@@ -353,7 +388,8 @@ func (b *Broker) AdoptPair(m region.Meta, pool *region.Pool, f *os.File) (n int,
 	case rg.pairs == nil || m.ID == 0 || rg.byID[m.ID] != nil:
 		b.log.Warn("pair region not adopted: pair regions are off, or its id is taken", "region", m.ID)
 		return 0, false
-	case ga == nil || gb == nil || ga.Group != gb.Group || ga.SharedRegion || gb.SharedRegion:
+	case ga == nil || gb == nil || ga.Group != gb.Group || ga.SharedRegion != gb.SharedRegion ||
+		ga.SharedRegion && (!b.pairVMLocked(ga) || !b.pairVMLocked(gb)):
 		b.log.Warn("pair region not adopted: its guests are gone, in two groups, or use the group region now", "region", m.ID, "guest_a", m.GuestA, "guest_b", m.GuestB)
 		return 0, false
 	}
@@ -363,6 +399,11 @@ func (b *Broker) AdoptPair(m region.Meta, pool *region.Pool, f *os.File) (n int,
 		return 0, false
 	}
 	r := &Region{ID: m.ID, Pool: pool, Group: ga.Group, File: f, A: lo, B: hi}
+	if ga.SharedRegion {
+		// A VM pair region: the earlier hostd plugged it into both VMs,
+		// where it still is.
+		r.vm = &vmPlug{plugged: true, waiting: map[*Conn]bool{}, epoch: "adopted"}
+	}
 	n = b.adoptLocked(r)
 	if n == 0 {
 		return 0, false

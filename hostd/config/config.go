@@ -37,11 +37,14 @@ type Config struct {
 	CTMarkMask     uint32        // the bits of the conntrack mark hostd sets (hostd/mark)
 	StateDir       string        // root-only: hostd's shadow of every region (region.Files)
 	RegionDir      string        // root-only: the regions of guest pairs
-	Limits         Limits        // what one guest may hold of the control plane
-	Libvirt        *Libvirt      // nil: no libvirt integration
-	Groups         []Group
-	Guests         []Guest
-	Policy         policy.Spec
+	// PairRegionLinger is how long a pair region outlives its last flow
+	// (0: the broker's default; negative: not at all).
+	PairRegionLinger time.Duration
+	Limits           Limits   // what one guest may hold of the control plane
+	Libvirt          *Libvirt // nil: no libvirt integration
+	Groups           []Group
+	Guests           []Guest
+	Policy           policy.Spec
 }
 
 // Limits bound what one guest may hold of hostd's control plane, so that
@@ -88,7 +91,18 @@ type Group struct {
 	// Quota bounds what the flows one guest opens may take, over all the
 	// regions it is in.
 	Quota Quota
+	// VMRegions is where the flows between the group's VMs (shared_region
+	// guests) live: VMRegionsGroup, the group region, or VMRegionsPair, a
+	// region per VM pair, hot-plugged into both VMs when the pair's first
+	// flow needs it (the guests need a QMP socket).
+	VMRegions string
 }
+
+// Values of a trust group's vm_regions.
+const (
+	VMRegionsGroup = "group" // the default: the group's VMs share its region and are one principal
+	VMRegionsPair  = "pair"  // a region per VM pair, plugged into the two VMs (ivshmem hotplug)
+)
 
 // StateName is the name of the group's region in hostd's state directory
 // (region.Files): "group-" and the group's name, with any byte that is not
@@ -131,6 +145,10 @@ type Guest struct {
 	// maps by path: for VMs, whose ivshmem BAR can take no descriptor.
 	// Otherwise (process guests) each peer pair gets its own region.
 	SharedRegion bool
+	// QMP is the QMP socket of the guest's QEMU (bare QEMU, -qmp
+	// unix:PATH,server=on,wait=off): how hostd hot-plugs pair regions
+	// into a VM of a group with vm_regions = "pair".
+	QMP string
 }
 
 type file struct {
@@ -148,6 +166,7 @@ type file struct {
 	CTMarkMask     string        `hcl:"ct_mark_mask,optional"`
 	StateDir       string        `hcl:"state_dir,optional"`
 	RegionDir      string        `hcl:"region_dir,optional"`
+	PairLinger     string        `hcl:"pair_region_linger,optional"`
 	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
 	Limits         *limitsBlock  `hcl:"limits,block"`
 	Groups         []groupBlock  `hcl:"trust_group,block"`
@@ -183,6 +202,7 @@ type groupBlock struct {
 	PairSlots  int    `hcl:"pair_slots,optional"`
 	RingBytes  string `hcl:"guest_ring_bytes,optional"`
 	Flows      int    `hcl:"guest_flows,optional"`
+	VMRegions  string `hcl:"vm_regions,optional"`
 }
 
 type guestBlock struct {
@@ -195,7 +215,8 @@ type guestBlock struct {
 	Interface string   `hcl:"interface,optional"`
 	CTMark    int      `hcl:"ct_mark,optional"`
 	// SharedRegion: see Guest.
-	SharedRegion bool `hcl:"shared_region,optional"`
+	SharedRegion bool   `hcl:"shared_region,optional"`
+	QMP          string `hcl:"qmp,optional"`
 }
 
 // Load reads and validates the configuration at path.
@@ -261,6 +282,11 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s", at(fmt.Sprintf("%s %q: want an absolute path of a directory of hostd's own", d.name, d.path)))
 		}
 	}
+	if raw.PairLinger == "0s" || raw.PairLinger == "0" {
+		c.PairRegionLinger = -1 // none
+	} else if c.PairRegionLinger, err = duration(raw.PairLinger, 0); err != nil {
+		return nil, fmt.Errorf("%s", at("pair_region_linger: "+err.Error()))
+	}
 	if filepath.Clean(c.StateDir) == filepath.Clean(c.RegionDir) {
 		return nil, fmt.Errorf("%s", at("state_dir and region_dir are one directory: give each its own"))
 	}
@@ -286,6 +312,16 @@ func Parse(name string, src []byte) (*Config, error) {
 		}
 		if err := pairAndQuota(&grp, g); err != nil {
 			return nil, fmt.Errorf("%s: %w", where, err)
+		}
+		switch grp.VMRegions = or(g.VMRegions, VMRegionsGroup); grp.VMRegions {
+		case VMRegionsGroup:
+		case VMRegionsPair:
+			// An ivshmem BAR is a power of two of at least 1 MiB.
+			if sz := grp.PairGeometry.Size; sz < 1<<20 || sz&(sz-1) != 0 {
+				return nil, fmt.Errorf("%s: pair_region_size %d: with vm_regions = \"pair\" pair regions are ivshmem BARs: want a power of two of at least 1MiB", where, sz)
+			}
+		default:
+			return nil, fmt.Errorf("%s: vm_regions %q: want \"group\" or \"pair\"", where, g.VMRegions)
 		}
 		c.Groups = append(c.Groups, grp)
 	}
@@ -323,7 +359,10 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: control_ports %d is more than limits.sessions_per_guest %d: raise the limit", where, g.Ports, c.Limits.SessionsPerGuest)
 		}
 		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Ports: max(g.Ports, 1), Interface: g.Interface, CTMark: uint32(g.CTMark),
-			SharedRegion: g.SharedRegion}
+			SharedRegion: g.SharedRegion, QMP: g.QMP}
+		if err := checkQMP(gu, c.group(g.Group)); err != nil {
+			return nil, fmt.Errorf("%s: %w", where, err)
+		}
 		for _, s := range g.Addresses {
 			a, err := netip.ParseAddr(s)
 			if err != nil {
@@ -374,6 +413,32 @@ func Parse(name string, src []byte) (*Config, error) {
 		}
 	}
 	return c, nil
+}
+
+// group returns the trust group called name (nil if there is none).
+func (c *Config) group(name string) *Group {
+	for i := range c.Groups {
+		if c.Groups[i].Name == name {
+			return &c.Groups[i]
+		}
+	}
+	return nil
+}
+
+// checkQMP checks a guest's qmp against its group's vm_regions: a VM
+// (shared_region) of a vm_regions = "pair" group needs one, since hostd
+// hot-plugs its pair regions through it; qmp means nothing elsewhere.
+func checkQMP(g Guest, grp *Group) error {
+	pair := grp != nil && grp.VMRegions == VMRegionsPair
+	switch {
+	case g.QMP != "" && !filepath.IsAbs(g.QMP):
+		return fmt.Errorf("qmp %q: want the absolute path of the QEMU's QMP socket", g.QMP)
+	case g.QMP != "" && (!g.SharedRegion || !pair):
+		return fmt.Errorf("qmp is for VMs (shared_region = true) of a trust group with vm_regions = \"pair\": remove it, or set those")
+	case g.SharedRegion && pair && g.QMP == "":
+		return fmt.Errorf("trust group %s has vm_regions = \"pair\": give this VM its QEMU's QMP socket (qmp = \"/run/shunt/NAME.qmp\", QEMU -qmp unix:PATH,server=on,wait=off), through which hostd hot-plugs its pair regions", g.Group)
+	}
+	return nil
 }
 
 // Defaults of a trust group's pair regions.

@@ -254,3 +254,34 @@ func TestParseSwitching(t *testing.T) {
 		t.Fatalf("negative shutdown_grace: %v, want an error naming it", err)
 	}
 }
+
+// TestParseVMRegions: vm_regions = "pair" needs a qmp socket for each VM
+// of the group and ivshmem-sized pair regions; qmp elsewhere is refused.
+func TestParseVMRegions(t *testing.T) {
+	conf := func(group, guest string) string {
+		return "trust_group \"t\" {\n" + group + "}\nguest \"vm\" {\n  id = 1\n  group = \"t\"\n  control = \"/run/vm.sock\"\n  addresses = [\"10.0.0.1\"]\n" + guest + "}\npair_region_linger = \"1s\"\n"
+	}
+	c, err := config.Parse("hostd.hcl", []byte(conf("  vm_regions = \"pair\"\n", "  shared_region = true\n  qmp = \"/run/vm.qmp\"\n")))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if c.Groups[0].VMRegions != config.VMRegionsPair || c.Guests[0].QMP != "/run/vm.qmp" || c.PairRegionLinger != time.Second {
+		t.Fatalf("group %+v, guest %+v, linger %v", c.Groups[0], c.Guests[0], c.PairRegionLinger)
+	}
+	if c, err := config.Parse("hostd.hcl", []byte(good)); err != nil || c.Groups[0].VMRegions != config.VMRegionsGroup {
+		t.Fatalf("default vm_regions: %v, %v; want group", c.Groups[0].VMRegions, err)
+	}
+	for _, tc := range []struct{ name, group, guest, want string }{
+		{"no qmp", "  vm_regions = \"pair\"\n", "  shared_region = true\n", "give this VM its QEMU's QMP socket"},
+		{"qmp without pair", "", "  shared_region = true\n  qmp = \"/run/vm.qmp\"\n", "qmp is for VMs"},
+		{"bad value", "  vm_regions = \"pairs\"\n", "", "want \"group\" or \"pair\""},
+		{"not a BAR size", "  vm_regions = \"pair\"\n  pair_region_size = \"12MiB\"\n", "", "power of two"},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			_, err := config.Parse("hostd.hcl", []byte(conf(tc.group, tc.guest)))
+			if err == nil || !strings.Contains(err.Error(), tc.want) {
+				t.Fatalf("Parse = %v, want an error containing %q", err, tc.want)
+			}
+		})
+	}
+}

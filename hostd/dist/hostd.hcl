@@ -27,6 +27,8 @@ trust_group "tenant-a" {
   # pair_region_size = "16MiB"   # each pair of process guests gets its own
   # guest_ring_bytes = "16MiB"   # per guest: rings of the flows it opens (default region_size/4)
   # guest_flows      = 64        # per guest: flows it opens (default slots/4)
+  # vm_regions = "pair"   # a region per VM pair, hot-plugged into both VMs (each
+  #                       # VM needs qmp = "/run/shunt/vm1.qmp"; docs/vm.md, "Pair regions")
 }
 
 # Register running libvirt domains that carry Shunt's devices and metadata

@@ -13,15 +13,16 @@ import (
 // Set holds hostd's metrics. Safe for concurrent use.
 type Set struct {
 	Registry  *prometheus.Registry
-	Fallbacks *prometheus.CounterVec // reason; once per connection
-	Switches  *prometheus.CounterVec // to (rings, tcp), reason
-	Conns     *prometheus.GaugeVec   // path (rings, leaving, tcp): hostd's connection records
-	Revokes   *prometheus.CounterVec // reason
-	Opens     *prometheus.CounterVec // role
-	Flows     *prometheus.GaugeVec   // state, mode
-	Setup     prometheus.Histogram   // seconds from the first OPEN of a pair to READY
-	Malformed prometheus.Counter     // control channels closed for malformed input
-	Sessions  *prometheus.GaugeVec   // guest
+	Fallbacks *prometheus.CounterVec   // reason; once per connection
+	Switches  *prometheus.CounterVec   // to (rings, tcp), reason
+	Conns     *prometheus.GaugeVec     // path (rings, leaving, tcp): hostd's connection records
+	Revokes   *prometheus.CounterVec   // reason
+	Opens     *prometheus.CounterVec   // role
+	Flows     *prometheus.GaugeVec     // state, mode
+	Setup     prometheus.Histogram     // seconds from the first OPEN of a pair to READY
+	Plug      *prometheus.HistogramVec // op (plug, unplug): seconds to hot-plug a VM pair region into both VMs, or out
+	Malformed prometheus.Counter       // control channels closed for malformed input
+	Sessions  *prometheus.GaugeVec     // guest
 
 	// The control plane's defences (hostd/server, hostd/broker).
 	Limited       *prometheus.CounterVec // kind: a guest's request over a limit
@@ -66,6 +67,10 @@ func New() *Set {
 			Name: "shunt_flow_setup_seconds", Help: "Time from the first OPEN of a pair to READY.",
 			Buckets: prometheus.ExponentialBuckets(20e-6, 2, 16),
 		}),
+		Plug: prometheus.NewHistogramVec(prometheus.HistogramOpts{
+			Name: "shunt_region_plug_seconds", Help: "Time to hot-plug a VM pair region into both its VMs (op plug: QMP, until QEMU added the devices) or out of them (op unplug: until QEMU let go, the guests' ejects included).",
+			Buckets: prometheus.ExponentialBuckets(1e-3, 2, 15),
+		}, []string{"op"}),
 		Malformed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "shunt_control_malformed_total", Help: "Control channels closed for malformed messages.",
 		}),
@@ -85,7 +90,7 @@ func New() *Set {
 			Name: "shunt_control_kicks_merged_total", Help: "Relayed KICKs merged into one already waiting for the same flow side.",
 		}),
 	}
-	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Malformed, s.Sessions,
+	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Plug, s.Malformed, s.Sessions,
 		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range proto.Reasons() {

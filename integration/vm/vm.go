@@ -49,6 +49,11 @@ type Options struct {
 	// (plug it after the migration) and without configuring the host
 	// side of its tap (HostSide, once the source's tap is gone).
 	Incoming string
+	// QMP is where a Migratable VM's QMP socket goes ("": a fresh
+	// temporary path), for a hostd.hcl that names it before QEMU starts
+	// (qmp: hostd hot-plugs pair regions through it). A Migratable VM
+	// without Attach.Region starts without an ivshmem device.
+	QMP string
 }
 
 func (o Options) cmdline() string {
@@ -180,8 +185,10 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 	}
 	var qmpPath string
 	if o.Migratable {
-		if qmpPath, err = tempSocket("shunt-qmp-*.sock"); err != nil {
-			return nil, err
+		if qmpPath = o.QMP; qmpPath == "" {
+			if qmpPath, err = tempSocket("shunt-qmp-*.sock"); err != nil {
+				return nil, err
+			}
 		}
 		args = append(args, "-qmp", fmt.Sprintf("unix:%s,server=on,wait=off", qmpPath))
 		if o.Incoming != "" {

@@ -131,6 +131,9 @@ func (fl *Files) Create(path, name string, m Meta, g Geometry, a Access, sig wai
 	if err != nil {
 		return nil, nil, err
 	}
+	if m.Kind == KindPair {
+		r.SetName(m.ID, m.GuestA, m.GuestB)
+	}
 	defer func() {
 		if err != nil {
 			r.Close()
@@ -230,6 +233,9 @@ func (fl *Files) Adopt(path, name string, a Access, sig wait.Signal) (_ *Pool, _
 	if err := sh.SetGeneration(gen); err != nil {
 		r.Close()
 		return nil, Meta{}, nil, nil, err
+	}
+	if m.Kind == KindPair {
+		r.SetName(m.ID, m.GuestA, m.GuestB)
 	}
 	p, problems, err := AdoptShadow(r, sh, sig)
 	if err != nil {

@@ -28,6 +28,9 @@ const (
 	offHeapSize   = 48 // u64 heap bytes
 	offChunk      = 56 // u32 allocation unit
 	offGeneration = 64 // u64, atomic: bumped by hostd on each adoption
+	offRegionID   = 72 // u32: the id guests know a pair region by (0: a group region)
+	offGuestA     = 76 // u32: a pair region's guests, A the lower id (0: a group region)
+	offGuestB     = 80 // u32
 
 	// MaxSlots bounds the directory so that a hostile header cannot make a
 	// reader allocate or scan without limit.

@@ -171,6 +171,9 @@ func TestShadowRoundTrip(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
+	if id, a, b := pool.Region().Name(); id != 7 || a != 1 || b != 2 {
+		t.Fatalf("header names region %d of %d-%d, want 7 of 1-2", id, a, b)
+	}
 	_, e1, _ := pool.Alloc(req(64 << 10))
 	s2, e2, _ := pool.Alloc(req(64 << 10))
 	s3, e3, _ := pool.Alloc(req(256 << 10))
@@ -197,6 +200,9 @@ func TestShadowRoundTrip(t *testing.T) {
 	}
 	if g := again.Region().Generation(); g != 2 {
 		t.Fatalf("header generation %d after adoption, want 2", g)
+	}
+	if id, a, b := again.Region().Name(); id != 7 || a != 1 || b != 2 {
+		t.Fatalf("header names region %d of %d-%d after adoption, want 7 of 1-2 (a VM finds its pair region's device by it)", id, a, b)
 	}
 	live := again.Live()
 	if len(live) != 2 || live[0] != want[0] || live[1] != want[1] || live[1].Released != region.SideB || live[1].State != region.Revoked {
@@ -268,6 +274,9 @@ func TestAdoptDropsBadShadowRecords(t *testing.T) {
 		t.Fatal(err)
 	}
 	f.Close()
+	if id, a, b := pool.Region().Name(); id != 0 || a != 0 || b != 0 {
+		t.Fatalf("a group region's header names region %d of %d-%d, want zeros", id, a, b)
+	}
 	_, e1, _ := pool.Alloc(req(64 << 10))
 	s2, _, _ := pool.Alloc(req(64 << 10))
 	pool.Close()

@@ -1,6 +1,7 @@
 package region
 
 import (
+	"encoding/binary"
 	"fmt"
 	"os"
 	"sync/atomic"
@@ -132,6 +133,27 @@ func (r *Region) Mem() []byte { return r.mem }
 // Generation returns the header's generation (bumped by each hostd that
 // adopts the region).
 func (r *Region) Generation() uint64 { return r.word64(offGeneration).Load() }
+
+// SetName writes into the header the id a pair region's guests know it
+// by and its two guests (a, the lower id, then b): a VM, which gets a pair
+// region as a hot-plugged ivshmem device and not as a descriptor, finds
+// the device by them (docs/region.md, "Header"). hostd writes them once,
+// after Format or an adoption, before any guest is told of the region; a
+// group region keeps zeros.
+func (r *Region) SetName(id, a, b uint32) {
+	le := binary.LittleEndian
+	le.PutUint32(r.mem[offRegionID:], id)
+	le.PutUint32(r.mem[offGuestA:], a)
+	le.PutUint32(r.mem[offGuestB:], b)
+}
+
+// Name returns what SetName wrote: the pair region's id and guests, or
+// zeros (a group region). Guests can write the header, so a name is a
+// claim to check (the ids READY and REGION give), not a proof.
+func (r *Region) Name() (id, a, b uint32) {
+	le := binary.LittleEndian
+	return le.Uint32(r.mem[offRegionID:]), le.Uint32(r.mem[offGuestA:]), le.Uint32(r.mem[offGuestB:])
+}
 
 // BumpGeneration increments the header generation; hostd calls it when it
 // adopts the region, so guests can tell that hostd restarted.

@@ -73,26 +73,58 @@ var ErrNotFound = errors.New("no ivshmem device (PCI 1af4:1110) in this guest")
 // file says "1" already (writing "1" needs root, and counts one more
 // enable each time), and its resource2.
 func Find(sysfs string) (string, error) {
-	devs, err := filepath.Glob(filepath.Join(sysfs, "bus/pci/devices/*"))
+	devs, err := List(sysfs)
 	if err != nil {
 		return "", err
 	}
-	for _, dev := range devs {
-		if !hasID(dev, "vendor", Vendor) || !hasID(dev, "device", DeviceID) {
-			continue
-		}
-		if !enabled(dev) {
-			if err := os.WriteFile(filepath.Join(dev, "enable"), []byte("1"), 0); err != nil {
-				return "", fmt.Errorf("enable ivshmem %s (needs root): %w", filepath.Base(dev), err)
-			}
-		}
-		bar := filepath.Join(dev, "resource2")
-		if _, err := os.Stat(bar); err != nil {
-			return "", fmt.Errorf("ivshmem %s has no BAR2: %w", filepath.Base(dev), err)
-		}
-		return bar, nil
+	if len(devs) == 0 {
+		return "", ErrNotFound
 	}
-	return "", ErrNotFound
+	return BAR(devs[0])
+}
+
+// List returns the sysfs directories of every ivshmem device under sysfs
+// (bus/pci/devices, by ids), in address order. A VM of a trust group with
+// pair regions has one per peer VM it has flows with, each found by the
+// region header it shows (docs/vm.md, "Pair regions").
+func List(sysfs string) ([]string, error) {
+	devs, err := filepath.Glob(filepath.Join(sysfs, "bus/pci/devices/*"))
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, dev := range devs {
+		if hasID(dev, "vendor", Vendor) && hasID(dev, "device", DeviceID) {
+			out = append(out, dev)
+		}
+	}
+	return out, nil
+}
+
+// BAR enables the ivshmem device at dev (a sysfs directory from List)
+// unless it is enabled already, and returns the path of its memory BAR,
+// resource2.
+func BAR(dev string) (string, error) {
+	if !enabled(dev) {
+		if err := os.WriteFile(filepath.Join(dev, "enable"), []byte("1"), 0); err != nil {
+			return "", fmt.Errorf("enable ivshmem %s (needs root): %w", filepath.Base(dev), err)
+		}
+	}
+	bar := filepath.Join(dev, "resource2")
+	if _, err := os.Stat(bar); err != nil {
+		return "", fmt.Errorf("ivshmem %s has no BAR2: %w", filepath.Base(dev), err)
+	}
+	return bar, nil
+}
+
+// Rescan asks the guest kernel to rescan the PCI buses (writes "1" to
+// bus/pci/rescan; needs root): for a hot-plugged device whose hotplug
+// event the kernel did not act on (no hotplug driver for its slot).
+func Rescan(sysfs string) error {
+	if err := os.WriteFile(filepath.Join(sysfs, "bus/pci/rescan"), []byte("1"), 0); err != nil {
+		return fmt.Errorf("rescan PCI (needs root): %w", err)
+	}
+	return nil
 }
 
 func hasID(dev, file string, want int) bool {

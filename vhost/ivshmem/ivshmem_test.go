@@ -112,3 +112,23 @@ func TestFindNone(t *testing.T) {
 		t.Fatalf("Find without ivshmem = %v, want ErrNotFound", err)
 	}
 }
+
+// List returns every ivshmem device (a VM with pair regions has one per
+// peer), in address order; BAR enables one and names its resource2.
+func TestListAndBAR(t *testing.T) {
+	sysfs := t.TempDir()
+	b := fakeDev(t, sysfs, "0000:00:06.0", "0x1af4", "0x1110", true)
+	fakeDev(t, sysfs, "0000:00:02.0", "0x1af4", "0x1000", true)
+	a := fakeDev(t, sysfs, "0000:00:05.0", "0x1af4", "0x1110", true)
+	devs, err := ivshmem.List(sysfs)
+	if err != nil || len(devs) != 2 || devs[0] != a || devs[1] != b {
+		t.Fatalf("List = %v, %v; want [%s %s]", devs, err, a, b)
+	}
+	bar, err := ivshmem.BAR(devs[1])
+	if err != nil || bar != filepath.Join(b, "resource2") {
+		t.Fatalf("BAR = %s, %v", bar, err)
+	}
+	if e, _ := os.ReadFile(filepath.Join(b, "enable")); string(e) != "1" {
+		t.Fatalf("BAR did not enable the device: enable = %q", e)
+	}
+}
