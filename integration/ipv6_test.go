@@ -66,7 +66,14 @@ func (e *env) dialNet(a int, l *guestlib.Listener, network, addr string) (client
 	if err != nil {
 		e.t.Fatalf("dial %s %s from g%d: %v", network, addr, a, err)
 	}
-	s := <-acc
+	var s *guestlib.Conn
+	select {
+	case s = <-acc:
+	case <-time.After(30 * time.Second):
+		c.Close()
+		l.Close() // ends the Accept
+		e.t.Fatalf("no accept of %s %s from g%d within 30 s; hostd flows: %s", network, addr, a, e.flowsJSON())
+	}
 	if s == nil {
 		e.t.FailNow()
 	}

@@ -155,6 +155,9 @@ func startGuestProc(e *env, i int, cmd *exec.Cmd) (*guestProc, error) {
 		cmd.Stdout = p.out
 	}
 	cmd.Stderr = p.out
+	// A grandchild that outlives its parent (a forked worker) may hold
+	// the output pipe: Wait gives up on the copy after this.
+	cmd.WaitDelay = 5 * time.Second
 	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
 		return nil, fmt.Errorf("start %s in g%d: %w", cmd.Args, i, err)
 	}
@@ -189,7 +192,11 @@ func (p *guestProc) stop() {
 	for _, pid := range tree {
 		killTree(pid)
 	}
-	<-p.done
+	select { // bounded: WaitDelay ends Wait once the process is gone
+	case <-p.done:
+	case <-time.After(15 * time.Second):
+		fmt.Fprintf(os.Stderr, "servers: %v (pid %d) did not end 15 s after SIGKILL of its tree\n", p.cmd.Args, p.cmd.Process.Pid)
+	}
 }
 
 // killTree SIGKILLs pid, if it runs, and its descendants until none is
