@@ -300,3 +300,44 @@ func TestVMGroupRegionFirstConnect(t *testing.T) {
 	crosswise(t, "vm1-vm2", duplexResult(t, ctx, srv, "DUPLEX-7001"), duplexResult(t, ctx, cli, "DUPLEX"))
 	t.Logf("first connect to the rings, group region (no plug): %s ms", strings.TrimPrefix(fast, "SHUNT-VM FAST 0 "))
 }
+
+// TestVMPreloadPairRegion: the C library in two VMs of a pair-region
+// group. iperf3 under it in each VM: the library finds the device hostd
+// plugged for the pair by its region header (the C core's discovery, as
+// guestlib's bar.go), and iperf3's connections take the rings.
+func TestVMPreloadPairRegion(t *testing.T) {
+	testenv.NeedTool(t, "iperf3", "iperf3")
+	needPreload(t)
+	v := newPairVMEnv(t, 2)
+	iperf3, _ := exec.LookPath("iperf3")
+	initrd := filepath.Join(t.TempDir(), "initramfs-preload")
+	if err := vm.BuildInitramfs(initrd, v.kernel, v.agent, preloadLib, iperf3); err != nil {
+		t.Fatal(err)
+	}
+	v.initrd = initrd
+	ctx, cancel := context.WithTimeout(context.Background(), 4*time.Minute)
+	defer cancel()
+	a1, _ := vmAddr(1)
+	srv := v.bootPairVM(1, "run", preloadLib, iperf3, "-s", "-1", "-p", "5201", "--forceflush")
+	eventually(t, time.Minute, "vm1's iperf3 listening in hostd", func() bool { return len(v.guest("vm1").Listening) == 1 })
+	cli := v.bootPairVM(2, "run", preloadLib, iperf3, "-c", a1.String(), "-p", "5201", "-n", "64M", "-f", "m", "--forceflush")
+	for _, m := range []*vm.VM{cli, srv} {
+		if line := mustWait(t, ctx, m, "SHUNT-VM EXIT "); line != "SHUNT-VM EXIT 0" {
+			t.Fatalf("%s: iperf3 %s\n%s", m.Name, line, m.Console())
+		}
+	}
+	for _, m := range []*vm.VM{cli, srv} {
+		c := m.Console()
+		if !strings.Contains(c, "mapped from the device plugged for it") || !strings.Contains(c, ": shunt (slot") {
+			t.Fatalf("%s: the library did not map the pair's device or no connection took the rings:\n%s", m.Name, c)
+		}
+		for _, l := range strings.Split(c, "\n") {
+			if strings.Contains(l, "mapped from the device") || strings.Contains(l, "receiver") {
+				t.Logf("%s: %s", m.Name, l)
+			}
+		}
+	}
+	if len(v.hostdLines("pair region plugged into its VMs")) != 1 {
+		t.Fatalf("hostd plugged %d pair regions, want 1", len(v.hostdLines("pair region plugged into its VMs")))
+	}
+}

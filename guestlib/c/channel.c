@@ -186,8 +186,11 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
 		errno = e;
 		return -1;
 	}
-	if (!s->region_path && shunt_find_bar(s->bar, sizeof s->bar) == 0)
+	/* A WELCOME without region 0 is a VM of a pair-region group: its
+	 * devices are pair regions, found when REGION names them (regions.c). */
+	if (!s->region_path && m->region_size && shunt_find_bar(s->bar, sizeof s->bar) == 0)
 		s->region_path = s->bar;
+	__atomic_store_n(&s->guest_id, m->guest_id, __ATOMIC_RELAXED);
 	__atomic_store_n(&s->vm, 1, __ATOMIC_SEQ_CST);
 	shunt_kicks_enable();
 	shunt_logf(s, "shunt: control port %s", path);

@@ -1,4 +1,5 @@
-/* VM discovery through sysfs: the control ports and the region's BAR.
+/* VM discovery through sysfs: the control ports, the group region's BAR
+ * and the BARs of pair regions plugged later.
  * The rules are docs/vm.md, "Discovery", which the Go library applies
  * too (vhost/vserial.FindAll and Open, vhost/ivshmem.Find); a change to
  * them changes both. */
@@ -9,6 +10,7 @@
 #include <fcntl.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 
 #define PORT_NAME    "org.shunt.ctl"
@@ -156,6 +158,30 @@ static int pci_attr(char *out, size_t n, const char *dev, const char *attr)
 	return join(d, sizeof d, PCI_SYSFS, dev) || join(out, n, d, attr) ? -1 : 0;
 }
 
+/* is_ivshmem reports whether PCI device dev is an ivshmem device
+ * (1af4:1110). */
+static int is_ivshmem(const char *dev)
+{
+	char p[SHUNT_PATH_MAX], v[SMALL_FILE];
+	return !pci_attr(p, sizeof p, dev, "vendor") && read_small(p, v, sizeof v) == 0 && !strcmp(v, "0x1af4") &&
+	       !pci_attr(p, sizeof p, dev, "device") && read_small(p, v, sizeof v) == 0 && !strcmp(v, "0x1110");
+}
+
+/* pci_enable enables dev unless it is already (each write of "1" counts
+ * one more enable, and needs root). If this fails, mapping the BAR will
+ * say so. */
+static void pci_enable(const char *dev)
+{
+	char p[SHUNT_PATH_MAX], en[SMALL_FILE];
+	if (pci_attr(p, sizeof p, dev, "enable") == 0 && (read_small(p, en, sizeof en) < 0 || strcmp(en, "1"))) {
+		int fd = open(p, O_WRONLY | O_CLOEXEC);
+		if (fd >= 0) {
+			(void)sys_write(fd, "1", 1);
+			sys_close(fd);
+		}
+	}
+}
+
 int shunt_find_bar(char *out, size_t n)
 {
 	/* The first ivshmem device in address order (PCI addresses have a
@@ -163,29 +189,69 @@ int shunt_find_bar(char *out, size_t n)
 	char best[SMALL_FILE] = "";
 	DIR *dir = opendir(PCI_SYSFS);
 	for (struct dirent *e; dir && (e = readdir(dir));) {
-		char p[SHUNT_PATH_MAX], v[SMALL_FILE], d[SMALL_FILE];
 		if (e->d_name[0] == '.' || strlen(e->d_name) >= sizeof best || (best[0] && strcmp(e->d_name, best) >= 0))
 			continue;
-		if (pci_attr(p, sizeof p, e->d_name, "vendor") || read_small(p, v, sizeof v) < 0 || strcmp(v, "0x1af4"))
-			continue;
-		if (pci_attr(p, sizeof p, e->d_name, "device") || read_small(p, d, sizeof d) < 0 || strcmp(d, "0x1110"))
-			continue;
-		strcpy(best, e->d_name);
+		if (is_ivshmem(e->d_name))
+			strcpy(best, e->d_name);
 	}
 	if (dir)
 		closedir(dir);
 	if (!best[0])
 		return -1;
-	/* Enabled unless it is already (each write of "1" counts one more
-	 * enable, and needs root). If this fails, mapping the BAR will say
-	 * so. */
-	char p[SHUNT_PATH_MAX], en[SMALL_FILE];
-	if (pci_attr(p, sizeof p, best, "enable") == 0 && (read_small(p, en, sizeof en) < 0 || strcmp(en, "1"))) {
-		int fd = open(p, O_WRONLY | O_CLOEXEC);
-		if (fd >= 0) {
-			(void)sys_write(fd, "1", 1);
-			sys_close(fd);
-		}
-	}
+	pci_enable(best);
 	return pci_attr(out, n, best, "resource2");
+}
+
+/* The region header's name of a pair region (docs/region.md: region id,
+ * guest A, guest B), which hostd writes before it plugs the device. */
+#define HDR_REGION_ID 72
+#define HDR_GUEST_A   76
+#define HDR_GUEST_B   80
+
+int shunt_open_pair_bar(uint32_t id, uint32_t gid, uint64_t size)
+{
+	int found = -1;
+	DIR *dir = opendir(PCI_SYSFS);
+	for (struct dirent *e; dir && found < 0 && (e = readdir(dir));) {
+		char p[SHUNT_PATH_MAX];
+		struct stat st;
+		if (e->d_name[0] == '.' || !is_ivshmem(e->d_name) || pci_attr(p, sizeof p, e->d_name, "resource2"))
+			continue;
+		pci_enable(e->d_name);
+		int fd = open(p, O_RDWR | O_CLOEXEC);
+		if (fd < 0)
+			continue;
+		if (fstat(fd, &st) < 0 || (uint64_t)st.st_size != size || size < 4096) {
+			sys_close(fd);
+			continue;
+		}
+		/* The header through a mapping of its first page: a BAR's sysfs
+		 * file can be mapped, not read. */
+		const uint8_t *h = mmap(NULL, 4096, PROT_READ, MAP_SHARED, fd, 0);
+		if (h == MAP_FAILED) {
+			sys_close(fd);
+			continue;
+		}
+		uint32_t rid, a, b;
+		memcpy(&rid, h + HDR_REGION_ID, 4);
+		memcpy(&a, h + HDR_GUEST_A, 4);
+		memcpy(&b, h + HDR_GUEST_B, 4);
+		munmap((void *)h, 4096);
+		if (rid == id && (a == gid || b == gid))
+			found = fd;
+		else
+			sys_close(fd);
+	}
+	if (dir)
+		closedir(dir);
+	return found;
+}
+
+void shunt_pci_rescan(void)
+{
+	int fd = open("/sys/bus/pci/rescan", O_WRONLY | O_CLOEXEC);
+	if (fd >= 0) {
+		(void)sys_write(fd, "1", 1);
+		sys_close(fd);
+	}
 }

@@ -57,6 +57,7 @@ struct shunt_session {
 	const char *region_path;
 	char bar[SHUNT_PATH_MAX];
 	int vm; /* a port: set once, read atomically */
+	uint32_t guest_id; /* a VM's id, from WELCOME: the pair regions that name it are its own */
 
 	pthread_mutex_t mu; /* guards the fields below, and writes to fd */
 	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel; CLOCK_MONOTONIC */

@@ -21,6 +21,7 @@
 #include <stdlib.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <unistd.h>
 
 struct shunt_mapping {
 	uint32_t id;
@@ -109,12 +110,49 @@ static void unmap_locked(struct shunt_session *s, struct shunt_mapping *mp)
 	free(mp);
 }
 
+/* How long a VM waits for the device hostd plugged for a pair region to
+ * show up (ACPI or PCIe hotplug), and when it rescans the PCI buses once;
+ * the Go library's barWait and barRescan (guestlib/bar.go). */
+#define BAR_WAIT_MS   10000
+#define BAR_RESCAN_MS 500
+#define BAR_POLL_MS   10
+
+/* bar_wait opens the BAR of the device plugged for the pair region of
+ * REGION m (which came without a descriptor on a VM's port): its fd, or
+ * -1 after BAR_WAIT_MS. It runs on the session's reader, so the READY
+ * that follows finds the mapping. */
+static int bar_wait(struct shunt_session *s, const struct shunt_msg *m)
+{
+	uint32_t gid = __atomic_load_n(&s->guest_id, __ATOMIC_RELAXED);
+	int64_t start = shunt_now_ns();
+	for (int rescanned = 0;;) {
+		int fd = shunt_open_pair_bar(m->region_id, gid, m->region_size);
+		int64_t ms = (shunt_now_ns() - start) / 1000000;
+		if (fd >= 0) {
+			shunt_logf(s, "shunt: region %u mapped from the device plugged for it (found %lld ms after REGION)", m->region_id, (long long)ms);
+			return fd;
+		}
+		if (!rescanned && ms > BAR_RESCAN_MS) {
+			rescanned = 1;
+			shunt_pci_rescan();
+		}
+		if (ms > BAR_WAIT_MS) {
+			shunt_logf(s, "shunt: REGION %u: no ivshmem device names it after %d ms; its flows stay on TCP", m->region_id, BAR_WAIT_MS);
+			return -1;
+		}
+		usleep(BAR_POLL_MS * 1000);
+	}
+}
+
 /* region_given maps the region of a REGION message from descriptor fd
- * (which it closes). A region already mapped under the id is kept if it
- * is the same file; another file replaces it. */
+ * (which it closes), or in a VM from the device plugged for it. A region
+ * already mapped under the id is kept if it is the same file; another
+ * file replaces it. */
 static void region_given(struct shunt_session *s, const struct shunt_msg *m, int fd)
 {
 	struct stat st;
+	if (fd < 0 && shunt_session_vm(s) && m->region_id != 0)
+		fd = bar_wait(s, m);
 	if (fd < 0) {
 		shunt_logf(s, "shunt: REGION %u came without its descriptor; its flows stay on TCP", m->region_id);
 		return;

@@ -507,6 +507,14 @@ void shunt_free_ports(char **ports);
  * enables it unless it is already and writes the path of its memory BAR
  * (resource2) to out: 0, or -1 if there is none. docs/vm.md, "Discovery". */
 int shunt_find_bar(char *out, size_t n);
+/* Opens the memory BAR of the ivshmem device plugged for pair region id
+ * (vm_regions = "pair"): the device whose region header names id and a
+ * pair with guest gid, size bytes. Its fd (O_RDWR), or -1 if no device
+ * does (yet). docs/vm.md, "Pair regions". */
+int shunt_open_pair_bar(uint32_t id, uint32_t gid, uint64_t size);
+/* Asks the guest kernel to rescan its PCI buses (root), for a plugged
+ * device that ACPI or PCIe hotplug did not announce. */
+void shunt_pci_rescan(void);
 
 /* ---- kicks (VM mode) ----
  *
