@@ -12,6 +12,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/config"
 	"github.com/shuntnet/shunt/hostd/mark"
+	"github.com/shuntnet/shunt/vhost/qmp"
 )
 
 func checkPrivileges(_ context.Context, e *env) {
@@ -251,6 +252,43 @@ func checkLibvirt(ctx context.Context, e *env) {
 		return
 	}
 	e.ok("libvirtd answers at %s and opens %s", lv.Socket, lv.URI)
+}
+
+// checkQMP looks at the QMP socket of every VM guest of a pair-region
+// group: hostd plugs the pair regions through it when a pair's first flow
+// needs one. A QEMU that is not running yet is only a warning (its flows
+// stay on TCP until it is); one that does not answer QMP is too.
+func checkQMP(ctx context.Context, e *env) {
+	n := 0
+	for _, g := range e.cfg.Guests {
+		if g.QMP == "" {
+			continue
+		}
+		n++
+		st, err := os.Stat(g.QMP)
+		switch {
+		case err != nil:
+			e.warn(fmt.Sprintf("guest %s: qmp %s: %v (its VM is not running yet? its pair regions are plugged once it is)", g.Name, g.QMP, err),
+				"start the VM with -qmp unix:"+g.QMP+",server=on,wait=off, or fix qmp")
+			continue
+		case st.Mode()&os.ModeSocket == 0:
+			e.problem(fmt.Sprintf("guest %s: qmp %s is not a socket", g.Name, g.QMP), "point qmp at the QMP socket of the guest's QEMU")
+			continue
+		}
+		dctx, cancel := context.WithTimeout(ctx, probeTimeout)
+		q, err := qmp.Dial(dctx, g.QMP)
+		cancel()
+		if err != nil {
+			e.warn(fmt.Sprintf("guest %s: qmp %s does not answer: %v (another QMP client holding it delays plugs)", g.Name, g.QMP, err),
+				"check that the QEMU runs and that nothing else keeps its QMP socket open")
+			continue
+		}
+		q.Close()
+		e.ok("guest %s: QEMU answers QMP at %s", g.Name, g.QMP)
+	}
+	if n == 0 {
+		e.ok("no guest with qmp: no pair regions to plug into VMs")
+	}
 }
 
 func checkMetrics(_ context.Context, e *env) {

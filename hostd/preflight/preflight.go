@@ -75,6 +75,7 @@ var checks = []check{
 	{"regions", checkRegions},
 	{"sockets", checkSockets},
 	{"libvirt", checkLibvirt},
+	{"qmp", checkQMP},
 	{"metrics", checkMetrics},
 }
 

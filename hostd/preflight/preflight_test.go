@@ -1,6 +1,7 @@
 package preflight
 
 import (
+	"bufio"
 	"bytes"
 	"context"
 	"encoding/json"
@@ -651,4 +652,49 @@ func TestReport(t *testing.T) {
 			t.Errorf("Summary of %d each: want %q, got %q", n, want, got)
 		}
 	}
+}
+
+// TestQMP: the qmp sockets of a pair-region group's VMs: a missing one
+// warns (the VM is not running yet), a file that is not a socket is a
+// problem, and a QEMU that answers QMP is ok.
+func TestQMP(t *testing.T) {
+	c := newConfig(t)
+	c.groups = []string{c.group("a", "1MiB", "vm_regions = \"pair\"")}
+	answering := c.path("run/vm3.qmp")
+	if err := os.MkdirAll(filepath.Dir(answering), 0o700); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unix", answering)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	go func() { // a QEMU's QMP: greeting, then {"return":{}} to each command
+		for {
+			conn, err := l.Accept()
+			if err != nil {
+				return
+			}
+			go func() {
+				defer conn.Close()
+				fmt.Fprintln(conn, `{"QMP": {"version": {}, "capabilities": []}}`)
+				sc := bufio.NewScanner(conn)
+				for sc.Scan() {
+					fmt.Fprintln(conn, `{"return": {}}`)
+				}
+			}()
+		}
+	}()
+	notSocket := c.path("run/vm2.qmp")
+	if err := os.WriteFile(notSocket, nil, 0o600); err != nil {
+		t.Fatal(err)
+	}
+	for i, q := range []string{c.path("run/vm1.qmp"), notSocket, answering} {
+		c.guests = append(c.guests, fmt.Sprintf("guest \"vm%d\" {\n  id = %d\n  group = \"a\"\n  control = %q\n  addresses = [\"10.0.0.%d\"]\n  shared_region = true\n  qmp = %q\n}\n",
+			i+1, i+1, c.path(fmt.Sprintf("run/vm%d.sock", i+1)), i+1, q))
+	}
+	fs := run(t, c, healthy())
+	want(t, fs, "qmp", Warning, "guest vm1: qmp", "-qmp unix:")
+	want(t, fs, "qmp", Problem, "guest vm2: qmp "+notSocket+" is not a socket", "QMP socket")
+	want(t, fs, "qmp", OK, "guest vm3: QEMU answers QMP", "")
 }
