@@ -11,6 +11,7 @@ import (
 	"regexp"
 	"strconv"
 	"strings"
+	"sync"
 	"testing"
 	"time"
 
@@ -81,6 +82,68 @@ func (e *env) start(i int, cmd *exec.Cmd) *bytes.Buffer {
 	}
 	e.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
 	return &out
+}
+
+// outLog is a process's output as it comes, safe to read while it is
+// written; waitCount waits for a line to appear, without polling.
+type outLog struct {
+	mu      sync.Mutex
+	b       bytes.Buffer
+	changed chan struct{} // closed at the next write
+}
+
+func newOutLog() *outLog { return &outLog{changed: make(chan struct{})} }
+
+func (l *outLog) Write(p []byte) (int, error) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	close(l.changed)
+	l.changed = make(chan struct{})
+	return l.b.Write(p)
+}
+
+func (l *outLog) String() string {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return l.b.String()
+}
+
+// count reports how often sub appears, and a channel closed at the next
+// write.
+func (l *outLog) count(sub string) (int, <-chan struct{}) {
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	return strings.Count(l.b.String(), sub), l.changed
+}
+
+// waitCount waits until sub appears n times, for at most bound: whether
+// it did.
+func (l *outLog) waitCount(sub string, n int, bound time.Duration) bool {
+	timer := time.NewTimer(bound)
+	defer timer.Stop()
+	for {
+		c, changed := l.count(sub)
+		if c >= n {
+			return true
+		}
+		select {
+		case <-changed:
+		case <-timer.C:
+			return false
+		}
+	}
+}
+
+// startLog is start with the output in an outLog.
+func (e *env) startLog(i int, cmd *exec.Cmd) *outLog {
+	e.t.Helper()
+	out := newOutLog()
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
+		e.t.Fatal(err)
+	}
+	e.t.Cleanup(func() { cmd.Process.Kill(); cmd.Wait() })
+	return out
 }
 
 // run runs cmd in guest i and returns its output.
@@ -431,10 +494,10 @@ func TestPreloadEdgeCases(t *testing.T) {
 		return cmd
 	}
 	client := func(test string) *exec.Cmd { return clientAt("7700", test) }
-	server := func(port string) *bytes.Buffer {
+	server := func(port string) *outLog {
 		srv := exec.Command(shuntRun, "-v", edge, "server", g2, port)
 		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib)
-		return e.start(2, srv)
+		return e.startLog(2, srv)
 	}
 	srvOut := server("7700")
 	server("7701")
@@ -462,7 +525,9 @@ func TestPreloadEdgeCases(t *testing.T) {
 		if !strings.Contains(out, "PASS exitopen") || fastLines(out) != 1 {
 			t.Fatalf("client:\n%s", out)
 		}
-		eventually(t, 5*time.Second, "the server's verdict", func() bool { return strings.Contains(srvOut.String(), "exitopen-server") })
+		if !srvOut.waitCount("exitopen-server", 1, 5*time.Second) {
+			t.Fatalf("the server's verdict: not within 5s:\n%s", srvOut.String())
+		}
 		if !strings.Contains(srvOut.String(), "PASS exitopen-server") {
 			t.Fatalf("server, after the client exited with the connection open:\n%s", srvOut.String())
 		}
@@ -474,7 +539,9 @@ func TestPreloadEdgeCases(t *testing.T) {
 		if !strings.Contains(out, "PASS rawwrite") || fastLines(out) != 1 {
 			t.Fatalf("client:\n%s", out)
 		}
-		eventually(t, 10*time.Second, "the server's verdict", func() bool { return strings.Contains(srvOut.String(), "rawwrite-server") })
+		if !srvOut.waitCount("rawwrite-server", 1, 10*time.Second) {
+			t.Fatalf("the server's verdict: not within 10s:\n%s", srvOut.String())
+		}
 		if !strings.Contains(srvOut.String(), "PASS rawwrite-server") {
 			t.Fatalf("server, after the client's raw write:\n%s", srvOut.String())
 		}
@@ -566,10 +633,10 @@ func TestPreloadEdgeCases(t *testing.T) {
 	// do workers with SO_REUSEPORT listeners of their own (each closes a
 	// second one, which must not unregister the first). A fork while a
 	// connection streams on the rings leaves it there.
-	serveMode := func(mode, port string, env ...string) *bytes.Buffer {
+	serveMode := func(mode, port string, env ...string) *outLog {
 		srv := exec.Command(shuntRun, "-v", edge, mode, g2, port)
 		srv.Env = append(append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib), env...)
-		return e.start(2, srv)
+		return e.startLog(2, srv)
 	}
 	forkOut := serveMode("forkserver", "7702")
 	preOut := serveMode("prefork", "7703")
@@ -577,38 +644,67 @@ func TestPreloadEdgeCases(t *testing.T) {
 	// Without the open delay the server's OPEN is out before the fork:
 	// the parent tells hostd (CLOSE), and the client stays on TCP.
 	toldOut := serveMode("forkserver", "7705", "SHUNT_OPEN_DELAY_MS=0")
-	for _, p := range []int{7702, 7703, 7704, 7705} {
+	// A CGI-style server: posix_spawn /bin/cat on the connection, and keep
+	// the server's copy open until cat exits.
+	spawnOut := serveMode("spawnserver", "7706")
+	for _, p := range []int{7702, 7703, 7704, 7705, 7706} {
 		e.waitListening(2, p)
 	}
+	// forkconnect, forkdup and forkstorm fork in the library's windows
+	// (ctest/edge_fork.c): a connect under way (a second connect() must
+	// OPEN nothing, in either process), a dup'd fd in epoll inside the open
+	// delay, and forks from one thread while others connect, accept,
+	// echo (OPEN out, READY coming) and close connecting sockets. fast is
+	// how many connections take the fast path (-1: at least one).
 	for _, tc := range []struct {
 		name, test, port string
 		fast             int
-		srv              *bytes.Buffer // the server's output, shown on failure
-		srvWant          string        // a line the server must print, and how often
+		srv              *outLog // the server's output, shown on failure
+		srvWant          string  // a line the server must print this many more times
 		srvCount         int
 	}{
 		{"afork", "afork", "7702", 0, forkOut, ": tcp (fork: ", 1},
 		{"afork-told", "afork", "7705", 0, toldOut, ", hostd told)", 1},
-		{"inetd", "inetd", "7702", 0, forkOut, ": tcp (fork: ", 2},
+		{"inetd", "inetd", "7702", 0, forkOut, ": tcp (fork: ", 1},
 		{"prefork", "prefork", "7703", 2, preOut, ": shunt (slot ", 2},
 		{"reuseport", "reuseport", "7704", 2, reuseOut, ": shunt (slot ", 2},
 		{"forkring", "forkring", "7700", 1, srvOut, "", 0},
+		{"forkconnect", "forkconnect", "7700", 0, srvOut, "", 0},
+		{"forkdup", "forkdup", "7700", 0, srvOut, "", 0},
+		{"forkstorm", "forkstorm", "7700", -1, srvOut, "", 0},
+		{"spawnkeep", "spawnkeep", "7706", 0, spawnOut, ": tcp (spawn: ", 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
+			before, _ := tc.srv.count(tc.srvWant)
 			out := e.runT(t, 1, clientAt(tc.port, tc.test))
 			n := fastLines(out)
-			if !strings.Contains(out, "PASS "+tc.test) || n != tc.fast {
+			if !strings.Contains(out, "PASS "+tc.test) || (tc.fast >= 0 && n != tc.fast) || (tc.fast < 0 && n < 1) {
 				t.Fatalf("%s (%d connections on the fast path, want %d):\n%s\nserver:\n%s", tc.test, n, tc.fast, out, tc.srv.String())
 			}
-			if tc.test == "forkring" && (strings.Contains(out, "tcp (fork") || strings.Contains(out, "left the rings")) {
-				t.Fatalf("a fork moved the connection off the rings:\n%s", out)
+			switch tc.test {
+			case "forkring":
+				if strings.Contains(out, "tcp (fork") || strings.Contains(out, "left the rings") {
+					t.Fatalf("a fork moved the connection off the rings:\n%s", out)
+				}
+			case "forkconnect":
+				if strings.Contains(out, ": open (request ") || !strings.Contains(out, "tcp (fork: the connect was under way)") {
+					t.Fatalf("a socket whose connect was under way at the fork must be the kernel's in both processes (no OPEN):\n%s", out)
+				}
+			case "forkdup":
+				if !strings.Contains(out, "tcp (fork: ") {
+					t.Fatalf("the fork inside the open delay did not let the connection go:\n%s", out)
+				}
+			case "forkstorm":
+				t.Logf("%s: %d connections on the fast path, %d let go at a fork", tc.test, n, strings.Count(out, "tcp (fork"))
 			}
-			for end := time.Now().Add(5 * time.Second); tc.srvWant != "" && strings.Count(tc.srv.String(), tc.srvWant) < tc.srvCount && time.Now().Before(end); {
-				time.Sleep(10 * time.Millisecond) // the server's -v lines come through a pipe
+			if tc.srvWant == "" {
+				return
 			}
-			if tc.srvWant != "" && strings.Count(tc.srv.String(), tc.srvWant) < tc.srvCount {
-				t.Fatalf("the server printed %q %d times, want %d:\n%s\nclient:\n%s", tc.srvWant,
-					strings.Count(tc.srv.String(), tc.srvWant), tc.srvCount, tc.srv.String(), out)
+			// The server's -v lines come through a pipe: wait for them.
+			if !tc.srv.waitCount(tc.srvWant, before+tc.srvCount, 5*time.Second) {
+				got, _ := tc.srv.count(tc.srvWant)
+				t.Fatalf("the server printed %q %d more times, want %d:\n%s\nclient:\n%s", tc.srvWant, got-before, tc.srvCount,
+					tc.srv.String(), out)
 			}
 		})
 	}

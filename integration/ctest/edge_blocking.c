@@ -435,7 +435,9 @@ int signals(const char *ip, int port, const char *t)
 /* forkloop: a thread connects and closes in a loop (the session's and the
  * fd table's locks change hands all the time) while the main thread forks
  * FORKS times. Each child must make a connection of its own (fast path or
- * TCP) and exit; one that hangs is killed by its alarm. */
+ * TCP) and exit; one that hangs is killed by its alarm. The parent's
+ * connection made before the forks (on the rings by then) must still
+ * echo after them, the process must idle, and a new connection work. */
 static volatile int looping = 1;
 static const char *loop_ip;
 static int loop_port, loops;
@@ -455,6 +457,9 @@ static void *connect_loop(void *arg)
 int forkloop(const char *ip, int port, const char *t)
 {
 	loop_ip = ip, loop_port = port;
+	int kept = dial(ip, port, 0);
+	if (kept < 0 || say(kept, "echo") || !echo_ok(kept, "before the forks"))
+		return fail(t, "the parent's connection");
 	pthread_t th;
 	if (pthread_create(&th, NULL, connect_loop, NULL))
 		return fail(t, "thread");
@@ -478,6 +483,15 @@ int forkloop(const char *ip, int port, const char *t)
 	}
 	__atomic_store_n(&looping, 0, __ATOMIC_SEQ_CST);
 	pthread_join(th, NULL);
+	if (!echo_ok(kept, "after the forks"))
+		return fail(t, "the parent's connection after the forks");
+	close(kept);
+	if (!idle_ok(t))
+		return 1;
+	int fd = dial(ip, port, 0);
+	if (fd < 0 || say(fd, "echo") || !echo_ok(fd, "after the forks"))
+		return fail(t, "a new connection after the forks");
+	close(fd);
 	printf("PASS %s (%d children; %d connections meanwhile)\n", t, FORKS, loops);
 	return 0;
 }

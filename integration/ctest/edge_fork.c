@@ -16,10 +16,22 @@
  * byte), inetd (the same through /bin/cat), prefork (two connections at
  * once reach both workers), reuseport (two connections to SO_REUSEPORT
  * workers, each on the fast path), forkring (fork while a connection on the rings
- * streams: the children exit without touching it, its bytes are checked). */
+ * streams: the children exit without touching it, its bytes are checked),
+ * spawnkeep (against "edge spawnserver": the same through a spawned
+ * /bin/cat while the server keeps its copy), forkconnect (fork while a
+ * non-blocking connect is under way, then
+ * connect() again in both processes, as hiredis does: no OPEN), forkdup
+ * (fork inside the open delay with only a dup of the connection in an
+ * epoll set: epoll_wait reports it), forkstorm (a thread forks for
+ * STORM_MS while others connect, accept, echo, and close sockets under a
+ * polling thread: every byte checked, then the process idles and a new
+ * connection works). */
 #include "edge.h"
 
+#include <spawn.h>
 #include <sys/prctl.h>
+#include <sys/resource.h>
+#include <sys/syscall.h>
 
 #define FORK_BOUND_S 30       /* every process of these tests ends by then (the test's own bound is 60 s) */
 #define READ_BOUND_S 10       /* a client's read that waits longer fails and says what it saw */
@@ -203,6 +215,49 @@ int forkserver(const char *ip, int port)
 	}
 }
 
+/* spawnserver: accept, read the test's name, and posix_spawn /bin/cat
+ * with the connection as its stdin and stdout (dup2 file actions), while
+ * this process keeps its copy until cat exits, well past the open delay
+ * (a CGI-style server). The spawn must let the connection go to the
+ * kernel first: else this process's library OPENs it, the peer moves to
+ * the rings, and cat never sees its bytes. */
+static void *spawn_reap(void *arg)
+{
+	intptr_t v = (intptr_t)arg;
+	int c = (int)(v & 0xffff), st;
+	waitpid((pid_t)(v >> 16), &st, 0);
+	close(c);
+	return NULL;
+}
+
+int spawnserver(const char *ip, int port)
+{
+	extern char **environ;
+	int l = listener(ip, port, 0);
+	if (l < 0)
+		return 1;
+	for (;;) {
+		int c = accept(l, NULL, NULL);
+		if (c < 0)
+			continue;
+		char name[80];
+		read_name(c, name, sizeof name);
+		posix_spawn_file_actions_t fa;
+		posix_spawn_file_actions_init(&fa);
+		posix_spawn_file_actions_adddup2(&fa, c, 0);
+		posix_spawn_file_actions_adddup2(&fa, c, 1);
+		pid_t pid;
+		char *argv[] = {"cat", NULL};
+		pthread_t th;
+		if (posix_spawn(&pid, "/bin/cat", &fa, NULL, argv, environ) ||
+		    pthread_create(&th, NULL, spawn_reap, (void *)(((intptr_t)pid << 16) | c)))
+			close(c);
+		else
+			pthread_detach(th);
+		posix_spawn_file_actions_destroy(&fa);
+	}
+}
+
 /* serve_worker answers a worker's connection: its pid, then an echo. */
 static void serve_worker(int c)
 {
@@ -346,15 +401,334 @@ static int forkring(const char *ip, int port, const char *t)
 	return 0;
 }
 
+/* ---- forks in the windows: connect, delay, OPEN out, READY coming ---- */
+
+/* forkconnect: fork while a non-blocking connect is under way; each
+ * process then asks connect() whether it ended (the kernel answers 0
+ * once, then EISCONN) and keeps the socket past the open delay. The
+ * socket is the kernel's in both: the test's log must show no OPEN. */
+static int forkconnect(const char *ip, int port, const char *t)
+{
+	struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(port)};
+	inet_pton(AF_INET, ip, &a.sin_addr);
+	int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+	if (connect(fd, (struct sockaddr *)&a, sizeof a) != -1 || errno != EINPROGRESS)
+		return fail(t, "a non-blocking connect did not say EINPROGRESS");
+	fflush(stdout);
+	pid_t pid = fork();
+	if (pid < 0)
+		return fail(t, "fork");
+	struct pollfd p = {.fd = fd, .events = POLLOUT};
+	int r = poll(&p, 1, 5000) == 1 ? connect(fd, (struct sockaddr *)&a, sizeof a) : -2;
+	if (r != 0 && !(r == -1 && errno == EISCONN)) {
+		printf("FAIL %s: %s: connect again: %d (errno %d %s), want 0 or EISCONN\n", t, pid ? "parent" : "child", r, errno,
+		       strerror(errno));
+		if (!pid)
+			_exit(1);
+		return 1;
+	}
+	usleep(30000); /* past the open delay: an OPEN queued by mistake goes out now */
+	if (!pid)
+		_exit(0);
+	int st;
+	if (waitpid(pid, &st, 0) != pid || !WIFEXITED(st) || WEXITSTATUS(st))
+		return fail(t, "the child");
+	int fl = fcntl(fd, F_GETFL);
+	fcntl(fd, F_SETFL, fl & ~O_NONBLOCK);
+	if (write(fd, "echo\n", 5) != 5 || !echo_ok(fd, "after connect again"))
+		return fail(t, "echo");
+	close(fd);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
+/* forkdup: the connection's only epoll interest is on a dup of its fd
+ * when a fork inside the open delay lets it go: epoll_wait must report
+ * the echo on the dup (the kernel's set serves it from then on). */
+static int forkdup(const char *ip, int port, const char *t)
+{
+	settle_ms = 0; /* the fork must come inside the open delay */
+	int c = dial(ip, port, 0);
+	if (c < 0)
+		return fail(t, "connect");
+	int d = dup(c), ep = epoll_create1(0);
+	struct epoll_event ev = {.events = EPOLLIN, .data.fd = d}, out;
+	if (d < 0 || ep < 0 || epoll_ctl(ep, EPOLL_CTL_ADD, d, &ev))
+		return fail(t, "dup, epoll");
+	fflush(stdout);
+	pid_t pid = fork();
+	if (pid == 0)
+		_exit(0);
+	int st;
+	if (pid < 0 || waitpid(pid, &st, 0) != pid)
+		return fail(t, "fork");
+	if (write(c, "echo\nping", 9) != 9)
+		return fail(t, "write");
+	int n = epoll_wait(ep, &out, 1, READ_BOUND_S * 1000);
+	if (n != 1 || out.data.fd != d)
+		return printf("FAIL %s: epoll_wait on the dup: %d, want its echo\n", t, n), 1;
+	char b[4];
+	if (full(d, b, 4) != 4 || memcmp(b, "ping", 4))
+		return fail(t, "the echo on the dup");
+	close(ep), close(d), close(c);
+	printf("PASS %s\n", t);
+	return 0;
+}
+
+/* forkstorm: a thread forks for STORM_MS (every fourth child connects
+ * and echoes on its own) while other threads make connections and keep
+ * each a random 0-12 ms (forks land in the open delay, with OPEN out and
+ * READY coming, with a reader asleep in recv), echo STORM_BYTES through
+ * each, checked; accept and serve connections to this process's own
+ * listener; and connect non-blocking while another thread closes the
+ * socket at a random moment and a third polls it (settle). Then the
+ * process must idle (no thread spins: the open queue is sound) and a new
+ * connection must work. A thread that hangs fails the test; with
+ * SHUNT_EDGE_GDB=1 gdb prints every thread's stack first. */
+#define STORM_MS 3000
+#define STORM_BYTES 16384
+
+static volatile int storm_on = 1;
+static const char *storm_ip;
+static int storm_port, self_port;
+static struct sockaddr_in self_addr;
+static int storm_bad, storm_conns, storm_forks, storm_closes, storm_accepts;
+
+static int storm_echo(int fd, unsigned seed)
+{
+	static __thread uint8_t out[STORM_BYTES], in[STORM_BYTES];
+	uint64_t x = seed | 1;
+	for (int i = 0; i < STORM_BYTES; i++)
+		out[i] = pattern(&x);
+	if (full_write(fd, (char *)out, STORM_BYTES) != STORM_BYTES || full(fd, (char *)in, STORM_BYTES) != STORM_BYTES)
+		return -1;
+	return memcmp(in, out, STORM_BYTES) ? 1 : 0;
+}
+
+static void *storm_connector(void *arg)
+{
+	int self = (int)(intptr_t)arg;
+	unsigned seed = 0x5eed0300 + self;
+	while (__atomic_load_n(&storm_on, __ATOMIC_SEQ_CST)) {
+		int fd = socket(AF_INET, SOCK_STREAM, 0);
+		struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(storm_port)};
+		inet_pton(AF_INET, storm_ip, &a.sin_addr);
+		if (self)
+			a = self_addr;
+		struct timeval tv = {READ_BOUND_S, 0};
+		setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+		if (connect(fd, (struct sockaddr *)&a, sizeof a)) {
+			printf("FAIL forkstorm: connect: %s\n", strerror(errno));
+			__atomic_add_fetch(&storm_bad, 1, __ATOMIC_SEQ_CST);
+			close(fd);
+			continue;
+		}
+		usleep(rand_r(&seed) % 12000);
+		int r = (self || write(fd, "echo\n", 5) == 5) ? storm_echo(fd, rand_r(&seed)) : -1;
+		if (r) {
+			printf("FAIL forkstorm: %s connection: %s\n", self ? "self" : "server", r < 0 ? strerror(errno) : "bytes differ");
+			__atomic_add_fetch(&storm_bad, 1, __ATOMIC_SEQ_CST);
+		} else {
+			__atomic_add_fetch(&storm_conns, 1, __ATOMIC_SEQ_CST);
+		}
+		close(fd);
+	}
+	return NULL;
+}
+
+static void *storm_acceptor(void *arg)
+{
+	int l = (int)(intptr_t)arg;
+	for (;;) {
+		int c = accept(l, NULL, NULL);
+		if (c < 0)
+			return NULL; /* the listener was shut down */
+		struct timeval tv = {READ_BOUND_S, 0};
+		setsockopt(c, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+		char buf[STORM_BYTES];
+		if (full(c, buf, STORM_BYTES) == STORM_BYTES)
+			full_write(c, buf, STORM_BYTES);
+		close(c);
+		__atomic_add_fetch(&storm_accepts, 1, __ATOMIC_SEQ_CST);
+	}
+}
+
+/* The closer hands a connecting socket to a poller and closes it at a
+ * random moment; the next socket is made only once the poller has let go
+ * of the number. */
+static int close_fd = -1;
+static sem_t close_go, close_done;
+
+static void *storm_poller(void *arg)
+{
+	(void)arg;
+	for (;;) {
+		sem_wait(&close_go);
+		int fd = __atomic_load_n(&close_fd, __ATOMIC_SEQ_CST);
+		if (fd == -1)
+			return NULL; /* the end; -2: closed already */
+		while (fd >= 0 && __atomic_load_n(&close_fd, __ATOMIC_SEQ_CST) == fd) {
+			struct pollfd p = {.fd = fd, .events = POLLOUT};
+			poll(&p, 1, 0); /* settles it: OPEN queued */
+		}
+		sem_post(&close_done);
+	}
+}
+
+static void *storm_closer(void *arg)
+{
+	(void)arg;
+	unsigned seed = 0x5eed0400;
+	while (__atomic_load_n(&storm_on, __ATOMIC_SEQ_CST)) {
+		int fd = socket(AF_INET, SOCK_STREAM | SOCK_NONBLOCK, 0);
+		struct sockaddr_in a = {.sin_family = AF_INET, .sin_port = htons(storm_port)};
+		inet_pton(AF_INET, storm_ip, &a.sin_addr);
+		connect(fd, (struct sockaddr *)&a, sizeof a);
+		__atomic_store_n(&close_fd, fd, __ATOMIC_SEQ_CST);
+		sem_post(&close_go);
+		usleep(rand_r(&seed) % 1500);
+		close(fd);
+		__atomic_store_n(&close_fd, -2, __ATOMIC_SEQ_CST);
+		sem_wait(&close_done);
+		storm_closes++;
+	}
+	__atomic_store_n(&close_fd, -1, __ATOMIC_SEQ_CST);
+	sem_post(&close_go);
+	return NULL;
+}
+
+/* wait_child waits for pid to end, for at most READ_BOUND_S (a child
+ * stuck in the library's fork handler never reaches its alarm): its
+ * status, or -1 after killing it. */
+static int wait_child(pid_t pid)
+{
+	int st, pfd = (int)syscall(SYS_pidfd_open, pid, 0);
+	struct pollfd p = {.fd = pfd, .events = POLLIN};
+	if (pfd >= 0 && poll(&p, 1, READ_BOUND_S * 1000) != 1) {
+		kill(pid, SIGKILL);
+		waitpid(pid, &st, 0);
+		close(pfd);
+		return -1;
+	}
+	if (pfd >= 0)
+		close(pfd);
+	return waitpid(pid, &st, 0) == pid ? st : -1;
+}
+
+static void *storm_forker(void *arg)
+{
+	(void)arg;
+	while (__atomic_load_n(&storm_on, __ATOMIC_SEQ_CST)) {
+		pid_t pid = fork();
+		if (pid == 0) {
+			alarm(READ_BOUND_S);
+			if (storm_forks % 4)
+				_exit(0);
+			settle_ms = 0;
+			int fd = dial(storm_ip, storm_port, 0);
+			_exit(fd >= 0 && write(fd, "echo\n", 5) == 5 && echo_ok(fd, "child") ? 0 : 1);
+		}
+		int st = pid < 0 ? -1 : wait_child(pid);
+		if (st == -1 || !WIFEXITED(st) || WEXITSTATUS(st)) {
+			printf("FAIL forkstorm: child %d: %s\n", storm_forks, pid < 0 ? "fork failed" : "hung or failed");
+			__atomic_add_fetch(&storm_bad, 1, __ATOMIC_SEQ_CST);
+		}
+		storm_forks++;
+	}
+	return NULL;
+}
+
+/* idle_ok: the process, with nothing to do, uses almost no CPU (a thread
+ * that spins, as the leaver did on a corrupt open queue, fails it). */
+int idle_ok(const char *t)
+{
+	struct rusage a, b;
+	getrusage(RUSAGE_SELF, &a);
+	usleep(300000);
+	getrusage(RUSAGE_SELF, &b);
+	long us = (b.ru_utime.tv_sec - a.ru_utime.tv_sec + b.ru_stime.tv_sec - a.ru_stime.tv_sec) * 1000000L +
+		  (b.ru_utime.tv_usec - a.ru_utime.tv_usec) + (b.ru_stime.tv_usec - a.ru_stime.tv_usec);
+	if (us > 100000) {
+		printf("FAIL %s: idle for 300 ms, the process used %ld ms of CPU (a thread spins)\n", t, us / 1000);
+		return 0;
+	}
+	return 1;
+}
+
+static int forkstorm(const char *ip, int port, const char *t)
+{
+	storm_ip = ip, storm_port = port;
+	/* This process's own listener, on the address it reaches the server from. */
+	int probe = dial(ip, port, 0);
+	socklen_t sl = sizeof self_addr;
+	if (probe < 0 || getsockname(probe, (struct sockaddr *)&self_addr, &sl))
+		return fail(t, "connect");
+	close(probe);
+	self_addr.sin_port = 0;
+	int l = socket(AF_INET, SOCK_STREAM, 0);
+	if (bind(l, (struct sockaddr *)&self_addr, sizeof self_addr) || listen(l, 64) || getsockname(l, (struct sockaddr *)&self_addr, &sl))
+		return fail(t, "listen");
+	self_port = ntohs(self_addr.sin_port);
+	sem_init(&close_go, 0, 0);
+	sem_init(&close_done, 0, 0);
+	pthread_t th[6];
+	void *(*fn[6])(void *) = {storm_forker, storm_connector, storm_connector, storm_acceptor, storm_poller, storm_closer};
+	void *args[6] = {NULL, (void *)0, (void *)1, (void *)(intptr_t)l, NULL, NULL};
+	for (int i = 0; i < 6; i++)
+		if (pthread_create(&th[i], NULL, fn[i], args[i]))
+			return fail(t, "thread");
+	static const char *names[6] = {"forker", "connector", "self-connector", "acceptor", "poller", "closer"};
+	usleep(STORM_MS * 1000);
+	__atomic_store_n(&storm_on, 0, __ATOMIC_SEQ_CST);
+	struct timespec until;
+	clock_gettime(CLOCK_REALTIME, &until);
+	until.tv_sec += READ_BOUND_S + 2;
+	for (int i = 0; i < 6; i++) {
+		if (i == 3)
+			shutdown(l, SHUT_RDWR);
+		if (pthread_timedjoin_np(th[i == 3 ? 5 : i == 5 ? 3 : i], NULL, &until)) {
+			printf("FAIL %s: the %s thread hangs\n", t, names[i == 3 ? 5 : i == 5 ? 3 : i]);
+			if (getenv("SHUNT_EDGE_GDB")) {
+				char cmd[128];
+				fflush(stdout);
+				snprintf(cmd, sizeof cmd, "gdb -batch -p %d -ex 'thread apply all bt' 2>&1", (int)getpid());
+				system(cmd);
+			}
+			return 1;
+		}
+	}
+	close(l);
+	if (storm_bad)
+		return printf("FAIL %s: %d failures (above)\n", t, storm_bad), 1;
+	if (!storm_conns || !storm_forks || !storm_closes)
+		return printf("FAIL %s: %d connections, %d forks, %d closes: too few\n", t, storm_conns, storm_forks, storm_closes), 1;
+	if (!idle_ok(t))
+		return 1;
+	settle_ms = 150; /* this one takes the fast path */
+	int fd = dial(ip, port, 0);
+	if (fd < 0 || write(fd, "echo\n", 5) != 5 || storm_echo(fd, 0x5eed0500) || !echo_ok(fd, "after the storm"))
+		return fail(t, "a connection after the storm");
+	close(fd);
+	printf("PASS %s (%d forks, %d connections, %d accepted, %d closed while connecting)\n", t, storm_forks, storm_conns,
+	       storm_accepts, storm_closes);
+	return 0;
+}
+
 int fork_client(const char *ip, int port, const char *t)
 {
 	alarm(FORK_BOUND_S);
 	signal(SIGPIPE, SIG_IGN);
-	if (!strcmp(t, "afork") || !strcmp(t, "inetd")) {
+	if (!strcmp(t, "afork") || !strcmp(t, "inetd") || !strcmp(t, "spawnkeep")) {
 		settle_ms = 0; /* the name goes at once: the server forks well inside the open delay */
 		return forked_echo(ip, port, t);
 	}
 	if (!strcmp(t, "prefork") || !strcmp(t, "reuseport"))
 		return prefork_client(ip, port, t);
+	if (!strcmp(t, "forkconnect"))
+		return forkconnect(ip, port, t);
+	if (!strcmp(t, "forkdup"))
+		return forkdup(ip, port, t);
+	if (!strcmp(t, "forkstorm"))
+		return forkstorm(ip, port, t);
 	return forkring(ip, port, t);
 }

@@ -11,6 +11,7 @@
 #include <errno.h>
 #include <linux/futex.h>
 #include <limits.h>
+#include <sched.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/syscall.h>
@@ -236,7 +237,8 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
  * and sends the OPENs that the open delay held back (open.c) when they are
  * due. It sleeps on leaver_tick (a futex word, no lock: fork-safe; a child
  * starts its own) with the earliest of those as its timeout, or none. */
-static pid_t leaver_pid;     /* atomic: the process whose leaver runs */
+static pid_t leaver_pid;     /* atomic: the process whose leaver runs, or is being started */
+static pid_t leaver_up;      /* atomic: the process whose leaver runs (pthread_create returned) */
 static uint32_t leaver_tick; /* atomic: 1 after something the leaver must look at */
 static uint32_t leaver_due;  /* atomic: 1 after a DOWN that left a reader behind */
 
@@ -318,9 +320,16 @@ static void *leaver(void *arg)
 
 int leaver_start(void)
 {
+	if (__atomic_load_n(&leaver_up, __ATOMIC_ACQUIRE) == my_pid)
+		return 0;
 	pid_t p = __atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST);
-	if (p == my_pid || !__atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
-		return 0; /* running, or another thread starts it now */
+	if (p == my_pid || !__atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+		/* Another thread starts it now: its answer is ours, so that no
+		 * caller queues an OPEN for a leaver that never ran. */
+		while (__atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST) == my_pid && __atomic_load_n(&leaver_up, __ATOMIC_ACQUIRE) != my_pid)
+			sched_yield();
+		return __atomic_load_n(&leaver_up, __ATOMIC_ACQUIRE) == my_pid ? 0 : -1;
+	}
 	pthread_t th;
 	pthread_attr_t at;
 	pthread_attr_init(&at);
@@ -337,6 +346,7 @@ int leaver_start(void)
 		__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);
 		return -1;
 	}
+	__atomic_store_n(&leaver_up, my_pid, __ATOMIC_RELEASE);
 	return 0;
 }
 

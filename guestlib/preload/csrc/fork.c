@@ -12,13 +12,27 @@
  * the child may serve the connection, dup2 it onto 0 and 1, exec, and the
  * parent may close its copy or keep it.
  *
+ * Every fd of a let-go connection becomes FD_KERNEL in both processes:
+ * the library ignores it until its close (a second connect() to check a
+ * non-blocking one, which the kernel answers with 0, opens nothing).
+ *
  * A connection on the rings stays with the parent (fork for a helper:
- * popen, system, redis BGSAVE): the child's copy fails with ENOTCONN
- * (io.c, path.c), close only forgets it, and an exec puts an unconnected
- * socket in its place (lifetime.c), so no process but the parent ever
- * reads or writes it. A socket whose non-blocking connect is under way
- * stays plain TCP in both. Listeners are shared: a child that accepts on
- * an inherited one registers it in its own session first (socket.c).
+ * redis BGSAVE, a worker that only logs): the child's copy fails with
+ * ENOTCONN (io.c, path.c), close only forgets it, and an exec puts an
+ * unconnected socket in its place (lifetime.c), so no process but the
+ * parent ever reads or writes it. A socket inside connect(), or whose
+ * non-blocking connect is under way, is FD_KERNEL in both; so is a
+ * connection another thread's connect or accept made but had not yet
+ * told the library of (fork_gen, open.c). Listeners are shared: a child
+ * that accepts on an inherited one registers it in its own session first
+ * (socket.c).
+ *
+ * posix_spawn and posix_spawnp run no atfork handler (glibc builds them
+ * on clone(CLONE_VM | CLONE_VFORK) and its internal execve): they are
+ * interposed below, and apply the let-go rule before the spawn. Not
+ * covered: vfork, and system and popen (glibc calls its internal
+ * posix_spawn, which no preload sees): their children get the raw kernel
+ * socket of every inherited fd (docs/preload.md, Rules: spawn).
  *
  * Locks: a fork child has only the forking thread, so a lock another
  * thread held would stay held in it for good. The prepare handler takes
@@ -30,7 +44,11 @@
  * child's makes them new. */
 #include "preload.h"
 
+#include <spawn.h>
+#include <stdlib.h>
 #include <sys/socket.h>
+
+unsigned fork_gen;
 
 /* letgo_ok: f has moved no byte on a ring and will not without this end
  * (rmu and wmu held): its read ring is not attached, its writer never
@@ -63,7 +81,8 @@ static void fork_prepare(void)
 	conn_fork(FORK_PREPARE);
 }
 
-/* letgo_locked: the parent lets f go (its locks and tab_mu held): out of
+/* letgo_locked: the parent lets f go (its rmu and wmu held; at a fork
+ * tab_mu too, before exec not): out of
  * the open queue and the index, off any rings it holds (READY came while
  * its reader slept in the kernel), never OPENed again. */
 static void letgo_locked(struct flow *f)
@@ -82,28 +101,62 @@ static void letgo_locked(struct flow *f)
 	f->told = 0;
 }
 
+/* letgo_done: after the locks, what hostd hears about f (CLOSE if OPEN
+ * went out), and its rings, if READY gave it some, go back. */
+static void letgo_done(struct flow *f, const char *why)
+{
+	struct rings *rg = f->fork_rg;
+	struct shunt_flow id = {.req = f->req, .side = f->role == SHUNT_ROLE_PASSIVE ? 2 : 1, .session = session};
+	if (rg)
+		id = rg->sf;
+	if (f->fork_close)
+		shunt_flow_close(&id);
+	if (rg) {
+		shunt_flow_detach(&rg->sf);
+		rings_free(rg);
+	}
+	plog("shunt: fd %d: tcp (%s: no ring carried its bytes yet; it stays a kernel socket%s)", f->fd, why,
+	     f->fork_close ? ", hostd told" : "");
+	f->fork_rg = NULL;
+	f->fork_drop = 0;
+}
+
 static void fork_parent(void)
 {
 	conn_fork(FORK_PARENT);
 	flows_fork(FORK_PARENT);
 	open_fork(FORK_PARENT);
+	fork_gen++;
 	struct flow *let = NULL;
+	/* The fds that held a let-go connection (any dup, not only f->fd,
+	 * which the program may have moved or reused): their epoll interests
+	 * become the kernel's and the guard lets them go, after the locks. */
+	int nlet = 0, cap = 0, *letfd = NULL, *more;
 	for (int fd = 0; fd < FD_MAX; fd++) {
-		if (kind[fd] == FD_PENDING) {
-			kind[fd] = FD_TCP;
+		if (kind[fd] == FD_PENDING || kind[fd] == FD_CONNECTING) {
+			kind[fd] = FD_KERNEL;
 			plog("shunt: fd %d connect: tcp (fork: the connect was under way)", fd);
 		}
 		struct flow *f = fds[fd];
 		if (!f)
 			continue;
-		if (f->fork_drop) {
-			if (!f->dropped) {
+		if (f->fork_drop == 1) { /* its first fd: on the list (2) */
+			if (!f->dropped)
 				letgo_locked(f);
-				f->fork_next = let;
-				let = f;
-			}
+			else
+				f->fork_close = 0; /* let go before (an exec that failed): hostd knows */
+			f->fork_drop = 2;
+			f->fork_next = let;
+			let = f;
+		}
+		if (f->fork_drop) {
 			__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
+			kind[fd] = FD_KERNEL;
 			f->refs--;
+			if (nlet == cap && (more = realloc(letfd, (cap = cap ? 2 * cap : 16) * sizeof *letfd)))
+				letfd = more;
+			if (nlet < cap && letfd)
+				letfd[nlet++] = fd;
 		}
 		if (f->fork_held) {
 			f->fork_held = 0;
@@ -113,29 +166,134 @@ static void fork_parent(void)
 	}
 	pthread_mutex_unlock(&tab_mu);
 	ep_fork(FORK_PARENT);
+	for (int i = 0; i < nlet; i++) {
+		ep_letgo(letfd[i], 1);
+		guard_forget(letfd[i]);
+	}
+	free(letfd);
 	/* After the locks: what hostd hears, and the fds' reference. */
 	while (let) {
 		struct flow *f = let;
 		let = f->fork_next;
-		struct rings *rg = f->fork_rg;
-		struct shunt_flow id = {.req = f->req, .side = f->role == SHUNT_ROLE_PASSIVE ? 2 : 1, .session = session};
-		if (rg)
-			id = rg->sf;
-		if (f->fork_close)
-			shunt_flow_close(&id);
-		ep_letgo(f->fd, 1);
-		if (rg) {
+		if (!letfd) { /* out of memory for the list: f->fd at least */
+			ep_letgo(f->fd, 1);
 			guard_forget(f->fd);
-			shunt_flow_detach(&rg->sf);
-			rings_free(rg);
 		}
-		plog("shunt: fd %d: tcp (fork: no ring carried its bytes yet; it stays a kernel socket in both processes%s)", f->fd,
-		     f->fork_close ? ", hostd told" : "");
-		f->fork_rg = NULL;
-		f->fork_drop = 0;
+		letgo_done(f, "fork");
 		if (!f->refs)
 			flow_put(f); /* the fds' reference; calls still inside finish on TCP */
 	}
+}
+
+/* ---- posix_spawn ----
+ *
+ * glibc's posix_spawn is clone(CLONE_VM | CLONE_VFORK) and its own
+ * execve: no atfork handler and no interposed execve run in the child.
+ * So the fork rule is applied here, before the spawn, in the parent: a
+ * connection no ring carried yet whose fd the new image may inherit is let
+ * go to the kernel (as at a fork: CLOSE if OPEN went out), so that an
+ * accept-then-spawn server's child reads every byte on the kernel socket.
+ * An fd may be inherited if it lacks FD_CLOEXEC, or, when there are file
+ * actions, at all (a dup2 action copies any fd; glibc's action list is
+ * opaque, so a close action cannot be told from it): that may let go a
+ * connection the child does not get, which only costs it the fast path.
+ * A connection on the rings stays the parent's: the new image gets its
+ * raw kernel socket, as before (docs/preload.md, Rules: spawn). */
+static void spawn_letgo(int any_fd)
+{
+	struct flow *let = NULL;
+	int nlet = 0, cap = 0, *letfd = NULL, *more;
+	pthread_mutex_lock(&tab_mu);
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = fds[fd];
+		if (!f || f->owner != my_pid || f->fork_drop)
+			continue;
+		if (!any_fd) {
+			int fl = real_fcntl(fd, F_GETFD, 0);
+			if (fl < 0 || (fl & FD_CLOEXEC))
+				continue;
+		}
+		pthread_mutex_lock(&f->rmu);
+		pthread_mutex_lock(&f->wmu);
+		if (letgo_ok(f)) {
+			if (!f->dropped)
+				letgo_locked(f);
+			else
+				f->fork_close = 0;
+			f->fork_drop = 2;
+			f->fork_next = let;
+			let = f;
+		}
+		pthread_mutex_unlock(&f->wmu);
+		pthread_mutex_unlock(&f->rmu);
+	}
+	if (!let) {
+		pthread_mutex_unlock(&tab_mu);
+		return;
+	}
+	for (int fd = 0; fd < FD_MAX; fd++) { /* every fd of a let-go connection, not only the inherited ones */
+		struct flow *f = fds[fd];
+		if (!f || f->fork_drop != 2)
+			continue;
+		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
+		kind[fd] = FD_KERNEL;
+		f->refs--;
+		if (nlet == cap && (more = realloc(letfd, (cap = cap ? 2 * cap : 16) * sizeof *letfd)))
+			letfd = more;
+		if (nlet < cap && letfd)
+			letfd[nlet++] = fd;
+	}
+	pthread_mutex_unlock(&tab_mu);
+	for (int i = 0; i < nlet; i++) {
+		ep_letgo(letfd[i], 1);
+		guard_forget(letfd[i]);
+	}
+	free(letfd);
+	while (let) {
+		struct flow *f = let;
+		let = f->fork_next;
+		if (!letfd) {
+			ep_letgo(f->fd, 1);
+			guard_forget(f->fd);
+		}
+		letgo_done(f, "spawn");
+		if (!f->refs)
+			flow_put(f);
+	}
+}
+
+INTERPOSE int posix_spawn(pid_t *pid, const char *path, const posix_spawn_file_actions_t *fa, const posix_spawnattr_t *at,
+			  char *const argv[], char *const envp[])
+{
+	REAL_READY();
+	spawn_letgo(fa != NULL);
+	return real_posix_spawn(pid, path, fa, at, argv, envp);
+}
+
+INTERPOSE int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_actions_t *fa, const posix_spawnattr_t *at,
+			   char *const argv[], char *const envp[])
+{
+	REAL_READY();
+	spawn_letgo(fa != NULL);
+	return real_posix_spawnp(pid, file, fa, at, argv, envp);
+}
+
+/* letgo_exec: before exec (lifetime.c), f, which has an fd that stays
+ * open, is let go as at a fork if no ring carried its bytes: a READY
+ * handled meanwhile finds it dropped, and hostd hears CLOSE now (the
+ * channel is close-on-exec). 1 if let go, 0 if it is on the rings. */
+int letgo_exec(struct flow *f)
+{
+	pthread_mutex_lock(&f->rmu);
+	pthread_mutex_lock(&f->wmu);
+	int ok = !f->dropped && letgo_ok(f);
+	if (ok)
+		letgo_locked(f);
+	pthread_mutex_unlock(&f->wmu);
+	pthread_mutex_unlock(&f->rmu);
+	if (ok)
+		letgo_done(f, "exec");
+	return ok || f->dropped;
 }
 
 static void fork_child(void)
@@ -146,9 +304,10 @@ static void fork_child(void)
 	open_fork(FORK_CHILD);
 	flows_fork(FORK_CHILD);
 	conn_fork(FORK_CHILD);
+	fork_gen++;
 	for (int fd = 0; fd < FD_MAX; fd++) {
-		if (kind[fd] == FD_PENDING)
-			kind[fd] = FD_TCP;
+		if (kind[fd] == FD_PENDING || kind[fd] == FD_CONNECTING)
+			kind[fd] = FD_KERNEL;
 		if (kind[fd] == FD_LISTENER)
 			linherited[fd] = 1;
 		struct flow *f = fds[fd];
@@ -161,6 +320,7 @@ static void fork_child(void)
 		}
 		if (f->fork_drop) { /* the parent's to let go; here only forgotten */
 			fds[fd] = NULL;
+			kind[fd] = FD_KERNEL;
 			ep_letgo(fd, 0);
 			if (--f->refs == 0)
 				flow_discard(f);

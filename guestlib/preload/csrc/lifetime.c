@@ -31,6 +31,11 @@ struct flow *flow_new(void)
 	pthread_mutex_unlock(&free_mu);
 	if (!f)
 		return calloc(1, sizeof *f);
+	/* A freed flow is out of the open queue and the index (release, and
+	 * conn_open queues only what it published under tab_mu); unlinking
+	 * again costs a lock and makes sure a flow is never reset while the
+	 * queue or a chain still points through it. */
+	open_forget(f);
 	/* Reused: everything but users (0) and the stash's buffer. */
 	f->refs = f->nonblock = f->finished = 0;
 	f->owner = 0;
@@ -202,7 +207,7 @@ static void share(int old, int fd)
 	if (f)
 		f->refs++;
 	__atomic_store_n(&fds[fd], f, __ATOMIC_RELEASE);
-	kind[fd] = kind[old] == FD_LISTENER ? FD_TCP : kind[old]; /* the listener registration stays with old */
+	kind[fd] = kind[old] == FD_LISTENER || kind[old] == FD_CONNECTING ? FD_TCP : kind[old]; /* the listener registration stays with old; connect()'s kind is its fd's */
 	nonblk[fd] = nonblk[old];
 	pthread_mutex_unlock(&tab_mu);
 }
@@ -346,7 +351,9 @@ __attribute__((destructor)) static void fini(void)
  * The library's state does not survive exec, but fds without FD_CLOEXEC
  * do: in the new image a fast-path fd would be a plain kernel socket, and
  * bytes written to it would go where the peer does not read. So before
- * exec, every flow this process owns on an fd that stays open is reset
+ * exec, a connection this process owns on an fd that stays open is let
+ * go to the kernel if no ring carried its bytes yet (as at a fork), and
+ * one on the rings is reset
  * (the peer sees ECONNRESET) and its kernel socket shut down (the new image
  * sees EPIPE / EOF): an error on both sides, never silent loss. */
 static void before_exec(void)
@@ -360,6 +367,8 @@ static void before_exec(void)
 		int fl = real_fcntl(fd, F_GETFD, 0);
 		if (fl < 0 || (fl & FD_CLOEXEC))
 			continue;
+		if (f->dropped)
+			continue; /* let go already (an exec that failed): the kernel's */
 		if (f->owner != my_pid) {
 			/* A fork child's copy of its parent's flow (fork.c): the
 			 * new image gets an unconnected socket in its place
@@ -371,11 +380,14 @@ static void before_exec(void)
 				real_close(s);
 			continue;
 		}
-		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-		if (!rg) {
-			open_forget(f); /* on TCP: the new image goes on with the kernel socket, no OPEN after all */
+		/* No ring carried its bytes yet: let go as at a fork (fork.c),
+		 * so that a READY handled meanwhile cannot attach it; the new
+		 * image goes on with the kernel socket. */
+		if (letgo_exec(f))
 			continue;
-		}
+		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+		if (!rg)
+			continue;
 		/* Both reset flags first, then the wake-ups (as hostd does). */
 		__atomic_store_n((uint32_t *)(rg->sf.w.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);
 		__atomic_store_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), 1, __ATOMIC_SEQ_CST);

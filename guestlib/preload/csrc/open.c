@@ -49,6 +49,21 @@ static void idx_remove_locked(struct flow *f)
 	f->inext = NULL;
 }
 
+/* oq_pop_locked takes the head out of the queue whatever its fields say:
+ * open_due and the fork child use it so that a head that is not marked
+ * queued (a bug: a flow reset while linked) can never make them loop. */
+static void oq_pop_locked(void)
+{
+	struct flow *f = oq_head;
+	oq_head = f->onext != f ? f->onext : NULL;
+	if (oq_head)
+		oq_head->oprev = NULL;
+	else
+		oq_tail = NULL;
+	f->onext = f->oprev = NULL;
+	f->open_at = 0;
+}
+
 static void oq_remove_locked(struct flow *f)
 {
 	if (!f->open_at)
@@ -115,7 +130,7 @@ static void send_open(struct flow *f)
 	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
 }
 
-void conn_open(int fd, uint8_t role, const char *who)
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen)
 {
 	struct shunt_addr local, remote;
 	if (local_of(fd, &local) || remote_of(fd, &remote))
@@ -134,34 +149,49 @@ void conn_open(int fd, uint8_t role, const char *who)
 	f->role = role;
 	f->nonblock = nonblk[fd];
 	flow_timeouts(fd, f);
+	/* The delay is skipped where it cannot help: when it is 0, and when
+	 * no thread can keep it (the OPEN then goes now, as before). */
+	int delayed = open_delay_ns > 0 && leaver_start() == 0, kick = 0;
 	pthread_mutex_lock(&tab_mu);
 	int known = fds[fd] != NULL; /* one connection, one flow, whatever calls come twice */
-	if (!known)
+	/* A fork since the kernel made the connection (another thread's), or
+	 * one that found its connect under way: the child has a copy the
+	 * library does not know, so it is the kernel's here too (fork.c). */
+	int forked = !known && (__atomic_load_n(&fork_gen, __ATOMIC_RELAXED) != gen || kind[fd] == FD_KERNEL);
+	if (forked)
+		__atomic_store_n(&kind[fd], FD_KERNEL, __ATOMIC_RELEASE);
+	if (!known && !forked) {
 		flow_publish(fd, f);
+		/* Queued in the same section as the publish: a close or a fork
+		 * that can see f in fds[] finds it in the queue too, and takes
+		 * it out before f can be freed (release, fork.c). */
+		if (delayed) {
+			pthread_mutex_lock(&idx_mu);
+			f->open_at = now_ns() + open_delay_ns;
+			kick = !wake_at || wake_at > f->open_at;
+			f->oprev = oq_tail;
+			if (oq_tail)
+				oq_tail->onext = f;
+			else
+				oq_head = f;
+			oq_tail = f;
+			pthread_mutex_unlock(&idx_mu);
+		}
+	}
 	pthread_mutex_unlock(&tab_mu);
-	if (known) {
+	if (known || forked) {
+		if (forked)
+			plog("shunt: fd %d %s: tcp (fork: a fork came while the connection was made; it stays a kernel socket)", fd, who);
 		flow_discard(f);
 		return;
 	}
-	/* The delay is skipped where it cannot help: when it is 0, and when
-	 * no thread can keep it (the OPEN then goes now, as before). */
-	if (open_delay_ns <= 0 || leaver_start()) {
+	if (!delayed) {
 		if (flow_hold(f)) { /* another thread may close fd meanwhile */
 			send_open(f);
 			flow_put(f);
 		}
 		return;
 	}
-	pthread_mutex_lock(&idx_mu);
-	f->open_at = now_ns() + open_delay_ns;
-	int kick = !wake_at || wake_at > f->open_at;
-	f->oprev = oq_tail;
-	if (oq_tail)
-		oq_tail->onext = f;
-	else
-		oq_head = f;
-	oq_tail = f;
-	pthread_mutex_unlock(&idx_mu);
 	if (kick)
 		leaver_wake();
 }
@@ -175,6 +205,11 @@ int64_t open_due(void)
 		int64_t next = 0;
 		struct flow *f = NULL;
 		pthread_mutex_lock(&idx_mu);
+		if (oq_head && !oq_head->open_at) {
+			oq_pop_locked(); /* cannot happen (see flow_new): never loop on it */
+			pthread_mutex_unlock(&idx_mu);
+			continue;
+		}
 		if (oq_head && oq_head->open_at <= now_ns() + 1000000) {
 			f = oq_head;
 			oq_remove_locked(f);
@@ -213,7 +248,7 @@ void open_fork(int phase)
 	pthread_mutex_init(&idx_mu, NULL);
 	wake_at = 0; /* the child's leaver is its own, started with its first connection */
 	while (oq_head)
-		oq_remove_locked(oq_head);
+		oq_pop_locked();
 	for (int i = 0; i < IDX_BUCKETS; i++)
 		while (idx[i]) {
 			struct flow *f = idx[i];

@@ -28,7 +28,9 @@
 #include "preload.h"
 
 #include <dlfcn.h>
+#include <errno.h>
 #include <pthread.h>
+#include <spawn.h>
 #include <stdarg.h>
 #include <stdio.h>
 #include <stdlib.h>
@@ -45,6 +47,7 @@ REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(pp
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
 REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
+REAL(posix_spawn); REAL(posix_spawnp);
 #undef REAL
 
 static void resolve(void)
@@ -55,7 +58,7 @@ static void resolve(void)
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll);
 	R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
 	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt); R(getsockopt);
-	R(recvmmsg); R(sendmmsg); R(splice);
+	R(recvmmsg); R(sendmmsg); R(splice); R(posix_spawn); R(posix_spawnp);
 #undef R
 }
 
@@ -159,8 +162,18 @@ __attribute__((constructor)) static void init(void)
 		stats = 1;
 	if ((s = getenv("SHUNT_DISABLE")) && *s == '1')
 		disabled = 1;
-	if ((s = getenv("SHUNT_OPEN_DELAY_MS")) && *s)
-		open_delay_ns = atoll(s) * 1000000; /* 0: OPEN at once */
+	if ((s = getenv("SHUNT_OPEN_DELAY_MS")) && *s) {
+		/* 0: OPEN at once; at most a minute; anything else keeps the
+		 * default, and says so with -v. */
+		char *end;
+		errno = 0;
+		long long ms = strtoll(s, &end, 10);
+		if (errno || *end || ms < 0 || ms > 60000)
+			plog("shunt: SHUNT_OPEN_DELAY_MS=%s is not a number of milliseconds from 0 to 60000: %lld ms", s,
+			     (long long)(open_delay_ns / 1000000));
+		else
+			open_delay_ns = ms * 1000000;
+	}
 	if ((s = getenv("SHUNT_SPIN_NS")) && *s)
 		spin_ns = atoll(s);
 	if ((s = getenv("SHUNT_WAIT")) && !strcmp(s, "block"))

@@ -15,9 +15,12 @@
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
  *               io_uring detection
  *
- * Locks: tab_mu (the fd table) and ep_mu (the epoll sets, epoll.c) are
- * never held together; ep_mu comes before a set's mu, and a set's mu is
- * dropped before another set's is taken (nesting). A flow's rmu and wmu
+ * Locks: ep_mu (the epoll sets, epoll.c) comes before a set's mu, and a
+ * set's mu is dropped before another set's is taken (nesting). tab_mu
+ * (the fd table) and ep_mu are held together only by fork.c's prepare
+ * handler, in the order ep_mu, every set's mu, then tab_mu: no other path
+ * may take them the other way round (forget, fork_parent and
+ * conn_announce let tab_mu go before any epoll call). A flow's rmu and wmu
  * are taken around one step of a read or write (path.c) and a ring wait's
  * first spin: never while a call sleeps or blocks in the kernel, so a
  * second reader, a non-blocking call, shutdown and close never wait behind
@@ -40,6 +43,7 @@
 #include <poll.h>
 #include <pthread.h>
 #include <signal.h>
+#include <spawn.h>
 #include <stdint.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
@@ -75,6 +79,7 @@ REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(pp
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
 REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
+REAL(posix_spawn); REAL(posix_spawnp);
 #undef REAL
 
 /* ---- configuration (environment, read once at load) ---- */
@@ -86,9 +91,9 @@ extern pid_t my_pid;     /* getpid(), kept current across fork (a flow's owner i
 extern int64_t open_delay_ns; /* SHUNT_OPEN_DELAY_MS (default 5, 0: at once): how long a connection lives before OPEN */
 
 extern int loopback;     /* SHUNT_TEST_LOOPBACK=1: loopback connections are candidates (tests with a fake hostd) */
-extern int stats;
+extern int stats;        /* SHUNT_STATS=1: each connection's bytes per path at its close */
 extern int64_t test_stash_delay_ns; /* SHUNT_TEST_STASH_DELAY_US: a reader on TCP with a ring that has not
-				     * started sleeps this long between its check and its read (tests) */        /* SHUNT_STATS=1: each connection's bytes per path at its close */
+				     * started sleeps this long between its check and its read (tests) */
 
 /* plog writes one line to stderr when verbose (-v); pstat always. */
 void plog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));
@@ -188,8 +193,12 @@ struct flow {
 };
 
 /* kind[]: a TCP socket, a listener registered with hostd, a socket whose
- * non-blocking connect is under way (socket.c: settle). */
-enum { FD_NONE, FD_TCP, FD_LISTENER, FD_PENDING };
+ * non-blocking connect is under way (socket.c: settle), a socket inside
+ * connect() (socket.c), and a socket that is the kernel's for good: a
+ * fork or a spawn let its connection go, or found its connect under way
+ * (fork.c). The library leaves an FD_KERNEL socket alone (connect,
+ * settle, listen, accept, OPEN) until its close; dup copies the kind. */
+enum { FD_NONE, FD_TCP, FD_LISTENER, FD_PENDING, FD_CONNECTING, FD_KERNEL };
 
 extern struct flow *fds[FD_MAX];  /* written under tab_mu, read atomically (flow_of) */
 extern uint8_t kind[FD_MAX];      /* under tab_mu, or by the thread that just got the fd */
@@ -234,12 +243,15 @@ static inline int pending(int fd)
 }
 
 /* open.c: conn_open makes fd a connection and sends OPEN (role active or
- * passive) once it has lived open_delay_ns; by_req finds a connection
+ * passive) once it has lived open_delay_ns; gen is fork_gen from before
+ * the kernel call that made the connection (connect, accept): if a fork
+ * came in between, the child holds a copy the library never saw, so the
+ * connection is the kernel's (FD_KERNEL) in this process too; by_req finds a connection
  * by request id with a reference (flow_put), or NULL; open_forget takes f
  * out of the open queue and the index (at release, and when a fork lets
  * it go). open_due sends the OPENs that are due and returns when the next
  * one is (ns, monotonic; 0: none): the leaver thread calls it. */
-void conn_open(int fd, uint8_t role, const char *who);
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen);
 struct flow *by_req(uint32_t req);
 void open_forget(struct flow *f);
 int64_t open_due(void);
@@ -330,8 +342,13 @@ void ep_letgo(int fd, int kernel);
 enum { FORK_PREPARE, FORK_PARENT, FORK_CHILD };
 void ep_fork(int phase);
 
-/* fork.c: the atfork handlers, registered once the session is made */
+/* fork.c: the atfork handlers, registered once the session is made.
+ * fork_gen counts forks (under tab_mu; read atomically): conn_open's gen.
+ * letgo_exec lets f go before exec if it has carried no ring byte (1;
+ * CLOSE to hostd if OPEN went out), else 0: it is on the rings. */
 void fork_init(void);
+extern unsigned fork_gen;
+int letgo_exec(struct flow *f);
 
 /* guard.c: guard watches fd, a new flow's kernel socket: bytes arriving
  * there mean the program wrote past the library (a raw syscall), and the

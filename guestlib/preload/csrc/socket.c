@@ -88,17 +88,22 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 		plog("shunt: fd %d connect: tcp (%s)", fd, shunt_reason_name(shunt_session_reason(session)));
 		return real_connect(fd, addr, len);
 	}
-	int r = real_connect(fd, addr, len);
-	if (r == 0) {
-		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect");
-		return 0;
-	}
+	/* FD_CONNECTING while the kernel connects: a fork meanwhile (another
+	 * thread) makes the socket the kernel's in both processes (fork.c),
+	 * and the kind this call leaves is then FD_KERNEL's. */
+	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
+	__atomic_store_n(&kind[fd], FD_CONNECTING, __ATOMIC_RELEASE);
+	int r = real_connect(fd, addr, len), e = errno;
+	uint8_t k = FD_CONNECTING;
 	/* Non-blocking connect: exactly the kernel's answer. The connection
 	 * is opened once it is up (settle), by the first call that looks at
 	 * the socket; a failed connect keeps its error in SO_ERROR and
 	 * POLLERR, as on plain TCP. */
-	if (errno == EINPROGRESS)
-		__atomic_store_n(&kind[fd], FD_PENDING, __ATOMIC_RELEASE);
+	int forked = !__atomic_compare_exchange_n(&kind[fd], &k, r == 0 ? FD_TCP : e == EINPROGRESS ? FD_PENDING : FD_TCP, 0,
+						  __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+	if (r == 0 && !forked)
+		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen);
+	errno = e;
 	return r;
 }
 
@@ -128,11 +133,13 @@ void settle(int fd)
 	}
 	int e = errno;
 	settling = 1;
+	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 	if (p.revents & (POLLERR | POLLHUP))
 		plog("shunt: fd %d connect: tcp (the connect failed; its error stays in SO_ERROR)", fd);
 	else
-		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect");
-	__atomic_store_n(&kind[fd], FD_TCP, __ATOMIC_RELEASE);
+		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen);
+	uint8_t k = FD_PENDING; /* a fork meanwhile made it FD_KERNEL: it stays so */
+	__atomic_compare_exchange_n(&kind[fd], &k, FD_TCP, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 	settling = 0;
 	pthread_mutex_unlock(&settle_mu);
 	errno = e;
@@ -153,14 +160,16 @@ INTERPOSE int getsockopt(int fd, int level, int name, void *val, socklen_t *len)
  * closes. */
 uint8_t linherited[FD_MAX];
 
-/* register_listener sends LISTEN for fd and waits for hostd to have it
- * (PING/PONG), so that it is in effect before any OPEN: 0, or -1. */
-static int register_listener(int fd)
+/* register_listener sends LISTEN for fd and, with sync, waits for hostd
+ * to have it (PING/PONG), so that it is in effect before any peer's OPEN:
+ * 0, or -1. */
+static int register_listener(int fd, int sync)
 {
 	struct shunt_msg m = {.type = SHUNT_LISTEN};
 	if (local_of(fd, &m.local) || shunt_session_send(session, &m))
 		return -1;
-	shunt_session_sync(session);
+	if (sync)
+		shunt_session_sync(session);
 	return 0;
 }
 
@@ -169,7 +178,7 @@ INTERPOSE int listen(int fd, int backlog)
 	REAL_READY();
 	int r = real_listen(fd, backlog);
 	if (r == 0 && fd >= 0 && fd < FD_MAX && kind[fd] == FD_TCP && !disabled && shunt_session_ensure(session) == 0 &&
-	    register_listener(fd) == 0) {
+	    register_listener(fd, 1) == 0) {
 		linherited[fd] = 0;
 		kind[fd] = FD_LISTENER;
 	}
@@ -196,12 +205,22 @@ void unlisten(int fd)
 INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 {
 	REAL_READY();
+	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 	int c = real_accept4(fd, addr, len, flags);
 	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == FD_LISTENER && linherited[fd] &&
-	    shunt_session_ensure(session) == 0 && register_listener(fd) == 0) {
+	    shunt_session_ensure(session) == 0 && register_listener(fd, 0) == 0) {
 		/* A fork child's first accept on its parent's listener: this
 		 * session listens too, so the listener outlives a parent that
-		 * exits (a daemon's first fork; an nginx master's workers). */
+		 * exits (a daemon's first fork; an nginx master's workers).
+		 * LISTEN goes without waiting for hostd's PONG: the listener is
+		 * in effect already through the parent's session (hostd counts
+		 * listeners per guest), so a peer's OPEN meanwhile finds it; the
+		 * LISTEN only matters once the parent unlistens, which no wait
+		 * here could order anyway (another process's channel). The
+		 * accepted connection's own OPEN goes later on this channel, in
+		 * order after the LISTEN. The session's channel is opened here
+		 * (ensure: once, with a backoff after a failure), as the
+		 * accepted connection needs it in any case. */
 		linherited[fd] = 0;
 		plog("shunt: fd %d: listener inherited at fork: registered in this process's session", fd);
 	}
@@ -214,7 +233,7 @@ INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 		else if (shunt_session_ensure(session))
 			plog("shunt: fd %d accept: tcp (%s)", c, shunt_reason_name(shunt_session_reason(session)));
 		else if (remote_of(c, &r) == 0 && (!is_loopback(&r) || loopback))
-			conn_open(c, SHUNT_ROLE_PASSIVE, "accept");
+			conn_open(c, SHUNT_ROLE_PASSIVE, "accept", gen);
 	}
 	return c;
 }
