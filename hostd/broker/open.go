@@ -238,12 +238,12 @@ func (b *Broker) verify(g *Guest, role proto.Role, t ctrack.Tuple) (ctrack.Entry
 // the other side's OPEN, so the order of the two OPENs changes nothing.
 func (b *Broker) claim(g *Guest, role proto.Role, t ctrack.Tuple, e *ctrack.Entry) proto.Reason {
 	switch {
-	case t.Src.Addr().Is4() != t.Dst.Addr().Is4():
-		// No connection has one IPv4 and one IPv6 end (after Unmap): not
-		// worth a conntrack query, which would only fail.
-		return proto.ReasonNoConntrack
 	case t.Src.Addr().IsLoopback() || t.Dst.Addr().IsLoopback():
 		return proto.ReasonLoopback
+	case t.Src.Addr().Unmap().Is4() != t.Dst.Addr().Unmap().Is4():
+		// No connection has one IPv4 and one IPv6 end: not worth a
+		// conntrack query, which would only fail.
+		return proto.ReasonNoConntrack
 	case !g.Owns(t.Src.Addr()):
 		return proto.ReasonNotOwner
 	case e == nil:
