@@ -3,7 +3,6 @@ package integration
 import (
 	"context"
 	"fmt"
-	"os"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -13,7 +12,6 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/broker"
-	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/integration/vm"
 	"github.com/shuntnet/shunt/internal/testenv"
 	"github.com/shuntnet/shunt/vhost"
@@ -26,28 +24,7 @@ import (
 // pair's region into both VMs, and no ivshmem device at boot. Pair
 // regions go 1 s after their last flow (pair_region_linger).
 func newPairVMEnv(t testing.TB, n int) *vmEnv {
-	testenv.NeedRoot(t)
-	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
-	testenv.NeedTool(t, "busybox", "busybox-static")
-	testenv.NeedTool(t, "nft", "nftables")
-	if imgs, _ := filepath.Glob("/boot/vmlinuz-*"); len(imgs) == 0 {
-		testenv.Missing(t, "no guest kernel in /boot", "apt-get install linux-image-amd64")
-	}
-	dir := t.TempDir()
-	k, err := vm.FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent := filepath.Join(dir, "agent")
-	build := exec.Command("go", "build", "-o", agent, "../cmd/shunt-vm-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build the guest agent: %v\n%s", err, out)
-	}
-	initrd := filepath.Join(dir, "initramfs")
-	if err := vm.BuildInitramfs(initrd, k, agent); err != nil {
-		t.Fatal(err)
-	}
+	dir, k, agent, initrd := vmImages(t)
 	conf := "pair_region_linger = \"1s\"\n"
 	for i := 1; i <= n; i++ {
 		a, _ := vmAddr(i)
@@ -55,23 +32,7 @@ func newPairVMEnv(t testing.TB, n int) *vmEnv {
 			i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), vmPorts, a, filepath.Join(dir, fmt.Sprintf("vm%d.qmp", i)))
 	}
 	group := "  vm_regions = \"pair\"\n  pair_region_size = \"16MiB\"\n  pair_slots = 64\n  guest_ring_bytes = \"64MiB\"\n  guest_flows = 64\n"
-	rigSeq++
-	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("v%d%d", os.Getpid()%1000, rigSeq), Guests: 1, HostdBin: hostdBin,
-		Dir: dir, Extra: conf, Group: group, Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	e := &env{Stack: s, rig: s.Rig}
-	if tt, ok := t.(*testing.T); ok {
-		e.t = tt
-	}
-	t.Cleanup(func() {
-		if t.Failed() {
-			t.Logf("hostd log:\n%s", s.Log())
-		}
-		s.Close()
-	})
-	return &vmEnv{env: e, tb: t, kernel: k, initrd: initrd, agent: agent}
+	return &vmEnv{env: startVMStack(t, dir, conf, group), tb: t, kernel: k, initrd: initrd, agent: agent}
 }
 
 // bootPairVM boots VM i of a newPairVMEnv: its control ports and its QMP

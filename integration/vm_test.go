@@ -54,28 +54,7 @@ func newVMEnv(t testing.TB, n int, extra ...string) *vmEnv {
 // newVMEnvGroup is newVMEnv with more attributes for the trust group
 // (region_group, say).
 func newVMEnvGroup(t testing.TB, n int, group string, extra ...string) *vmEnv {
-	testenv.NeedRoot(t)
-	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
-	testenv.NeedTool(t, "busybox", "busybox-static")
-	testenv.NeedTool(t, "nft", "nftables")
-	if imgs, _ := filepath.Glob("/boot/vmlinuz-*"); len(imgs) == 0 {
-		testenv.Missing(t, "no guest kernel in /boot", "apt-get install linux-image-amd64")
-	}
-	dir := t.TempDir()
-	k, err := vm.FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
-	if err != nil {
-		t.Fatal(err)
-	}
-	agent := filepath.Join(dir, "agent")
-	build := exec.Command("go", "build", "-o", agent, "../cmd/shunt-vm-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build the guest agent: %v\n%s", err, out)
-	}
-	initrd := filepath.Join(dir, "initramfs")
-	if err := vm.BuildInitramfs(initrd, k, agent); err != nil {
-		t.Fatal(err)
-	}
+	dir, k, agent, initrd := vmImages(t)
 	var conf strings.Builder
 	for _, x := range extra {
 		conf.WriteString(x)
@@ -85,12 +64,47 @@ func newVMEnvGroup(t testing.TB, n int, group string, extra ...string) *vmEnv {
 		fmt.Fprintf(&conf, "guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  control_ports = %d\n  addresses = [%q]\n  shared_region = true\n}\n",
 			i, 100+i, filepath.Join(dir, fmt.Sprintf("vm%d.sock", i)), vmPorts, a)
 	}
-	rigSeq++
 	if group != "" {
 		group = "  pair_region_size = \"64MiB\"\n  pair_slots = 1024\n  guest_ring_bytes = \"256MiB\"\n  guest_flows = 1024\n" + group
 	}
+	return &vmEnv{env: startVMStack(t, dir, conf.String(), group), tb: t, kernel: k, initrd: initrd, agent: agent}
+}
+
+// vmImages checks what VM tests need (root, QEMU, busybox, nft, a guest
+// kernel) and makes the test's directory, the guest agent and an
+// initramfs with it.
+func vmImages(t testing.TB) (dir string, kernel vm.Kernel, agent, initrd string) {
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
+	testenv.NeedTool(t, "busybox", "busybox-static")
+	testenv.NeedTool(t, "nft", "nftables")
+	if imgs, _ := filepath.Glob("/boot/vmlinuz-*"); len(imgs) == 0 {
+		testenv.Missing(t, "no guest kernel in /boot", "apt-get install linux-image-amd64")
+	}
+	dir = t.TempDir()
+	kernel, err := vm.FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	agent = filepath.Join(dir, "agent")
+	build := exec.Command("go", "build", "-o", agent, "../cmd/shunt-vm-agent")
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		t.Fatalf("build the guest agent: %v\n%s", err, out)
+	}
+	initrd = filepath.Join(dir, "initramfs")
+	if err := vm.BuildInitramfs(initrd, kernel, agent); err != nil {
+		t.Fatal(err)
+	}
+	return dir, kernel, agent, initrd
+}
+
+// startVMStack starts hostd (one rig guest, the VMs in conf) in dir; it
+// stops with the test, and shows hostd's log if the test failed.
+func startVMStack(t testing.TB, dir, conf, group string) *env {
+	rigSeq++
 	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("v%d%d", os.Getpid()%1000, rigSeq), Guests: 1, HostdBin: hostdBin,
-		Dir: dir, Extra: conf.String(), Group: group, Logf: t.Logf})
+		Dir: dir, Extra: conf, Group: group, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
@@ -104,7 +118,7 @@ func newVMEnvGroup(t testing.TB, n int, group string, extra ...string) *vmEnv {
 		}
 		s.Close()
 	})
-	return &vmEnv{env: e, tb: t, kernel: k, initrd: initrd, agent: agent}
+	return e
 }
 
 // boot starts VM i with the agent's arguments; it is stopped with the test.
