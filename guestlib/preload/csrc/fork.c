@@ -121,6 +121,61 @@ static void letgo_done(struct flow *f, const char *why)
 	f->fork_drop = 0;
 }
 
+/* A let-go pass (fork_parent, spawn_letgo) in two halves: under tab_mu
+ * it marks the flows (fork_drop 2, chained on fork_next) and takes every
+ * fd that refers to one out of the table (drop_fd_locked, which lists the
+ * fd); after the locks, letgo_after gives each listed fd's epoll interest
+ * to the kernel, drops its guard, tells hostd (letgo_done) and puts the
+ * fds' reference. */
+struct letgo_fds {
+	int n, cap, *fd;
+};
+
+static void drop_fd_locked(struct letgo_fds *l, int fd, struct flow *f)
+{
+	__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
+	kind[fd] = FD_KERNEL;
+	f->refs--;
+	int *more;
+	if (l->n == l->cap && (more = realloc(l->fd, (l->cap = l->cap ? 2 * l->cap : 16) * sizeof *l->fd)))
+		l->fd = more;
+	if (l->n < l->cap && l->fd)
+		l->fd[l->n++] = fd;
+}
+
+static void letgo_after(struct letgo_fds *l, struct flow *let, const char *why)
+{
+	for (int i = 0; i < l->n; i++) {
+		ep_letgo(l->fd[i], 1);
+		guard_forget(l->fd[i]);
+	}
+	int listed = l->fd != NULL;
+	free(l->fd);
+	while (let) {
+		struct flow *f = let;
+		let = f->fork_next;
+		if (!listed) { /* out of memory for the list: f->fd at least */
+			ep_letgo(f->fd, 1);
+			guard_forget(f->fd);
+		}
+		letgo_done(f, why);
+		if (!f->refs)
+			flow_put(f); /* the fds' reference; calls still inside finish on TCP */
+	}
+}
+
+/* mark_letgo_locked puts f on the let-go chain (its first fd seen). */
+static void mark_letgo_locked(struct flow *f, struct flow **let)
+{
+	if (!f->dropped)
+		letgo_locked(f);
+	else
+		f->fork_close = 0; /* let go before (an exec that failed): hostd knows */
+	f->fork_drop = 2;
+	f->fork_next = *let;
+	*let = f;
+}
+
 static void fork_parent(void)
 {
 	conn_fork(FORK_PARENT);
@@ -131,7 +186,7 @@ static void fork_parent(void)
 	/* The fds that held a let-go connection (any dup, not only f->fd,
 	 * which the program may have moved or reused): their epoll interests
 	 * become the kernel's and the guard lets them go, after the locks. */
-	int nlet = 0, cap = 0, *letfd = NULL, *more;
+	struct letgo_fds l = {0};
 	for (int fd = 0; fd < FD_MAX; fd++) {
 		if (kind[fd] == FD_PENDING || kind[fd] == FD_CONNECTING) {
 			kind[fd] = FD_KERNEL;
@@ -140,24 +195,10 @@ static void fork_parent(void)
 		struct flow *f = fds[fd];
 		if (!f)
 			continue;
-		if (f->fork_drop == 1) { /* its first fd: on the list (2) */
-			if (!f->dropped)
-				letgo_locked(f);
-			else
-				f->fork_close = 0; /* let go before (an exec that failed): hostd knows */
-			f->fork_drop = 2;
-			f->fork_next = let;
-			let = f;
-		}
-		if (f->fork_drop) {
-			__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
-			kind[fd] = FD_KERNEL;
-			f->refs--;
-			if (nlet == cap && (more = realloc(letfd, (cap = cap ? 2 * cap : 16) * sizeof *letfd)))
-				letfd = more;
-			if (nlet < cap && letfd)
-				letfd[nlet++] = fd;
-		}
+		if (f->fork_drop == 1) /* its first fd: on the list (2) */
+			mark_letgo_locked(f, &let);
+		if (f->fork_drop)
+			drop_fd_locked(&l, fd, f);
 		if (f->fork_held) {
 			f->fork_held = 0;
 			pthread_mutex_unlock(&f->wmu);
@@ -166,23 +207,7 @@ static void fork_parent(void)
 	}
 	pthread_mutex_unlock(&tab_mu);
 	ep_fork(FORK_PARENT);
-	for (int i = 0; i < nlet; i++) {
-		ep_letgo(letfd[i], 1);
-		guard_forget(letfd[i]);
-	}
-	free(letfd);
-	/* After the locks: what hostd hears, and the fds' reference. */
-	while (let) {
-		struct flow *f = let;
-		let = f->fork_next;
-		if (!letfd) { /* out of memory for the list: f->fd at least */
-			ep_letgo(f->fd, 1);
-			guard_forget(f->fd);
-		}
-		letgo_done(f, "fork");
-		if (!f->refs)
-			flow_put(f); /* the fds' reference; calls still inside finish on TCP */
-	}
+	letgo_after(&l, let, "fork");
 }
 
 /* ---- posix_spawn ----
@@ -202,7 +227,6 @@ static void fork_parent(void)
 static void spawn_letgo(int any_fd)
 {
 	struct flow *let = NULL;
-	int nlet = 0, cap = 0, *letfd = NULL, *more;
 	pthread_mutex_lock(&tab_mu);
 	for (int fd = 0; fd < FD_MAX; fd++) {
 		struct flow *f = fds[fd];
@@ -215,15 +239,8 @@ static void spawn_letgo(int any_fd)
 		}
 		pthread_mutex_lock(&f->rmu);
 		pthread_mutex_lock(&f->wmu);
-		if (letgo_ok(f)) {
-			if (!f->dropped)
-				letgo_locked(f);
-			else
-				f->fork_close = 0;
-			f->fork_drop = 2;
-			f->fork_next = let;
-			let = f;
-		}
+		if (letgo_ok(f))
+			mark_letgo_locked(f, &let);
 		pthread_mutex_unlock(&f->wmu);
 		pthread_mutex_unlock(&f->rmu);
 	}
@@ -231,35 +248,14 @@ static void spawn_letgo(int any_fd)
 		pthread_mutex_unlock(&tab_mu);
 		return;
 	}
+	struct letgo_fds l = {0};
 	for (int fd = 0; fd < FD_MAX; fd++) { /* every fd of a let-go connection, not only the inherited ones */
 		struct flow *f = fds[fd];
-		if (!f || f->fork_drop != 2)
-			continue;
-		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
-		kind[fd] = FD_KERNEL;
-		f->refs--;
-		if (nlet == cap && (more = realloc(letfd, (cap = cap ? 2 * cap : 16) * sizeof *letfd)))
-			letfd = more;
-		if (nlet < cap && letfd)
-			letfd[nlet++] = fd;
+		if (f && f->fork_drop == 2)
+			drop_fd_locked(&l, fd, f);
 	}
 	pthread_mutex_unlock(&tab_mu);
-	for (int i = 0; i < nlet; i++) {
-		ep_letgo(letfd[i], 1);
-		guard_forget(letfd[i]);
-	}
-	free(letfd);
-	while (let) {
-		struct flow *f = let;
-		let = f->fork_next;
-		if (!letfd) {
-			ep_letgo(f->fd, 1);
-			guard_forget(f->fd);
-		}
-		letgo_done(f, "spawn");
-		if (!f->refs)
-			flow_put(f);
-	}
+	letgo_after(&l, let, "spawn");
 }
 
 INTERPOSE int posix_spawn(pid_t *pid, const char *path, const posix_spawn_file_actions_t *fa, const posix_spawnattr_t *at,
