@@ -288,35 +288,21 @@ type Ivshmem struct {
 // Ivshmems lists the QEMU's ivshmem-plain devices that have an id (those
 // device_add or -device made), with their backends' files.
 func (q *Client) Ivshmems(ctx context.Context) ([]Ivshmem, error) {
-	r, err := q.Do(ctx, "qom-list", map[string]any{"path": "/machine/peripheral"})
+	ids, err := q.children(ctx, "/machine/peripheral", "ivshmem-plain")
 	if err != nil {
 		return nil, err
 	}
-	var props []struct {
-		Name string `json:"name"`
-		Type string `json:"type"`
-	}
-	if err := json.Unmarshal(r, &props); err != nil {
-		return nil, fmt.Errorf("qmp qom-list: %w", err)
-	}
 	var out []Ivshmem
-	for _, p := range props {
-		if p.Type != "child<ivshmem-plain>" {
-			continue
-		}
-		backend, err := q.Backend(ctx, p.Name)
+	for _, id := range ids {
+		backend, err := q.Backend(ctx, id)
 		if err != nil {
 			return nil, err
 		}
-		r, err := q.Do(ctx, "qom-get", map[string]any{"path": "/objects/" + backend, "property": "mem-path"})
+		path, err := q.memPath(ctx, backend)
 		if err != nil {
 			return nil, err
 		}
-		var path string
-		if err := json.Unmarshal(r, &path); err != nil {
-			return nil, fmt.Errorf("qmp qom-get %s mem-path: %w", backend, err)
-		}
-		out = append(out, Ivshmem{ID: p.Name, Backend: backend, Path: path})
+		out = append(out, Ivshmem{ID: id, Backend: backend, Path: path})
 	}
 	return out, nil
 }
@@ -325,7 +311,27 @@ func (q *Client) Ivshmems(ctx context.Context) ([]Ivshmem, error) {
 // on the file at path (with a device or without: one whose unplug was
 // interrupted).
 func (q *Client) FileBackends(ctx context.Context, path string) ([]string, error) {
-	r, err := q.Do(ctx, "qom-list", map[string]any{"path": "/objects"})
+	ids, err := q.children(ctx, "/objects", "memory-backend-file")
+	if err != nil {
+		return nil, err
+	}
+	var out []string
+	for _, id := range ids {
+		mp, err := q.memPath(ctx, id)
+		if err != nil {
+			return nil, err
+		}
+		if mp == path {
+			out = append(out, id)
+		}
+	}
+	return out, nil
+}
+
+// children returns the names of the QOM children of path whose type is
+// typ.
+func (q *Client) children(ctx context.Context, path, typ string) ([]string, error) {
+	r, err := q.Do(ctx, "qom-list", map[string]any{"path": path})
 	if err != nil {
 		return nil, err
 	}
@@ -334,21 +340,26 @@ func (q *Client) FileBackends(ctx context.Context, path string) ([]string, error
 		Type string `json:"type"`
 	}
 	if err := json.Unmarshal(r, &props); err != nil {
-		return nil, fmt.Errorf("qmp qom-list /objects: %w", err)
+		return nil, fmt.Errorf("qmp qom-list %s: %w", path, err)
 	}
 	var out []string
 	for _, p := range props {
-		if p.Type != "child<memory-backend-file>" {
-			continue
-		}
-		r, err := q.Do(ctx, "qom-get", map[string]any{"path": "/objects/" + p.Name, "property": "mem-path"})
-		if err != nil {
-			return nil, err
-		}
-		var mp string
-		if json.Unmarshal(r, &mp) == nil && mp == path {
+		if p.Type == "child<"+typ+">" {
 			out = append(out, p.Name)
 		}
 	}
 	return out, nil
+}
+
+// memPath returns the file of memory backend object id.
+func (q *Client) memPath(ctx context.Context, id string) (string, error) {
+	r, err := q.Do(ctx, "qom-get", map[string]any{"path": "/objects/" + id, "property": "mem-path"})
+	if err != nil {
+		return "", err
+	}
+	var path string
+	if err := json.Unmarshal(r, &path); err != nil {
+		return "", fmt.Errorf("qmp qom-get %s mem-path: %w", id, err)
+	}
+	return path, nil
 }
