@@ -3,14 +3,12 @@ package integration
 import (
 	"bytes"
 	"context"
-	"encoding/json"
 	"fmt"
 	"hash/crc32"
 	"io"
 	"math/rand/v2"
 	"net"
 	"net/netip"
-	"strings"
 	"testing"
 	"time"
 
@@ -247,16 +245,8 @@ func TestIPv6PreloadIperf3(t *testing.T) {
 		flows := e.maxFlows(func() {
 			out = e.run(1, e.guestCmd(1, "iperf3", tc.family, "-c", tc.to, "-p", "5611", "-t", "1", "-J"))
 		})
-		var res struct {
-			End struct {
-				SumReceived struct {
-					Bytes         float64 `json:"bytes"`
-					BitsPerSecond float64 `json:"bits_per_second"`
-				} `json:"sum_received"`
-			} `json:"end"`
-		}
-		js := out[strings.Index(out, "{") : strings.LastIndex(out, "}")+1] // -v lines go around the JSON
-		if err := json.Unmarshal([]byte(js), &res); err != nil || res.End.SumReceived.Bytes == 0 {
+		res, err := parseIperf3(out)
+		if err != nil || res.Bytes == 0 {
 			t.Fatalf("iperf3 %s result: %v\n%s", tc.family, err, out)
 		}
 		if fastLines(out) < 2 || flows < 2 {
@@ -265,7 +255,7 @@ func TestIPv6PreloadIperf3(t *testing.T) {
 		}
 		// The server's end of each run's connections too.
 		eventually(t, 5*time.Second, "the server's fast-path lines", func() bool { return fastLines(srv.String()) >= 2*(i+1) })
-		t.Logf("iperf3 %s: %.1f Gbit/s over the fast path", tc.family, res.End.SumReceived.BitsPerSecond/1e9)
+		t.Logf("iperf3 %s: %.1f Gbit/s over the fast path", tc.family, res.BitsPerSecond/1e9)
 	}
 }
 

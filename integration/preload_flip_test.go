@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"encoding/json"
 	"os/exec"
 	"path/filepath"
 	"regexp"
@@ -100,18 +99,11 @@ func TestPreloadToolsUnderFlips(t *testing.T) {
 		f := flipDuring(e, 2*time.Second)
 		out := e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5311", "-t", "5", "--bidir", "-J"))
 		f.stop(t)
-		var res struct {
-			End struct {
-				SumSent     struct{ Bytes float64 } `json:"sum_sent"`
-				SumReceived struct{ Bytes float64 } `json:"sum_received"`
-			} `json:"end"`
-			Error string `json:"error"`
-		}
-		js := out[strings.Index(out, "{") : strings.LastIndex(out, "}")+1]
-		if err := json.Unmarshal([]byte(js), &res); err != nil || res.Error != "" || res.End.SumReceived.Bytes == 0 {
+		res, err := parseIperf3(out)
+		if err != nil || res.Error != "" || res.Bytes == 0 {
 			t.Fatalf("iperf3 under flips: %v %q\n%s", err, res.Error, out)
 		}
-		t.Logf("iperf3 --bidir: %.0f MB received under flips", res.End.SumReceived.Bytes/1e6)
+		t.Logf("iperf3 --bidir: %.0f MB received under flips", res.Bytes/1e6)
 	})
 	t.Run("redis-benchmark", func(t *testing.T) {
 		e := newEnv(t, 2, "")
