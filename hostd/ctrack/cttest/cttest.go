@@ -15,6 +15,7 @@ type Table struct {
 	mu      sync.Mutex
 	entries []ctrack.Entry
 	nextID  uint32
+	lookups int // Lookups
 }
 
 // Add inserts an ESTABLISHED, assured TCP entry with the given directions.
@@ -75,12 +76,20 @@ func (t *Table) Lookup(q ctrack.Tuple) (ctrack.Entry, error) {
 	q = q.Unmap() // as the kernel's: either form of an IPv4 tuple
 	t.mu.Lock()
 	defer t.mu.Unlock()
+	t.lookups++
 	for _, e := range t.entries {
 		if e.Orig == q || e.Reply == q {
 			return e, nil
 		}
 	}
 	return ctrack.Entry{}, fmt.Errorf("%s: %w", q, ctrack.ErrNotFound)
+}
+
+// Lookups returns how many lookups the table answered.
+func (t *Table) Lookups() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.lookups
 }
 
 // Destroyed implements ctrack.Tracker: it reports nothing until ctx ends.
