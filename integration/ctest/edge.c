@@ -21,7 +21,7 @@
  * POLLERR and ECONNREFUSED in SO_ERROR; a blocking one ECONNREFUSED)
  * uring (after io_uring_setup, connections stay on TCP)
  * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR)
- * afork inetd prefork reuseport forkring forkconnect forkdup forkstorm
+ * afork aforkkeep aforkp inetd prefork reuseport forkring forkconnect forkdup forkstorm
  * spawnkeep (fork models and forks in the library's windows, edge_fork.c:
  * against "edge forkserver", "edge prefork", "edge reuseport" and "edge
  * spawnserver", the others against the server) */
@@ -287,7 +287,8 @@ static int client(const char *ip, int port, const char *t)
 			return signals(ip, port, t);
 	if (!strcmp(t, "forkloop"))
 		return forkloop(ip, port, t);
-	if (!strcmp(t, "afork") || !strcmp(t, "inetd") || !strcmp(t, "prefork") || !strcmp(t, "reuseport") ||
+	if (!strcmp(t, "afork") || !strcmp(t, "aforkkeep") || !strcmp(t, "aforkp") || !strcmp(t, "inetd") ||
+	    !strcmp(t, "prefork") || !strcmp(t, "reuseport") ||
 	    !strcmp(t, "forkring") || !strcmp(t, "forkconnect") || !strcmp(t, "forkdup") || !strcmp(t, "forkstorm") ||
 	    !strcmp(t, "spawnkeep"))
 		return fork_client(ip, port, t);
@@ -602,8 +603,8 @@ int main(int argc, char **argv)
 	}
 	if (argc == 4 && !strcmp(argv[1], "spawnserver"))
 		return spawnserver(argv[2], atoi(argv[3]));
-	if (argc == 4 && !strcmp(argv[1], "forkserver"))
-		return forkserver(argv[2], atoi(argv[3]));
+	if ((argc == 4 || argc == 5) && !strcmp(argv[1], "forkserver"))
+		return forkserver(argv[2], atoi(argv[3]), argc == 5 ? argv[4] : "");
 	if (argc == 4 && (!strcmp(argv[1], "prefork") || !strcmp(argv[1], "reuseport")))
 		return prefork(argv[2], atoi(argv[3]), !strcmp(argv[1], "reuseport"));
 	if (argc == 3 && !strcmp(argv[1], "exec-child")) {

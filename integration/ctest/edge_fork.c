@@ -2,10 +2,11 @@
  * Rules: fork), each side bounded by an alarm and printing what it saw on
  * failure.
  *
- *   edge forkserver IP PORT  accept, fork at once, the parent closes its
- *                            copy; the child reads the test name and serves:
- *                            afork (echo), inetd (dup2 onto 0 and 1, exec
- *                            /bin/cat)
+ *   edge forkserver IP PORT [keep|parentio|inetd]
+ *                            accept, fork at once; the parent closes its
+ *                            copy (after KEEP_MS, after writing "P"); the
+ *                            child reads the test name and echoes, or (inetd)
+ *                            dup2s it onto 0 and 1 and execs /bin/cat
  *   edge prefork IP PORT     listen, fork PREFORK workers that accept on the
  *                            shared listener; each answers its pid, then
  *                            echoes
@@ -13,7 +14,9 @@
  *                            SO_REUSEPORT listener (two, and closes one)
  *
  * Client tests: afork (16 MiB echoed by the forked child, checked byte by
- * byte), inetd (the same through /bin/cat), prefork (two connections at
+ * byte), aforkkeep (the same once the parent that held it too is gone),
+ * aforkp (the same after the parent's byte), inetd (the same through
+ * /bin/cat), prefork (two connections at
  * once reach both workers), reuseport (two connections to SO_REUSEPORT
  * workers, each on the fast path), forkring (fork while a connection on the rings
  * streams: the children exit without touching it, its bytes are checked),
@@ -175,11 +178,19 @@ static void echo_all(int c)
 			break;
 }
 
-/* forkserver: accept, fork at once (socat fork, inetd, sshd): the child
- * gets the connection, the parent closes its copy. With the open delay
- * the fork comes before any OPEN, so the connection is a plain kernel
- * socket in both (fork.c). */
-int forkserver(const char *ip, int port)
+/* forkserver: accept, fork at once (socat fork, dropbear, inetd, sshd):
+ * the child gets the connection. mode says what the parent does with its
+ * copy: "" closes it at once; "keep" keeps it KEEP_MS, then closes it (the
+ * child serves on TCP meanwhile, then alone on the fast path); "parentio"
+ * writes "P" on it first (two processes used it: TCP for good); "inetd"
+ * closes it at once, and the child, without reading, dup2s it onto 0 and 1
+ * and execs /bin/cat. Without "inetd" the child reads the test's name,
+ * then echoes. The connection is young at the fork (inside the open
+ * delay): both processes hold it, and the child OPENs it once alone
+ * (share.c). */
+#define KEEP_MS 100
+
+int forkserver(const char *ip, int port, const char *mode)
 {
 	int l = listener(ip, port, 0);
 	if (l < 0)
@@ -194,9 +205,7 @@ int forkserver(const char *ip, int port)
 			prctl(PR_SET_PDEATHSIG, SIGKILL);
 			alarm(FORK_BOUND_S);
 			close(l);
-			char name[80];
-			read_name(c, name, sizeof name);
-			if (!strcmp(name, "inetd")) {
+			if (!strcmp(mode, "inetd")) {
 				/* inetd: the connection is the program's stdin and stdout. */
 				if (dup2(c, 0) != 0 || dup2(c, 1) != 1) {
 					printf("FAIL inetd-server: dup2: %s\n", strerror(errno));
@@ -207,10 +216,16 @@ int forkserver(const char *ip, int port)
 				printf("FAIL inetd-server: exec /bin/cat: %s\n", strerror(errno));
 				_exit(1);
 			}
+			char name[80];
+			read_name(c, name, sizeof name);
 			echo_all(c);
 			close(c);
 			_exit(0);
 		}
+		if (!strcmp(mode, "keep"))
+			usleep(KEEP_MS * 1000);
+		if (!strcmp(mode, "parentio") && write(c, "P", 1) != 1)
+			printf("FAIL parentio-server: write: %s\n", strerror(errno));
 		close(c);
 	}
 }
@@ -336,12 +351,25 @@ static int named_dial(const char *ip, int port, const char *t)
 }
 
 /* afork, inetd: the forked child (or /bin/cat) echoes STREAM_BYTES; then
- * our FIN, and the peer's EOF. */
+ * our FIN, and the peer's EOF. inetd's cat echoes our name too; aforkp
+ * reads the parent's "P" first; aforkkeep echoes a line, then waits until
+ * the parent closed its copy and the child moved to the fast path, so
+ * that the stream runs there (the switch mid-stream is the test's). */
 static int forked_echo(const char *ip, int port, const char *t)
 {
 	int fd = named_dial(ip, port, t);
 	if (fd < 0)
 		return fail(t, "connect");
+	char b0[8];
+	if (!strcmp(t, "inetd") && (full(fd, b0, 6) != 6 || memcmp(b0, "inetd\n", 6)))
+		return fail(t, "cat's echo of our name");
+	if (!strcmp(t, "aforkp") && (full(fd, b0, 1) != 1 || b0[0] != 'P'))
+		return fail(t, "the parent's P");
+	if (!strcmp(t, "aforkkeep")) {
+		if (!echo_ok(fd, "while the parent holds it"))
+			return fail(t, "echo while the parent holds the connection");
+		usleep(3 * KEEP_MS * 1000);
+	}
 	if (echo_stream(fd, STREAM_BYTES, 0x5eed0001 + port, 0, t))
 		return 1;
 	char b;
@@ -718,7 +746,8 @@ int fork_client(const char *ip, int port, const char *t)
 {
 	alarm(FORK_BOUND_S);
 	signal(SIGPIPE, SIG_IGN);
-	if (!strcmp(t, "afork") || !strcmp(t, "inetd") || !strcmp(t, "spawnkeep")) {
+	if (!strcmp(t, "afork") || !strcmp(t, "aforkkeep") || !strcmp(t, "aforkp") || !strcmp(t, "inetd") ||
+	    !strcmp(t, "spawnkeep")) {
 		settle_ms = 0; /* the name goes at once: the server forks well inside the open delay */
 		return forked_echo(ip, port, t);
 	}

@@ -128,6 +128,7 @@ void conn_end(struct flow *f)
 	if (f->owner != my_pid || f->finished)
 		return;
 	f->finished = 1;
+	share_leave(f); /* its last close, or exit: other holders may take it */
 	pthread_mutex_lock(&f->rmu);
 	pthread_mutex_lock(&f->wmu);
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);

@@ -1,16 +1,19 @@
 /* fork: which process keeps which connection (docs/preload.md, Rules).
  *
  * A connection that has carried no ring byte either way and whose read
- * ring this end has not marked attached (it is in the open delay, or OPEN
- * went out and READY has not been acted on) is let go at the fork, in both
+ * ring this end has not marked attached is young. A young one hostd has
+ * not heard of (in the open delay: no OPEN yet) is shared at the fork:
+ * both processes keep it on TCP, and the one that ends up holding it
+ * alone, having used it, OPENs it (share.c). Accept-then-fork servers
+ * (socat fork, dropbear) fork within microseconds of accept, so their
+ * child serves the connection on the fast path once the parent closed
+ * its copy; a child that execs with it (inetd, sshd) leaves it on TCP.
+ *
+ * A young one whose OPEN went out is let go at the fork, in both
  * processes: the library forgets it, and its fd is a plain kernel socket
  * that libc serves, in the parent, in the child and across exec, for as
- * long as it lives (`tcp (fork)` with -v). The parent tells hostd (CLOSE,
- * if OPEN went out), so the peer stays on TCP and any rings are freed.
- * Accept-then-fork and fork+exec servers (socat fork, sshd, inetd) fork
- * long before READY, so with the open delay their connections land here:
- * the child may serve the connection, dup2 it onto 0 and 1, exec, and the
- * parent may close its copy or keep it.
+ * long as it lives (`tcp (fork)` with -v). The parent tells hostd
+ * (CLOSE), so the peer stays on TCP and any rings are freed.
  *
  * Every fd of a let-go connection becomes FD_KERNEL in both processes:
  * the library ignores it until its close (a second connect() to check a
@@ -50,7 +53,7 @@
 
 unsigned fork_gen;
 
-/* letgo_ok: f has moved no byte on a ring and will not without this end
+/* letgo_ok: f is young: it has moved no byte on a ring and will not without this end
  * (rmu and wmu held): its read ring is not attached, its writer never
  * started, and the reader keeps nothing aside. */
 static int letgo_ok(struct flow *f)
@@ -74,7 +77,14 @@ static void fork_prepare(void)
 		pthread_mutex_lock(&f->rmu);
 		pthread_mutex_lock(&f->wmu);
 		f->fork_held = 1;
-		f->fork_drop = letgo_ok(f);
+		/* Young: shared if hostd has not heard of it (share.c), else
+		 * let go. */
+		if (letgo_ok(f)) {
+			if (!f->told && share_prepare(f) == 0)
+				f->fork_share = 1;
+			else
+				f->fork_drop = 1;
+		}
 	}
 	open_fork(FORK_PREPARE);
 	flows_fork(FORK_PREPARE);
@@ -88,6 +98,7 @@ static void fork_prepare(void)
 static void letgo_locked(struct flow *f)
 {
 	f->dropped = 1;
+	share_poison(f); /* the kernel socket is a program's now: no holder may take it */
 	open_forget(f);
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	if (rg) {
@@ -199,6 +210,7 @@ static void fork_parent(void)
 			mark_letgo_locked(f, &let);
 		if (f->fork_drop)
 			drop_fd_locked(&l, fd, f);
+		f->fork_share = 0; /* it stays queued: OPEN when this process holds it alone */
 		if (f->fork_held) {
 			f->fork_held = 0;
 			pthread_mutex_unlock(&f->wmu);
@@ -313,6 +325,12 @@ static void fork_child(void)
 			f->fork_held = 0;
 			pthread_mutex_init(&f->rmu, NULL);
 			pthread_mutex_init(&f->wmu, NULL);
+		}
+		if (f->fork_share) { /* the child holds it too, on TCP, and may OPEN it once alone */
+			f->fork_share = 0;
+			f->owner = my_pid;
+			share_child(f);
+			open_requeue(f, open_delay_ns);
 		}
 		if (f->fork_drop) { /* the parent's to let go; here only forgotten */
 			fds[fd] = NULL;

@@ -259,6 +259,7 @@ INTERPOSE int shutdown(int fd, int how)
 		errno = ENOTCONN;
 		return done_with(f, -1);
 	}
+	share_io(f); /* a FIN is the stream's too */
 	if (how == SHUT_WR || how == SHUT_RDWR) {
 		__atomic_store_n(&f->wr_shut, 1, __ATOMIC_SEQ_CST);
 		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), *done = NULL;

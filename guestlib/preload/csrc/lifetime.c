@@ -45,6 +45,10 @@ struct flow *flow_new(void)
 	f->open_at = 0;
 	f->onext = f->oprev = f->inext = NULL;
 	f->dropped = f->fork_drop = f->fork_held = 0;
+	f->share = NULL; /* left at its release (conn_end) */
+	f->share_io = f->share_tries = f->fork_share = 0;
+	f->exec_leave = 0;
+	f->exec_share = NULL;
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
 	f->shead = f->slen = 0;
@@ -365,8 +369,11 @@ static void before_exec(void)
 		if (!f)
 			continue;
 		int fl = real_fcntl(fd, F_GETFD, 0);
-		if (fl < 0 || (fl & FD_CLOEXEC))
+		if (fl < 0 || (fl & FD_CLOEXEC)) {
+			if (f->share && f->owner == my_pid)
+				f->exec_leave = 1; /* the new image may not hold it: leave its slot (below) */
 			continue;
+		}
 		if (f->dropped)
 			continue; /* let go already (an exec that failed): the kernel's */
 		if (f->owner != my_pid) {
@@ -397,13 +404,39 @@ static void before_exec(void)
 		plog("shunt: fd %d stays open across exec: flow reset", fd);
 		shunt_flow_close(&rg->sf);
 	}
+	/* A connection shared since a fork (share.c) whose fds all close at
+	 * the exec: the new image does not hold it, so the other holders
+	 * need not wait for it (socat's child execs its program so). One
+	 * that an fd keeps open was let go above, and its slot poisoned. */
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = flow_of(fd);
+		if (f && f->exec_leave) {
+			f->exec_leave = 0;
+			if (!f->dropped && f->share)
+				share_exec(f);
+		}
+	}
+}
+
+/* exec_failed: the exec returned: the connections before_exec took out of
+ * their slots go back in (share.c). */
+static int exec_failed(int r)
+{
+	int e = errno;
+	for (int fd = 0; fd < FD_MAX; fd++) {
+		struct flow *f = flow_of(fd);
+		if (f && f->exec_share)
+			share_exec_failed(f);
+	}
+	errno = e;
+	return r;
 }
 
 INTERPOSE int execve(const char *path, char *const argv[], char *const envp[])
 {
 	REAL_READY();
 	before_exec();
-	return real_execve(path, argv, envp);
+	return exec_failed(real_execve(path, argv, envp));
 }
 
 INTERPOSE int execv(const char *path, char *const argv[])
@@ -481,12 +514,12 @@ INTERPOSE int execvpe(const char *file, char *const argv[], char *const envp[])
 {
 	REAL_READY();
 	before_exec();
-	return real_execvpe(file, argv, envp);
+	return exec_failed(real_execvpe(file, argv, envp));
 }
 
 INTERPOSE int execvp(const char *file, char *const argv[])
 {
 	REAL_READY();
 	before_exec();
-	return real_execvp(file, argv);
+	return exec_failed(real_execvp(file, argv));
 }

@@ -9,8 +9,9 @@
  * Waiting connections are in one queue, oldest first (the delay is the
  * same for all, so the head is always the next due): the leaver thread
  * (conn.c) sleeps until the head is due and sends its OPEN; a connection
- * closed before leaves the queue at its release. A fork lets go of the
- * connections still waiting (fork.c).
+ * closed before leaves the queue at its release. A fork shares the
+ * connections still waiting between parent and child (share.c): each
+ * queues it, and the one that ends up holding it alone sends OPEN.
  *
  * The request-id index maps hostd's READY, TCP and DOWN to their
  * connection: a hash of chains, filled when OPEN gives a connection its
@@ -80,6 +81,36 @@ static void oq_remove_locked(struct flow *f)
 	f->open_at = 0;
 }
 
+/* queue_locked puts f in the queue, due at at: in order, from the tail
+ * (new connections are due last; only a shared one queued again can be
+ * due later, share.c). It returns whether the leaver must wake for it. */
+static int queue_locked(struct flow *f, int64_t at)
+{
+	struct flow *p = oq_tail;
+	while (p && p->open_at > at)
+		p = p->oprev;
+	f->open_at = at;
+	f->oprev = p;
+	f->onext = p ? p->onext : oq_head;
+	if (f->onext)
+		f->onext->oprev = f;
+	else
+		oq_tail = f;
+	if (p)
+		p->onext = f;
+	else
+		oq_head = f;
+	return !wake_at || wake_at > at;
+}
+
+void open_requeue(struct flow *f, int64_t ns)
+{
+	pthread_mutex_lock(&idx_mu);
+	if (!f->open_at)
+		queue_locked(f, now_ns() + ns);
+	pthread_mutex_unlock(&idx_mu);
+}
+
 void open_forget(struct flow *f)
 {
 	pthread_mutex_lock(&idx_mu);
@@ -99,6 +130,33 @@ struct flow *by_req(uint32_t req)
 	return hit;
 }
 
+/* take_shared: f is held by other processes too since a fork (share.c;
+ * wmu held, so no fork comes between the check and OPEN). 1: this
+ * process holds it alone now and goes on to OPEN it; 0: not yet (it is
+ * queued again, checked less often each time, at most every second) or
+ * never (another process used it: it stays on TCP). */
+static int take_shared(struct flow *f)
+{
+	int alone = share_alone(f);
+	if (alone > 0) {
+		share_leave(f);
+		plog("shunt: fd %d: the only process holding the connection since a fork: this one", f->fd);
+		return 1;
+	}
+	if (alone < 0) {
+		plog("shunt: fd %d: tcp (fork: another process used the connection too)", f->fd);
+		return 0;
+	}
+	int tries = ++f->share_tries;
+	int64_t back = open_delay_ns << (tries < 8 ? tries : 8);
+	if (back > 1000000000 || back <= 0)
+		back = 1000000000;
+	if (tries == 1)
+		plog("shunt: fd %d: another process holds the connection too since a fork: on TCP until one holds it alone", f->fd);
+	open_requeue(f, back);
+	return 0;
+}
+
 /* send_open gives f its request id and sends OPEN (never waits: a channel
  * hostd does not read queues it). Under wmu, so that a fork sees f either
  * before (it lets it go, dropped) or after (told, it owes hostd a CLOSE). */
@@ -106,10 +164,19 @@ static void send_open(struct flow *f)
 {
 	char ip[INET6_ADDRSTRLEN];
 	struct shunt_msg m = {.type = SHUNT_OPEN, .role = f->role};
+	/* A fork child's own session, made here if the child has none yet */
+	if (f->share && shunt_session_ensure(session)) {
+		plog("shunt: fd %d: tcp (no-hostd: this process, which holds it after a fork, cannot reach hostd)", f->fd);
+		return;
+	}
 	pthread_mutex_lock(&f->wmu);
 	m.local = f->local;
 	m.remote = f->remote;
 	if (f->dropped || __atomic_load_n(&f->closed, __ATOMIC_SEQ_CST) || f->owner != my_pid) {
+		pthread_mutex_unlock(&f->wmu);
+		return;
+	}
+	if (f->share && !take_shared(f)) {
 		pthread_mutex_unlock(&f->wmu);
 		return;
 	}
@@ -167,14 +234,7 @@ void conn_open(int fd, uint8_t role, const char *who, unsigned gen)
 		 * it out before f can be freed (release, fork.c). */
 		if (delayed) {
 			pthread_mutex_lock(&idx_mu);
-			f->open_at = now_ns() + open_delay_ns;
-			kick = !wake_at || wake_at > f->open_at;
-			f->oprev = oq_tail;
-			if (oq_tail)
-				oq_tail->onext = f;
-			else
-				oq_head = f;
-			oq_tail = f;
+			kick = queue_locked(f, now_ns() + open_delay_ns);
 			pthread_mutex_unlock(&idx_mu);
 		}
 	}

@@ -329,6 +329,7 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 {
 	if (inherited(f))
 		return -1;
+	share_io(f);
 	int nb = f->nonblock || (flags & MSG_DONTWAIT), peek = (flags & MSG_PEEK) != 0;
 	int all = (flags & MSG_WAITALL) && !peek && !nb;
 	size_t got = 0;
@@ -432,6 +433,7 @@ static int writer_moves(struct flow *f, struct rings *rg, struct rings **done)
 int conn_tcp_begin(struct flow *f)
 {
 	struct rings *done = NULL;
+	share_io(f);
 	pthread_mutex_lock(&f->wmu);
 	int ring = writer_moves(f, __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), &done);
 	if (!ring)
@@ -488,6 +490,7 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 {
 	if (inherited(f))
 		return -1;
+	share_io(f);
 	int nb = f->nonblock || (flags & MSG_DONTWAIT);
 	size_t put = 0;
 	int err = 0;

@@ -12,6 +12,7 @@
  *   epoll.c     epoll
  *   lifetime.c  close, dup, fcntl, ioctl, exec, exit
  *   fork.c      fork: which connections each process keeps
+ *   share.c     a young connection several processes hold after a fork
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
  *               io_uring detection
  *
@@ -167,6 +168,16 @@ struct flow {
 	int fork_drop, fork_held, fork_close;
 	struct rings *fork_rg;
 	struct flow *fork_next;
+	/* share.c: a connection kept by several processes after a fork, on
+	 * TCP until one of them is its only holder (NULL: this process's
+	 * alone); this process noted its I/O there; OPEN attempts since the
+	 * fork; fork.c: to be shared at this fork (prepare to parent/child) */
+	struct share *share;
+	int share_io, share_tries, fork_share;
+	/* lifetime.c, across an exec that would close every fd of a shared
+	 * connection: the slot this process left for it (share_exec) */
+	int exec_leave;
+	struct share *exec_share;
 	uint8_t role;   /* SHUNT_ROLE_ACTIVE (it connected) or PASSIVE, for OPEN again */
 	struct rings *rg; /* atomic: the ring pair READY gave, until both directions left it */
 	/* A futex word for events that sleepers on the kernel socket must see
@@ -349,6 +360,36 @@ void ep_fork(int phase);
 void fork_init(void);
 extern unsigned fork_gen;
 int letgo_exec(struct flow *f);
+
+/* share.c: share_prepare counts a child about to be born as a holder of
+ * f (the prepare handler; a slot is made at the first fork): 0, or -1 if
+ * that cannot be recorded (then f is let go). share_child makes the child
+ * a holder, share_io notes this process's I/O on f (every reader and
+ * writer step calls it), share_alone says whether this process may OPEN
+ * f: 1 it is the only holder and no other did I/O since the fork, 0 not
+ * yet (another holds it), -1 never (another used it). share_leave takes
+ * this process out (its last close, exit, or taking f for its own);
+ * share_poison bars everyone (an exec or a let-go gives the kernel
+ * socket to a program the library cannot see). */
+int share_prepare(struct flow *f);
+void share_child(struct flow *f);
+void share_note_io(struct flow *f);
+static inline void share_io(struct flow *f)
+{
+	if (__builtin_expect(f->share != NULL, 0))
+		share_note_io(f);
+}
+int share_alone(struct flow *f);
+void share_leave(struct flow *f);
+void share_poison(struct flow *f);
+/* share_exec takes this process out of f's slot before an exec that
+ * closes every fd of f (the new image will not hold it), remembering the
+ * slot; share_exec_failed puts it back if the exec failed, poisoned (an
+ * other process may have taken f meanwhile: the safety net then ends it) */
+void share_exec(struct flow *f);
+void share_exec_failed(struct flow *f);
+/* open.c: open_requeue queues f's OPEN again for now + ns (f not queued) */
+void open_requeue(struct flow *f, int64_t ns);
 
 /* guard.c: guard watches fd, a new flow's kernel socket: bytes arriving
  * there mean the program wrote past the library (a raw syscall), and the
