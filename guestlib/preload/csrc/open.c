@@ -160,6 +160,24 @@ static int take_shared(struct flow *f)
 /* send_open gives f its request id and sends OPEN (never waits: a channel
  * hostd does not read queues it). Under wmu, so that a fork sees f either
  * before (it lets it go, dropped) or after (told, it owes hostd a CLOSE). */
+/* tuple looks up what OPEN needs, the first time it is sent: the
+ * addresses and the socket's timeouts (the rings' waits keep them; on TCP
+ * the kernel does). Under tab_mu, with f->fd still f's, so the socket
+ * cannot be closed and its number reused meanwhile. 0, or -1 if it is
+ * not connected any more (nothing to offer). */
+static int tuple(struct flow *f)
+{
+	int r = -1;
+	pthread_mutex_lock(&tab_mu);
+	if (fds[f->fd] == f && local_of(f->fd, &f->local) == 0 && (f->have_remote || remote_of(f->fd, &f->remote) == 0)) {
+		flow_timeouts(f->fd, f);
+		f->have_remote = 1;
+		r = 0;
+	}
+	pthread_mutex_unlock(&tab_mu);
+	return r;
+}
+
 static void send_open(struct flow *f)
 {
 	char ip[INET6_ADDRSTRLEN];
@@ -167,6 +185,10 @@ static void send_open(struct flow *f)
 	/* A fork child's own session, made here if the child has none yet */
 	if (f->share && shunt_session_ensure(session)) {
 		plog("shunt: fd %d: tcp (no-hostd: this process, which holds it after a fork, cannot reach hostd)", f->fd);
+		return;
+	}
+	if (!f->req && tuple(f)) {
+		plog("shunt: fd %d: not connected any more: no OPEN", f->fd);
 		return;
 	}
 	pthread_mutex_lock(&f->wmu);
@@ -197,25 +219,21 @@ static void send_open(struct flow *f)
 	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
 }
 
-void conn_open(int fd, uint8_t role, const char *who, unsigned gen)
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote)
 {
-	struct shunt_addr local, remote;
-	if (local_of(fd, &local) || remote_of(fd, &remote))
-		return; /* not connected (any more): nothing to offer */
 	struct flow *f = flow_new();
 	if (!f) {
 		plog("shunt: fd %d %s: tcp (out of memory)", fd, who);
 		return;
 	}
-	/* The tuple now: by the time OPEN goes, fd may name another socket
-	 * (the program dup'd it and closed the original). */
-	f->local = local;
-	f->remote = remote;
+	if (remote) {
+		f->remote = *remote;
+		f->have_remote = 1;
+	}
 	f->owner = my_pid;
 	f->fd = fd;
 	f->role = role;
 	f->nonblock = nonblk[fd];
-	flow_timeouts(fd, f);
 	/* The delay is skipped where it cannot help: when it is 0, and when
 	 * no thread can keep it (the OPEN then goes now, as before). */
 	int delayed = open_delay_ns > 0 && leaver_start() == 0, kick = 0;

@@ -161,7 +161,11 @@ struct flow {
 	 * index's chain (in it from OPEN to release). */
 	int64_t open_at;
 	struct flow *onext, *oprev, *inext;
-	struct shunt_addr local, remote; /* the tuple at conn_open, for OPEN */
+	/* The tuple, for OPEN: looked up when OPEN goes (a connection closed
+	 * sooner costs no system call for it), on f->fd, which forget moves to
+	 * a surviving dup; remote may be known from connect or accept. */
+	struct shunt_addr local, remote;
+	int have_remote;
 	int dropped;    /* under rmu and wmu: a fork let it go to the kernel (fork.c): never OPENed, never on rings */
 	/* fork.c, from the prepare handler to the parent's or child's: to be
 	 * let go, its locks taken; what the parent owes hostd */
@@ -254,7 +258,8 @@ static inline int pending(int fd)
 }
 
 /* open.c: conn_open makes fd a connection and sends OPEN (role active or
- * passive) once it has lived open_delay_ns; gen is fork_gen from before
+ * passive) once it has lived open_delay_ns (remote: the peer's address if
+ * the caller knows it, else NULL); gen is fork_gen from before
  * the kernel call that made the connection (connect, accept): if a fork
  * came in between, the child holds a copy the library never saw, so the
  * connection is the kernel's (FD_KERNEL) in this process too; by_req finds a connection
@@ -262,7 +267,7 @@ static inline int pending(int fd)
  * out of the open queue and the index (at release, and when a fork lets
  * it go). open_due sends the OPENs that are due and returns when the next
  * one is (ns, monotonic; 0: none): the leaver thread calls it. */
-void conn_open(int fd, uint8_t role, const char *who, unsigned gen);
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote);
 struct flow *by_req(uint32_t req);
 void open_forget(struct flow *f);
 int64_t open_due(void);
