@@ -8,6 +8,8 @@ import (
 	"strings"
 	"testing"
 	"time"
+
+	"github.com/shuntnet/shunt/integration/nsrig"
 )
 
 // An accept-then-fork server (socat fork), and short connections against
@@ -122,4 +124,44 @@ func TestServerRedisShortConns(t *testing.T) {
 	}
 	t.Logf("redis-benchmark -k 0: 2 x 5000 connections in %s (%s), counter checked; client: %s; redis-server: %s",
 		took.Round(time.Millisecond), strings.Join(rates, ", "), pathSummary(out), pathSummary(srv.out.String()))
+}
+
+// TestServerRedisTupleReuse: connections that reuse their tuples while
+// the old conntrack entries live on. The client's namespace reuses ports
+// at once from a range of 300 (tcp_tw_reuse=1, and no TIME_WAIT sockets
+// at all, tcp_max_tw_buckets=0, so that nothing has to wait the second
+// tw_reuse asks), so 2,000 connections through it must reuse tuples: the
+// router's conntrack still holds each old entry (TIME_WAIT), kills it at
+// the new SYN (its DESTROY comes) and makes a new one while the new
+// connection on the same tuple is being made. With the open delay off every connection reaches hostd,
+// which must never take an old entry's DESTROY for the new connection's:
+// no connection is moved to TCP for conntrack-gone, and every request
+// succeeds.
+func TestServerRedisTupleReuse(t *testing.T) {
+	s := newSrvEnv(t, "redis-server", "redis-benchmark", "redis-cli")
+	for _, kv := range []string{"net.ipv4.tcp_tw_reuse=1", "net.ipv4.tcp_max_tw_buckets=0", "net.ipv4.ip_local_port_range=41000 41299"} {
+		if out, err := nsrig.Run(s.rig.Guests[0].NSPath(), "sysctl", "-w", kv); err != nil {
+			t.Fatalf("sysctl -w %s in the client's namespace: %v\n%s", kv, err, out)
+		}
+	}
+	g2 := s.rig.Guests[1].Addr.String()
+	const port, conns = "6393", 2000
+	now := []string{"SHUNT_OPEN_DELAY_MS=0"}
+	srv := s.start(2, s.command(2, true, now, "redis-server", "--bind", g2, "--port", port, "--save", "", "--appendonly", "no", "--protected-mode", "no"))
+	s.waitListening(2, 6393)
+	start := time.Now()
+	out := s.run(1, 90*time.Second, s.command(1, true, now, "redis-benchmark", "-h", g2, "-p", port, "-k", "0", "-n", fmt.Sprint(conns), "-c", "20", "-t", "incr", "-q"))
+	took := time.Since(start)
+	if !regexp.MustCompile(`INCR: [0-9.]+ requests per second`).MatchString(out) {
+		s.fatalf("redis-benchmark -k 0 did not finish INCR:\n%s", out)
+	}
+	if got := strings.TrimSpace(s.run(1, 30*time.Second, s.command(1, false, nil, "redis-cli", "-h", g2, "-p", port, "get", "counter:__rand_int__"))); got != fmt.Sprint(conns) {
+		s.fatalf("counter after %d INCRs, each on its own connection: %q", conns, got)
+	}
+	if n := s.counter("shunt_switches_total{reason=conntrack-gone,to=tcp}"); n != 0 {
+		s.fatalf("%v connections were moved to TCP for conntrack-gone: an old entry's DESTROY reached a new connection on its tuple", n)
+	}
+	opens := s.counter("shunt_opens_total{role=active}")
+	t.Logf("%d connections through 300 client ports in %s, counter checked, none moved for conntrack-gone; hostd heard %v active OPENs; client: %s; redis-server: %s",
+		conns, took.Round(time.Millisecond), opens, pathSummary(out), pathSummary(srv.out.String()))
 }

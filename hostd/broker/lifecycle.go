@@ -14,13 +14,28 @@ import (
 // destroyed (conntrack -D, timeout, flush) to TCP (conntrack-gone): the
 // kernel and the firewall decide what becomes of it. It stays on TCP.
 func (b *Broker) ConntrackDestroyed(e ctrack.Entry) {
-	b.mu.Lock()
-	defer b.mu.Unlock()
 	// A tuple can be reused by a new connection while the old entry is
 	// still around (TIME_WAIT); its late DESTROY must not touch the new
 	// connection, so entry ids must match when both are known.
+	b.mu.Lock()
 	c := b.conns[e.Reply]
+	b.mu.Unlock()
 	if c == nil || c.ctid != 0 && e.ID != 0 && c.ctid != e.ID {
+		return
+	}
+	// Ids alone do not tell them apart: the kernel kills the old entry at
+	// the new SYN and may make the new one in the very memory it freed,
+	// which gives it the same id (an id hashes the entry's address and
+	// tuple). An entry reported destroyed is gone from the table, so one
+	// the table still has on the tuple is a newer connection's (the
+	// lookup runs without the broker's lock).
+	if cur, err := b.ct.Lookup(e.Orig); err == nil {
+		b.log.Debug("conntrack DESTROY of an older entry on a reused tuple: ignored", "tuple", e.Orig, "id", e.ID, "current_state", cur.TCPState)
+		return
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.conns[e.Reply] != c {
 		return
 	}
 	b.goneFromConntrackLocked(c)

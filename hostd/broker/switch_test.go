@@ -321,9 +321,32 @@ func TestConntrackTupleReuse(t *testing.T) {
 		t.Fatalf("new connection %+v, want it untouched on the rings", r)
 	}
 	cur, _ := w.ct.Lookup(ta)
+	w.ct.Delete(cur.ID)
 	w.b.ConntrackDestroyed(cur)
 	sa.expect(t, proto.Down, proto.ReasonConntrackGone, 3)
 	sb.expect(t, proto.Down, proto.ReasonConntrackGone, 4)
+}
+
+// TestConntrackTupleReuseSameID: the kernel made the new connection's
+// entry in the memory of the old one it killed at the new SYN, so both
+// have one id, and the old entry's DESTROY comes after the new connection
+// paired (integration's TestServerRedisTupleReuse saw it): the new entry
+// is still in the table, so the DESTROY is not its, and the connection
+// stays on the rings.
+func TestConntrackTupleReuseSameID(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	cur, _ := w.ct.Lookup(ta)
+	old := cur // the old entry: the same tuple and id, gone before the new one was made
+	w.b.ConntrackDestroyed(old)
+	sa.none(t)
+	sb.none(t)
+	if r := w.record(t); r.Path != "rings" {
+		t.Fatalf("connection %+v after an older entry's DESTROY with its id, want it untouched on the rings", r)
+	}
 }
 
 // TestConntrackReuseWhileOldRecordLives: the old connection's record is
