@@ -41,6 +41,21 @@ void shunt_logf(struct shunt_session *s, const char *fmt, ...)
  * its atfork handlers after making its session: its prepare handler then
  * runs first and takes its locks before these. */
 static pthread_mutex_t all_mu = PTHREAD_MUTEX_INITIALIZER;
+/* This process's pid, for the checks above (each connection's connect or
+ * accept asks whether the session is this process's: getpid is a system
+ * call): made new in the fork child (once any session exists, the
+ * handlers run). */
+static pid_t self;
+
+static pid_t me(void)
+{
+	pid_t p = __atomic_load_n(&self, __ATOMIC_RELAXED);
+	if (!p) {
+		p = getpid();
+		__atomic_store_n(&self, p, __ATOMIC_RELAXED);
+	}
+	return p;
+}
 static struct shunt_session **all; /* every session made; under all_mu */
 static size_t nall, call;
 static pthread_once_t fork_once = PTHREAD_ONCE_INIT;
@@ -80,6 +95,7 @@ static void fork_child(void)
 		s->writer = 0;
 	}
 	pthread_condattr_destroy(&ca);
+	__atomic_store_n(&self, getpid(), __ATOMIC_RELAXED);
 	regions_fork_child();
 	pthread_mutex_init(&all_mu, NULL);
 }
@@ -131,7 +147,7 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 	pthread_mutex_init(&s->mu, NULL);
 	s->region_path = s->c.region;
 	s->fd = -1;
-	s->pid = getpid();
+	s->pid = me();
 	if (remember(s)) {
 		free((char *)s->c.control);
 		free((char *)s->c.region);
@@ -174,7 +190,7 @@ static int again(void) { return errno == EAGAIN || errno == EWOULDBLOCK || errno
 static void *drain(void *arg)
 {
 	struct shunt_session *s = arg;
-	pid_t pid = getpid();
+	pid_t pid = me();
 	int fd = -1;
 	int64_t progress = 0;
 	pthread_mutex_lock(&s->mu);
@@ -216,7 +232,7 @@ static void *drain(void *arg)
  * own once it calls ensure. */
 static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 {
-	if (s->fd < 0 || s->pid != getpid())
+	if (s->fd < 0 || s->pid != me())
 		return -1;
 	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
 	ssize_t n = shunt_msg_encode(m, buf, sizeof buf), off = 0;
@@ -269,7 +285,7 @@ int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m)
  * library), and must not wait behind a slow channel open. */
 int shunt_session_connected(struct shunt_session *s)
 {
-	return __atomic_load_n(&s->fd, __ATOMIC_SEQ_CST) >= 0 && __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) == getpid();
+	return __atomic_load_n(&s->fd, __ATOMIC_SEQ_CST) >= 0 && __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) == me();
 }
 
 /* set_fd changes the channel (mu held); readers without mu load it
@@ -335,7 +351,7 @@ static void *keepalive(void *arg)
 	struct thread_arg a = *(struct thread_arg *)arg;
 	free(arg);
 	struct shunt_session *s = a.s;
-	pid_t pid = getpid();
+	pid_t pid = me();
 	for (;;) {
 		struct timespec ts = {SHUNT_KEEPALIVE_NS / 1000000000, SHUNT_KEEPALIVE_NS % 1000000000};
 		nanosleep(&ts, NULL);
@@ -363,7 +379,7 @@ static void announce(struct shunt_session *s)
  * nothing. */
 static int reconnect(struct shunt_session *s)
 {
-	pid_t pid = getpid();
+	pid_t pid = me();
 	for (int delay = SHUNT_BACKOFF_MIN_MS;; delay = 2 * delay < SHUNT_BACKOFF_MAX_MS ? 2 * delay : SHUNT_BACKOFF_MAX_MS) {
 		if (!s->c.holds || !s->c.holds(s->c.arg))
 			return -1;
@@ -490,7 +506,7 @@ static int map_region(struct shunt_session *s, const char *path)
 int shunt_session_ensure(struct shunt_session *s)
 {
 	pthread_mutex_lock(&s->mu);
-	pid_t pid = getpid();
+	pid_t pid = me();
 	if (s->pid != pid) { /* forked: the parent's channel and requests are not ours */
 		set_fd(s, -1);
 		__atomic_store_n(&s->pid, pid, __ATOMIC_SEQ_CST);

@@ -60,6 +60,13 @@ void rings_free(struct rings *rg)
 
 void flow_wake(struct flow *f)
 {
+	/* A connection no sleeper ever armed (a short one, never polled by
+	 * the library) costs no system call: a sleeper that arms it now
+	 * checks what changed after its arm (arm_flow), and the caller
+	 * changed it before this fence. */
+	__atomic_thread_fence(__ATOMIC_SEQ_CST);
+	if (!__atomic_load_n(&f->ev_armed, __ATOMIC_RELAXED))
+		return;
 	__atomic_store_n(&f->ev, 0, __ATOMIC_SEQ_CST);
 	syscall(SYS_futex, &f->ev, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
 	if (shunt_kicks_enabled()) /* VM mode: the helpers sleep on the kick count */

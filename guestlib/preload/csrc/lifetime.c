@@ -50,6 +50,7 @@ struct flow *flow_new(void)
 	f->exec_leave = 0;
 	f->exec_share = NULL;
 	f->have_remote = 0;
+	__atomic_store_n(&f->ev_armed, 0, __ATOMIC_RELAXED);
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
 	f->shead = f->slen = 0;

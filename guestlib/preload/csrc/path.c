@@ -116,7 +116,7 @@ static int kernel_wait(struct flow *f, int fd, struct rings *rg, int watch, int6
 		return EAGAIN;
 	struct arm a;
 	arm_init(&a);
-	arm_word(&a, &f->ev);
+	arm_flow(&a, f);
 	if (rg)
 		arm_word(&a, shunt_ring_wait_word(&rg->sf.r, 1)); /* also woken by a reset */
 	arm_set(&a, 1);
@@ -340,6 +340,17 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 		ssize_t k;
 		pthread_mutex_lock(&f->rmu);
 		for (;;) {
+			rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+			if (!rg && !f->rring && !f->slen && !f->seof && !nb && !got && n && !ended(f, 1)) {
+				/* No ring and nothing kept aside: the kernel's own
+				 * blocking recv at once, one system call as without
+				 * the library (not a non-blocking try first). */
+				k = kernel_recv(f, fd, buf, n, flags);
+				if (k > 0)
+					got += k;
+				final = 1;
+				break;
+			}
 			k = read_step(f, fd, (uint8_t *)buf + got, n - got, flags, &wait, &done);
 			rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 			if (k > 0) {

@@ -188,6 +188,7 @@ struct flow {
 	 * (READY, DOWN, close, shutdown): they arm it as a ring's wait word
 	 * (wait.c) and flow_wake clears it and wakes them. */
 	uint32_t ev;
+	int ev_armed;   /* atomic: a sleeper armed ev once (arm_flow): flow_wake must wake from now on */
 	/* The reader, under rmu (path.c). */
 	uint64_t roff;  /* stream offset of the next byte for the program */
 	int rring;      /* reading the ring */
@@ -326,6 +327,8 @@ struct arm {
 void arm_init(struct arm *a);
 void arm_add(struct arm *a, struct flow *f, int reader);
 void arm_word(struct arm *a, uint32_t *w);
+/* arm_flow arms f's event word (f->ev), noting that it has a sleeper */
+void arm_flow(struct arm *a, struct flow *f);
 void arm_set(struct arm *a, uint32_t v);
 void arm_free(struct arm *a);
 

@@ -286,9 +286,17 @@ void arm_word(struct arm *a, uint32_t *w)
 /* arm_add arms what may change a connection's readiness for a reader
  * (reader) or a writer besides its kernel socket: its event word (READY,
  * DOWN, close) and its ring's wait word. */
+void arm_flow(struct arm *a, struct flow *f)
+{
+	if (!__atomic_load_n(&f->ev_armed, __ATOMIC_RELAXED))
+		__atomic_store_n(&f->ev_armed, 1, __ATOMIC_SEQ_CST);
+	__atomic_thread_fence(__ATOMIC_SEQ_CST); /* before the caller's check (flow_wake) */
+	arm_word(a, &f->ev);
+}
+
 void arm_add(struct arm *a, struct flow *f, int reader)
 {
-	arm_word(a, &f->ev);
+	arm_flow(a, f);
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	if (rg)
 		arm_word(a, shunt_ring_wait_word(reader ? &rg->sf.r : &rg->sf.w, reader));
