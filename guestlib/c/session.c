@@ -377,6 +377,32 @@ static void announce(struct shunt_session *s)
  * returns the new fd, or -1 to end the reader: another thread reconnected
  * first (announce is then done here too), the process forked, or it holds
  * nothing. */
+static int map_region(struct shunt_session *s, const char *path);
+
+/* region0_check maps a VM's region 0 again when its mapping no longer
+ * shows the region WELCOME w names (no valid header, another size or
+ * generation): its ivshmem device was unplugged and plugged back (a live
+ * migration, docs/vm.md), so the old mapping shows dead memory and the
+ * new device may be disabled or elsewhere. The BAR is found (and enabled)
+ * again, as Go's remapRegionZero does. The old mapping is kept: its
+ * connections left its rings before the unplug (DOWN(migrating)), and
+ * nothing counts its users. mu held; before the announcements (OPEN
+ * again), so every READY after them finds the new mapping. */
+static void region0_check(struct shunt_session *s, const struct shunt_msg *w)
+{
+	struct shunt_region g;
+	if (!s->region || !w->region_size || s->region_path != s->bar ||
+	    (shunt_region_attach(&g, s->region, s->reg.size) == 0 && g.size == w->region_size &&
+	     __atomic_load_n((uint64_t *)(s->region + 64), __ATOMIC_SEQ_CST) == w->gen))
+		return;
+	if (shunt_find_bar(s->bar, sizeof s->bar) || map_region(s, s->bar)) {
+		shunt_logf(s, "shunt: region 0 changed and its device cannot be found or mapped again: connections stay on TCP");
+		return;
+	}
+	shunt_logf(s, "shunt: region 0 mapped again (%s, generation %llu): its device was plugged back", s->bar,
+		   (unsigned long long)w->gen);
+}
+
 static int reconnect(struct shunt_session *s)
 {
 	pid_t pid = me();
@@ -399,6 +425,7 @@ static int reconnect(struct shunt_session *s)
 		int fd = channel_open(s, &w);
 		s->why = fd < 0 && errno == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : SHUNT_REASON_NO_HOSTD;
 		if (fd >= 0) {
+			region0_check(s, &w);
 			set_fd(s, fd);
 			if (shunt_session_vm(s) && spawn(keepalive, s, fd))
 				shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
@@ -547,6 +574,7 @@ int shunt_session_ensure(struct shunt_session *s)
 		errno = ENXIO;
 		return -1;
 	}
+	region0_check(s, &m);
 	if (spawn(reader, s, fd)) {
 		shunt_logf(s, "shunt: cannot start the control reader thread");
 		sys_close(fd);
