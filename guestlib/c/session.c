@@ -379,6 +379,14 @@ static void announce(struct shunt_session *s)
  * nothing. */
 static int map_region(struct shunt_session *s, const char *path);
 
+/* reason_of is why connections stay on TCP when channel_open failed with
+ * errno e: an older hostd (version), every control port of the VM in use
+ * by other processes (control-limit, as Go says), or no hostd. */
+static unsigned reason_of(int e)
+{
+	return e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : e == EBUSY ? SHUNT_REASON_CONTROL_LIMIT : SHUNT_REASON_NO_HOSTD;
+}
+
 /* region0_check maps a VM's region 0 again when its mapping no longer
  * shows the region WELCOME w names (no valid header, another size or
  * generation): its ivshmem device was unplugged and plugged back (a live
@@ -423,7 +431,7 @@ static int reconnect(struct shunt_session *s)
 		}
 		struct shunt_msg w;
 		int fd = channel_open(s, &w);
-		s->why = fd < 0 && errno == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : SHUNT_REASON_NO_HOSTD;
+		s->why = fd < 0 ? reason_of(errno) : SHUNT_REASON_NO_HOSTD;
 		if (fd >= 0) {
 			region0_check(s, &w);
 			set_fd(s, fd);
@@ -555,10 +563,10 @@ int shunt_session_ensure(struct shunt_session *s)
 	int fd = channel_open(s, &m);
 	if (fd < 0) {
 		int e = errno;
-		s->why = e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : SHUNT_REASON_NO_HOSTD;
+		s->why = reason_of(e);
 		if (e == EPROTONOSUPPORT)
 			shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
-		else
+		else if (e != EBUSY) /* channel_open said which ports are busy */
 			shunt_logf(s, "shunt: hostd unreachable at %s: %s", s->c.control, strerror(e));
 		pthread_mutex_unlock(&s->mu);
 		errno = e;
