@@ -671,7 +671,10 @@ func TestPreloadEdgeCases(t *testing.T) {
 	keepOut := serveMode([]string{"forkserver", "7707", "keep"})
 	pioOut := serveMode([]string{"forkserver", "7708", "parentio"})
 	inetdOut := serveMode([]string{"forkserver", "7709", "inetd"})
-	for _, p := range []int{7702, 7703, 7704, 7705, 7706, 7707, 7708, 7709} {
+	// The same through system(), which glibc runs without any hook a
+	// preload library sees: the library's own system() lets it go.
+	systemOut := serveMode([]string{"systemserver", "7710"})
+	for _, p := range []int{7702, 7703, 7704, 7705, 7706, 7707, 7708, 7709, 7710} {
 		e.waitListening(2, p)
 	}
 	// forkconnect, forkdup and forkstorm fork in the library's windows
@@ -700,6 +703,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 		{"forkdup", "forkdup", "7700", -2, srvOut, "", 0},
 		{"forkstorm", "forkstorm", "7700", -1, srvOut, "", 0},
 		{"spawnkeep", "spawnkeep", "7706", 0, spawnOut, ": tcp (spawn: ", 1},
+		{"systemkeep", "systemkeep", "7710", 0, systemOut, ": tcp (spawn: ", 1},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			before, _ := tc.srv.count(tc.srvWant)

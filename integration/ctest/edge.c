@@ -22,9 +22,9 @@
  * uring (after io_uring_setup, connections stay on TCP)
  * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR)
  * afork aforkkeep aforkp inetd prefork reuseport forkring forkconnect forkdup forkstorm
- * spawnkeep (fork models and forks in the library's windows, edge_fork.c:
- * against "edge forkserver", "edge prefork", "edge reuseport" and "edge
- * spawnserver", the others against the server) */
+ * spawnkeep systemkeep (fork models and forks in the library's windows, edge_fork.c:
+ * against "edge forkserver", "edge prefork", "edge reuseport", "edge
+ * spawnserver" and "edge systemserver", the others against the server) */
 #include "edge.h"
 
 #include <limits.h>
@@ -290,7 +290,7 @@ static int client(const char *ip, int port, const char *t)
 	if (!strcmp(t, "afork") || !strcmp(t, "aforkkeep") || !strcmp(t, "aforkp") || !strcmp(t, "inetd") ||
 	    !strcmp(t, "prefork") || !strcmp(t, "reuseport") ||
 	    !strcmp(t, "forkring") || !strcmp(t, "forkconnect") || !strcmp(t, "forkdup") || !strcmp(t, "forkstorm") ||
-	    !strcmp(t, "spawnkeep"))
+	    !strcmp(t, "spawnkeep") || !strcmp(t, "systemkeep"))
 		return fork_client(ip, port, t);
 	if (!strcmp(t, "connrefused"))
 		return connrefused(ip, port, t);
@@ -603,6 +603,8 @@ int main(int argc, char **argv)
 	}
 	if (argc == 4 && !strcmp(argv[1], "spawnserver"))
 		return spawnserver(argv[2], atoi(argv[3]));
+	if (argc == 4 && !strcmp(argv[1], "systemserver"))
+		return systemserver(argv[2], atoi(argv[3]));
 	if ((argc == 4 || argc == 5) && !strcmp(argv[1], "forkserver"))
 		return forkserver(argv[2], atoi(argv[3]), argc == 5 ? argv[4] : "");
 	if (argc == 4 && (!strcmp(argv[1], "prefork") || !strcmp(argv[1], "reuseport")))

@@ -21,7 +21,8 @@
  * workers, each on the fast path), forkring (fork while a connection on the rings
  * streams: the children exit without touching it, its bytes are checked),
  * spawnkeep (against "edge spawnserver": the same through a spawned
- * /bin/cat while the server keeps its copy), forkconnect (fork while a
+ * /bin/cat while the server keeps its copy), systemkeep (the same through
+ * system(), against "edge systemserver"), forkconnect (fork while a
  * non-blocking connect is under way, then
  * connect() again in both processes, as hiredis does: no OPEN), forkdup
  * (fork inside the open delay with only a dup of the connection in an
@@ -270,6 +271,30 @@ int spawnserver(const char *ip, int port)
 		else
 			pthread_detach(th);
 		posix_spawn_file_actions_destroy(&fa);
+	}
+}
+
+/* systemserver: the same through system("exec cat <&N >&N"), the
+ * connection inherited by the shell (no FD_CLOEXEC), and this process
+ * keeping its copy until the shell ends: glibc spawns the shell without
+ * any hook a preload library sees, so the library lets the connection go
+ * in its system() (fork.c), else the peer would move to the rings cat
+ * does not read. */
+int systemserver(const char *ip, int port)
+{
+	int l = listener(ip, port, 0);
+	if (l < 0)
+		return 1;
+	for (;;) {
+		int c = accept(l, NULL, NULL);
+		if (c < 0)
+			continue;
+		char name[80], cmd[64];
+		read_name(c, name, sizeof name);
+		snprintf(cmd, sizeof cmd, "exec cat <&%d >&%d", c, c);
+		if (system(cmd) != 0)
+			printf("FAIL system-server: %s failed\n", cmd);
+		close(c);
 	}
 }
 
@@ -747,7 +772,7 @@ int fork_client(const char *ip, int port, const char *t)
 	alarm(FORK_BOUND_S);
 	signal(SIGPIPE, SIG_IGN);
 	if (!strcmp(t, "afork") || !strcmp(t, "aforkkeep") || !strcmp(t, "aforkp") || !strcmp(t, "inetd") ||
-	    !strcmp(t, "spawnkeep")) {
+	    !strcmp(t, "spawnkeep") || !strcmp(t, "systemkeep")) {
 		settle_ms = 0; /* the name goes at once: the server forks well inside the open delay */
 		return forked_echo(ip, port, t);
 	}

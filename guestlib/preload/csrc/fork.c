@@ -32,9 +32,9 @@
  *
  * posix_spawn and posix_spawnp run no atfork handler (glibc builds them
  * on clone(CLONE_VM | CLONE_VFORK) and its internal execve): they are
- * interposed below, and apply the let-go rule before the spawn. Not
- * covered: vfork, and system and popen (glibc calls its internal
- * posix_spawn, which no preload sees): their children get the raw kernel
+ * interposed below, and apply the let-go rule before the spawn; so are
+ * system and popen (glibc calls its internal posix_spawn, which no
+ * preload sees). Not covered: vfork, whose child gets the raw kernel
  * socket of every inherited fd (docs/preload.md, Rules: spawn).
  *
  * Locks: a fork child has only the forking thread, so a lock another
@@ -284,6 +284,26 @@ INTERPOSE int posix_spawnp(pid_t *pid, const char *file, const posix_spawn_file_
 	REAL_READY();
 	spawn_letgo(fa != NULL);
 	return real_posix_spawnp(pid, file, fa, at, argv, envp);
+}
+
+/* system and popen: glibc runs the shell through its internal
+ * posix_spawn, which no preload sees, so the spawn rule is applied here,
+ * before: a young connection on an fd without FD_CLOEXEC, which the shell
+ * and what it runs inherit, is let go to the kernel (a CGI-style
+ * `system("prog <&3 >&3")`). */
+INTERPOSE int system(const char *command)
+{
+	REAL_READY();
+	if (command)
+		spawn_letgo(0);
+	return real_system(command);
+}
+
+INTERPOSE FILE *popen(const char *command, const char *type)
+{
+	REAL_READY();
+	spawn_letgo(0);
+	return real_popen(command, type);
 }
 
 /* letgo_exec: before exec (lifetime.c), f, which has an fd that stays

@@ -47,7 +47,7 @@ REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(pp
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
 REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
-REAL(posix_spawn); REAL(posix_spawnp);
+REAL(posix_spawn); REAL(posix_spawnp); REAL(system); REAL(popen);
 #undef REAL
 
 static void resolve(void)
@@ -58,7 +58,7 @@ static void resolve(void)
 	R(shutdown); R(dup); R(dup2); R(dup3); R(fcntl); R(ioctl); R(poll); R(ppoll);
 	R(epoll_create); R(epoll_create1); R(epoll_ctl); R(epoll_wait); R(epoll_pwait);
 	R(sendfile); R(execve); R(execvp); R(execvpe); R(setsockopt); R(getsockopt);
-	R(recvmmsg); R(sendmmsg); R(splice); R(posix_spawn); R(posix_spawnp);
+	R(recvmmsg); R(sendmmsg); R(splice); R(posix_spawn); R(posix_spawnp); R(system); R(popen);
 #undef R
 }
 

@@ -45,6 +45,8 @@
 #include <pthread.h>
 #include <signal.h>
 #include <spawn.h>
+#include <stdio.h>
+#include <stdlib.h>
 #include <stdint.h>
 #include <sys/epoll.h>
 #include <sys/ioctl.h>
@@ -80,7 +82,7 @@ REAL(dup); REAL(dup2); REAL(dup3); REAL(fcntl); REAL(ioctl); REAL(poll); REAL(pp
 REAL(epoll_create); REAL(epoll_create1); REAL(epoll_ctl);
 REAL(epoll_wait); REAL(epoll_pwait); REAL(sendfile); REAL(execve); REAL(execvp); REAL(execvpe);
 REAL(setsockopt); REAL(getsockopt); REAL(recvmmsg); REAL(sendmmsg); REAL(splice);
-REAL(posix_spawn); REAL(posix_spawnp);
+REAL(posix_spawn); REAL(posix_spawnp); REAL(system); REAL(popen);
 #undef REAL
 
 /* ---- configuration (environment, read once at load) ---- */
