@@ -126,6 +126,8 @@ type Client struct {
 	// which real guests never do.
 	loopback bool
 
+	opens opener // the delayed OPENs
+
 	mu         sync.Mutex
 	sess       *session // nil while disconnected
 	connecting chan struct{}
@@ -589,6 +591,7 @@ func (c *Client) Close() error {
 	close(c.done)
 	s := c.sess
 	c.mu.Unlock()
+	c.opens.end()
 	if s != nil {
 		s.end()
 	}

@@ -61,9 +61,8 @@ type Conn struct {
 	ansOnce  sync.Once
 	leaving  chan struct{} // non-nil while a leaver runs (see leaver); guarded by fmu
 
-	annMu     sync.Mutex  // orders the delayed OPEN (offerNow) with Close
-	openTimer *time.Timer // the delayed OPEN; guarded by annMu
-	leaverWG  sync.WaitGroup
+	annMu    sync.Mutex // orders the delayed OPEN (offerNow) with Close
+	leaverWG sync.WaitGroup
 
 	// Reader state, guarded by readMu (conn_read.go).
 	readMu  sync.Mutex
@@ -162,13 +161,11 @@ func (c *Conn) announce() {
 	case cl.opts.OpenDelay <= 0 || cl.unreachable():
 		cl.open(c) // at once; without hostd it only records why (no-hostd, version)
 	default:
-		c.annMu.Lock()
-		c.openTimer = time.AfterFunc(cl.opts.OpenDelay, c.offerNow)
-		c.annMu.Unlock()
+		cl.opens.add(c, cl.opts.OpenDelay)
 	}
 }
 
-// offerNow is announce's timer: the OPEN, unless Close came first.
+// offerNow is the delayed OPEN (opener): unless Close came first.
 func (c *Conn) offerNow() {
 	c.annMu.Lock()
 	defer c.annMu.Unlock()
@@ -185,14 +182,12 @@ func (c *Conn) reqID() uint32 {
 	return c.req
 }
 
-// unannounce stops an offer not made yet; after it, c.req says for good
-// whether hostd was told (Close owes it a CLOSE only then).
+// unannounce waits out an offer under way (closed is set, so none
+// starts after it); after it, c.req says for good whether hostd was told
+// (Close owes it a CLOSE only then).
 func (c *Conn) unannounce() {
 	c.annMu.Lock()
 	defer c.annMu.Unlock()
-	if c.openTimer != nil {
-		c.openTimer.Stop()
-	}
 }
 
 // settle records a TCP reason that no answer of hostd will change.
