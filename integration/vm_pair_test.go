@@ -23,9 +23,12 @@ import (
 // (dir/vmN.qmp, named in hostd.hcl), through which hostd plugs each VM
 // pair's region into both VMs, and no ivshmem device at boot. Pair
 // regions go 1 s after their last flow (pair_region_linger).
-func newPairVMEnv(t testing.TB, n int) *vmEnv {
+func newPairVMEnv(t testing.TB, n int) *vmEnv { return newPairVMEnvLinger(t, n, "1s") }
+
+// newPairVMEnvLinger is newPairVMEnv with pair_region_linger = linger.
+func newPairVMEnvLinger(t testing.TB, n int, linger string) *vmEnv {
 	dir, k, agent, initrd := vmImages(t)
-	conf := "pair_region_linger = \"1s\"\n"
+	conf := fmt.Sprintf("pair_region_linger = %q\n", linger)
 	for i := 1; i <= n; i++ {
 		a, _ := vmAddr(i)
 		conf += fmt.Sprintf("guest \"vm%d\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  control_ports = %d\n  addresses = [%q]\n  shared_region = true\n  qmp = %q\n}\n",

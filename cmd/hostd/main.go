@@ -44,10 +44,12 @@ commands:
                           'hostd flows')
   revoke CONN             the old name of downgrade
   migrate-out GUEST       move a VM's connections to TCP and keep them there, until
-                          none holds rings: then unplug its ivshmem device and migrate it
-  migrate-in GUEST        let its connections take the rings again; with -control SOCKET
-                          and -interface TAP, serve its new control socket and mark its
-                          new tap (the destination QEMU's)
+                          none holds rings (hostd unplugs its pair regions itself): then
+                          unplug its group region's ivshmem device and migrate it
+  migrate-in GUEST        let its connections take the rings again; with -control SOCKET,
+                          -interface TAP and -qmp SOCKET, serve its new control socket,
+                          mark its new tap and plug its pair regions into the new QEMU
+                          (the destination's)
 
 client flags: -admin SOCKET (default /run/shunt/admin.sock), -json
 `
@@ -146,13 +148,14 @@ func runClient(cmd string, args []string) error {
 	fs := flag.NewFlagSet(cmd, flag.ExitOnError)
 	sock := fs.String("admin", "/run/shunt/admin.sock", "hostd admin socket")
 	asJSON := fs.Bool("json", false, "print JSON")
-	var control, iface string
+	var control, iface, qmp string
 	if cmd == admin.CmdMigrateIn {
 		fs.StringVar(&control, "control", "", "the guest's new control socket (base path, as in the configuration)")
 		fs.StringVar(&iface, "interface", "", "the guest's new host-side interface (its tap)")
+		fs.StringVar(&qmp, "qmp", "", "the guest's new QMP socket (its QEMU's, as qmp in the configuration)")
 	}
 	fs.Parse(args)
-	req := admin.Request{Cmd: cmd, Control: control, Interface: iface}
+	req := admin.Request{Cmd: cmd, Control: control, Interface: iface, QMP: qmp}
 	if cmd == admin.CmdMigrateOut || cmd == admin.CmdMigrateIn {
 		if fs.NArg() != 1 {
 			return fmt.Errorf("usage: hostd %s GUEST", cmd)
@@ -239,8 +242,14 @@ func runClient(cmd string, args []string) error {
 			break
 		}
 		fmt.Fprintf(tw, "guest %s: %d connections moved to TCP in %s\n", rep.Guest, rep.Moved, rep.Took)
+		if rep.Unplugged > 0 {
+			fmt.Fprintf(tw, "guest %s: %d pair regions unplugged\n", rep.Guest, rep.Unplugged)
+		}
 		if rep.Held > 0 {
 			return fmt.Errorf("%d ring pairs still held: do not unplug the guest's ivshmem device yet (run migrate-out again)", rep.Held)
+		}
+		if rep.Plugged > 0 {
+			return fmt.Errorf("%d pair regions still plugged into the VM: do not migrate it yet (run migrate-out again)", rep.Plugged)
 		}
 	default:
 		fmt.Fprintln(tw, string(out))

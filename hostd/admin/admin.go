@@ -24,12 +24,15 @@ const (
 	// CmdMigrateOut moves Request.Guest's connections to TCP and keeps
 	// them there, and waits until none holds a ring pair (MigrateReply):
 	// then its VM's ivshmem device may be unplugged and the VM migrated.
+	// A VM with pair regions has them unplugged by hostd, which waits
+	// for that too.
 	CmdMigrateOut = "migrate-out"
 	// CmdMigrateIn ends Request.Guest's migration: hostd serves its new
-	// control socket (Request.Control) and marks the connections coming
-	// in by its new interface (Request.Interface), each if given, and its
-	// connections move to the rings again as its library reconnects
-	// (MigrateReply).
+	// control socket (Request.Control), marks the connections coming in
+	// by its new interface (Request.Interface) and plugs its pair regions
+	// into the QEMU at its new QMP socket (Request.QMP), each if given,
+	// and its connections move to the rings again as its library
+	// reconnects (MigrateReply).
 	CmdMigrateIn = "migrate-in"
 )
 
@@ -42,10 +45,12 @@ type Request struct {
 	Flow string `json:"flow,omitempty"` // for CmdDowngrade: a connection's or its ring pair's name
 	// For CmdMigrateOut and CmdMigrateIn: the guest's name; for
 	// CmdMigrateIn, optionally its new control socket (the base path, as
-	// the configuration's control) and its new host-side interface.
+	// the configuration's control), its new host-side interface and its
+	// new QMP socket (as the configuration's qmp).
 	Guest     string `json:"guest,omitempty"`
 	Control   string `json:"control,omitempty"`
 	Interface string `json:"interface,omitempty"`
+	QMP       string `json:"qmp,omitempty"`
 }
 
 // MigrateReply answers CmdMigrateOut and CmdMigrateIn.
@@ -53,7 +58,21 @@ type MigrateReply struct {
 	Guest string `json:"guest"`
 	Moved int    `json:"moved"`          // connections moved to TCP (out) or to the rings at once (in)
 	Held  int    `json:"held"`           // out: ring pairs its connections still hold (0: ready to unplug)
-	Took  string `json:"took,omitempty"` // out: how long the connections took to leave the rings
+	Took  string `json:"took,omitempty"` // out: how long the connections took to leave the rings (and its pair regions the VMs)
+	// out, a VM with pair regions: how many hostd unplugged, and how many
+	// are still plugged (0: ready to migrate).
+	Unplugged int `json:"unplugged,omitempty"`
+	Plugged   int `json:"plugged,omitempty"`
+}
+
+// Deadline bounds a request of command cmd: 10 s, and 30 s for
+// CmdMigrateOut, which waits for the guest's connections to leave the
+// rings and for its pair regions' unplugs (the guests' ACPI ejects).
+func Deadline(cmd string) time.Duration {
+	if cmd == CmdMigrateOut {
+		return 30 * time.Second
+	}
+	return 10 * time.Second
 }
 
 // Reply is what hostd answers: Error, or Data (command-specific JSON).
@@ -66,7 +85,7 @@ type Reply struct {
 type Handler func(Request) (any, error)
 
 // Server serves the admin socket, one goroutine per request, each bounded
-// by a 10 s deadline. Close stops it and waits.
+// by its Deadline. Close stops it and waits.
 type Server struct {
 	l  net.Listener
 	h  Handler
@@ -119,10 +138,13 @@ func (s *Server) serve() {
 			var rep Reply
 			if err := json.NewDecoder(c).Decode(&req); err != nil {
 				rep.Error = "bad request: " + err.Error()
-			} else if data, err := s.h(req); err != nil {
-				rep.Error = err.Error()
-			} else if rep.Data, err = json.Marshal(data); err != nil {
-				rep.Error = err.Error()
+			} else {
+				_ = c.SetDeadline(time.Now().Add(Deadline(req.Cmd)))
+				if data, err := s.h(req); err != nil {
+					rep.Error = err.Error()
+				} else if rep.Data, err = json.Marshal(data); err != nil {
+					rep.Error = err.Error()
+				}
 			}
 			_ = json.NewEncoder(c).Encode(rep)
 		}()
@@ -143,7 +165,7 @@ func Call(path string, req Request, out any) error {
 		return fmt.Errorf("reach hostd at %s: %w (is hostd running? see: systemctl status shunt-hostd)", path, err)
 	}
 	defer c.Close()
-	_ = c.SetDeadline(time.Now().Add(30 * time.Second))
+	_ = c.SetDeadline(time.Now().Add(Deadline(req.Cmd) + 5*time.Second))
 	if err := json.NewEncoder(c).Encode(req); err != nil {
 		return fmt.Errorf("send to hostd: %w", err)
 	}

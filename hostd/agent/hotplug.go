@@ -21,11 +21,19 @@ import (
 // Safe for concurrent use: one QMP connection per VM at a time (QEMU
 // serves one client per socket), made for each call.
 type qmpHotplug struct {
-	log   hclog.Logger
-	socks map[uint32]string // QMP socket by guest id; not changed after start
+	log hclog.Logger
 
 	mu    sync.Mutex
+	socks map[uint32]string      // QMP socket by guest id; a migrated VM's changes (setSocket)
 	locks map[uint32]*sync.Mutex // one call per VM at a time
+}
+
+// setSocket makes g's later plugs and unplugs go to the QMP socket at
+// path (a migration's destination QEMU).
+func (h *qmpHotplug) setSocket(g *broker.Guest, path string) {
+	h.mu.Lock()
+	defer h.mu.Unlock()
+	h.socks[g.ID] = path
 }
 
 // qmpDialBound bounds reaching a VM's QMP socket: a VM that stopped has
@@ -33,7 +41,9 @@ type qmpHotplug struct {
 const qmpDialBound = 3 * time.Second
 
 func (h *qmpHotplug) dial(ctx context.Context, g *broker.Guest) (*qmp.Client, func(), error) {
+	h.mu.Lock()
 	sock := h.socks[g.ID]
+	h.mu.Unlock()
 	if sock == "" {
 		return nil, nil, fmt.Errorf("guest %s has no qmp socket in hostd.hcl", g.Name)
 	}

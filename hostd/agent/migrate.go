@@ -13,12 +13,20 @@ import (
 )
 
 // migrateLeaveBound bounds how long migrate-out waits for the guest's
-// connections to leave the rings (the admin request's own deadline is 10 s).
-const migrateLeaveBound = 8 * time.Second
+// connections to leave the rings, and migrateUnplugBound how long it
+// then waits for its VM pair regions to be unplugged (the guests' ACPI
+// ejects); the admin request's own deadline is admin.Deadline.
+const (
+	migrateLeaveBound  = 8 * time.Second
+	migrateUnplugBound = 15 * time.Second
+)
 
 // migrateOut answers CmdMigrateOut: the guest's connections move to TCP
 // and stay there; it waits (bounded) until none holds a ring pair, and
-// says how many still do if the bound passed.
+// says how many still do if the bound passed. A VM with pair regions
+// then loses them at once: hostd unplugs them from both VMs of each pair
+// and waits (bounded) until they are out, since QEMU does not migrate a
+// VM with an ivshmem device (docs/vm.md, "Live migration").
 func (a *Agent) migrateOut(r admin.Request) (admin.MigrateReply, error) {
 	g, err := a.migrating(r.Guest)
 	if err != nil {
@@ -34,15 +42,35 @@ func (a *Agent) migrateOut(r admin.Request) (admin.MigrateReply, error) {
 		}
 		time.Sleep(5 * time.Millisecond)
 	}
+	if rep.Held == 0 && g.PairVM {
+		a.dropVMRegions(g, &rep)
+	}
 	rep.Took = time.Since(start).Round(time.Microsecond).String()
-	a.log.Info("guest migrating out", "guest", g.Name, "to_tcp", rep.Moved, "rings_still_held", rep.Held, "took", rep.Took)
+	a.log.Info("guest migrating out", "guest", g.Name, "to_tcp", rep.Moved, "rings_still_held", rep.Held,
+		"pair_regions_unplugged", rep.Unplugged, "pair_regions_still_plugged", rep.Plugged, "took", rep.Took)
 	return rep, nil
 }
 
+// dropVMRegions unplugs migrating VM g's pair regions (broker.DropVMRegions)
+// and waits, bounded, until none is left in its VM; rep says how many
+// went and how many are left.
+func (a *Agent) dropVMRegions(g *broker.Guest, rep *admin.MigrateReply) {
+	for deadline := time.Now().Add(migrateUnplugBound); ; {
+		dropped, left := a.b.DropVMRegions(g)
+		rep.Unplugged += dropped
+		if rep.Plugged = left; left == 0 || time.Now().After(deadline) {
+			return
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+}
+
 // migrateIn answers CmdMigrateIn: hostd serves the guest's new control
-// socket and marks its new interface (each if given), then lets its
-// connections take the rings again. Only configured guests are re-pointed
-// so; a libvirt domain that arrives here is registered by the watcher.
+// socket, marks its new interface and plugs its pair regions through its
+// new QMP socket (each if given), then lets its connections take the
+// rings again (a pair of VMs gets a fresh pair region, plugged on
+// demand). Only configured guests are re-pointed so; a libvirt domain
+// that arrives here is registered by the watcher.
 func (a *Agent) migrateIn(r admin.Request) (admin.MigrateReply, error) {
 	g, err := a.migrating(r.Guest)
 	if err != nil {
@@ -50,7 +78,7 @@ func (a *Agent) migrateIn(r admin.Request) (admin.MigrateReply, error) {
 	}
 	a.mig.Lock()
 	defer a.mig.Unlock()
-	if r.Control != "" || r.Interface != "" {
+	if r.Control != "" || r.Interface != "" || r.QMP != "" {
 		gc := a.configGuest(g.Name)
 		if gc == nil || g.Source != "config" {
 			return admin.MigrateReply{}, fmt.Errorf("guest %s comes from %s: only configured guests are re-pointed by migrate-in", g.Name, g.Source)
@@ -60,6 +88,12 @@ func (a *Agent) migrateIn(r admin.Request) (admin.MigrateReply, error) {
 				return admin.MigrateReply{}, err
 			}
 		}
+		if r.QMP != "" {
+			if a.hot == nil || gc.QMP == "" {
+				return admin.MigrateReply{}, fmt.Errorf("guest %s has no qmp socket in hostd.hcl: hostd plugs nothing into its VM", g.Name)
+			}
+			a.hot.setSocket(g, r.QMP)
+		}
 		if r.Control != "" {
 			if err := a.repoint(g, r.Control, gc.Ports); err != nil {
 				return admin.MigrateReply{}, err
@@ -67,7 +101,7 @@ func (a *Agent) migrateIn(r admin.Request) (admin.MigrateReply, error) {
 		}
 	}
 	rep := admin.MigrateReply{Guest: g.Name, Moved: a.b.MigrateIn(g)}
-	a.log.Info("guest migrated in", "guest", g.Name, "control", r.Control, "interface", r.Interface, "to_rings", rep.Moved)
+	a.log.Info("guest migrated in", "guest", g.Name, "control", r.Control, "interface", r.Interface, "qmp", r.QMP, "to_rings", rep.Moved)
 	return rep, nil
 }
 

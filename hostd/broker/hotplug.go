@@ -173,7 +173,9 @@ func (b *Broker) tellTCPLocked(c *Conn, reason proto.Reason) {
 // unplugLocked takes dropped VM pair region r out of its VMs, then lets
 // its file go (PairRegions.Drop). The guests were told UNREGION first.
 func (b *Broker) unplugLocked(r *Region) {
-	h, pairs := b.hotplug, b.rgLocked().pairs
+	rg := b.rgLocked()
+	h, pairs := b.hotplug, rg.pairs
+	rg.unplugging[r] = true
 	b.wg.Add(1)
 	go func() {
 		defer b.wg.Done()
@@ -198,5 +200,8 @@ func (b *Broker) unplugLocked(r *Region) {
 		if pairs != nil {
 			pairs.Drop(r)
 		}
+		b.mu.Lock()
+		delete(rg.unplugging, r)
+		b.mu.Unlock()
 	}()
 }

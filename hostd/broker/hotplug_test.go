@@ -13,10 +13,11 @@ import (
 )
 
 // fakeHotplug records plugs and unplugs; a plug waits for release (if
-// set) and fails with fail.
+// set) and fails with fail; an unplug waits for hold (if set).
 type fakeHotplug struct {
 	release chan struct{}
 	fail    error
+	hold    chan struct{}
 
 	mu       sync.Mutex
 	plugs    []string // guest/device
@@ -43,6 +44,13 @@ func (h *fakeHotplug) Unplug(ctx context.Context, g *broker.Guest, r *broker.Reg
 	h.unplugs = append(h.unplugs, g.Name+"/"+r.DeviceID())
 	h.mu.Unlock()
 	h.unplugCh <- g.Name
+	if h.hold != nil {
+		select {
+		case <-h.hold:
+		case <-ctx.Done():
+			return ctx.Err()
+		}
+	}
 	return nil
 }
 
@@ -50,7 +58,12 @@ func (h *fakeHotplug) Unplug(ctx context.Context, g *broker.Guest, r *broker.Reg
 // regions for VMs (PairVM), plugged by a fakeHotplug; sessions are ports
 // (no descriptors).
 func vmPairWorld(t *testing.T, h *fakeHotplug) (*world, *fakePairs, *session, *session) {
-	w := newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
+	return vmPairWorldOpts(t, h, broker.Options{PairRegionLinger: -1})
+}
+
+// vmPairWorldOpts is vmPairWorld with the broker's options.
+func vmPairWorldOpts(t *testing.T, h *fakeHotplug, opts broker.Options) (*world, *fakePairs, *session, *session) {
+	w := newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, opts)
 	w.g1.SharedRegion, w.g2.SharedRegion = true, true
 	w.g1.PairVM, w.g2.PairVM = true, true
 	p := &fakePairs{t: t}

@@ -16,9 +16,16 @@ import (
 //	    socket; g's library reconnects and OPENs its connections on TCP
 //	    again (same request ids): rejoinLocked gives each record the new
 //	    session ...
+//	DropVMRegions(g): once RingsHeld(g) is 0, g's VM pair regions go
+//	               at once (UNREGION, unplugged from both VMs, the file
+//	               dropped), not after their linger: the VM may not
+//	               migrate with a device of Shunt's
+//	...
 //	MigrateIn(g):  g's connections may take the rings again; those whose
 //	               both ends have a session move now, the others when
-//	               their end's OPEN comes.
+//	               their end's OPEN comes. A pair of VMs gets a fresh
+//	               pair region then, plugged as for a first connection
+//	               (into the destination QEMU: Hotplug follows the VM).
 
 // GuestNamed returns the registered guest called name, or nil.
 func (b *Broker) GuestNamed(name string) *Guest {
@@ -61,6 +68,42 @@ func (b *Broker) RingsHeld(g *Guest) (held int) {
 		}
 	}
 	return held
+}
+
+// DropVMRegions drops migrating guest g's VM pair regions that no flow
+// uses any more (call it after MigrateOut, once RingsHeld(g) is 0): both
+// guests of each get UNREGION, its device goes from both VMs
+// (Hotplug.Unplug), then its file, without waiting for PairRegionLinger.
+// A region still being plugged goes once its plug ended (call again). It
+// returns how many it dropped now, and how many of g's VM pair regions
+// are left, there or still being unplugged: at 0 g's VM holds no device
+// of Shunt's and may migrate.
+func (b *Broker) DropVMRegions(g *Guest) (dropped, left int) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	rg := b.rgLocked()
+	for _, r := range rg.byID {
+		if r.vm == nil || r.A != g && r.B != g {
+			continue
+		}
+		if !r.vm.plugged || r.flows > 0 {
+			left++
+			continue
+		}
+		if r.linger != nil {
+			r.linger.Stop()
+			r.linger = nil
+		}
+		b.log.Info("pair region dropped: its guest migrates", "region", r.Name(), "guest", g.Name, "a", r.A.Name, "b", r.B.Name)
+		b.dropRegionLocked(r)
+		dropped++
+	}
+	for r := range rg.unplugging {
+		if r.A == g || r.B == g {
+			left++
+		}
+	}
+	return dropped, left
 }
 
 // MigrateIn ends g's migration: its connections may take the rings again.

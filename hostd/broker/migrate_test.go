@@ -1,7 +1,10 @@
 package broker_test
 
 import (
+	"slices"
+	"strings"
 	"testing"
+	"time"
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
@@ -150,4 +153,109 @@ func TestMigrationCalledOff(t *testing.T) {
 	if gs := w.b.Guests(); gs[1].Migrating {
 		t.Fatalf("guests %+v: g2 still migrating", gs)
 	}
+}
+
+// TestMigrationDropsVMRegions: a VM pair region (lingering an hour once
+// idle) of a migrating VM goes at once once its connection left the
+// rings: DropVMRegions leaves it alone while a flow uses it, then both
+// VMs get UNREGION, the device goes from both, and the region counts as
+// left until both unplugs ended and its file is dropped. After the move
+// (a new session of the VM, MigrateIn) the pair gets a fresh region,
+// plugged into both VMs again, and READY in it.
+func TestMigrationDropsVMRegions(t *testing.T) {
+	h := &fakeHotplug{hold: make(chan struct{})}
+	w, p, sa, sb := vmPairWorldOpts(t, h, broker.Options{PairRegionLinger: time.Hour})
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	var ready [2]proto.Msg
+	for i, s := range []*session{sa, sb} {
+		s.expectType(t, proto.RegionMsg)
+		ready[i] = s.expect(t, proto.Ready, proto.ReasonNone, uint32(i+1))
+	}
+	old := ready[0].RegionID
+	if n := w.b.MigrateOut(w.g1); n != 1 {
+		t.Fatalf("MigrateOut moved %d connections, want 1", n)
+	}
+	if dropped, left := w.b.DropVMRegions(w.g1); dropped != 0 || left != 1 {
+		t.Fatalf("DropVMRegions with the flow still on its rings: dropped %d, left %d; want 0 and 1", dropped, left)
+	}
+	w.left(sa, sa.expect(t, proto.Down, proto.ReasonMigrating, 1), proto.SideA)
+	w.left(sb, sb.expect(t, proto.Down, proto.ReasonMigrating, 2), proto.SideB)
+	if dropped, left := w.b.DropVMRegions(w.g1); dropped != 1 || left != 1 {
+		t.Fatalf("DropVMRegions after both LEFT: dropped %d, left %d (unplugging); want 1 and 1", dropped, left)
+	}
+	for _, s := range []*session{sa, sb} {
+		if m := s.next(t); m.Type != proto.Unregion || m.RegionID != old {
+			t.Fatalf("%s got %+v, want UNREGION of region %d", s.g.Name, m, old)
+		}
+	}
+	got := map[string]bool{}
+	for range 2 {
+		select {
+		case g := <-h.unplugCh:
+			got[g] = true
+		case <-time.After(5 * time.Second):
+			t.Fatalf("unplugged from %v within 5 s, want both VMs", got)
+		}
+	}
+	if !got["g1"] || !got["g2"] {
+		t.Fatalf("unplugged from %v, want g1 and g2", got)
+	}
+	if _, left := w.b.DropVMRegions(w.g1); left != 1 {
+		t.Fatalf("%d regions left while the unplugs run, want 1", left)
+	}
+	close(h.hold)
+	for deadline := time.Now().Add(5 * time.Second); ; {
+		_, left := w.b.DropVMRegions(w.g1)
+		if _, dropped := p.counts(); left == 0 && dropped == 1 {
+			break
+		}
+		if time.Now().After(deadline) {
+			_, dropped := p.counts()
+			t.Fatalf("after the unplugs: %d regions left, %d files dropped; want 0 and 1", left, dropped)
+		}
+		time.Sleep(5 * time.Millisecond)
+	}
+
+	// The VM moved: a new session OPENs the connection again; MigrateIn
+	// plugs a fresh region into both VMs.
+	w.b.Detach(sa)
+	moved := newSession(w.g1)
+	w.b.Attach(moved)
+	w.b.Open(moved, open(proto.Active, ta, 100))
+	moved.expect(t, proto.TCP, proto.ReasonMigrating, 100)
+	if n := w.b.MigrateIn(w.g1); n != 0 {
+		t.Fatalf("MigrateIn: %d connections on the rings at once, want 0 (their region is being plugged)", n)
+	}
+	for i, s := range []*session{moved, sb} {
+		if m := s.expectType(t, proto.RegionMsg); m.RegionID == old {
+			t.Fatalf("%s got REGION %+v: want a fresh region, not %d", s.g.Name, m, old)
+		}
+		if r := s.expect(t, proto.Ready, proto.ReasonNone, []uint32{100, 2}[i]); r.RegionID == old {
+			t.Fatalf("%s got READY %+v in the old region", s.g.Name, r)
+		}
+	}
+	h.mu.Lock()
+	plugs := h.plugs
+	h.mu.Unlock()
+	if len(plugs) != 4 {
+		t.Fatalf("plugs %v: want two per region", plugs)
+	}
+	for _, p := range plugs[2:] {
+		dev := p[strings.Index(p, "/"):]
+		if slices.ContainsFunc(plugs[:2], func(q string) bool { return strings.HasSuffix(q, dev) }) {
+			t.Fatalf("plugs %v: the fresh region's device has the old one's id", plugs)
+		}
+	}
+}
+
+// expectType returns s's next message, which must be of type typ.
+func (s *session) expectType(t *testing.T, typ proto.Type) proto.Msg {
+	t.Helper()
+	m := s.next(t)
+	if m.Type != typ {
+		t.Fatalf("%s got %+v, want %s", s.g.Name, m, typ)
+	}
+	return m
 }

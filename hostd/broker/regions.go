@@ -63,6 +63,9 @@ type regionState struct {
 	byID   map[uint32]*Region          // pair regions by id
 	held   map[Session]map[*Region]int // flow sides each session holds in each pair region
 	usage  map[*Guest]*quotaUse        // what the flows each guest opened take
+	// VM pair regions dropped and still being unplugged (unplugLocked):
+	// their devices may still be in the VMs.
+	unplugging map[*Region]bool
 }
 
 // quotaUse is what the flows a guest opened (as side A) hold.
@@ -88,6 +91,7 @@ func (b *Broker) rgLocked() *regionState {
 		b.rg.byID = map[uint32]*Region{}
 		b.rg.held = map[Session]map[*Region]int{}
 		b.rg.usage = map[*Guest]*quotaUse{}
+		b.rg.unplugging = map[*Region]bool{}
 	}
 	return &b.rg
 }

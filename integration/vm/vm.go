@@ -54,6 +54,8 @@ type Options struct {
 	// (qmp: hostd hot-plugs pair regions through it). A Migratable VM
 	// without Attach.Region starts without an ivshmem device.
 	QMP string
+	// Accel is QEMU's -accel ("": tcg), e.g. "tcg,thread=single".
+	Accel string
 }
 
 func (o Options) cmdline() string {
@@ -169,7 +171,10 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		o.MemMB = 256
 	}
 	cmdline := o.cmdline()
-	args := []string{"-machine", "pc,accel=tcg", "-m", fmt.Sprint(o.MemMB), "-nodefaults"}
+	if o.Accel == "" {
+		o.Accel = "tcg"
+	}
+	args := []string{"-machine", "pc", "-accel", o.Accel, "-m", fmt.Sprint(o.MemMB), "-nodefaults"}
 	var monitor string
 	if o.Resettable {
 		f, err := os.CreateTemp("", "shunt-mon-*.sock")
