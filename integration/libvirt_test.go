@@ -33,6 +33,15 @@ import (
 // hostd restart; a stopped domain is released and its peer's connection
 // moves to TCP; after libvirtd restarts (one domain's QEMU died meanwhile)
 // hostd resyncs and releases that one.
+//
+// lv3 and lv4 are of a trust group with pair regions (vm_regions =
+// "pair", no <shmem> at boot): their first connection gets a region of
+// the pair's own, which hostd hot-plugs into both domains through libvirt
+// (attach-device <shmem>), seen in both domains' live XML and by both
+// guests (the device's region header); a checked stream each way takes
+// the rings, survives the hostd restart (the region adopted, its device
+// still in both domains), and once it ended the device goes from both
+// domains (detach by alias) and the file from /dev/shm.
 func TestLibvirtDomains(t *testing.T) {
 	testenv.NeedTool(t, "libvirtd", "libvirt-daemon-system")
 	testenv.NeedTool(t, "virtlogd", "libvirt-daemon-system")
@@ -51,7 +60,8 @@ func TestLibvirtDomains(t *testing.T) {
 	}
 	t.Cleanup(func() { os.RemoveAll(dir) })
 	sock := filepath.Join(dir, "run", "libvirt-sock")
-	v := newVMEnvGroup(t, 0, fmt.Sprintf("  region_group = %q\n", libvirtd.QEMUGroup), fmt.Sprintf("libvirt {\n  socket = %q\n}\n", sock))
+	v := newVMEnvGroup(t, 0, fmt.Sprintf("  region_group = %q\n", libvirtd.QEMUGroup), fmt.Sprintf("libvirt {\n  socket = %q\n}\n", sock),
+		libvirtPairGroup(t, libvirtd.QEMUGroup))
 	// QEMU, as libvirt-qemu, opens the kernel, the initramfs and the
 	// control sockets in the test's directory (t.TempDir's are 0700):
 	// traversable, not listable.
@@ -105,15 +115,44 @@ func TestLibvirtDomains(t *testing.T) {
 		}
 	}
 
-	// hostd restarts under the live flow: it learns the domains from
-	// libvirtd before it adopts the flows from the region, so the flow
-	// between two libvirt guests is adopted and both sides reattach.
+	// lv3 and lv4 (pair regions): the first connection plugs the pair's
+	// region into both domains; a checked stream each way for 15 s, so
+	// that it runs through the hostd restart below.
+	a3, _ := vmAddr(3)
+	const pairSecs = 15
+	l3 := v.defineIn(d, 3, "p", "bars", "duplex-servers", "7001", fmt.Sprint(pairSecs))
+	mustWait(t, ctx, l3, "SHUNT-VM LISTENING")
+	waitBars(t, ctx, l3, "at boot: no ivshmem device")
+	l4 := v.defineIn(d, 4, "p", "bars", "timed-client", fmt.Sprintf("%s:7001", a3), fmt.Sprint(pairSecs))
+	fast := mustWait(t, ctx, l4, "SHUNT-VM FAST 0 ")
+	rec := v.waitRecord(7001, vmFastBound, "lv3-lv4 on the rings", func(r broker.FlowInfo, ok bool) bool { return ok && r.Path == "rings" && r.Attached == "ab" })
+	pairShm := virt.PairShmem(203, 204, pairRegionID(t, rec))
+	for _, n := range []string{"lv3", "lv4"} {
+		s := v.waitShmems(t, d, n, "plugged", 0, pairShm)
+		if !strings.HasPrefix(s[0].Alias, "ua-shunt-p") || s[0].Size != 16<<20 {
+			t.Fatalf("%s's pair device %+v: want alias ua-shunt-p..., 16 MiB", n, s[0])
+		}
+	}
+	checkPairFile(t, "/dev/shm/"+pairShm, kvm.Gid)
+	waitBars(t, ctx, l3, "lv3-lv4 plugged", "203-204")
+	waitBars(t, ctx, l4, "lv3-lv4 plugged", "203-204")
+
+	// hostd restarts under both live flows: it learns the domains from
+	// libvirtd before it adopts the flows from the regions, so both flows
+	// (group region, pair region) are adopted and both sides reattach;
+	// the pair's device stays in both domains.
 	v.killHostd()
 	v.startHostd()
-	eventually(t, 20*time.Second, "the flow adopted and reattached after a hostd restart", func() bool {
+	eventually(t, 20*time.Second, "both flows adopted and reattached after a hostd restart", func() bool {
 		fl := v.flows()
-		return len(fl) == 1 && fl[0].Attached == "ab" && fl[0].State == "ready"
+		return len(fl) == 2 && fl[0].Attached == "ab" && fl[0].State == "ready" && fl[1].Attached == "ab" && fl[1].State == "ready"
 	})
+	if len(v.hostdLines("adopted live flows from a pair region")) != 1 {
+		t.Fatalf("hostd did not adopt the pair region once:\n%s", v.Log())
+	}
+	for _, n := range []string{"lv3", "lv4"} {
+		v.waitShmems(t, d, n, "after the restart", 0, pairShm)
+	}
 
 	// A stopped domain is released: its guest and control socket go, and
 	// its peer's connection moves to TCP (peer-gone) with no error.
@@ -121,22 +160,41 @@ func TestLibvirtDomains(t *testing.T) {
 		t.Fatal(err)
 	}
 	vmDowngraded(t, ctx, srv, "peer-gone")
-	v.waitGuests(d, "lv1")
+	v.waitGuests(d, "lv1", "lv3", "lv4")
 	if _, err := d.Virsh("destroy", "lv1"); err != nil {
 		t.Fatal(err)
 	}
-	v.waitGuests(d)
+	v.waitGuests(d, "lv3", "lv4")
 	for _, n := range []string{"lv1", "lv2"} {
 		if _, err := os.Stat(filepath.Join(v.Dir, n+".sock")); !os.IsNotExist(err) {
 			t.Fatalf("%s's control socket still exists (%v)", n, err)
 		}
 	}
 
+	// The pair's stream ends with equal checksums; after the linger its
+	// device goes from both domains and its file from /dev/shm.
+	crosswise(t, "lv3-lv4", duplexResult(t, ctx, l3, "DUPLEX-7001"), duplexResult(t, ctx, l4, "DUPLEX"))
+	ended := time.Now()
+	for _, n := range []string{"lv3", "lv4"} {
+		v.waitShmems(t, d, n, "unplugged after the last flow", 20*time.Second)
+	}
+	unplugged := time.Now()
+	waitBars(t, ctx, l3, "lv3-lv4 unplugged")
+	waitBars(t, ctx, l4, "lv3-lv4 unplugged")
+	if _, err := os.Lstat("/dev/shm/" + pairShm); !os.IsNotExist(err) {
+		t.Fatalf("pair region file still there after the unplug (%v)", err)
+	}
+	for _, m := range []*vm.VM{l3, l4} {
+		if m.Has(0, "SHUNT-VM ERROR") || m.Has(0, "SHUNT-VM READERR") {
+			t.Fatalf("%s: the application saw an error:\n%s", m.Name, m.Console())
+		}
+	}
+	t.Logf("lv3-lv4: connect to the rings (libvirt plug included) %s ms; device out of both domains %v after the stream ended (pair_region_linger 1s included)",
+		strings.TrimPrefix(fast, "SHUNT-VM FAST 0 "), unplugged.Sub(ended).Round(time.Millisecond))
+	v.logPlugTimes(t, l3, l4)
+
 	// libvirtd crashes; meanwhile lv4's QEMU dies. hostd keeps both
 	// guests while libvirtd is away, and resyncs when it is back.
-	l3, l4 := v.define(d, 3, "serve-hold", "7001"), v.define(d, 4, "serve-hold", "7002")
-	mustWait(t, ctx, l3, "SHUNT-VM LISTENING")
-	mustWait(t, ctx, l4, "SHUNT-VM LISTENING")
 	v.waitGuests(d, "lv3", "lv4")
 	syncs := v.libvirtStatus().Syncs
 	d.StopLibvirtd()
@@ -168,9 +226,17 @@ func TestLibvirtDomains(t *testing.T) {
 	v.waitGuests(d)
 }
 
-// define defines and starts libvirt domain lv<i> running the VM agent with
-// args, and follows its console.
+// define defines and starts libvirt domain lv<i> of trust group t (its
+// group region as a <shmem>) running the VM agent with args, and follows
+// its console.
 func (v *vmEnv) define(d *libvirtd.Daemon, i int, args ...string) *vm.VM {
+	v.tb.Helper()
+	return v.defineIn(d, i, "t", args...)
+}
+
+// defineIn is define in trust group group: "t", or "p" (pair regions: no
+// <shmem>, ACPI hot-plug on).
+func (v *vmEnv) defineIn(d *libvirtd.Daemon, i int, group string, args ...string) *vm.VM {
 	v.tb.Helper()
 	name := fmt.Sprintf("lv%d", i)
 	a, h := vmAddr(i)
@@ -184,7 +250,10 @@ func (v *vmEnv) define(d *libvirtd.Daemon, i int, args ...string) *vm.VM {
 	}
 	id := uint32(200 + i)
 	console := filepath.Join(d.Dir, name+".console")
-	x, err := vm.DomainXML(o, console, virt.Metadata{ID: &id, Group: "t", Addresses: []string{a.String()}}.XML())
+	x, err := vm.DomainXML(o, console, virt.Metadata{ID: &id, Group: group, Addresses: []string{a.String()}}.XML())
+	if err == nil && group == "p" {
+		x, err = pairDomainXML(x, o)
+	}
 	if err != nil {
 		v.tb.Fatal(err)
 	}

@@ -39,6 +39,7 @@ type Agent struct {
 	files   *region.Files  // region files and hostd's shadows of them
 	pairs   *pairRegions   // the regions of guest pairs
 	hot     *qmpHotplug    // plugs VM pair regions into bare QEMUs; nil without qmp sockets
+	lvhot   *lvHotplug     // plugs VM pair regions into libvirt domains; nil without libvirt or pair groups
 	guests  []*broker.Guest
 	witness *witness.Witness
 	marks   *mark.Marker // hostd's nftables table; nil when hostd does not mark
@@ -96,6 +97,9 @@ func (a *Agent) Close() {
 	}
 	if a.pairs != nil {
 		a.pairs.close()
+	}
+	if a.lvhot != nil {
+		_ = a.lvhot.p.Close()
 	}
 }
 

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"fmt"
+	"path/filepath"
 	"slices"
 	"strings"
 
@@ -19,7 +20,7 @@ type registry Agent
 // Register adds domain d as a guest.
 func (r *registry) Register(d virt.Domain) error {
 	a := (*Agent)(r)
-	grp, err := a.groupOf(d)
+	grp, pair, err := a.groupOf(d)
 	if err != nil {
 		return err
 	}
@@ -27,7 +28,9 @@ func (r *registry) Register(d virt.Domain) error {
 	if err != nil {
 		return fmt.Errorf("domain %s: %w", d.Name, err)
 	}
-	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: "libvirt", SharedRegion: true} // a VM maps its group region only
+	// A VM: it maps its group region, or (pair) gets its pair regions
+	// plugged in as <shmem> devices (lvHotplug).
+	g := &broker.Guest{Name: d.Name, ID: d.ID, Group: grp, CTMark: d.CTMark, Source: sourceLibvirt, SharedRegion: true, PairVM: pair}
 	addrs, err := guestAddrs(a.cfg.ConntrackNetns, config.Guest{Name: d.Name, Addresses: d.Addresses, Interface: d.Tap})
 	if err != nil {
 		return err
@@ -115,9 +118,12 @@ func (a *Agent) controlGid(name string) (int, error) {
 	return 0, nil
 }
 
-// groupOf finds the trust group whose region backs one of d's shmem
-// devices; metadata naming a group must agree with it.
-func (a *Agent) groupOf(d virt.Domain) (*broker.Group, error) {
+// groupOf finds d's trust group: the one whose region backs one of d's
+// shmem devices (metadata naming a group must agree with it), or, for a
+// domain with no shmem device, the one its metadata names, which must
+// have vm_regions = "pair": pair reports that d gets pair regions
+// plugged in (docs/vm.md, "Pair regions").
+func (a *Agent) groupOf(d virt.Domain) (_ *broker.Group, pair bool, _ error) {
 	var regions []string
 	for _, g := range a.cfg.Groups {
 		regions = append(regions, g.Region)
@@ -126,11 +132,27 @@ func (a *Agent) groupOf(d virt.Domain) (*broker.Group, error) {
 				continue
 			}
 			if d.Group != "" && d.Group != g.Name {
-				return nil, fmt.Errorf("domain %s: metadata says trust group %q, but its shmem %q is group %q's region", d.Name, d.Group, s, g.Name)
+				return nil, false, fmt.Errorf("domain %s: metadata says trust group %q, but its shmem %q is group %q's region", d.Name, d.Group, s, g.Name)
 			}
-			return a.groups[g.Name], nil
+			return a.groups[g.Name], false, nil
 		}
 	}
-	return nil, fmt.Errorf("domain %s: none of its shmem devices (%s) is a trust group's region (%s): name the <shmem> after the region file in /dev/shm",
-		d.Name, strings.Join(d.Shmem, ", "), strings.Join(regions, ", "))
+	if len(d.Shmem) > 0 {
+		return nil, false, fmt.Errorf("domain %s: none of its shmem devices (%s) is a trust group's region (%s): name the <shmem> after the region file in /dev/shm",
+			d.Name, strings.Join(d.Shmem, ", "), strings.Join(regions, ", "))
+	}
+	for _, g := range a.cfg.Groups {
+		if g.Name != d.Group {
+			continue
+		}
+		if g.VMRegions != config.VMRegionsPair {
+			return nil, false, fmt.Errorf("domain %s has no <shmem> device, and its trust group %s has vm_regions = %q: give the domain <shmem name='%s'> (the group region), or the group vm_regions = \"pair\"",
+				d.Name, g.Name, g.VMRegions, filepath.Base(g.Region))
+		}
+		if a.lvhot == nil {
+			return nil, false, fmt.Errorf("domain %s: trust group %s has pair regions, but hostd has no way to plug them into libvirt domains", d.Name, g.Name)
+		}
+		return a.groups[g.Name], true, nil
+	}
+	return nil, false, fmt.Errorf("domain %s: its Shunt metadata names trust group %q, which hostd.hcl does not define", d.Name, d.Group)
 }

@@ -4,10 +4,13 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"maps"
 	"os"
 	"os/user"
 	"path/filepath"
+	"slices"
 	"strconv"
+	"strings"
 	"sync"
 	"time"
 
@@ -15,6 +18,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/virt"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
@@ -32,7 +36,7 @@ func (a *Agent) openGroups() error {
 	}
 	a.files = files
 	a.pairs = &pairRegions{log: a.log.Named("regions"), files: files, dir: a.cfg.RegionDir, geo: map[string]region.Geometry{},
-		live: map[*region.Pool]*os.File{}}
+		access: map[string]region.Access{}, live: map[*region.Pool]*os.File{}}
 	a.groups = map[string]*broker.Group{}
 	for _, g := range a.cfg.Groups {
 		acc, err := regionAccess(g)
@@ -45,6 +49,7 @@ func (a *Agent) openGroups() error {
 		}
 		a.pools = append(a.pools, pool)
 		a.pairs.geo[g.Name] = g.PairGeometry
+		a.pairs.access[g.Name] = acc
 		a.groups[g.Name] = &broker.Group{Name: g.Name, Region: g.Region, Pool: pool,
 			Quota: broker.Quota{RingBytes: g.Quota.RingBytes, Flows: g.Quota.Flows}}
 		a.log.Info("region ready", "group", g.Name, "path", g.Region, "size", g.Geometry.Size, "adopted", adopted,
@@ -99,34 +104,62 @@ func regionAccess(g config.Group) (region.Access, error) {
 	return region.Access{Gid: gid}, nil
 }
 
-// pairRegions keeps the regions of guest pairs as files region_dir/pair-A-B
-// (A the lower guest id), each with its shadow in state_dir: the broker's
+// pairRegions keeps the regions of guest pairs as files
+// region_dir/pair-A-B-pID (A the lower guest id, ID the region's), each with its shadow in state_dir: the broker's
 // PairRegions. Both directories are root-only, so no guest can open a pair
-// region by path; its two guests get it as a descriptor.
+// region by path; its two guests get it as a descriptor, or (VMs) as a
+// device QEMU plugs in. The region of a pair with a libvirt domain in it
+// is /dev/shm/shunt-pair-A-B-pID instead (virt.PairShmem; state name
+// shmpair-A-B-pID), since libvirt backs a <shmem> device only with
+// /dev/shm/<name>: created by hostd as a group region is (O_EXCL,
+// O_NOFOLLOW, root, the group's region_group, 0660), so that a QEMU
+// libvirt runs unprivileged can open it.
 type pairRegions struct {
-	log   hclog.Logger
-	files *region.Files
-	dir   string
-	geo   map[string]region.Geometry // by trust group
+	log    hclog.Logger
+	files  *region.Files
+	dir    string
+	geo    map[string]region.Geometry // by trust group
+	access map[string]region.Access   // by trust group: its region_group
 
 	mu   sync.Mutex
 	live map[*region.Pool]*os.File // made or adopted, not dropped: closed (kept) when hostd stops
 }
 
-func pairName(a, b uint32) string { return fmt.Sprintf("pair-%d-%d", a, b) }
+// pairName is the file name of region id of guests a and b (a the lower
+// id): each region of a pair has its own, so that dropping a pair's old
+// region (after its unplug) can never remove the file of the next one,
+// made meanwhile, which a VM's QEMU opens by path.
+func pairName(a, b, id uint32) string { return fmt.Sprintf("pair-%d-%d-p%d", a, b, id) }
+
+// shmPairPrefix begins the state names of pair regions in /dev/shm.
+const shmPairPrefix = "shm"
+
+// place returns where region id of guests a and b (a.ID <= b.ID) lives:
+// its path, state name and who besides hostd may open it.
+func (p *pairRegions) place(a, b *broker.Guest, id uint32) (path, name string, acc region.Access) {
+	if a.Source == sourceLibvirt || b.Source == sourceLibvirt {
+		shm := virt.PairShmem(a.ID, b.ID, id)
+		return filepath.Join(shmDir, shm), shmPairPrefix + strings.TrimPrefix(shm, "shunt-"), p.access[a.Group.Name]
+	}
+	name = pairName(a.ID, b.ID, id)
+	return filepath.Join(p.dir, name), name, region.NoGroup
+}
 
 // Make implements broker.PairRegions.
 func (p *pairRegions) Make(id uint32, a, b *broker.Guest) (*region.Pool, *os.File, error) {
-	name := pairName(a.ID, b.ID)
-	path := filepath.Join(p.dir, name)
+	path, name, acc := p.place(a, b, id)
 	m := region.Meta{Kind: region.KindPair, ID: id, GuestA: a.ID, GuestB: b.ID}
-	pool, f, err := p.files.Create(path, name, m, p.geo[a.Group.Name], region.NoGroup, nil)
+	pool, f, err := p.files.Create(path, name, m, p.geo[a.Group.Name], acc, nil)
 	if errors.Is(err, region.ErrNotOurs) {
 		// Left in hostd's own directory by a hostd that died between
 		// making the file and recording it: nobody else can write there.
+		// In /dev/shm, a name hostd keeps for itself (virt.PairShmem):
+		// left the same way, or made by another user first. Removing
+		// the name takes nothing from whoever has it open, and hostd
+		// uses only a file it creates (O_EXCL): a second squat fails.
 		p.log.Warn("removing a stale pair region", "path", path)
 		_ = p.files.Remove(path, name)
-		pool, f, err = p.files.Create(path, name, m, p.geo[a.Group.Name], region.NoGroup, nil)
+		pool, f, err = p.files.Create(path, name, m, p.geo[a.Group.Name], acc, nil)
 	}
 	if err == nil {
 		p.keep(pool, f)
@@ -154,7 +187,7 @@ func (p *pairRegions) close() {
 
 // Drop implements broker.PairRegions.
 func (p *pairRegions) Drop(r *broker.Region) {
-	name := pairName(r.A.ID, r.B.ID)
+	path, name, _ := p.place(r.A, r.B, r.ID)
 	p.mu.Lock()
 	delete(p.live, r.Pool)
 	p.mu.Unlock()
@@ -162,7 +195,7 @@ func (p *pairRegions) Drop(r *broker.Region) {
 	if r.File != nil {
 		r.File.Close()
 	}
-	if err := p.files.Remove(filepath.Join(p.dir, name), name); err != nil {
+	if err := p.files.Remove(path, name); err != nil {
 		p.log.Warn("cannot remove a pair region", "region", r.Name(), "error", err)
 	}
 }
@@ -170,9 +203,16 @@ func (p *pairRegions) Drop(r *broker.Region) {
 // adoptPairs reopens the pair regions an earlier hostd left (those its
 // shadows name) and hands their flows to the broker; a region that cannot
 // be adopted, or has no live flow, is removed, as is any file in
-// region_dir that no shadow names.
+// region_dir that no shadow names. Run it once the libvirt domains are
+// registered: a libvirt pair's region (in /dev/shm) is opened for its
+// group's region_group.
 func (a *Agent) adoptPairs() {
 	names, err := a.files.Names("pair-")
+	if err == nil {
+		var shm []string
+		shm, err = a.files.Names(shmPairPrefix + "pair-")
+		names = append(names, shm...)
+	}
 	if err != nil {
 		a.log.Warn("cannot list pair regions to adopt", "error", err)
 		return
@@ -180,8 +220,11 @@ func (a *Agent) adoptPairs() {
 	known := map[string]bool{}
 	for _, name := range names {
 		known[name] = true
-		path := filepath.Join(a.cfg.RegionDir, name)
-		pool, m, f, problems, err := a.files.Adopt(path, name, region.NoGroup, nil)
+		path, acc := filepath.Join(a.cfg.RegionDir, name), region.NoGroup
+		if pair, ok := strings.CutPrefix(name, shmPairPrefix); ok {
+			path, acc = filepath.Join(shmDir, "shunt-"+pair), a.shmPairAccess(pair)
+		}
+		pool, m, f, problems, err := a.files.Adopt(path, name, acc, nil)
 		if err != nil {
 			a.log.Warn("pair region not adopted; removing it (its flows are lost)", "path", path, "error", err)
 			_ = a.files.Remove(path, name)
@@ -213,21 +256,44 @@ func (a *Agent) adoptPairs() {
 	}
 }
 
+// shmPairAccess is who may open the libvirt pair region named pair
+// ("pair-A-B-pID"): the region_group of the trust group of A or B,
+// whichever is a registered libvirt domain (if neither, the region is
+// not adopted anyway).
+func (a *Agent) shmPairAccess(pair string) region.Access {
+	var ga, gb uint32
+	if _, err := fmt.Sscanf(pair, "pair-%d-%d-", &ga, &gb); err != nil {
+		return region.NoGroup
+	}
+	a.vmu.Lock()
+	defer a.vmu.Unlock()
+	for _, g := range a.vguests {
+		if g.ID == ga || g.ID == gb {
+			return a.pairs.access[g.Group.Name]
+		}
+	}
+	return region.NoGroup
+}
+
 // unplugStale takes the devices of a VM pair region that is not adopted
 // (no live flow) out of its VMs, in the background: an earlier hostd
 // plugged them (docs/vm.md, "Pair regions").
 func (a *Agent) unplugStale(m region.Meta, path string) {
-	if a.hot == nil {
+	if a.hot == nil && a.lvhot == nil {
 		return
 	}
-	for _, g := range a.guests {
+	h := &vmHotplug{qmp: a.hot, lv: a.lvhot}
+	a.vmu.Lock()
+	guests := slices.Collect(maps.Values(a.vguests))
+	a.vmu.Unlock()
+	for _, g := range append(guests, a.guests...) {
 		if g.PairVM && (g.ID == m.GuestA || g.ID == m.GuestB) {
 			a.wg.Add(1)
 			go func() {
 				defer a.wg.Done()
 				ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 				defer cancel()
-				if err := a.hot.unplugFile(ctx, g, path); err != nil {
+				if err := h.unplugFile(ctx, g, path); err != nil {
 					a.log.Warn("cannot unplug a stale pair region from its VM", "guest", g.Name, "path", path, "error", err)
 				}
 			}()

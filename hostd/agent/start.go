@@ -7,6 +7,7 @@ import (
 	"net/http"
 	"os"
 	"path/filepath"
+	"slices"
 	"sync"
 	"time"
 
@@ -69,8 +70,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	opts.MarkMask = a.markMask()
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.b.UsePairRegions(a.pairs)
-	if a.hot = a.hotplug(); a.hot != nil {
-		a.b.UseHotplug(a.hot)
+	a.hot, a.lvhot = a.hotplug(), a.libvirtHotplug()
+	if a.hot != nil || a.lvhot != nil {
+		a.b.UseHotplug(&vmHotplug{qmp: a.hot, lv: a.lvhot})
 	}
 	a.m.NewFlowBytes(a.b.FlowStats)
 	ctx, cancel := context.WithCancel(context.Background())
@@ -106,6 +108,17 @@ func (a *Agent) hotplug() *qmpHotplug {
 		return nil
 	}
 	return h
+}
+
+// libvirtHotplug returns how hostd plugs VM pair regions into libvirt
+// domains, or nil without a libvirt block or a trust group with
+// vm_regions = "pair".
+func (a *Agent) libvirtHotplug() *lvHotplug {
+	lv := a.cfg.Libvirt
+	if lv == nil || !slices.ContainsFunc(a.cfg.Groups, func(g config.Group) bool { return g.VMRegions == config.VMRegionsPair }) {
+		return nil
+	}
+	return &lvHotplug{log: a.log.Named("hotplug"), p: virt.NewPlugger(lv.Socket, lv.URI)}
 }
 
 // configGuests makes the configured guests, with their addresses and, if

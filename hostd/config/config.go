@@ -307,6 +307,11 @@ func Parse(name string, src []byte) (*Config, error) {
 		if grp.Geometry.Slots == 0 {
 			grp.Geometry.Slots = 256
 		}
+		// hostd's own name for the pair regions of libvirt domains
+		// (hostd/virt.PairShmem), which it creates and removes there.
+		if filepath.Dir(grp.Region) == "/dev/shm" && strings.HasPrefix(filepath.Base(grp.Region), "shunt-pair-") {
+			return nil, fmt.Errorf("%s: region %s: /dev/shm/shunt-pair-* are hostd's names for libvirt domains' pair regions: give the group another region", where, grp.Region)
+		}
 		if _, err := region.LayoutFor(grp.Geometry); err != nil {
 			return nil, fmt.Errorf("%s: %w", where, err)
 		}

@@ -276,6 +276,7 @@ func TestParseVMRegions(t *testing.T) {
 		{"qmp without pair", "", "  shared_region = true\n  qmp = \"/run/vm.qmp\"\n", "qmp is for VMs"},
 		{"bad value", "  vm_regions = \"pairs\"\n", "", "want \"group\" or \"pair\""},
 		{"not a BAR size", "  vm_regions = \"pair\"\n  pair_region_size = \"12MiB\"\n", "", "power of two"},
+		{"libvirt pair region's name", "  region = \"/dev/shm/shunt-pair-1-2\"\n", "", "hostd's names for libvirt domains' pair regions"},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
 			_, err := config.Parse("hostd.hcl", []byte(conf(tc.group, tc.guest)))

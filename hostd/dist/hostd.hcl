@@ -28,7 +28,8 @@ trust_group "tenant-a" {
   # guest_ring_bytes = "16MiB"   # per guest: rings of the flows it opens (default region_size/4)
   # guest_flows      = 64        # per guest: flows it opens (default slots/4)
   # vm_regions = "pair"   # a region per VM pair, hot-plugged into both VMs (each
-  #                       # VM needs qmp = "/run/shunt/vm1.qmp"; docs/vm.md, "Pair regions")
+  #                       # VM needs qmp = "/run/shunt/vm1.qmp", a libvirt domain no
+  #                       # <shmem> and <shunt:group>; docs/vm.md, "Pair regions")
 }
 
 # Register running libvirt domains that carry Shunt's devices and metadata

@@ -252,6 +252,25 @@ func checkLibvirt(ctx context.Context, e *env) {
 		return
 	}
 	e.ok("libvirtd answers at %s and opens %s", lv.Socket, lv.URI)
+	checkLibvirtPairs(e)
+}
+
+// checkLibvirtPairs says how the libvirt domains of pair-region groups
+// get their regions, and warns where their QEMUs, if unprivileged, could
+// not open them: hostd creates each pair's file in /dev/shm, root's, for
+// the group's region_group only.
+func checkLibvirtPairs(e *env) {
+	for _, g := range e.cfg.Groups {
+		if g.VMRegions != config.VMRegionsPair {
+			continue
+		}
+		if g.RegionGroup == "" {
+			e.warn(fmt.Sprintf("trust group %s has pair regions for VMs, but no region_group: hostd creates its libvirt domains' pair regions (/dev/shm/shunt-pair-A-B-pID) root's, mode 0600, which a QEMU that libvirt runs unprivileged (Debian: libvirt-qemu:kvm) cannot open: their plugs fail and their connections stay on TCP", g.Name),
+				"region_group = \"kvm\" in the trust group, unless libvirt runs QEMU as root")
+			continue
+		}
+		e.ok("trust group %s: libvirt domains with no <shmem> that name it in their metadata get a region per pair, hot-plugged as /dev/shm/shunt-pair-A-B-pID (root:%s 0660; the domain needs <features><acpi/> and the pc machine)", g.Name, g.RegionGroup)
+	}
 }
 
 // checkQMP looks at the QMP socket of every VM guest of a pair-region

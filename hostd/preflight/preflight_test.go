@@ -698,3 +698,16 @@ func TestQMP(t *testing.T) {
 	want(t, fs, "qmp", Problem, "guest vm2: qmp "+notSocket+" is not a socket", "QMP socket")
 	want(t, fs, "qmp", OK, "guest vm3: QEMU answers QMP", "")
 }
+
+// TestLibvirtPairRegions: a pair-region group with libvirt says how its
+// domains get their regions; without region_group it warns that an
+// unprivileged QEMU could not open them.
+func TestLibvirtPairRegions(t *testing.T) {
+	c := newConfig(t)
+	c.top = []string{"libvirt {}"}
+	c.groups = []string{c.group("a", "1MiB", "region_group = \"root\"\n  vm_regions = \"pair\""), c.group("b", "1MiB", "vm_regions = \"pair\"")}
+	fs := run(t, c, healthy())
+	want(t, fs, "libvirt", OK, "/dev/shm/shunt-pair-A-B-pID (root:root 0660", "")
+	want(t, fs, "libvirt", Warning, "trust group b has pair regions for VMs, but no region_group", "region_group = \"kvm\"")
+	only(t, fs, "libvirt")
+}

@@ -3,9 +3,11 @@
 // describe VMs once, in the domain XML, instead of in hostd.hcl too.
 //
 // A Shunt domain is one with a virtio-serial channel named org.shunt.ctl
-// (QEMU connects to hostd's socket at the channel's path) and a <shmem>
-// device backed by a trust group's region. Shunt metadata in the domain
-// (see Metadata) gives its guest id, trust group and addresses:
+// (QEMU connects to hostd's socket at the channel's path) and either a
+// <shmem> device backed by a trust group's region, or (a group with pair
+// regions for VMs) no such device and the group named in its metadata.
+// Shunt metadata in the domain (see Metadata) gives its guest id, trust
+// group and addresses:
 //
 //	<metadata>
 //	  <shunt:guest xmlns:shunt="https://github.com/shuntnet/shunt/xmlns/guest/1">
@@ -21,4 +23,8 @@
 // domain that started or stopped while libvirtd (or hostd) was away is
 // picked up the same way as one seen live. While libvirtd is down, the
 // registered guests stay: their QEMUs keep running without it.
+//
+// A Plugger hot-plugs hostd's pair regions into running domains as <shmem>
+// devices (/dev/shm/PairShmem(a, b)) and takes them out again, over a
+// connection of its own.
 package virt

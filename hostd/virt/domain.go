@@ -27,7 +27,7 @@ type Domain struct {
 	UUID      string
 	ID        uint32       // guest id: from metadata, else derived from the UUID
 	Group     string       // trust group named in metadata; "" to go by Shmem
-	Shmem     []string     // names of its ivshmem devices (/dev/shm/<name>)
+	Shmem     []string     // names of its ivshmem devices (/dev/shm/<name>), hostd's pair regions aside
 	Controls  []string     // the sockets of its org.shunt.ctl[.N] channels, port 0 first
 	Tap       string       // host-side device of its first interface ("" before it runs)
 	Addresses []netip.Addr // addresses named in metadata
@@ -162,12 +162,11 @@ func ParseDomain(src []byte) (Domain, error) {
 		return d, fmt.Errorf("domain %s: two Shunt channels share a socket path", d.Name)
 	}
 	for _, s := range x.Devices.Shmems {
-		if s.Model.Type == "ivshmem-plain" || s.Model.Type == "ivshmem-doorbell" {
+		// hostd's pair regions come and go while the domain runs: they
+		// are not part of its description (Equal would see a change).
+		if (s.Model.Type == "ivshmem-plain" || s.Model.Type == "ivshmem-doorbell") && !strings.HasPrefix(s.Name, PairShmemPrefix) {
 			d.Shmem = append(d.Shmem, s.Name)
 		}
-	}
-	if len(d.Shmem) == 0 {
-		return d, fmt.Errorf("domain %s has a %s channel but no ivshmem <shmem> device for its trust group's region", d.Name, vserial.Name)
 	}
 	if len(x.Devices.Interfaces) > 0 {
 		d.Tap = x.Devices.Interfaces[0].Target.Dev
@@ -188,6 +187,9 @@ func ParseDomain(src []byte) (Domain, error) {
 			}
 			d.Addresses = append(d.Addresses, a.Unmap())
 		}
+	}
+	if len(d.Shmem) == 0 && d.Group == "" {
+		return d, fmt.Errorf("domain %s has a %s channel but no ivshmem <shmem> device for its trust group's region, and its Shunt metadata names no trust group (<shunt:group>, for a group with vm_regions = \"pair\", whose domains have no <shmem>)", d.Name, vserial.Name)
 	}
 	if d.ID == 0 {
 		if d.UUID == "" {
