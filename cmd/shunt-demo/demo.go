@@ -242,8 +242,8 @@ func (d *demo) print(sz sizes, hostdCPU, guestCPU time.Duration) {
 	km, sm := perf.Median(d.setup[kernel]), perf.Median(d.setup[shunt])
 	rows = append(rows, row{what: "connect + accept + first 8 B round trip", kernel: medP99(d.setup[kernel]),
 		shunt: medP99(d.setup[shunt]), ratio: ratio(us(km), us(sm), false),
-		why: "Shunt waits for hostd's verdict (both ends' OPEN, READY back) before the first byte; " +
-			"starting every connection on TCP at once and switching to the rings later removes that wait (path switching, not built yet)"})
+		why: "every connection starts on kernel TCP at once and reaches hostd only after the open delay (5 ms), " +
+			"so what remains is the library's own work per connection (its tables and the delayed OPEN's queue)"})
 	rows = append(rows,
 		row{what: "idle CPU of hostd (2 s)", kernel: "-", shunt: fmt.Sprintf("%.2f %%core", 100*hostdCPU.Seconds()/2), ratio: "-"},
 		row{what: "idle CPU of a guest blocked in Read, adaptive (2 s)", kernel: "-", shunt: fmt.Sprintf("%.2f %%core", 100*guestCPU.Seconds()/2), ratio: "-"})

@@ -147,13 +147,13 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 	pthread_mutex_init(&s->mu, NULL);
 	s->region_path = s->c.region;
 	s->fd = -1;
-	s->pid = me();
 	if (remember(s)) {
 		free((char *)s->c.control);
 		free((char *)s->c.region);
 		free(s);
 		return NULL;
 	}
+	s->pid = me(); /* after remember registered the fork handlers, which keep me()'s pid current */
 	return s;
 }
 
@@ -232,7 +232,9 @@ static void *drain(void *arg)
  * own once it calls ensure. */
 static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 {
-	if (s->fd < 0 || s->pid != me())
+	/* getpid, not me(): a child that skipped the fork handlers (vfork)
+	 * never writes its parent's channel. */
+	if (s->fd < 0 || s->pid != getpid())
 		return -1;
 	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX];
 	ssize_t n = shunt_msg_encode(m, buf, sizeof buf), off = 0;
@@ -530,10 +532,14 @@ static int map_region(struct shunt_session *s, const char *path)
 	sys_close(fd);
 	if (mem == MAP_FAILED)
 		return -1;
-	if (shunt_region_attach(&s->reg, mem, st.st_size)) {
+	/* Into s->reg only once it holds: a remap that fails (region0_check)
+	 * keeps the old mapping and its description together. */
+	struct shunt_region g;
+	if (shunt_region_attach(&g, mem, st.st_size)) {
 		munmap(mem, st.st_size);
 		return -1;
 	}
+	s->reg = g;
 	s->region = mem;
 	return 0;
 }

@@ -28,7 +28,13 @@ func (b *Broker) ConntrackDestroyed(e ctrack.Entry) {
 	// which gives it the same id (an id hashes the entry's address and
 	// tuple). An entry reported destroyed is gone from the table, so one
 	// the table still has on the tuple is a newer connection's (the
-	// lookup runs without the broker's lock).
+	// lookup runs without the broker's lock). Whatever its id: with
+	// tuples reused within milliseconds the record may already be an
+	// older connection's than the entry (TestServerRedisTupleReuse moved
+	// 7 of 2,000 when only the same id was ignored). The cost: a live
+	// flow whose entry an operator deleted keeps the rings if a packet
+	// made the entry again before this lookup (the firewall let that
+	// packet through).
 	if cur, err := b.ct.Lookup(e.Orig); err == nil {
 		b.log.Debug("conntrack DESTROY of an older entry on a reused tuple: ignored", "tuple", e.Orig, "id", e.ID, "current_state", cur.TCPState)
 		return

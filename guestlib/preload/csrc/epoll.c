@@ -53,6 +53,7 @@ struct epi {
 struct ep {
 	int fd;
 	int live;        /* an open epoll fd; under ep_mu */
+	unsigned gen;    /* fork_gen when it became live: another, so a fork since may share its kernel set; under ep_mu */
 	struct ep *next; /* the list of sets with fds >= FD_MAX */
 	pthread_mutex_t mu; /* guards the fields below */
 	struct epi *it;
@@ -85,8 +86,10 @@ static struct ep *find_locked(int fd, int create)
 		if (fd < FD_MAX && fd >= eps_top)
 			eps_top = fd + 1;
 	}
-	if (*slot && create)
+	if (*slot && create && !(*slot)->live) {
 		(*slot)->live = 1;
+		(*slot)->gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
+	}
 	return *slot;
 }
 
@@ -108,8 +111,13 @@ int ep_is_set(int fd) { return ep_get(fd, 0) != NULL; }
  * set's epoll_wait may hold the file's last reference after the close
  * (Linux 6.10+ polls an item under a reference of its own), and the
  * socket's release (the FIN) would then wait until that thread returns to
- * user space (guard.c, guard_forget). */
-static void drop_locked(struct ep *e, int fd)
+ * user space (guard.c, guard_forget). But a connection that other
+ * processes may hold since a fork (shared: its fd is closed here, not its
+ * socket) keeps its kernel socket in a set a fork may have shared (made
+ * before this process's last fork): that entry is the other process's
+ * too, whose epoll_wait would no longer wake for it (without the library,
+ * such a close removes nothing from the set either). */
+static void drop_locked(struct ep *e, int fd, int shared)
 {
 	int had = 0;
 	pthread_mutex_lock(&e->mu);
@@ -119,7 +127,7 @@ static void drop_locked(struct ep *e, int fd)
 			e->it[j--] = e->it[--e->n];
 			had = 1;
 		}
-	if (had)
+	if (had && !(shared && e->gen != __atomic_load_n(&fork_gen, __ATOMIC_RELAXED)))
 		real_epoll_ctl(e->fd, EPOLL_CTL_DEL, fd, NULL);
 	pthread_mutex_unlock(&e->mu);
 }
@@ -133,10 +141,10 @@ void ep_forget(int fd, int was_fast)
 	if (was_fast || self) { /* drop its interests in every set */
 		for (int i = 0; i < eps_top; i++)
 			if (eps[i] && eps[i]->live)
-				drop_locked(eps[i], fd);
+				drop_locked(eps[i], fd, was_fast == 2);
 		for (struct ep *e = eps_high; e; e = e->next)
 			if (e->live)
-				drop_locked(e, fd);
+				drop_locked(e, fd, was_fast == 2);
 	}
 	if (self) {
 		pthread_mutex_lock(&self->mu);

@@ -157,12 +157,13 @@ static void forget(int fd)
 	if (fd < 0)
 		return;
 	struct flow *f = NULL;
-	int last = 0, listener = 0, was_pending = 0;
+	int last = 0, listener = 0, was_pending = 0, shared = 0;
 	if (fd < FD_MAX) {
 		pthread_mutex_lock(&tab_mu);
 		f = fds[fd];
 		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
 		last = f && --f->refs == 0;
+		shared = f && f->share; /* its socket may be another process's too (share.c): epoll.c */
 		if (f && !last && f->fd == fd) /* a dup lives on: OPEN looks up the tuple there (open.c) */
 			for (int i = 0; i < FD_MAX; i++)
 				if (fds[i] == f) {
@@ -177,7 +178,7 @@ static void forget(int fd)
 	}
 	if (listener)
 		unlisten(fd);
-	ep_forget(fd, f != NULL || was_pending);
+	ep_forget(fd, shared ? 2 : f != NULL || was_pending);
 	guard_forget(fd); /* before the kernel close: the watcher's epoll must not hold the last reference (guard.c) */
 	if (!last)
 		return;

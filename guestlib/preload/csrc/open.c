@@ -105,10 +105,13 @@ static int queue_locked(struct flow *f, int64_t at)
 
 void open_requeue(struct flow *f, int64_t ns)
 {
+	int kick = 0;
 	pthread_mutex_lock(&idx_mu);
 	if (!f->open_at)
-		queue_locked(f, now_ns() + ns);
+		kick = queue_locked(f, now_ns() + ns);
 	pthread_mutex_unlock(&idx_mu);
+	if (kick)
+		leaver_wake(); /* a leaver that sleeps past it, or none yet (a fork child's starts at its first use) */
 }
 
 void open_forget(struct flow *f)

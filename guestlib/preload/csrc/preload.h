@@ -353,7 +353,10 @@ int conn_sleep(int fd, short events, struct arm *a, int64_t timeout_ns);
 void sleep_after_fork(void);
 void wait_after_fork(void);
 
-/* epoll.c: drop fd from every set, and forget the set if fd is one. */
+/* epoll.c: drop fd from every set, and forget the set if fd is one.
+ * was_fast: 1 fd was a connection's, 2 one other processes may hold
+ * since a fork (share.c): then a set a fork may have shared keeps its
+ * kernel socket, as the kernel's close would. */
 void ep_forget(int fd, int was_fast);
 int ep_is_set(int fd);
 /* epoll.c: fd's interests become the kernel's (fork.c lets its connection

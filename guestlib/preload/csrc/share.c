@@ -27,7 +27,8 @@
  *
  * Slots are claimed and freed with atomics only: any process of the tree
  * may take a free one, and a slot is freed by the holder that leaves it
- * empty. */
+ * empty, or taken over by a claim once every holder it names has died
+ * (the last did not leave it: an exec that kept the connection, a kill). */
 #include "preload.h"
 
 #include <errno.h>
@@ -40,7 +41,7 @@
 #define POISONED -1      /* io: more than one process did I/O, or one let the kernel have it */
 
 struct share {
-	uint32_t used;                  /* 0 free, 1 claimed */
+	uint32_t used;                  /* bit 0: claimed; the rest counts claims, so that a leaver's free never frees a later claim */
 	int32_t io;                     /* 0: no holder did I/O since the first fork; a pid: only it; POISONED */
 	int32_t holder[SHARE_HOLDERS];  /* pids, 0 for none, UNBORN */
 	uint32_t pad[6];                /* one slot, one cache line */
@@ -77,6 +78,28 @@ static int put(struct share *s, int32_t v)
 	return -1;
 }
 
+/* orphaned: no holder of s is alive any more, and none is being born:
+ * those that died without leaving it (an exec that kept the connection
+ * open, inetd's or sshd's child; a kill; _exit) are swept, and nobody
+ * refers to s. Without this, each such connection would keep its slot
+ * for good, and after SHARE_SLOTS of them no fork would share any more. */
+static int orphaned(struct share *s)
+{
+	/* At least one holder that died: a slot with no entry at all is
+	 * being claimed (its claimer has not written its pid yet) or freed. */
+	int dead = 0;
+	for (int i = 0; i < SHARE_HOLDERS; i++) {
+		int32_t p = __atomic_load_n(&s->holder[i], __ATOMIC_SEQ_CST);
+		if (p && !gone(p))
+			return 0;
+		dead += p != 0;
+	}
+	if (!dead)
+		return 0;
+	sweep(s);
+	return 1;
+}
+
 static struct share *claim(void)
 {
 	if (!page) {
@@ -85,10 +108,16 @@ static struct share *claim(void)
 			return NULL;
 		page = m;
 	}
-	for (int i = 0; i < SHARE_SLOTS; i++) {
-		uint32_t z = 0;
-		if (__atomic_compare_exchange_n(&page[i].used, &z, 1, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
+	/* A free slot first; then one whose holders all died (the second
+	 * pass costs a kill(pid, 0) per entry, only when the page is full). */
+	for (int pass = 0; pass < 2; pass++) {
+		for (int i = 0; i < SHARE_SLOTS; i++) {
 			struct share *s = &page[i];
+			uint32_t u = __atomic_load_n(&s->used, __ATOMIC_SEQ_CST);
+			if ((u & 1) && (!pass || !orphaned(s)))
+				continue;
+			if (!__atomic_compare_exchange_n(&s->used, &u, (u & ~1u) + 3, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST))
+				continue;
 			for (int j = 0; j < SHARE_HOLDERS; j++)
 				__atomic_store_n(&s->holder[j], 0, __ATOMIC_SEQ_CST);
 			__atomic_store_n(&s->io, 0, __ATOMIC_SEQ_CST);
@@ -99,13 +128,16 @@ static struct share *claim(void)
 	return NULL;
 }
 
-/* release_slot frees s if no entry is left (the caller just left it). */
+/* release_slot frees s if no entry is left (the caller just left it);
+ * the claim count read before the check makes the free fail if s was
+ * claimed again meanwhile (an orphan taken over, claim). */
 static void release_slot(struct share *s)
 {
+	uint32_t u = __atomic_load_n(&s->used, __ATOMIC_SEQ_CST);
 	for (int i = 0; i < SHARE_HOLDERS; i++)
 		if (__atomic_load_n(&s->holder[i], __ATOMIC_SEQ_CST))
 			return;
-	__atomic_store_n(&s->used, 0, __ATOMIC_SEQ_CST);
+	__atomic_compare_exchange_n(&s->used, &u, u & ~1u, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST);
 }
 
 int share_prepare(struct flow *f)
@@ -116,6 +148,19 @@ int share_prepare(struct flow *f)
 	if (put(f->share, UNBORN) == 0) {
 		if (fresh)
 			f->share_io = 0;
+		/* A call of this process already inside f (users beyond the
+		 * fds' one: a read or write blocked in the kernel without its
+		 * lock, or past its share_io and waiting for the lock the
+		 * prepare handler holds) moves bytes after the fork that no
+		 * share_io will note: it counts as this process's I/O now, so
+		 * that the child, whose offsets miss those bytes, never OPENs. */
+		if (!f->share_io && __atomic_load_n(&f->users, __ATOMIC_ACQUIRE) > 1) {
+			f->share_io = 1;
+			int32_t none = 0;
+			if (!__atomic_compare_exchange_n(&f->share->io, &none, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST) &&
+			    none != my_pid)
+				__atomic_store_n(&f->share->io, POISONED, __ATOMIC_SEQ_CST);
+		}
 		return 0;
 	}
 	if (fresh)

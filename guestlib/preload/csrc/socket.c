@@ -206,17 +206,7 @@ INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 {
 	REAL_READY();
 	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
-	/* The peer's address, which a connection's OPEN needs, comes with
-	 * the accept: the caller gets its copy as the kernel gives it. */
-	struct sockaddr_storage peer;
-	socklen_t plen = sizeof peer;
-	if (addr && !len)
-		return real_accept4(fd, addr, len, flags); /* the kernel's EFAULT */
-	int c = real_accept4(fd, (struct sockaddr *)&peer, &plen, flags);
-	if (c >= 0 && addr) {
-		memcpy(addr, &peer, *len < plen ? *len : plen);
-		*len = plen;
-	}
+	int c = real_accept4(fd, addr, len, flags);
 	if (c >= 0 && c < FD_MAX && fd >= 0 && fd < FD_MAX && kind[fd] == FD_LISTENER && linherited[fd] &&
 	    shunt_session_ensure(session) == 0 && register_listener(fd, 0) == 0) {
 		/* A fork child's first accept on its parent's listener: this
@@ -242,7 +232,7 @@ INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 			plog("shunt: fd %d accept: tcp (io_uring: the process set up io_uring)", c);
 		else if (shunt_session_ensure(session))
 			plog("shunt: fd %d accept: tcp (%s)", c, shunt_reason_name(shunt_session_reason(session)));
-		else if (to_addr((struct sockaddr *)&peer, &r) == 0 && (!is_loopback(&r) || loopback))
+		else if (remote_of(c, &r) == 0 && (!is_loopback(&r) || loopback))
 			conn_open(c, SHUNT_ROLE_PASSIVE, "accept", gen, &r);
 	}
 	return c;
