@@ -341,10 +341,15 @@ static void fork_child(void)
 		struct flow *f = fds[fd];
 		if (!f)
 			continue;
-		if (f->fork_held) {
+		if (f->fork_held) { /* its first fd */
 			f->fork_held = 0;
 			pthread_mutex_init(&f->rmu, NULL);
 			pthread_mutex_init(&f->wmu, NULL);
+			/* Only the fds' reference: the calls that were inside it
+			 * are the parent's threads', which the child does not
+			 * have, so its last close releases it (leaving its share
+			 * slot, share.c) instead of never. */
+			__atomic_store_n(&f->users, 1, __ATOMIC_RELAXED);
 		}
 		if (f->fork_share) { /* the child holds it too, on TCP, and may OPEN it once alone */
 			f->fork_share = 0;
