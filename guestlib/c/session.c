@@ -270,7 +270,7 @@ static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 	}
 	memcpy(s->outq + s->outlen, buf + off, n - off);
 	s->outlen += n - off;
-	if (!s->writer && shunt_thread_detached(drain, s) == 0)
+	if (!s->writer && shunt_thread_start(NULL, 0, drain, s) == 0)
 		s->writer = 1; /* else the next write tries again */
 	return 0;
 }
@@ -314,16 +314,19 @@ static struct timespec deadline(int ms)
 
 struct thread_arg { struct shunt_session *s; int fd; };
 
-int shunt_thread_detached(void *(*fn)(void *), void *arg)
+int shunt_thread_start(pthread_t *th, size_t stack, void *(*fn)(void *), void *arg)
 {
-	pthread_t th;
+	pthread_t own;
 	pthread_attr_t at;
 	pthread_attr_init(&at);
-	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	if (!th)
+		pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
+	if (stack)
+		pthread_attr_setstacksize(&at, stack);
 	sigset_t all, old;
 	sigfillset(&all);
 	pthread_sigmask(SIG_SETMASK, &all, &old);
-	int err = pthread_create(&th, &at, fn, arg);
+	int err = pthread_create(th ? th : &own, &at, fn, arg);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);
 	pthread_attr_destroy(&at);
 	return err;
@@ -337,7 +340,7 @@ static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
 	if (!a)
 		return -1;
 	*a = (struct thread_arg){s, fd};
-	if (shunt_thread_detached(fn, a)) {
+	if (shunt_thread_start(NULL, 0, fn, a)) {
 		free(a);
 		return -1;
 	}

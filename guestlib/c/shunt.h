@@ -450,9 +450,11 @@ unsigned shunt_session_reason(struct shunt_session *s);
 /* Waits until hostd has processed everything sent so far (PING/PONG), up
  * to SHUNT_SYNC_TIMEOUT_MS: a LISTEN is in effect before it returns. */
 void shunt_session_sync(struct shunt_session *s);
-/* Starts fn(arg) on a detached thread with all signals blocked (the
- * program's handlers never run on it): 0, or pthread_create's error. */
-int shunt_thread_detached(void *(*fn)(void *), void *arg);
+/* Starts fn(arg) on a thread of the library's with all signals blocked
+ * (the program's handlers never run on it): joinable into *th, or
+ * detached when th is NULL; stack bytes of stack (0: the default). 0, or
+ * pthread_create's error. */
+int shunt_thread_start(pthread_t *th, size_t stack, void *(*fn)(void *), void *arg);
 
 /* ---- flows ---- */
 

@@ -338,17 +338,7 @@ int leaver_start(void)
 			sched_yield();
 		return __atomic_load_n(&leaver_up, __ATOMIC_ACQUIRE) == my_pid ? 0 : -1;
 	}
-	pthread_t th;
-	pthread_attr_t at;
-	pthread_attr_init(&at);
-	pthread_attr_setstacksize(&at, 64 << 10);
-	pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old); /* the leaver takes no signals */
-	int e = pthread_create(&th, &at, leaver, NULL);
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&at);
+	int e = shunt_thread_start(NULL, 64 << 10, leaver, NULL);
 	if (e) {
 		plog("shunt: cannot start the leaver thread: %s (idle readers leave at their next read; OPEN goes at once)", strerror(e));
 		__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);

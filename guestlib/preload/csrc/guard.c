@@ -116,22 +116,13 @@ void guard(int fd)
 	pthread_mutex_lock(&guard_mu);
 	if (guard_ep == -1) {
 		guard_ep = real_epoll_create1(EPOLL_CLOEXEC);
-		pthread_t th;
-		pthread_attr_t at;
-		pthread_attr_init(&at);
-		pthread_attr_setstacksize(&at, 64 << 10);
-		pthread_attr_setdetachstate(&at, PTHREAD_CREATE_DETACHED);
-		sigset_t all, old;
-		sigfillset(&all);
-		pthread_sigmask(SIG_SETMASK, &all, &old); /* the watcher takes no signals */
-		if (guard_ep < 0 || pthread_create(&th, &at, watch, (void *)(intptr_t)guard_ep)) {
-			plog("shunt: cannot start the watcher of fast-path flows' TCP sockets: %s", strerror(errno));
+		int e = guard_ep < 0 ? errno : shunt_thread_start(NULL, 64 << 10, watch, (void *)(intptr_t)guard_ep);
+		if (e) {
+			plog("shunt: cannot start the watcher of fast-path flows' TCP sockets: %s", strerror(e));
 			if (guard_ep >= 0)
 				real_close(guard_ep);
 			guard_ep = -2;
 		}
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
-		pthread_attr_destroy(&at);
 	}
 	if (guard_ep >= 0 && fd >= 0 && fd < FD_MAX) {
 		struct epoll_event ev = {.events = EPOLLIN | EPOLLRDHUP | EPOLLET, .data.fd = fd};

@@ -118,16 +118,7 @@ static struct watcher *watcher(void)
 	wt = w;
 	if (w->efd < 0)
 		return NULL;
-	pthread_attr_t at;
-	pthread_attr_init(&at);
-	pthread_attr_setstacksize(&at, WATCHER_STACK);
-	sigset_t all, old;
-	sigfillset(&all);
-	pthread_sigmask(SIG_SETMASK, &all, &old); /* the watcher takes no signals */
-	int err = pthread_create(&w->th, &at, watch_loop, w);
-	pthread_sigmask(SIG_SETMASK, &old, NULL);
-	pthread_attr_destroy(&at);
-	if (err) {
+	if (shunt_thread_start(&w->th, WATCHER_STACK, watch_loop, w)) {
 		real_close(w->efd);
 		w->efd = -1;
 		return NULL;

@@ -172,15 +172,7 @@ static int grow(struct helper *h, int want)
 		if (!sl)
 			break;
 		sl->h = h;
-		pthread_attr_t at;
-		pthread_attr_init(&at);
-		pthread_attr_setstacksize(&at, SLEEPER_STACK);
-		sigset_t all, old;
-		sigfillset(&all);
-		pthread_sigmask(SIG_SETMASK, &all, &old); /* the sleepers take no signals */
-		int err = pthread_create(&sl->th, &at, sleeper_loop, sl);
-		pthread_sigmask(SIG_SETMASK, &old, NULL);
-		pthread_attr_destroy(&at);
+		int err = shunt_thread_start(&sl->th, SLEEPER_STACK, sleeper_loop, sl);
 		if (err) {
 			static int told;
 			if (!__atomic_exchange_n(&told, 1, __ATOMIC_RELAXED))
