@@ -49,7 +49,7 @@ struct flow *flow_new(void)
 	f->share_io = f->share_tries = f->fork_share = 0;
 	f->exec_leave = 0;
 	f->exec_share = NULL;
-	f->have_remote = 0;
+	f->have_remote = f->have_tuple = 0;
 	__atomic_store_n(&f->ev_armed, 0, __ATOMIC_RELAXED);
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
@@ -164,12 +164,6 @@ static void forget(int fd)
 		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
 		last = f && --f->refs == 0;
 		shared = f && f->share; /* its socket may be another process's too (share.c): epoll.c */
-		if (f && !last && f->fd == fd) /* a dup lives on: OPEN looks up the tuple there (open.c) */
-			for (int i = 0; i < FD_MAX; i++)
-				if (fds[i] == f) {
-					f->fd = i;
-					break;
-				}
 		listener = kind[fd] == FD_LISTENER && !linherited[fd]; /* a fork child's copy was never its session's */
 		was_pending = kind[fd] == FD_PENDING;
 		kind[fd] = FD_NONE;

@@ -165,16 +165,21 @@ static int take_shared(struct flow *f)
  * before (it lets it go, dropped) or after (told, it owes hostd a CLOSE). */
 /* tuple looks up what OPEN needs, the first time it is sent: the
  * addresses and the socket's timeouts (the rings' waits keep them; on TCP
- * the kernel does). Under tab_mu, with f->fd still f's, so the socket
- * cannot be closed and its number reused meanwhile. 0, or -1 if it is
- * not connected any more (nothing to offer). */
+ * the kernel does). Under tab_mu, on an fd that is still f's, so the
+ * socket cannot be closed and its number reused meanwhile: f->fd, or, if
+ * the program closed that one and a dup lives on, the dup (found here,
+ * in the leaver, rather than by every close). 0, or -1 if it is not
+ * connected any more (nothing to offer). */
 static int tuple(struct flow *f)
 {
 	int r = -1;
 	pthread_mutex_lock(&tab_mu);
+	for (int i = 0; fds[f->fd] != f && i < FD_MAX; i++)
+		if (fds[i] == f)
+			f->fd = i;
 	if (fds[f->fd] == f && local_of(f->fd, &f->local) == 0 && (f->have_remote || remote_of(f->fd, &f->remote) == 0)) {
 		flow_timeouts(f->fd, f);
-		f->have_remote = 1;
+		f->have_remote = f->have_tuple = 1;
 		r = 0;
 	}
 	pthread_mutex_unlock(&tab_mu);
@@ -190,7 +195,7 @@ static void send_open(struct flow *f)
 		plog("shunt: fd %d: tcp (no-hostd: this process, which holds it after a fork, cannot reach hostd)", f->fd);
 		return;
 	}
-	if (!f->req && tuple(f)) {
+	if (!f->req && !f->have_tuple && tuple(f)) {
 		plog("shunt: fd %d: not connected any more: no OPEN", f->fd);
 		return;
 	}

@@ -164,10 +164,10 @@ struct flow {
 	int64_t open_at;
 	struct flow *onext, *oprev, *inext;
 	/* The tuple, for OPEN: looked up when OPEN goes (a connection closed
-	 * sooner costs no system call for it), on f->fd, which forget moves to
-	 * a surviving dup; remote may be known from connect or accept. */
+	 * sooner costs no system call for it), on f->fd or a surviving dup
+	 * (open.c, tuple); remote may be known from connect or accept. */
 	struct shunt_addr local, remote;
-	int have_remote;
+	int have_remote, have_tuple; /* remote is known; so are local and the timeouts (once: a shared connection asks again) */
 	int dropped;    /* under rmu and wmu: a fork let it go to the kernel (fork.c): never OPENed, never on rings */
 	/* fork.c, from the prepare handler to the parent's or child's: to be
 	 * let go, its locks taken; what the parent owes hostd */
