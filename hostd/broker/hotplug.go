@@ -88,6 +88,21 @@ func (r *Region) vms() []*Guest {
 	return []*Guest{r.A, r.B}
 }
 
+// inItsVMs runs op (Hotplug's Plug or Unplug) for r in each of its VMs,
+// in parallel, and returns their errors joined.
+func inItsVMs(ctx context.Context, r *Region, op func(context.Context, *Guest, *Region) error) error {
+	vms := r.vms()
+	errs := make(chan error, len(vms))
+	for _, g := range vms {
+		go func() { errs <- op(ctx, g, r) }()
+	}
+	var err error
+	for range vms {
+		err = errors.Join(err, <-errs)
+	}
+	return err
+}
+
 // plugLocked starts plugging new VM pair region r into its two VMs; once
 // both have it, the connections waiting for it get READY.
 func (b *Broker) plugLocked(r *Region) {
@@ -106,15 +121,7 @@ func (b *Broker) plugLocked(r *Region) {
 			}
 		}()
 		start := time.Now()
-		vms := r.vms()
-		errs := make(chan error, len(vms))
-		for _, g := range vms {
-			go func() { errs <- h.Plug(ctx, g, r) }()
-		}
-		var err error
-		for range vms {
-			err = errors.Join(err, <-errs)
-		}
+		err := inItsVMs(ctx, r, h.Plug)
 		took := time.Since(start)
 		b.mu.Lock()
 		defer b.mu.Unlock()
@@ -182,16 +189,7 @@ func (b *Broker) unplugLocked(r *Region) {
 		ctx, cancel := context.WithTimeout(context.Background(), plugTimeout)
 		defer cancel()
 		start := time.Now()
-		vms := r.vms()
-		errs := make(chan error, len(vms))
-		for _, g := range vms {
-			go func() { errs <- h.Unplug(ctx, g, r) }()
-		}
-		var err error
-		for range vms {
-			err = errors.Join(err, <-errs)
-		}
-		if err != nil {
+		if err := inItsVMs(ctx, r, h.Unplug); err != nil {
 			b.log.Warn("cannot unplug a pair region from its VMs", "region", r.Name(), "device", r.DeviceID(), "error", err)
 		} else {
 			b.m.Plug.WithLabelValues("unplug").Observe(time.Since(start).Seconds())
