@@ -120,18 +120,9 @@ func TestVMPairMigration(t *testing.T) {
 	// 2. the destination (no ivshmem device), 3. the migration.
 	uri := "unix:" + filepath.Join(v.Dir, "migrate.sock")
 	dtap, dctl, dqmp := tap+"m", filepath.Join(v.Dir, "vm2m.sock"), filepath.Join(v.Dir, "vm2m.qmp")
-	dopts := v.pairMigOpts(2, dtap, dctl, dqmp, uri, cli...)
-	dst := v.bootOpts(dopts)
+	dst, tMig, downtime := v.migrateTo(ctx, src, v.pairMigOpts(2, dtap, dctl, dqmp, uri, cli...), mode)
 	dq, err := dst.QMP(ctx)
 	if err != nil {
-		t.Fatal(err)
-	}
-	tMig, downtime, err := src.Migrate(ctx, dst, uri, mode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	src.Stop() // its tap goes with it
-	if err := vm.HostSide(dopts); err != nil {
 		t.Fatal(err)
 	}
 	if devs, err := dq.Ivshmems(ctx); err != nil || len(devs) != 0 {

@@ -54,6 +54,27 @@ func (v *vmEnv) bootOpts(o vm.Options) *vm.VM {
 	return m
 }
 
+// migrateTo boots the destination d (a QEMU started with -incoming
+// d.Incoming), migrates src into it in mode, stops src (its tap goes with
+// it) and sets up the destination's host side: the destination, how long
+// the migration took, and its downtime.
+func (v *vmEnv) migrateTo(ctx context.Context, src *vm.VM, d vm.Options, mode vm.Mode) (*vm.VM, time.Duration, time.Duration) {
+	v.tb.Helper()
+	dst := v.bootOpts(d)
+	if _, err := dst.QMP(ctx); err != nil {
+		v.tb.Fatal(err)
+	}
+	took, downtime, err := src.Migrate(ctx, dst, d.Incoming, mode)
+	if err != nil {
+		v.tb.Fatal(err)
+	}
+	src.Stop()
+	if err := vm.HostSide(d); err != nil {
+		v.tb.Fatal(err)
+	}
+	return dst, took, downtime
+}
+
 // migrationMode is how the VM tests migrate: vm.Paused, or vm.Live with
 // SHUNT_TEST_MIGRATION=live (QEMU 7.2 under TCG sometimes loses a guest
 // migrated live: docs/vm.md, "Migrating paused").
@@ -127,19 +148,7 @@ func TestVMLiveMigration(t *testing.T) {
 	}
 	uri := "unix:" + filepath.Join(v.Dir, "migrate.sock")
 	dtap, dctl := tap+"m", filepath.Join(v.Dir, "vm2m.sock")
-	dopts := v.migOpts(2, dtap, dctl, uri, "duplex-client", fmt.Sprintf("%s:%d", a1, port), fmt.Sprint(secs))
-	dst := v.bootOpts(dopts)
-	if _, err := dst.QMP(ctx); err != nil {
-		t.Fatal(err)
-	}
-	tMig, downtime, err := src.Migrate(ctx, dst, uri, mode)
-	if err != nil {
-		t.Fatal(err)
-	}
-	src.Stop() // its tap goes with it
-	if err := vm.HostSide(dopts); err != nil {
-		t.Fatal(err)
-	}
+	dst, tMig, downtime := v.migrateTo(ctx, src, v.migOpts(2, dtap, dctl, uri, "duplex-client", fmt.Sprintf("%s:%d", a1, port), fmt.Sprint(secs)), mode)
 
 	// 5. plug the region back, 6. hostd serves the new socket and tap.
 	start = time.Now()

@@ -601,10 +601,8 @@ int main(int argc, char **argv)
 			pthread_detach(th);
 		}
 	}
-	if (argc == 4 && !strcmp(argv[1], "spawnserver"))
-		return spawnserver(argv[2], atoi(argv[3]));
-	if (argc == 4 && !strcmp(argv[1], "systemserver"))
-		return systemserver(argv[2], atoi(argv[3]));
+	if (argc == 4 && (!strcmp(argv[1], "spawnserver") || !strcmp(argv[1], "systemserver")))
+		return spawnserver(argv[2], atoi(argv[3]), !strcmp(argv[1], "systemserver"));
 	if ((argc == 4 || argc == 5) && !strcmp(argv[1], "forkserver"))
 		return forkserver(argv[2], atoi(argv[3]), argc == 5 ? argv[4] : "");
 	if (argc == 4 && (!strcmp(argv[1], "prefork") || !strcmp(argv[1], "reuseport")))

@@ -46,8 +46,7 @@ int forkloop(const char *ip, int port, const char *t);
 
 /* edge_fork.c */
 int forkserver(const char *ip, int port, const char *mode);
-int spawnserver(const char *ip, int port);
-int systemserver(const char *ip, int port);
+int spawnserver(const char *ip, int port, int shell);
 int prefork(const char *ip, int port, int reuseport);
 int fork_client(const char *ip, int port, const char *t);
 int idle_ok(const char *t);

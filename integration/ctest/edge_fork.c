@@ -246,7 +246,13 @@ static void *spawn_reap(void *arg)
 	return NULL;
 }
 
-int spawnserver(const char *ip, int port)
+/* With shell, the same through system("exec cat <&N >&N") (systemserver):
+ * the connection inherited by the shell (no FD_CLOEXEC), and this process
+ * keeping its copy until the shell ends. glibc spawns the shell without
+ * any hook a preload library sees, so the library lets the connection go
+ * in its system() (fork.c), else the peer would move to the rings cat
+ * does not read. */
+int spawnserver(const char *ip, int port, int shell)
 {
 	extern char **environ;
 	int l = listener(ip, port, 0);
@@ -258,6 +264,14 @@ int spawnserver(const char *ip, int port)
 			continue;
 		char name[80];
 		read_name(c, name, sizeof name);
+		if (shell) {
+			char cmd[64];
+			snprintf(cmd, sizeof cmd, "exec cat <&%d >&%d", c, c);
+			if (system(cmd) != 0)
+				printf("FAIL system-server: %s failed\n", cmd);
+			close(c);
+			continue;
+		}
 		posix_spawn_file_actions_t fa;
 		posix_spawn_file_actions_init(&fa);
 		posix_spawn_file_actions_adddup2(&fa, c, 0);
@@ -271,30 +285,6 @@ int spawnserver(const char *ip, int port)
 		else
 			pthread_detach(th);
 		posix_spawn_file_actions_destroy(&fa);
-	}
-}
-
-/* systemserver: the same through system("exec cat <&N >&N"), the
- * connection inherited by the shell (no FD_CLOEXEC), and this process
- * keeping its copy until the shell ends: glibc spawns the shell without
- * any hook a preload library sees, so the library lets the connection go
- * in its system() (fork.c), else the peer would move to the rings cat
- * does not read. */
-int systemserver(const char *ip, int port)
-{
-	int l = listener(ip, port, 0);
-	if (l < 0)
-		return 1;
-	for (;;) {
-		int c = accept(l, NULL, NULL);
-		if (c < 0)
-			continue;
-		char name[80], cmd[64];
-		read_name(c, name, sizeof name);
-		snprintf(cmd, sizeof cmd, "exec cat <&%d >&%d", c, c);
-		if (system(cmd) != 0)
-			printf("FAIL system-server: %s failed\n", cmd);
-		close(c);
 	}
 }
 
