@@ -62,7 +62,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	lim := cfg.Limits
 	opts := broker.Options{PairingTimeout: cfg.PairingTimeout, Limits: broker.Limits{
 		ListensPerSession: lim.ListensPerSession, ListensPerGuest: lim.ListensPerGuest,
-		IntentsPerGuest: lim.IntentsPerGuest, PendingOpensPerGuest: lim.PendingOpensPerGuest, OpensPerSecond: lim.OpensPerSecond,
+		PendingOpensPerGuest: lim.PendingOpensPerGuest, OpensPerSecond: lim.OpensPerSecond,
 	}, PairRegionLinger: cfg.PairRegionLinger}
 	if a.witness != nil {
 		opts.Witness = a.witness

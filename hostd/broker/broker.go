@@ -26,10 +26,6 @@ type Options struct {
 	PairingTimeout time.Duration // how long one side waits for the other
 	LookupTimeout  time.Duration // how long to wait for conntrack to show ESTABLISHED
 	RememberFor    time.Duration // how long a timeout verdict is remembered
-	// IntentGrace is ignored: a passive OPEN whose client is a guest with
-	// a session waits PairingTimeout for the active OPEN (protocol 3 has
-	// no INTENT).
-	IntentGrace time.Duration
 	// FirewallPoll is how often connections waiting after a ruleset
 	// change have their conntrack counters read; 0 = 300ms.
 	FirewallPoll time.Duration

@@ -80,7 +80,7 @@ func newWorldOpts(t *testing.T, spec policy.Spec, opts broker.Options) *world {
 	if err != nil {
 		t.Fatal(err)
 	}
-	opts.PairingTimeout, opts.LookupTimeout, opts.IntentGrace = 100*time.Millisecond, 10*time.Millisecond, 30*time.Millisecond
+	opts.PairingTimeout, opts.LookupTimeout = 100*time.Millisecond, 10*time.Millisecond
 	w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2, w.g3}, opts)
 	t.Cleanup(w.b.Close)
 	return w
@@ -121,7 +121,6 @@ func TestPairBothOrders(t *testing.T) {
 		w := newWorld(t, policy.Spec{})
 		sa, sb := w.sessions()
 		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-		w.b.Intent(sa, ta)
 		if activeFirst {
 			w.b.Open(sa, open(proto.Active, ta, 1))
 			w.b.Open(sb, open(proto.Passive, tb, 2))
@@ -193,7 +192,6 @@ func TestVerdicts(t *testing.T) {
 				ta, tb = w.conn("10.0.0.1:4000", "10.0.0.2:80")
 			}
 			if !tt.noOpen {
-				w.b.Intent(sa, ta)
 				w.b.Open(sa, open(proto.Active, ta, 1))
 			}
 			if tb.Src.IsValid() {
@@ -311,7 +309,6 @@ func TestWitness(t *testing.T) {
 		w.g1.Ifindex = 7
 		sa, sb := w.sessions()
 		ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-		w.b.Intent(sa, ta)
 		if tc.passiveFirst {
 			w.b.Open(sb, open(proto.Passive, tb, 2))
 			w.b.Open(sa, open(proto.Active, ta, 1))

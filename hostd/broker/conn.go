@@ -132,8 +132,8 @@ func (b *Broker) reannouncedLocked(c *Conn, a, p *half) {
 		return // its rings are not freed yet: READY comes after both LEFTs
 	}
 	if reason := b.upgradeLocked(c, time.Now()); reason != proto.ReasonNone {
-		b.fallbackLocked(a.sess, a.req, reason, false)
-		b.fallbackLocked(p.sess, p.req, reason, false)
+		b.tellTCP(a.sess, a.req, reason, false)
+		b.tellTCP(p.sess, p.req, reason, false)
 	}
 }
 

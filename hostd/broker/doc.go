@@ -39,8 +39,11 @@
 // the entry was looked up for that OPEN or reused from the other side's.
 //
 // Files: broker.go (the Broker, New, Close), guest.go (guests, their
-// addresses and sessions: Attach, Detach, Listen), open.go (INTENT and OPEN:
-// verify, claim, pair, timeouts and fallbacks), conn.go (connection
+// addresses and sessions: Attach, Detach, Listen), open.go (the OPEN
+// path: admit, wait for the other side, pair), claim.go (the claim check:
+// verify, claim, origin, the conntrack lookup, the active side's peer
+// checks), verdicts.go (TCP(reason) to one side or both, timeouts,
+// remembered verdicts), conn.go (connection
 // records: upgrade, downgrade, LEFT, CLOSE), flow.go (ring pairs: release;
 // the version-2 reset), lifecycle.go (what moves connections: conntrack
 // events, resync, policy reload, an operator, shutdown, adoption after a
@@ -51,7 +54,9 @@
 // region per pair of process guests handed over by descriptor, or of
 // PairVM guests plugged into both VMs; per-guest quotas), hotplug.go (a
 // VM pair region's plug before its first READY and unplug after its last
-// flow, through Hotplug), limits.go (per-guest limits on LISTENs, INTENTs and OPENs, and
-// ttlQueue, the time-ordered queue that INTENTs and remembered verdicts
-// expire from; listings copy under the lock and format after it).
+// flow, through Hotplug), limits.go (per-guest limits on LISTENs and OPENs, and
+// ttlQueue, the time-ordered queue that remembered verdicts expire from;
+// listings copy under the lock and format after it). INTENT, which only
+// version-2 libraries send, is accepted by the control server and kept
+// nowhere.
 package broker

@@ -44,7 +44,7 @@ const plugTimeout = 20 * time.Second
 
 // reasonPlugging marks a connection on TCP whose pair region is being
 // plugged into its VMs: READY follows when it is. It is the broker's own
-// and never sent (fallbackLocked drops it); listings say "region-plug".
+// and never sent (tellTCP drops it); listings say "region-plug".
 const reasonPlugging = proto.Reason(0xffff)
 
 // reasonName is how listings and logs name a connection's reason.
@@ -171,7 +171,7 @@ func (b *Broker) tellTCPLocked(c *Conn, reason proto.Reason) {
 	count := true
 	for _, e := range []*end{&c.a, &c.b} {
 		if e.sess != nil && !e.done {
-			b.fallbackLocked(e.sess, e.req, reason, count)
+			b.tellTCP(e.sess, e.req, reason, count)
 			count = false
 		}
 	}

@@ -7,7 +7,6 @@ import (
 	"sync/atomic"
 	"time"
 
-	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/metrics"
 )
 
@@ -17,7 +16,6 @@ import (
 type Limits struct {
 	ListensPerSession    int // LISTENs one session holds; beyond: ignored
 	ListensPerGuest      int // LISTENs all of a guest's sessions hold; beyond: ignored
-	IntentsPerGuest      int // INTENTs kept; beyond: the guest's oldest is dropped
 	PendingOpensPerGuest int // OPENs in verification or waiting for the peer; beyond: TCP(control-limit)
 	// OpensPerSecond paces a guest's OPENs, each of which costs a
 	// conntrack lookup: a burst of as many, then this many a second;
@@ -26,7 +24,7 @@ type Limits struct {
 }
 
 // DefaultLimits are hostd.hcl's defaults (hostd/config.DefaultLimits).
-var DefaultLimits = Limits{ListensPerSession: 1024, ListensPerGuest: 4096, IntentsPerGuest: 4096, PendingOpensPerGuest: 4096, OpensPerSecond: 5000}
+var DefaultLimits = Limits{ListensPerSession: 1024, ListensPerGuest: 4096, PendingOpensPerGuest: 4096, OpensPerSecond: 5000}
 
 func (l Limits) withDefaults() Limits {
 	d := DefaultLimits
@@ -35,9 +33,6 @@ func (l Limits) withDefaults() Limits {
 	}
 	if l.ListensPerGuest <= 0 {
 		l.ListensPerGuest = d.ListensPerGuest
-	}
-	if l.IntentsPerGuest <= 0 {
-		l.IntentsPerGuest = d.IntentsPerGuest
 	}
 	if l.PendingOpensPerGuest <= 0 {
 		l.PendingOpensPerGuest = d.PendingOpensPerGuest
@@ -59,12 +54,11 @@ type usage struct {
 	sessions int                    // attached sessions
 	listens  map[netip.AddrPort]int // address -> how many of its sessions listen there
 	nlistens int                    // LISTENs over all its sessions
-	intents  ttlQueue[ctrack.Tuple, struct{}]
 
 	logs [len(limitKinds)]limitLog // by limitKinds index
 }
 
-var limitKinds = [...]string{metrics.LimitSessions, metrics.LimitListens, metrics.LimitIntents, metrics.LimitOpens, metrics.LimitOpenRate}
+var limitKinds = [...]string{metrics.LimitSessions, metrics.LimitListens, metrics.LimitOpens, metrics.LimitOpenRate}
 
 // tokens is a token bucket. The zero value is full at its first take.
 type tokens struct {

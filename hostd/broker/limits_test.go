@@ -74,7 +74,6 @@ func TestListenLimits(t *testing.T) {
 		t.Fatalf("to a kept listener: %+v, %+v; want READY", ma, mb)
 	}
 	ta, tb := w.conn("10.0.0.1:4001", "10.0.0.2:84")
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 3))
 	w.b.Open(sb2, open(proto.Passive, tb, 4))
 	for _, s := range []*session{sa, sb2} {
@@ -91,32 +90,6 @@ func TestListenLimits(t *testing.T) {
 	}
 }
 
-// TestIntentLimit: beyond IntentsPerGuest the guest's oldest INTENT is
-// dropped and counted. INTENTs change nothing else any more: a passive
-// side waits for its peer's OPEN (the pairing timeout) with or without one.
-func TestIntentLimit(t *testing.T) {
-	w := newWorldOpts(t, policy.Spec{}, broker.Options{Limits: broker.Limits{IntentsPerGuest: 2}})
-	sa, sb := w.sessions()
-	var ts [3][2]ctrack.Tuple
-	for i := range ts {
-		ts[i][0], ts[i][1] = w.conn(fmt.Sprintf("10.0.0.1:%d", 4000+i), "10.0.0.2:80")
-		w.b.Intent(sa, ts[i][0])
-	}
-	w.b.Intent(sa, ts[2][0]) // refreshed: not counted
-	if got := w.limited(t, "intents"); got != 1 {
-		t.Fatalf("limited intents %v, want 1", got)
-	}
-	w.b.Open(sb, open(proto.Passive, ts[0][1], 1))
-	if m := sb.next(t); m.Type != proto.TCP || m.Reason != proto.ReasonTimeout {
-		t.Fatalf("passive side of the dropped INTENT got %+v, want TCP(timeout): it waited for its peer's OPEN", m)
-	}
-	w.b.Open(sb, open(proto.Passive, ts[1][1], 2))
-	w.b.Open(sa, open(proto.Active, ts[1][0], 3))
-	if ma, mb := sa.next(t), sb.next(t); ma.Type != proto.Ready || mb.Type != proto.Ready {
-		t.Fatalf("a kept INTENT: %+v, %+v; want READY", ma, mb)
-	}
-}
-
 // TestPendingOpenLimit: an OPEN beyond the guest's pending limit gets
 // TCP(control-limit) at once, without a lookup; a verdict (here the
 // pairing timeout) or the session going gives the room back.
@@ -125,14 +98,13 @@ func TestPendingOpenLimit(t *testing.T) {
 	w := newWorldOpts(t, policy.Spec{}, broker.Options{Limits: broker.Limits{PendingOpensPerGuest: 2}})
 	ct.Tracker = w.ct
 	w.b = broker.New(nopLog, ct, w.m, mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2},
-		broker.Options{PairingTimeout: 200 * time.Millisecond, LookupTimeout: 10 * time.Millisecond, IntentGrace: 30 * time.Millisecond,
+		broker.Options{PairingTimeout: 200 * time.Millisecond, LookupTimeout: 10 * time.Millisecond,
 			Limits: broker.Limits{PendingOpensPerGuest: 2}})
 	t.Cleanup(w.b.Close)
 	sa, sb := w.sessions()
 	var ta [3]ctrack.Tuple
 	for i := range ta {
 		ta[i], _ = w.conn(fmt.Sprintf("10.0.0.1:%d", 4000+i), "10.0.0.2:80")
-		w.b.Intent(sa, ta[i])
 	}
 	w.b.Open(sa, open(proto.Active, ta[0], 1))
 	w.b.Open(sa, open(proto.Active, ta[1], 2))
@@ -153,18 +125,15 @@ func TestPendingOpenLimit(t *testing.T) {
 		}
 	}
 	ta2, _ := w.conn("10.0.0.1:5000", "10.0.0.2:80")
-	w.b.Intent(sa, ta2)
 	w.b.Open(sa, open(proto.Active, ta2, 4))
 	sa2 := newSession(w.g1)
 	w.b.Attach(sa2)
 	ta3, _ := w.conn("10.0.0.1:5001", "10.0.0.2:80")
-	w.b.Intent(sa2, ta3)
 	w.b.Open(sa2, open(proto.Active, ta3, 5))
 	sa.none(t) // both admitted: they wait for their peers
 	sa2.none(t)
 	w.b.Detach(sa) // its waiting OPEN goes, and with it its count
 	ta4, tb4 := w.conn("10.0.0.1:5002", "10.0.0.2:80")
-	w.b.Intent(sa2, ta4)
 	w.b.Open(sa2, open(proto.Active, ta4, 6))
 	w.b.Open(sb, open(proto.Passive, tb4, 7))
 	if m := sb.next(t); m.Type != proto.Ready {
@@ -229,7 +198,7 @@ func TestLookupCost(t *testing.T) {
 			w := newWorld(t, policy.Spec{})
 			ct := &countingTracker{Tracker: w.ct, notYet: tc.notYet, closing: tc.closing}
 			b := broker.New(nopLog, ct, w.m, mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2},
-				broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 20 * time.Millisecond, IntentGrace: 30 * time.Millisecond})
+				broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 20 * time.Millisecond})
 			t.Cleanup(b.Close)
 			sa, sb := newSession(w.g1), newSession(w.g2)
 			b.Attach(sa)
@@ -243,7 +212,6 @@ func TestLookupCost(t *testing.T) {
 				s, tu = sb, ta.Reverse()
 			}
 			if tc.intent {
-				b.Intent(sa, ta)
 			}
 			b.Open(s, open(tc.role, tu, 1))
 			if m := s.next(t); m.Type != proto.TCP || m.Reason != tc.want {

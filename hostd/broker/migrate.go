@@ -146,7 +146,7 @@ func (b *Broker) rejoinLocked(c *Conn, s Session, req uint32, side uint32) bool 
 		return true // its old rings are not freed yet: READY comes after both LEFTs
 	}
 	if reason := b.upgradeLocked(c, time.Now()); reason != proto.ReasonNone {
-		b.fallbackLocked(s, req, reason, false)
+		b.tellTCP(s, req, reason, false)
 	}
 	return true
 }

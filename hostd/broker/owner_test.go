@@ -33,7 +33,6 @@ func TestSpoofedClaimRefusedInBothOrders(t *testing.T) {
 			ta := ctrack.Tuple{Src: ap("10.0.0.1:4000"), Dst: ap("10.0.0.2:80")}
 			tb := ta.Reverse()
 			w.ct.Add(ta, tb, 0x20005) // another guest's id: it came in by another interface
-			w.b.Intent(sa, ta)
 			if activeFirst {
 				w.b.Open(sa, open(proto.Active, ta, 1))
 				w.b.Open(sb, open(proto.Passive, tb, 2))

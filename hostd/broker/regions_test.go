@@ -222,7 +222,6 @@ func TestPairRegionHandedOver(t *testing.T) {
 func TestPairRegionNotReachableByOthers(t *testing.T) {
 	w, _, sa, sb := pairWorld(t, policy.Spec{})
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 1))
 	w.b.Open(sb, open(proto.Passive, tb, 2))
 	sa.next(t)
@@ -255,7 +254,6 @@ func TestSharedAndProcessGuestStayOnTCP(t *testing.T) {
 	w, _, sa, sb := pairWorld(t, policy.Spec{})
 	w.g2.SharedRegion = true
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 1))
 	w.b.Open(sb, open(proto.Passive, tb, 2))
 	for _, s := range []*fileSession{sa, sb} {
@@ -301,7 +299,6 @@ func TestQuotaChargesTheOpener(t *testing.T) {
 	}
 	// g2 connecting to g1 is charged to g2: still fast.
 	ta, tb := w.conn("10.0.0.2:5000", "10.0.0.1:80")
-	w.b.Intent(sb, ta)
 	w.b.Open(sb, open(proto.Active, ta, 30))
 	w.b.Open(sa, open(proto.Passive, tb, 31))
 	if mb, ma := drain(sb), drain(sa); mb.Type != proto.Ready || ma.Type != proto.Ready {
@@ -311,7 +308,6 @@ func TestQuotaChargesTheOpener(t *testing.T) {
 	w.b.CloseConn(sa, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideA})
 	w.b.CloseConn(sb, proto.Msg{Type: proto.Close, RegionID: keep[0].RegionID, Slot: keep[0].Slot, Gen: keep[0].Gen, Side: proto.SideB})
 	ta, tb = w.conn("10.0.0.1:4003", "10.0.0.2:80")
-	w.b.Intent(sa, ta)
 	w.b.Open(sa, open(proto.Active, ta, 40))
 	w.b.Open(sb, open(proto.Passive, tb, 41))
 	if ma := drain(sa); ma.Type != proto.Ready {

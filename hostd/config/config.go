@@ -54,7 +54,6 @@ type Limits struct {
 	SessionsPerSecond    int           // new sessions a second hostd accepts from it
 	ListensPerSession    int           // LISTENs one session holds
 	ListensPerGuest      int           // LISTENs all its sessions hold
-	IntentsPerGuest      int           // INTENTs remembered; beyond, its oldest is dropped
 	PendingOpensPerGuest int           // OPENs being verified or waiting for their peer
 	OpensPerSecond       int           // OPENs a second (after a burst of as many)
 	Keepalive            time.Duration // hostd PINGs a session quiet this long
@@ -65,7 +64,7 @@ type Limits struct {
 // job's all-to-all wire-up from a busy guest, small against a flood.
 var DefaultLimits = Limits{
 	SessionsPerGuest: 256, SessionsPerSecond: 100, ListensPerSession: 1024, ListensPerGuest: 4096,
-	IntentsPerGuest: 4096, PendingOpensPerGuest: 4096, OpensPerSecond: 5000,
+	PendingOpensPerGuest: 4096, OpensPerSecond: 5000,
 	Keepalive: 2 * time.Second, Silence: 10 * time.Second,
 }
 
@@ -181,10 +180,12 @@ type libvirtBlock struct {
 }
 
 type limitsBlock struct {
-	SessionsPerGuest     *int   `hcl:"sessions_per_guest,optional"`
-	SessionsPerSecond    *int   `hcl:"sessions_per_second,optional"`
-	ListensPerSession    *int   `hcl:"listens_per_session,optional"`
-	ListensPerGuest      *int   `hcl:"listens_per_guest,optional"`
+	SessionsPerGuest  *int `hcl:"sessions_per_guest,optional"`
+	SessionsPerSecond *int `hcl:"sessions_per_second,optional"`
+	ListensPerSession *int `hcl:"listens_per_session,optional"`
+	ListensPerGuest   *int `hcl:"listens_per_guest,optional"`
+	// IntentsPerGuest is accepted and ignored: INTENT keeps nothing since
+	// protocol 3, and older hostd.hcl files still load.
 	IntentsPerGuest      *int   `hcl:"intents_per_guest,optional"`
 	PendingOpensPerGuest *int   `hcl:"pending_opens_per_guest,optional"`
 	OpensPerSecond       *int   `hcl:"opens_per_second,optional"`
@@ -646,7 +647,6 @@ func limits(l *limitsBlock) (Limits, error) {
 		{"sessions_per_second", l.SessionsPerSecond, &out.SessionsPerSecond},
 		{"listens_per_session", l.ListensPerSession, &out.ListensPerSession},
 		{"listens_per_guest", l.ListensPerGuest, &out.ListensPerGuest},
-		{"intents_per_guest", l.IntentsPerGuest, &out.IntentsPerGuest},
 		{"pending_opens_per_guest", l.PendingOpensPerGuest, &out.PendingOpensPerGuest},
 		{"opens_per_second", l.OpensPerSecond, &out.OpensPerSecond},
 	} {

@@ -123,7 +123,7 @@ func TestParseLimits(t *testing.T) {
 		t.Fatal(err)
 	}
 	want := config.DefaultLimits
-	want.SessionsPerGuest, want.IntentsPerGuest, want.Keepalive, want.Silence = 8, 16, time.Second, 3*time.Second
+	want.SessionsPerGuest, want.Keepalive, want.Silence = 8, time.Second, 3*time.Second // intents_per_guest: accepted, ignored
 	if c.Limits != want {
 		t.Fatalf("limits %+v, want %+v", c.Limits, want)
 	}

@@ -35,7 +35,6 @@ type Set struct {
 const (
 	LimitSessions = "sessions"
 	LimitListens  = "listens"
-	LimitIntents  = "intents"
 	LimitOpens    = "opens"
 	LimitOpenRate = "open-rate"
 )
@@ -99,7 +98,7 @@ func New() *Set {
 	for _, p := range []string{"rings", "leaving", "tcp"} {
 		s.Conns.WithLabelValues(p)
 	}
-	for _, k := range []string{LimitSessions, LimitListens, LimitIntents, LimitOpens, LimitOpenRate} {
+	for _, k := range []string{LimitSessions, LimitListens, LimitOpens, LimitOpenRate} {
 		s.Limited.WithLabelValues(k)
 	}
 	for _, r := range []string{"silent", "not-reading"} {

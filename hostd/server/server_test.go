@@ -77,7 +77,7 @@ func newWorldOpts(t *testing.T, sopts server.Options, bopts broker.Options) *wor
 		t.Fatal(err)
 	}
 	w.b = broker.New(log.Named("broker"), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2},
-		broker.Options{PairingTimeout: wait, LookupTimeout: 10 * time.Millisecond, IntentGrace: wait, Limits: bopts.Limits})
+		broker.Options{PairingTimeout: wait, LookupTimeout: 10 * time.Millisecond, Limits: bopts.Limits})
 	dir := t.TempDir()
 	w.socks = map[*broker.Guest]string{w.g1: filepath.Join(dir, "g1.sock"), w.g2: filepath.Join(dir, "g2.sock")}
 	w.srv, err = server.Listen(log.Named("control"), w.b, w.m, sopts, []server.Endpoint{

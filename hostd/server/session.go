@@ -16,7 +16,6 @@ import (
 	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/hostd/broker"
-	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
 )
@@ -540,7 +539,9 @@ func (ss *session) dispatch(m proto.Msg) error {
 	case proto.Listen, proto.Unlisten:
 		b.Listen(ss, m.Local, m.Type == proto.Listen)
 	case proto.Intent:
-		b.Intent(ss, ctrack.Tuple{Src: m.Local, Dst: m.Remote})
+		// Only version-2 libraries send it; it grants and keeps nothing
+		// (their OPENs get TCP(version)), and is accepted so that they
+		// keep working.
 	case proto.Open:
 		b.Open(ss, m)
 	case proto.Close:
