@@ -22,4 +22,8 @@
 // and vishvananda/netns; only the nftables ruleset is loaded with nft(8).
 // Create is idempotent (it first removes leftovers of a rig of the same
 // name) and rolls back on failure; Destroy removes everything.
+//
+// Fabric (fabric.go) is two such hosts, each with its own conntrack,
+// nftables and guests, joined by a veth between the host namespaces: the
+// rig of the cross-host tests (docs/crosshost.md).
 package nsrig

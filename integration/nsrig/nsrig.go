@@ -33,12 +33,17 @@ type Guest struct {
 	HostIf    string     // the host side interface name
 }
 
-// v6 is address host of guest i's link, fd00:77:i::/64 (i in hex: g10's
-// is fd00:77:a::/64), a unique local address (RFC 4193) never routed off
-// the host.
-func v6(i int, host byte) netip.Addr {
-	return netip.AddrFrom16([16]byte{0xfd, 0x00, 0x00, 0x77, byte(i >> 8), byte(i), 15: host})
+// v6 is address host of guest i's link, fd00:NN:i::/64 with NN the
+// rig's subnet (77, or 78 for a fabric's second host; i in hex: g10's is
+// fd00:77:a::/64), a unique local address (RFC 4193) never routed off the
+// rig.
+func v6(subnet byte, i int, host byte) netip.Addr {
+	return netip.AddrFrom16([16]byte{0xfd, 0x00, 0x00, v6Group(subnet), byte(i >> 8), byte(i), 15: host})
 }
+
+// v6Group is the IPv6 group that reads as the IPv4 subnet does: 0x77 for
+// 77 (fd00:77::), 0x78 for 78.
+func v6Group(subnet byte) byte { return 0x77 + (subnet - 77) }
 
 // NSPath is the guest namespace's bind-mount path.
 func (g *Guest) NSPath() string { return filepath.Join(runDir, g.NS) }
@@ -48,27 +53,35 @@ type Rig struct {
 	Name   string
 	HostNS string // netns name of the host
 	Guests []*Guest
+	// Subnet is the second octet of the guests' IPv4 addresses (10.77.i.2;
+	// a fabric's second host has 78) and the second group of their IPv6
+	// ones (fd00:77:i::2).
+	Subnet byte
 }
 
 // HostNSPath is the host namespace's bind-mount path.
 func (r *Rig) HostNSPath() string { return filepath.Join(runDir, r.HostNS) }
 
 // New describes a rig with n guests; Create makes it.
-func New(name string, n int) (*Rig, error) {
+func New(name string, n int) (*Rig, error) { return newRig(name, n, 77) }
+
+// newRig describes a rig whose guests are in 10.SUBNET.0.0/16 and
+// fd00:SUBNET::/32.
+func newRig(name string, n int, subnet byte) (*Rig, error) {
 	if len(name) == 0 || len(name) > 8 || strings.ContainsAny(name, " /") {
 		return nil, fmt.Errorf("rig name %q: want 1 to 8 characters, no spaces or slashes", name)
 	}
 	if n < 1 || n > 200 {
 		return nil, fmt.Errorf("rig guests %d: want 1 to 200", n)
 	}
-	r := &Rig{Name: name, HostNS: "shunt-" + name + "-host"}
+	r := &Rig{Name: name, HostNS: "shunt-" + name + "-host", Subnet: subnet}
 	for i := 1; i <= n; i++ {
 		r.Guests = append(r.Guests, &Guest{
 			Index: i, Name: fmt.Sprintf("g%d", i), NS: fmt.Sprintf("shunt-%s-g%d", name, i),
-			Addr:      netip.AddrFrom4([4]byte{10, 77, byte(i), 2}),
-			HostAddr:  netip.AddrFrom4([4]byte{10, 77, byte(i), 1}),
-			Addr6:     v6(i, 2),
-			HostAddr6: v6(i, 1),
+			Addr:      netip.AddrFrom4([4]byte{10, subnet, byte(i), 2}),
+			HostAddr:  netip.AddrFrom4([4]byte{10, subnet, byte(i), 1}),
+			Addr6:     v6(subnet, i, 2),
+			HostAddr6: v6(subnet, i, 1),
 			HostIf:    fmt.Sprintf("sh-%s-%d", name, i),
 		})
 	}
