@@ -24,7 +24,7 @@ import (
 // Client's session goroutines must end with Close.
 func TestMain(m *testing.M) { goleak.VerifyTestMain(m) }
 
-func newClient(t *testing.T, h *guesttest.Hostd, o Options) *Client {
+func newClient(t testing.TB, h *guesttest.Hostd, o Options) *Client {
 	t.Helper()
 	o.Control = h.Control
 	o.Region = h.Region
@@ -44,7 +44,7 @@ func async[T any](f func() T) <-chan T {
 	return ch
 }
 
-func await[T any](t *testing.T, ch <-chan T, what string) T {
+func await[T any](t testing.TB, ch <-chan T, what string) T {
 	t.Helper()
 	select {
 	case v := <-ch:
@@ -124,7 +124,7 @@ func verdict(t *testing.T, h *guesttest.Hostd, s *guesttest.Session, open proto.
 
 // waitFor polls cond (internal state has no event to wait on) for at most
 // guesttest.Wait.
-func waitFor(t *testing.T, what string, cond func() bool) {
+func waitFor(t testing.TB, what string, cond func() bool) {
 	t.Helper()
 	deadline := time.Now().Add(guesttest.Wait)
 	for !cond() {

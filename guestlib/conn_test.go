@@ -20,7 +20,7 @@ type pair struct {
 	auto             *guesttest.Auto
 }
 
-func newPair(t *testing.T) *pair {
+func newPair(t testing.TB) *pair {
 	t.Helper()
 	h := guesttest.Start(t)
 	p := &pair{auto: h.Auto(t)}
@@ -36,7 +36,7 @@ func newPair(t *testing.T) *pair {
 
 // conns returns both ends of a new connection, as Dial and Accept return
 // them: on TCP, with READY on its way.
-func (p *pair) conns(t *testing.T) (c1, c2 *Conn) {
+func (p *pair) conns(t testing.TB) (c1, c2 *Conn) {
 	t.Helper()
 	acc := async(func() *Conn {
 		s, err := p.l.AcceptShunt()

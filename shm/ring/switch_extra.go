@@ -55,7 +55,9 @@ func (w *Writer) Wait(stop func() bool, deadline time.Time) error {
 	return w.policy.Wait(writerCond{w, stop}, w.flag, deadline)
 }
 
-// ReadWaiter is Reader.Wait with its stop condition bound once, so that a
+// ReadWaiter is the wait of a reader on a started ring (it reads the
+// ring, not TCP): Reader.Wait without the start, which it has seen, so
+// that it spins and then sleeps like Read; stop is bound once, so that a
 // wait allocates nothing (the data path waits once per empty ring).
 type ReadWaiter struct{ c readerCond }
 
@@ -64,8 +66,11 @@ func (rd *Reader) NewWaiter(stop func() bool) *ReadWaiter {
 	return &ReadWaiter{readerCond{rd, stop}}
 }
 
-// Ready implements wait.Cond.
-func (w *ReadWaiter) Ready() bool { return w.c.Ready() }
+// Ready implements wait.Cond: bytes, FIN, the writer's leave, a reset,
+// Close, Interrupt or stop. (The start flag stays set once the writer
+// started: counting it, a wait on a started ring returned at once, and
+// the data path polled the writer's line without pause or end.)
+func (w *ReadWaiter) Ready() bool { return w.c.rd.Ready() || w.c.stop() }
 
 // Wait is Reader.Wait(stop, deadline).
 func (w *ReadWaiter) Wait(deadline time.Time) error {
