@@ -187,7 +187,7 @@ func TestParseOwnership(t *testing.T) {
 	for _, tt := range []struct{ name, src, want string }{
 		{"unknown", `ownership = "mac"` + "\n" + good, `ownership "mac": want "mark"`},
 		{"both spellings", "ownership = \"mark\"\nwitness = true\n" + good, `witness = true is the old spelling of ownership = "both": give ownership only`},
-		{"mask of one bit", `ct_mark_mask = "0x80000000"` + "\n" + good, "ct_mark_mask: ct mark mask 0x80000000: want at least 2 bits"},
+		{"mask of one bit", `ct_mark_mask = "0x80000000"` + "\n" + good, "ct_mark_mask: ct mark mask 0x80000000: want at least 4 bits"},
 		{"mask in two runs", `ct_mark_mask = "0xff00ff00"` + "\n" + good, "want one run of adjacent bits"},
 		{"mask not a number", `ct_mark_mask = "high"` + "\n" + good, `ct_mark_mask: "high"`},
 		{"ct_mark in hostd's bits", strings.Replace(good, "ct_mark   = 2", "ct_mark   = 131072", 1),

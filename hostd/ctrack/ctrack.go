@@ -75,6 +75,14 @@ type Tracker interface {
 	// Lookup finds the TCP entry that has t as its original or its reply
 	// direction (IPv4 or IPv6; an IPv4 tuple may be in IPv4-mapped form).
 	Lookup(t Tuple) (Entry, error)
+	// ClearMark clears the given bits of the mark of the TCP entry that
+	// has t as either direction (ErrNotFound if there is none).
+	ClearMark(t Tuple, bits uint32) error
+	// ClearMarks clears the given bits of the mark of every TCP entry
+	// that has any of them set, and returns how many entries it changed.
+	// An entry made meanwhile may keep its bits: they were set after the
+	// call began.
+	ClearMarks(bits uint32) (int, error)
 	// Destroyed calls fn for every destroyed TCP entry until ctx ends or the
 	// event stream fails (then it returns the error; ENOBUFS means events
 	// were lost and the caller must resync).

@@ -28,7 +28,10 @@ type getter struct {
 // ctnetlink constants (linux/netfilter/nfnetlink_conntrack.h).
 const (
 	nfnlSubsysCTNetlink = 1
+	ipctnlMsgCTNew      = 0
 	ipctnlMsgCTGet      = 1
+	ctaMark             = 8
+	ctaMarkMask         = 21
 	ctaTupleOrig        = 1
 	ctaTupleIP          = 1
 	ctaTupleProto       = 2
@@ -73,6 +76,31 @@ func (g *getter) close() error { return unix.Close(g.fd) }
 // get asks for the TCP entry with tuple t (either direction; t unmapped:
 // AF_INET for IPv4, AF_INET6 for IPv6). The caller serializes calls.
 func (g *getter) get(t Tuple) (conntrack.Flow, error) {
+	if err := g.send(ipctnlMsgCTGet, t, nil); err != nil {
+		return conntrack.Flow{}, err
+	}
+	return g.receive(true)
+}
+
+// setMark changes the bits mask of the mark of t's entry to value, with
+// an update that never creates an entry (IPCTNL_MSG_CT_NEW without
+// NLM_F_CREATE: the kernel's ctnetlink_change_mark computes
+// (mark & ^mask) ^ value). The caller serializes calls.
+func (g *getter) setMark(t Tuple, mask, value uint32) error {
+	err := g.send(ipctnlMsgCTNew, t, func(ae *netlink.AttributeEncoder) {
+		ae.Bytes(ctaMark, binary.BigEndian.AppendUint32(nil, value&mask))
+		ae.Bytes(ctaMarkMask, binary.BigEndian.AppendUint32(nil, mask))
+	})
+	if err != nil {
+		return err
+	}
+	_, err = g.receive(false)
+	return err
+}
+
+// send sends one ctnetlink request of type typ for tuple t, with more
+// attributes after the tuple.
+func (g *getter) send(typ int, t Tuple, more func(*netlink.AttributeEncoder)) error {
 	g.seq++
 	ae := netlink.NewAttributeEncoder()
 	ae.Nested(ctaTupleOrig|unix.NLA_F_NESTED, func(ae *netlink.AttributeEncoder) error {
@@ -94,9 +122,12 @@ func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 		})
 		return nil
 	})
+	if more != nil {
+		more(ae)
+	}
 	attrs, err := ae.Encode()
 	if err != nil {
-		return conntrack.Flow{}, err
+		return err
 	}
 	family := byte(unix.AF_INET)
 	if !t.Src.Addr().Is4() {
@@ -104,7 +135,7 @@ func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 	}
 	msg := netlink.Message{
 		Header: netlink.Header{
-			Type:     netlink.HeaderType(nfnlSubsysCTNetlink<<8 | ipctnlMsgCTGet),
+			Type:     netlink.HeaderType(nfnlSubsysCTNetlink<<8 | typ),
 			Flags:    netlink.Request | netlink.Acknowledge,
 			Sequence: g.seq,
 		},
@@ -113,11 +144,17 @@ func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 	msg.Header.Length = uint32(16 + len(msg.Data)) // attributes keep 4-byte alignment
 	b, err := msg.MarshalBinary()
 	if err != nil {
-		return conntrack.Flow{}, err
+		return err
 	}
 	if err := unix.Sendto(g.fd, b, 0, &unix.SockaddrNetlink{Family: unix.AF_NETLINK}); err != nil {
-		return conntrack.Flow{}, fmt.Errorf("send: %w", err)
+		return fmt.Errorf("send: %w", err)
 	}
+	return nil
+}
+
+// receive reads the answer to the last request: an entry then the ACK
+// (wantFlow), or the ACK alone.
+func (g *getter) receive(wantFlow bool) (conntrack.Flow, error) {
 	buf := g.buf
 	var flow *conntrack.Flow
 	for {
@@ -136,6 +173,9 @@ func (g *getter) get(t Tuple) (conntrack.Flow, error) {
 			if m.Header.Type == netlink.Error {
 				code := int32(binary.NativeEndian.Uint32(m.Data))
 				if code == 0 { // the ACK: the request is complete
+					if !wantFlow {
+						return conntrack.Flow{}, nil
+					}
 					if flow == nil {
 						return conntrack.Flow{}, fmt.Errorf("conntrack acknowledged without an entry")
 					}

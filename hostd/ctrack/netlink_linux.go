@@ -81,6 +81,53 @@ func entry(f conntrack.Flow) Entry {
 	}
 }
 
+// ClearMark implements Tracker.
+func (n *Netlink) ClearMark(t Tuple, bits uint32) error {
+	t = t.Unmap()
+	n.mu.Lock()
+	err := n.query.setMark(t, bits, 0)
+	n.mu.Unlock()
+	if err != nil {
+		if errors.Is(err, os.ErrNotExist) || errors.Is(err, syscall.ENOENT) {
+			return fmt.Errorf("%s: %w", t, ErrNotFound)
+		}
+		return fmt.Errorf("conntrack update %s: %w", t, err)
+	}
+	return nil
+}
+
+// ClearMarks implements Tracker: the kernel filters a dump by each bit
+// (CTA_FILTER mark and mask), and each entry found is updated. An entry
+// gone meanwhile is no error.
+func (n *Netlink) ClearMarks(bits uint32) (int, error) {
+	c, err := dial(n.netns)
+	if err != nil {
+		return 0, err
+	}
+	defer c.Close()
+	changed := 0
+	for b := uint32(1); b != 0; b <<= 1 {
+		if bits&b == 0 {
+			continue
+		}
+		flows, err := c.DumpFilter(conntrack.NewFilter().Mark(b).MarkMask(b), nil)
+		if err != nil {
+			return changed, fmt.Errorf("conntrack dump by mark %#x: %w", b, err)
+		}
+		for _, f := range flows {
+			if f.TupleOrig.Proto.Protocol != syscall.IPPROTO_TCP || f.Mark&bits == 0 {
+				continue
+			}
+			e := entry(f)
+			if err := n.ClearMark(e.Orig, bits); err != nil && !errors.Is(err, ErrNotFound) {
+				return changed, err
+			}
+			changed++
+		}
+	}
+	return changed, nil
+}
+
 // Destroyed implements Tracker with a dedicated event connection.
 func (n *Netlink) Destroyed(ctx context.Context, fn func(Entry)) error {
 	c, err := dial(n.netns)

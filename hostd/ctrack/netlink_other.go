@@ -18,6 +18,12 @@ func Dial(netnsPath string) (*Netlink, error) { return nil, errNotLinux }
 // Lookup implements Tracker.
 func (*Netlink) Lookup(Tuple) (Entry, error) { return Entry{}, errNotLinux }
 
+// ClearMark implements Tracker.
+func (*Netlink) ClearMark(Tuple, uint32) error { return errNotLinux }
+
+// ClearMarks implements Tracker.
+func (*Netlink) ClearMarks(uint32) (int, error) { return 0, errNotLinux }
+
 // Destroyed implements Tracker.
 func (*Netlink) Destroyed(context.Context, func(Entry)) error { return errNotLinux }
 

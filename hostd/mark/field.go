@@ -9,11 +9,15 @@ import (
 )
 
 // DefaultMask is the part of the conntrack mark hostd owns unless
-// configured otherwise: the high 16 bits, room for 65535 guests.
+// configured otherwise: the high 16 bits, two proof bits and room for
+// 16383 guests.
 const DefaultMask uint32 = 0xffff0000
 
 // Field is the part of the conntrack mark that hostd owns: a contiguous run
-// of bits. A plain value, safe to copy.
+// of bits. Its two highest bits are the proof of passage (a packet of the
+// connection's original direction, and one of its reply direction, went
+// past the operator's filter since hostd last cleared them: Proof); the
+// rest holds guests' mark ids (IDMask). A plain value, safe to copy.
 type Field struct {
 	Mask uint32
 }
@@ -32,11 +36,11 @@ func ParseMask(s string) (uint32, error) {
 	return m, nil
 }
 
-// CheckMask reports whether m is a usable field: at least 2 bits, all
-// adjacent.
+// CheckMask reports whether m is a usable field: at least 4 bits (two
+// proof bits, two or more for ids), all adjacent.
 func CheckMask(m uint32) error {
-	if bits.OnesCount32(m) < 2 {
-		return fmt.Errorf("ct mark mask %#08x: want at least 2 bits, e.g. 0xffff0000", m)
+	if bits.OnesCount32(m) < 4 {
+		return fmt.Errorf("ct mark mask %#08x: want at least 4 bits (2 proof bits and the guests' ids), e.g. 0xffff0000", m)
 	}
 	if shifted := m >> bits.TrailingZeros32(m); shifted&(shifted+1) != 0 {
 		return fmt.Errorf("ct mark mask %#08x: want one run of adjacent bits, e.g. 0xffff0000", m)
@@ -46,14 +50,37 @@ func CheckMask(m uint32) error {
 
 func (f Field) shift() int { return bits.TrailingZeros32(f.Mask) }
 
+// PassOrig is the proof bit of the original direction: the field's
+// highest bit. hostd's proof chains set it on a packet of that direction
+// that went past the operator's filter.
+func (f Field) PassOrig() uint32 {
+	if f.Mask == 0 {
+		return 0
+	}
+	return 1 << (31 - bits.LeadingZeros32(f.Mask))
+}
+
+// PassReply is the proof bit of the reply direction, below PassOrig.
+func (f Field) PassReply() uint32 { return f.PassOrig() >> 1 }
+
+// Proof is both proof bits.
+func (f Field) Proof() uint32 { return f.PassOrig() | f.PassReply() }
+
+// IDMask is the part of the field that holds mark ids.
+func (f Field) IDMask() uint32 { return f.Mask &^ f.Proof() }
+
 // MaxID is the largest mark id that fits in the field.
-func (f Field) MaxID() uint32 { return f.Mask >> f.shift() }
+func (f Field) MaxID() uint32 { return f.IDMask() >> f.shift() }
 
 // Value is the mark bits of id: id shifted into the field.
-func (f Field) Value(id uint32) uint32 { return id << f.shift() & f.Mask }
+func (f Field) Value(id uint32) uint32 { return id << f.shift() & f.IDMask() }
 
 // ID is the mark id a conntrack mark carries; 0 means none.
-func (f Field) ID(mark uint32) uint32 { return mark & f.Mask >> f.shift() }
+func (f Field) ID(mark uint32) uint32 { return mark & f.IDMask() >> f.shift() }
+
+// Passed reports whether a conntrack mark shows packets of both
+// directions past the filter since the bits were last cleared.
+func (f Field) Passed(mark uint32) bool { p := f.Proof(); return p != 0 && mark&p == p }
 
 // ErrNoIDs means every mark id of the field is in use.
 var ErrNoIDs = errors.New("no free mark id: widen ct_mark_mask")

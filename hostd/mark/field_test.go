@@ -13,7 +13,8 @@ func TestParseMask(t *testing.T) {
 	}{
 		{"0xffff0000", 0xffff0000, true},
 		{"0x0000ff00", 0xff00, true},
-		{" 0xc0000000 ", 0xc0000000, true},
+		{" 0xf0000000 ", 0xf0000000, true},
+		{"0xe0000000", 0, false}, // three bits: proof bits and one id
 		{"4294901760", 0xffff0000, true},
 		{"0", 0, false},
 		{"0x80000000", 0, false}, // one bit: one guest
@@ -30,12 +31,18 @@ func TestParseMask(t *testing.T) {
 
 func TestFieldValueAndID(t *testing.T) {
 	f := Field{DefaultMask}
-	if f.MaxID() != 0xffff || f.Value(5) != 0x50000 || f.ID(0x50007) != 5 || f.ID(0x7) != 0 {
-		t.Fatalf("max %#x value(5) %#x id(0x50007) %d id(7) %d", f.MaxID(), f.Value(5), f.ID(0x50007), f.ID(7))
+	if f.MaxID() != 0x3fff || f.Value(5) != 0x50000 || f.ID(0x50007) != 5 || f.ID(0x7) != 0 || f.ID(0xc0050000) != 5 {
+		t.Fatalf("max %#x value(5) %#x id(0x50007) %d id(7) %d id(0xc0050000) %d", f.MaxID(), f.Value(5), f.ID(0x50007), f.ID(7), f.ID(0xc0050000))
+	}
+	if f.PassOrig() != 0x80000000 || f.PassReply() != 0x40000000 || f.IDMask() != 0x3fff0000 {
+		t.Fatalf("proof bits %#x %#x, id mask %#x", f.PassOrig(), f.PassReply(), f.IDMask())
+	}
+	if !f.Passed(0xc0050007) || f.Passed(0x80050007) || f.Passed(0x40000000) {
+		t.Fatal("Passed wants both proof bits")
 	}
 	g := Field{0x0ff0}
-	if g.MaxID() != 0xff || g.Value(0x1ab) != 0xab0 || g.ID(0xfabf) != 0xab {
-		t.Fatalf("mask 0xff0: max %#x value(0x1ab) %#x id(0xfabf) %#x", g.MaxID(), g.Value(0x1ab), g.ID(0xfabf))
+	if g.MaxID() != 0x3f || g.Value(0x1ab) != 0x2b0 || g.ID(0xfabf) != 0x2b || g.Proof() != 0xc00 {
+		t.Fatalf("mask 0xff0: max %#x value(0x1ab) %#x id(0xfabf) %#x proof %#x", g.MaxID(), g.Value(0x1ab), g.ID(0xfabf), g.Proof())
 	}
 }
 

@@ -241,17 +241,24 @@ func (m *Marker) keep(every time.Duration) {
 	}
 }
 
-// intactLocked reports whether both chains hold exactly the rules hostd
+// intactLocked reports whether every chain holds exactly the rules hostd
 // wants, by their comments.
 func (m *Marker) intactLocked() bool {
-	want := m.sortedLocked()
-	for _, c := range chains(table()) {
+	cs, rs := Ruleset(m.field, m.sortedLocked())
+	for _, c := range cs {
+		var want []string
+		for _, r := range rs {
+			if r.Chain == c {
+				s, _ := userdata.GetString(r.UserData, userdata.TypeComment)
+				want = append(want, s)
+			}
+		}
 		rules, err := m.c.GetRules(c.Table, c)
 		if err != nil || len(rules) != len(want) {
 			return false
 		}
 		for i, r := range rules {
-			if s, _ := userdata.GetString(r.UserData, userdata.TypeComment); s != comment(want[i]) {
+			if s, _ := userdata.GetString(r.UserData, userdata.TypeComment); s != want[i] {
 				return false
 			}
 		}
@@ -293,10 +300,12 @@ func chains(t *nftables.Table) []*nftables.Chain {
 	return []*nftables.Chain{mk("forward", nftables.ChainHookForward), mk("input", nftables.ChainHookInput)}
 }
 
-// Ruleset is hostd's table for the given entries: its base chains, and
-// in each one rule per entry, in order. Pure, for tests.
+// Ruleset is hostd's table for the given entries: its marking chains,
+// with one rule per entry in each, in order, then its proof chains
+// (proof_linux.go). Pure, for tests.
 func Ruleset(f Field, entries []Entry) ([]*nftables.Chain, []*nftables.Rule) {
-	cs := chains(table())
+	t := table()
+	cs := chains(t)
 	var rs []*nftables.Rule
 	for _, c := range cs {
 		for _, e := range entries {
@@ -306,18 +315,22 @@ func Ruleset(f Field, entries []Entry) ([]*nftables.Chain, []*nftables.Rule) {
 			})
 		}
 	}
+	for _, c := range proofChains(t) {
+		cs = append(cs, c)
+		rs = append(rs, proofRules(f, c)...)
+	}
 	return cs, rs
 }
 
 func comment(e Entry) string { return fmt.Sprintf("shunt guest %s", e.Guest) }
 
-// Exprs is one guest's rule:
+// Exprs is one guest's rule (IDS: the field's id bits):
 //
-//	iifname IFNAME ct state new ct mark & MASK == 0
-//	counter ct mark set ct mark & ^MASK ^ VALUE
+//	iifname IFNAME ct state new ct mark & IDS == 0
+//	counter ct mark set ct mark & ^IDS ^ VALUE
 //
 // It stamps a connection once, by its first packet, and keeps the mark
-// bits outside the field.
+// bits outside the id bits (the operator's, and the proof bits).
 func Exprs(f Field, e Entry) []expr.Any {
 	ne := binaryutil.NativeEndian.PutUint32
 	return []expr.Any{
@@ -327,10 +340,10 @@ func Exprs(f Field, e Entry) []expr.Any {
 		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: ne(expr.CtStateBitNEW), Xor: ne(0)},
 		&expr.Cmp{Op: expr.CmpOpNeq, Register: 1, Data: ne(0)},
 		&expr.Ct{Key: expr.CtKeyMARK, Register: 1},
-		&expr.Bitwise{SourceRegister: 1, DestRegister: 2, Len: 4, Mask: ne(f.Mask), Xor: ne(0)},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 2, Len: 4, Mask: ne(f.IDMask()), Xor: ne(0)},
 		&expr.Cmp{Op: expr.CmpOpEq, Register: 2, Data: ne(0)},
 		&expr.Counter{},
-		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: ne(^f.Mask), Xor: ne(e.Value)},
+		&expr.Bitwise{SourceRegister: 1, DestRegister: 1, Len: 4, Mask: ne(^f.IDMask()), Xor: ne(e.Value)},
 		&expr.Ct{Key: expr.CtKeyMARK, Register: 1, SourceRegister: true},
 	}
 }

@@ -16,6 +16,7 @@ type Table struct {
 	entries []ctrack.Entry
 	nextID  uint32
 	lookups int // Lookups
+	clears  int // Clears
 }
 
 // Add inserts an ESTABLISHED, assured TCP entry with the given directions.
@@ -69,6 +70,54 @@ func (t *Table) Uncount(id uint32) {
 			e.PacketsOrig, e.PacketsReply, e.BytesOrig, e.BytesReply = 0, 0, 0, 0
 		}
 	}
+}
+
+// Pass sets bits of the mark of the entry with id, as hostd's proof
+// chains do when a packet of the connection passes the filter.
+func (t *Table) Pass(id uint32, bits uint32) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.entries {
+		if e := &t.entries[i]; e.ID == id {
+			e.Mark |= bits
+		}
+	}
+}
+
+// ClearMark implements ctrack.Tracker.
+func (t *Table) ClearMark(q ctrack.Tuple, bits uint32) error {
+	q = q.Unmap()
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	for i := range t.entries {
+		if e := &t.entries[i]; e.Orig == q || e.Reply == q {
+			e.Mark &^= bits
+			return nil
+		}
+	}
+	return fmt.Errorf("%s: %w", q, ctrack.ErrNotFound)
+}
+
+// ClearMarks implements ctrack.Tracker.
+func (t *Table) ClearMarks(bits uint32) (int, error) {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	n := 0
+	for i := range t.entries {
+		if e := &t.entries[i]; e.Mark&bits != 0 {
+			e.Mark &^= bits
+			n++
+		}
+	}
+	t.clears++
+	return n, nil
+}
+
+// Clears returns how many times ClearMarks ran.
+func (t *Table) Clears() int {
+	t.mu.Lock()
+	defer t.mu.Unlock()
+	return t.clears
 }
 
 // Lookup implements ctrack.Tracker: either direction matches.
