@@ -9,17 +9,22 @@ import (
 	"github.com/shuntnet/shunt/hostd/mark"
 )
 
-// startMarks installs hostd's nftables table (hostd/mark), unless
-// ownership says hostd does not mark, and gives each configured guest its
-// mark id; the broker then checks each guest's mark id in the configured
-// bits of the conntrack mark. It runs once the guests are known to be
-// valid (no overlap), so that a hostd that cannot start leaves the table
-// of one that runs alone.
+// startMarks installs hostd's nftables table (hostd/mark): its proof
+// chains, which show that a connection's packets pass the operator's
+// filter (unless watch_ruleset is off), and, unless ownership says hostd
+// does not mark, one rule per configured guest that gives its new
+// connections its mark id; the broker then checks each guest's mark id
+// in the configured bits of the conntrack mark. It runs once the guests
+// are known to be valid (no overlap), so that a hostd that cannot start
+// leaves the table of one that runs alone.
 func (a *Agent) startMarks() error {
 	a.ownershipMetrics()
 	if !a.cfg.Marks() {
 		a.log.Warn("hostd does not mark guests' connections (ownership = \"" + a.cfg.Ownership + "\"): a guest's claim to a connection rests on its source address" +
 			map[bool]string{true: " and the eBPF witness", false: " alone"}[a.cfg.Witness])
+	}
+	if !a.cfg.Marks() && !a.cfg.WatchRuleset {
+		a.log.Warn("watch_ruleset = false: a firewall change does not move connections off the rings, and nothing checks that their packets still pass the filter")
 		return nil
 	}
 	m, err := mark.Open(mark.Options{Netns: a.cfg.ConntrackNetns, Mask: a.cfg.CTMarkMask, Log: a.log.Named("mark")})
@@ -27,6 +32,9 @@ func (a *Agent) startMarks() error {
 		return err
 	}
 	a.marks = m
+	if !a.cfg.Marks() {
+		return nil
+	}
 	ifname := map[string]string{}
 	for _, gc := range a.cfg.Guests {
 		ifname[gc.Name] = gc.Interface
@@ -43,7 +51,7 @@ func (a *Agent) startMarks() error {
 // A guest without an interface has no proof of origin but its addresses.
 func (a *Agent) markGuest(g *broker.Guest, ifname string) error {
 	switch {
-	case a.marks == nil:
+	case a.marks == nil || a.cfg != nil && !a.cfg.Marks():
 		return nil
 	case g.CTMark&a.marks.Field().Mask != 0:
 		return fmt.Errorf("guest %s: ct_mark %#x uses bits of ct_mark_mask %#08x, which hostd sets itself: drop the ct-mark, or move ct_mark_mask", g.Name, g.CTMark, a.marks.Field().Mask)
@@ -69,10 +77,20 @@ func (a *Agent) unmarkGuest(g *broker.Guest) {
 // markMask is what the broker compares guests' mark ids in: 0 when hostd
 // does not mark (then a ct_mark is the whole mark, as before).
 func (a *Agent) markMask() uint32 {
-	if a.marks == nil {
+	if a.marks == nil || !a.cfg.Marks() {
 		return 0
 	}
-	return a.marks.Field().Mask
+	return a.marks.Field().IDMask()
+}
+
+// proofBits are the conntrack mark bits of hostd's proof chains, for the
+// broker: none without the ruleset watch.
+func (a *Agent) proofBits() (orig, reply uint32) {
+	if a.marks == nil || !a.cfg.WatchRuleset {
+		return 0, 0
+	}
+	f := a.marks.Field()
+	return f.PassOrig(), f.PassReply()
 }
 
 // ownershipMetrics exports what the proofs of origin count: the guests

@@ -68,6 +68,8 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 		opts.Witness = a.witness
 	}
 	opts.MarkMask = a.markMask()
+	opts.ProofOrig, opts.ProofReply = a.proofBits()
+	opts.ProofMaxAge = cfg.ProofMaxAge
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.b.UsePairRegions(a.pairs)
 	a.hot, a.lvhot = a.hotplug(), a.libvirtHotplug()
@@ -81,6 +83,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	// libvirt guests survive a hostd restart like any others.
 	a.startLibvirt(ctx)
 	a.adopt()
+	a.b.Start() // the first firewall epoch: nothing from before hostd's start counts as proof
 	if err := a.startServers(eps); err != nil {
 		return nil, err
 	}

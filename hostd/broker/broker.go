@@ -26,9 +26,17 @@ type Options struct {
 	PairingTimeout time.Duration // how long one side waits for the other
 	LookupTimeout  time.Duration // how long to wait for conntrack to show ESTABLISHED
 	RememberFor    time.Duration // how long a timeout verdict is remembered
-	// FirewallPoll is how often connections waiting after a ruleset
-	// change have their conntrack counters read; 0 = 300ms.
+	// FirewallPoll is how often connections waiting for proof of passage
+	// have their conntrack marks read; 0 = 300ms.
 	FirewallPoll time.Duration
+	// ProofOrig and ProofReply are the conntrack mark bits hostd's proof
+	// chains set when a packet of that direction went past the operator's
+	// filter (hostd/mark); 0: no proof (no ruleset watch), and no gate.
+	ProofOrig, ProofReply uint32
+	// ProofMaxAge bounds how long a connection may use the rings without
+	// its lease showing packets past the filter both ways; 0 =
+	// DefaultProofMaxAge.
+	ProofMaxAge time.Duration
 	// Witness, if set, must have seen the connection's SYN enter through
 	// the active guest's own interface (hostd/witness).
 	Witness interface {
@@ -46,6 +54,11 @@ type Options struct {
 	// map a region for each; 0 = DefaultPairRegionLinger, < 0 = none.
 	PairRegionLinger time.Duration
 }
+
+// DefaultProofMaxAge is Options.ProofMaxAge's default: a little over two
+// of the guest libraries' TCP keepalive intervals (15 s), so that an idle
+// honest lease proves itself in time.
+const DefaultProofMaxAge = 35 * time.Second
 
 // DefaultPairRegionLinger is Options.PairRegionLinger's default.
 const DefaultPairRegionLinger = 10 * time.Second
@@ -72,7 +85,7 @@ type Broker struct {
 	records    map[*Conn]bool                       // every connection record (adopted ones may have no key yet)
 	nextConn   uint64                               // the last record's id
 	shutting   bool                                 // Shutdown: no more READY
-	fwPolling  bool                                 // the firewall poller runs (firewall.go)
+	fw         fwState                              // the ruleset's epoch, the proof poller (firewall.go)
 	rg         regionState                          // regions and quotas (regions.go)
 	hotplug    Hotplug                              // plugs VM pair regions into VMs; nil: none (hotplug.go)
 	notes      rateLog                              // fallbacks and switches logged, rate-limited
@@ -91,6 +104,9 @@ func New(log hclog.Logger, ct ctrack.Tracker, m *metrics.Set, pol *policy.Table,
 	}
 	if opts.FirewallPoll <= 0 {
 		opts.FirewallPoll = 300 * time.Millisecond
+	}
+	if opts.ProofMaxAge <= 0 {
+		opts.ProofMaxAge = DefaultProofMaxAge
 	}
 	if opts.RememberFor <= 0 {
 		opts.RememberFor = 30 * time.Second

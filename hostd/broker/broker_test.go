@@ -56,6 +56,7 @@ type world struct {
 	ct         *cttest.Table
 	g1, g2, g3 *broker.Guest
 	m          *metrics.Set
+	handshake  uint32 // the mark new entries get: both proof bits when the broker has them
 }
 
 func ap(s string) netip.AddrPort { return netip.MustParseAddrPort(s) }
@@ -83,14 +84,34 @@ func newWorldOpts(t *testing.T, spec policy.Spec, opts broker.Options) *world {
 	opts.PairingTimeout, opts.LookupTimeout = 100*time.Millisecond, 10*time.Millisecond
 	w.b = broker.New(hclog.NewNullLogger(), w.ct, w.m, tab, []*broker.Guest{w.g1, w.g2, w.g3}, opts)
 	t.Cleanup(w.b.Close)
+	if opts.ProofOrig != 0 {
+		// The handshake passed the filter: new entries carry both bits.
+		w.handshake = opts.ProofOrig | opts.ProofReply
+		w.b.Start()
+		w.cleared(t)
+	}
 	return w
+}
+
+// cleared waits until the broker's firewall epoch cleared every entry's
+// proof bits.
+func (w *world) cleared(t *testing.T) {
+	t.Helper()
+	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(time.Millisecond) {
+		if _, ok := w.b.FirewallEpoch(); ok {
+			return
+		}
+		if time.Now().After(deadline) {
+			t.Fatal("the firewall epoch's clear did not complete within 5s")
+		}
+	}
 }
 
 // conn sets up a conntrack entry from a (src) to b (dst) and returns the
 // tuples as each side sees them.
 func (w *world) conn(src, dst string) (ctrack.Tuple, ctrack.Tuple) {
 	a := ctrack.Tuple{Src: ap(src), Dst: ap(dst)}
-	w.ct.Add(a, a.Reverse(), 0)
+	w.ct.Add(a, a.Reverse(), w.handshake)
 	return a, a.Reverse()
 }
 

@@ -82,7 +82,7 @@ func (b *Broker) origin(g *Guest, e ctrack.Entry) proto.Reason {
 		b.log.Debug("the connection does not carry the claiming guest's mark: it came in by another interface", "guest", g.Name, "tuple", e.Orig, "mark", e.Mark, "want", g.Mark, "mask", mask)
 		return proto.ReasonNotOwner
 	}
-	if g.CTMark != 0 && e.Mark&^mask != g.CTMark {
+	if g.CTMark != 0 && e.Mark&^(mask|b.opts.ProofOrig|b.opts.ProofReply) != g.CTMark {
 		b.log.Debug("the connection does not carry the claiming guest's ct_mark", "guest", g.Name, "tuple", e.Orig, "mark", e.Mark, "want", g.CTMark)
 		return proto.ReasonNotOwner
 	}

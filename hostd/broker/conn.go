@@ -76,7 +76,8 @@ type Conn struct {
 	created  time.Time
 	ringAB   uint64  // bytes its freed ring pairs carried, per direction
 	ringBA   uint64  //
-	fw       *fwWait // the firewall changed: it waits for its lease to carry packets both ways
+	fw       *fwWait    // it waits on TCP for proof of passage (firewall.go)
+	pf       leaseProof // its proof of passage past the firewall
 	indexed  bool    // in Broker.conns
 	noReqs   bool    // adopted after a restart: its ends' request ids are unknown until they OPEN again
 }
@@ -237,6 +238,10 @@ func (b *Broker) upgradeLocked(c *Conn, start time.Time) proto.Reason {
 	b.holdLocked(c.b.sess, r, true)
 	c.flow, c.rule = f, v.Rule
 	b.setPathLocked(c, PathRings, proto.ReasonNone)
+	if b.proofOn() { // the sweep clears its bits at once, then wants them back (firewall.go)
+		c.pf.clearedAt, c.pf.sweptAt = time.Time{}, time.Time{}
+		b.pollLocked()
+	}
 	ready := proto.Msg{Type: proto.Ready, RegionID: r.ID, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
 		RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
 	ready.ReqID, ready.Side = c.a.req, proto.SideA
@@ -274,6 +279,9 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 	case !switching(c.a.sess) || !switching(c.b.sess):
 		return proto.ReasonVersion
 	case c.fw != nil:
+		return proto.ReasonFirewall
+	case !b.provenLocked(c, time.Now()):
+		b.waitProofLocked(c)
 		return proto.ReasonFirewall
 	}
 	v := b.policy.Load().Decide(policy.Flow{From: c.orig.Src, To: c.to()})

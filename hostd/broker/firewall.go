@@ -7,14 +7,91 @@ import (
 	"github.com/shuntnet/shunt/internal/proto"
 )
 
-// fwWait is a connection's wait after a ruleset change: it goes back to
-// the rings only once its lease (the kernel connection) carried packets
-// both ways under the new ruleset, seen in conntrack's accounting
-// counters, which must have risen in both directions past base.
+// The firewall's authority over time (docs/SECURITY.md, "Proof of
+// passage"). hostd's proof chains (hostd/mark) set one bit per direction
+// in a connection's conntrack mark when one of its packets went past the
+// operator's filter. hostd clears the bits, and reads them back:
+//
+//   - epochs: every ruleset change, and hostd's start, begins an epoch
+//     whose first act is clearing every entry's bits (ClearMarks). A
+//     connection may go (back) to the rings only with both bits seen in a
+//     lookup that began after that clear completed: its proof's epoch is
+//     the current one. Until the clear is done, nothing upgrades.
+//   - freshness: proof older than ProofMaxAge does not open the rings; a
+//     waiting connection's bits are cleared, then read until both are set.
+//   - the sweep: a connection on the rings has its bits cleared, read and
+//     cleared again, round after round (every ProofMaxAge/4); one that
+//     shows no passage both ways for ProofMaxAge moves to TCP (firewall).
+//     That covers what sends no ruleset event: dynamic sets, ipset, tc,
+//     a link down, routes.
+
+// fwState is the broker's epoch of the ruleset, guarded by Broker.mu.
+type fwState struct {
+	epoch    uint64 // ruleset changes seen, hostd's start the first
+	cleared  uint64 // the epoch whose clear of every entry's bits completed
+	clearing bool   // a clear runs (clearAll)
+	polling  bool   // the poller runs (pollProof)
+}
+
+// proofOK reports whether a lookup that began in epoch ep (0: during a
+// clear) may count as proof now.
+func (s *fwState) proofOK(ep uint64) bool {
+	return ep != 0 && ep == s.epoch && s.cleared == s.epoch
+}
+
+// lookupEpoch is the epoch a lookup that begins now belongs to: 0 while
+// the epoch's clear is under way (bits read then may predate it).
+func (b *Broker) lookupEpoch() uint64 {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	return b.lookupEpochLocked()
+}
+
+func (b *Broker) lookupEpochLocked() uint64 {
+	if b.fw.cleared != b.fw.epoch {
+		return 0
+	}
+	return b.fw.epoch
+}
+
+// leaseProof is one connection's proof of passage.
+type leaseProof struct {
+	epoch     uint64    // the epoch of the last lookup that showed both bits (0: none)
+	seenAt    time.Time // when that lookup was
+	clearedAt time.Time // when the sweep last cleared its bits (zero: not yet, on this stretch of rings)
+	sweptAt   time.Time // when the sweep last looked
+}
+
+// passed reports whether an entry's mark shows both directions past the
+// filter. Without proof bits (no ruleset watch), everything passes.
+func (b *Broker) passed(mark uint32) bool {
+	p := b.opts.ProofOrig | b.opts.ProofReply
+	return mark&p == p
+}
+
+// provenLocked reports whether c may use the rings as far as the firewall
+// goes: proof of passage both ways in the current epoch, fresh enough.
+func (b *Broker) provenLocked(c *Conn, now time.Time) bool {
+	if !b.proofOn() {
+		return true
+	}
+	return b.fw.proofOK(c.pf.epoch) && now.Sub(c.pf.seenAt) <= b.opts.ProofMaxAge
+}
+
+func (b *Broker) proofOn() bool { return b.opts.ProofOrig != 0 }
+
+// sawLocked records a lookup of c's entry that began in epoch ep.
+func (b *Broker) sawLocked(c *Conn, e ctrack.Entry, ep uint64, at time.Time) {
+	if b.passed(e.Mark) && b.fw.proofOK(ep) {
+		c.pf.epoch, c.pf.seenAt = ep, at
+	}
+}
+
+// fwWait is a connection's wait for proof of passage, on TCP: the poller
+// clears its entry's bits (unless the epoch's clear just did), then reads
+// them until both are set.
 type fwWait struct {
-	have       bool   // base read
-	noAcct     bool   // the entry has no counters: on TCP until the next policy reload
-	orig, repl uint64 // packets per direction at base
+	cleared bool // its bits were cleared for this wait
 	// An idle lease may wait long: its checks back off, from every
 	// FirewallPoll up to fwPollMax, so that many idle connections cost
 	// few lookups.
@@ -22,27 +99,69 @@ type fwWait struct {
 	every time.Duration
 }
 
-// fwPollMax bounds the back-off of one connection's counter checks.
+// fwPollMax bounds the back-off of one connection's checks.
 const fwPollMax = 5 * time.Second
 
-// RulesetChanged is the firewall's ruleset watch (hostd/ruleset): any
-// change may drop a connection's packets, which the rings would not see.
-// Every connection on the rings moves to TCP (firewall); every connection
-// waits, before it may go (back) to the rings, until its lease carried
-// packets both ways under the new ruleset. A poller reads the counters.
-func (b *Broker) RulesetChanged() {
+// waitProofLocked makes c wait for proof, and starts the poller.
+func (b *Broker) waitProofLocked(c *Conn) {
+	if c.fw == nil {
+		c.fw = &fwWait{}
+	}
+	b.pollLocked()
+}
+
+func (b *Broker) pollLocked() {
+	if !b.fw.polling && !b.closed {
+		b.fw.polling = true
+		b.wg.Add(1)
+		go b.pollProof()
+	}
+}
+
+// FirewallEpoch returns the current firewall epoch and whether its clear
+// of every entry's proof bits completed (for listings and tests).
+func (b *Broker) FirewallEpoch() (epoch uint64, cleared bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
-	if b.closed {
+	return b.fw.epoch, b.fw.cleared == b.fw.epoch
+}
+
+// Start begins hostd's first epoch: whatever the firewall did while no
+// hostd watched, every connection needs proof from now on. Adopted flows
+// leave the rings (firewall) until their leases show it.
+func (b *Broker) Start() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.proofOn() {
 		return
 	}
 	n := 0
 	for c := range b.records {
-		if c.a.done || c.b.done || !c.indexed {
-			continue
+		if c.path == PathRings && b.downgradeLocked(c, proto.ReasonFirewall) {
+			n++
 		}
-		if c.path == PathRings {
-			b.downgradeLocked(c, proto.ReasonFirewall)
+		c.fw = &fwWait{}
+	}
+	if n > 0 {
+		b.log.Info("adopted flows moved to TCP until their leases show packets past the firewall (it may have changed while no hostd watched)", "moved", n)
+	}
+	b.newEpochLocked()
+}
+
+// RulesetChanged is the firewall's ruleset watch (hostd/ruleset): any
+// change may drop a connection's packets, which the rings would not see.
+// Every connection on the rings moves to TCP (firewall), and every
+// connection, paired or not yet, needs proof of passage under the new
+// ruleset before it may go (back) to the rings.
+func (b *Broker) RulesetChanged() {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed || !b.proofOn() {
+		return
+	}
+	n := 0
+	for c := range b.records {
+		if b.downgradeLocked(c, proto.ReasonFirewall) {
 			n++
 		} else if c.path == PathTCP && c.reason == proto.ReasonNone {
 			c.reason = proto.ReasonFirewall
@@ -50,27 +169,70 @@ func (b *Broker) RulesetChanged() {
 		c.fw = &fwWait{}
 	}
 	if n > 0 {
-		b.log.Info("firewall ruleset changed: connections moved to TCP until their lease carries packets both ways", "moved", n)
+		b.log.Info("firewall ruleset changed: connections moved to TCP until their leases show packets past the new rules both ways", "moved", n)
 	}
-	if !b.fwPolling {
-		b.fwPolling = true
+	b.newEpochLocked()
+}
+
+// newEpochLocked begins an epoch and clears every entry's proof bits.
+func (b *Broker) newEpochLocked() {
+	b.fw.epoch++
+	b.m.ProofEpochs.Inc()
+	if !b.fw.clearing {
+		b.fw.clearing = true
 		b.wg.Add(1)
-		go b.pollFirewall()
+		go b.clearAll()
+	}
+	b.pollLocked()
+}
+
+// clearAll clears every entry's proof bits for the current epoch, again
+// if the epoch moved meanwhile, and retries a failed clear (nothing
+// upgrades until one completes).
+func (b *Broker) clearAll() {
+	defer b.wg.Done()
+	retry := 100 * time.Millisecond
+	for {
+		b.mu.Lock()
+		ep := b.fw.epoch
+		if b.closed || b.fw.cleared == ep {
+			b.fw.clearing = false
+			b.mu.Unlock()
+			return
+		}
+		b.mu.Unlock()
+		start := time.Now()
+		n, err := b.ct.ClearMarks(b.opts.ProofOrig | b.opts.ProofReply)
+		if err != nil {
+			b.log.Warn("cannot clear the conntrack proof bits: no connection goes to the rings until it succeeds", "error", err)
+			select {
+			case <-b.stop:
+				b.mu.Lock()
+				b.fw.clearing = false
+				b.mu.Unlock()
+				return
+			case <-time.After(retry):
+			}
+			retry = min(2*retry, 5*time.Second)
+			continue
+		}
+		b.mu.Lock()
+		if b.fw.epoch == ep {
+			b.fw.cleared = ep
+		}
+		b.mu.Unlock()
+		b.log.Debug("proof bits cleared", "epoch", ep, "entries", n, "took", time.Since(start))
 	}
 }
 
-// pollFirewall reads the counters of the connections waiting after a
-// ruleset change, every FirewallPoll, until none waits or the broker
-// closes. Lookups run without the lock.
-func (b *Broker) pollFirewall() {
+// pollProof serves the connections that wait for proof (on TCP) and
+// sweeps those on the rings, until neither is left or the broker closes.
+// Lookups and clears run without the lock.
+func (b *Broker) pollProof() {
 	defer b.wg.Done()
-	t := time.NewTicker(b.opts.FirewallPoll)
+	every := b.opts.FirewallPoll
+	t := time.NewTicker(every)
 	defer t.Stop()
-	type check struct {
-		c    *Conn
-		w    *fwWait
-		orig ctrack.Tuple
-	}
 	for first := true; ; first = false {
 		if !first {
 			select {
@@ -79,49 +241,140 @@ func (b *Broker) pollFirewall() {
 			case <-t.C:
 			}
 		}
-		b.mu.Lock()
-		var checks []check
-		waiting := 0
-		now := time.Now()
-		for c := range b.records {
-			if c.fw == nil || c.fw.noAcct {
-				continue
-			}
-			waiting++
-			if !c.fw.next.After(now) {
-				checks = append(checks, check{c, c.fw, c.orig})
-			}
-		}
-		if waiting == 0 || b.closed {
-			b.fwPolling = false
-			b.mu.Unlock()
+		waits, sweeps, left := b.dueLocked(time.Now())
+		if !left {
 			return
 		}
-		b.mu.Unlock()
-		for _, k := range checks {
-			e, err := b.ct.Lookup(k.orig)
-			b.mu.Lock()
-			c, w := k.c, k.w
-			switch {
-			case c.fw != w || !b.records[c]:
-				// moved on meanwhile (another change, conntrack gone, closed)
-			case err != nil:
-				// gone: ConntrackDestroyed or Resync handles it
-			case !e.Counted():
-				w.noAcct = true
-				b.log.Info("connection has no conntrack counters (is net.netfilter.nf_conntrack_acct on?): it stays on TCP until the next policy reload", "conn", c.Name())
-			case !w.have:
-				w.have, w.orig, w.repl = true, e.PacketsOrig, e.PacketsReply
-			case e.PacketsOrig > w.orig && e.PacketsReply > w.repl:
-				c.fw = nil
-				if c.path == PathTCP && c.reason == proto.ReasonFirewall && c.live() {
-					b.upgradeLocked(c, time.Now())
-				}
-			default:
-				w.every = min(max(2*w.every, b.opts.FirewallPoll), fwPollMax)
-				w.next = time.Now().Add(w.every)
-			}
-			b.mu.Unlock()
+		for _, c := range waits {
+			b.checkWait(c)
 		}
+		for _, c := range sweeps {
+			b.sweep(c)
+		}
+	}
+}
+
+// dueLocked lists the connections whose check is due; left reports
+// whether the poller still has work (else it stops, marked so under the
+// lock).
+func (b *Broker) dueLocked(now time.Time) (waits, sweeps []*Conn, left bool) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.closed {
+		b.fw.polling = false
+		return nil, nil, false
+	}
+	for c := range b.records {
+		switch {
+		case c.fw != nil:
+			left = true
+			if !c.fw.next.After(now) {
+				waits = append(waits, c)
+			}
+		case c.path == PathRings && b.proofOn():
+			left = true
+			if now.Sub(c.pf.sweptAt) >= b.sweepEvery() {
+				sweeps = append(sweeps, c)
+			}
+		}
+	}
+	if !left && b.fw.cleared == b.fw.epoch {
+		b.fw.polling = false
+		return nil, nil, false
+	}
+	return waits, sweeps, true
+}
+
+// sweepEvery is how often a connection on the rings has its proof read.
+func (b *Broker) sweepEvery() time.Duration { return max(b.opts.ProofMaxAge/4, b.opts.FirewallPoll) }
+
+// checkWait reads the proof of c, a connection waiting on TCP: the first
+// check clears its bits (packets seen before the wait, or by an earlier
+// ruleset, prove nothing now); later ones read them, and once both are
+// set, c goes to the rings if nothing else holds it on TCP.
+func (b *Broker) checkWait(c *Conn) {
+	b.mu.Lock()
+	w, orig := c.fw, c.orig
+	ep := b.lookupEpochLocked()
+	b.mu.Unlock()
+	if w == nil || ep == 0 {
+		return // not yet: the epoch's clear is under way
+	}
+	if !w.cleared {
+		err := b.ct.ClearMark(orig, b.opts.ProofOrig|b.opts.ProofReply)
+		b.mu.Lock()
+		if c.fw == w && err == nil {
+			w.cleared = true
+			w.every, w.next = 0, time.Time{}
+		}
+		b.mu.Unlock()
+		return // gone (err): ConntrackDestroyed or Resync handles it
+	}
+	e, err := b.ct.Lookup(orig)
+	now := time.Now()
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	switch {
+	case c.fw != w || !b.records[c]:
+		// moved on meanwhile (another change, conntrack gone, closed)
+	case err != nil:
+		// gone: ConntrackDestroyed or Resync handles it
+	case b.passed(e.Mark) && b.fw.proofOK(ep):
+		b.sawLocked(c, e, ep, now)
+		c.fw = nil
+		if c.path == PathTCP && c.reason == proto.ReasonFirewall && c.live() {
+			b.upgradeLocked(c, now)
+		}
+	default:
+		w.every = min(max(2*w.every, b.opts.FirewallPoll), fwPollMax)
+		w.next = now.Add(w.every)
+	}
+}
+
+// sweep reads the proof of c, a connection on the rings: both bits set
+// since the last clear renew it (and clear them again); none for
+// ProofMaxAge since the last clear move c to TCP (firewall): its lease's
+// packets no longer pass, whatever dropped them.
+func (b *Broker) sweep(c *Conn) {
+	bits := b.opts.ProofOrig | b.opts.ProofReply
+	b.mu.Lock()
+	orig, cleared := c.orig, c.pf.clearedAt
+	ep := b.lookupEpochLocked()
+	c.pf.sweptAt = time.Now()
+	b.mu.Unlock()
+	if ep == 0 {
+		return
+	}
+	var e ctrack.Entry
+	var err error
+	seen := false
+	if !cleared.IsZero() {
+		if e, err = b.ct.Lookup(orig); err != nil {
+			return // gone: ConntrackDestroyed or Resync handles it
+		}
+		seen = b.passed(e.Mark)
+	}
+	now := time.Now()
+	if cleared.IsZero() || seen {
+		if err := b.ct.ClearMark(orig, bits); err != nil {
+			return
+		}
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if !b.records[c] || c.path != PathRings || c.pf.clearedAt != cleared {
+		return // moved meanwhile
+	}
+	switch {
+	case cleared.IsZero():
+		c.pf.clearedAt = now
+	case seen:
+		b.sawLocked(c, e, ep, now)
+		c.pf.clearedAt = now
+	case now.Sub(cleared) > b.opts.ProofMaxAge:
+		b.m.ProofStale.Inc()
+		b.log.Info("lease shows no packets past the firewall both ways: moved to TCP until it does", "conn", c.Name(), "tuple", c.orig, "for", now.Sub(cleared).Round(time.Millisecond))
+		b.downgradeLocked(c, proto.ReasonFirewall)
+		c.fw = &fwWait{}
 	}
 }

@@ -121,9 +121,6 @@ func (b *Broker) SetPolicy(t *policy.Table) (down, up int) {
 				down++
 			}
 		case c.path == PathTCP && retryOnReload[c.reason] && c.flow == nil:
-			if c.fw != nil && c.fw.noAcct {
-				c.fw = nil
-			}
 			if c.live() && b.upgradeLocked(c, time.Now()) == proto.ReasonNone {
 				up++
 			}

@@ -17,6 +17,7 @@ type half struct {
 	entry ctrack.Entry
 	key   ctrack.Tuple // entry.Reply: where it waits in Broker.waiting
 	at    time.Time
+	ep    uint64 // the proof epoch its lookup began in (firewall.go)
 	timer *time.Timer
 
 	onTimeout proto.Reason // the verdict if the other side does not come
@@ -53,6 +54,7 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 	// An IPv4 connection by its IPv4 tuple, however the guest's socket
 	// named it (proto.Decode already gives this form).
 	t := ctrack.Tuple{Src: m.Local, Dst: m.Remote}.Unmap()
+	ep := b.lookupEpoch()
 	e, reason := b.verify(s.Guest(), m.Role, t)
 	if reason != proto.ReasonNone {
 		b.log.Debug("open refused", "guest", s.Guest().Name, "role", m.Role, "tuple", t, "reason", reason)
@@ -60,7 +62,7 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 		return false
 	}
 	key := e.Reply
-	h := &half{sess: s, req: m.ReqID, role: m.Role, entry: e, key: key, at: at}
+	h := &half{sess: s, req: m.ReqID, role: m.Role, entry: e, key: key, at: at, ep: ep}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	st := b.sessions[s]
@@ -72,6 +74,7 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 		if m.Role == proto.Active {
 			side = region.SideA
 		}
+		b.sawLocked(c, e, ep, at)
 		if b.rejoinLocked(c, s, m.ReqID, side) {
 			return false
 		}
@@ -165,11 +168,19 @@ func (b *Broker) pairLocked(a, p *half, start time.Time) {
 		b.failPairLocked(a, p, proto.ReasonNotOwner)
 		return
 	}
+	// Proof of passage from the OPENs' lookups, if both began in the
+	// current epoch (a side may have reused the other's entry).
+	ep := a.ep
+	if p.ep != ep {
+		ep = 0
+	}
 	if c := b.conns[a.entry.Reply]; c != nil && c.ctid == a.entry.ID && c.a.g == a.sess.Guest() && c.b.g == p.sess.Guest() {
+		b.sawLocked(c, a.entry, ep, start)
 		b.reannouncedLocked(c, a, p)
 		return
 	}
 	c := b.newConnLocked(a, p)
+	b.sawLocked(c, a.entry, ep, start)
 	if reason := b.upgradeLocked(c, start); reason != proto.ReasonNone {
 		b.tellTCP(a.sess, a.req, reason, true)
 		b.tellTCP(p.sess, p.req, reason, false)

@@ -370,54 +370,6 @@ func TestConntrackReuseWhileOldRecordLives(t *testing.T) {
 	sb.none(t)
 }
 
-// TestRulesetChange: a firewall ruleset change moves every connection on
-// the rings to TCP (firewall); it comes back only once its lease carried
-// packets both ways after the change; one direction is not enough.
-func TestRulesetChange(t *testing.T) {
-	w := newWorldOpts(t, policy.Spec{}, broker.Options{FirewallPoll: 5 * time.Millisecond})
-	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	e, _ := w.ct.Lookup(ta)
-	w.b.RulesetChanged()
-	da := sa.expect(t, proto.Down, proto.ReasonFirewall, 1)
-	db := sb.expect(t, proto.Down, proto.ReasonFirewall, 2)
-	w.left(sa, da, proto.SideA)
-	w.left(sb, db, proto.SideB)
-	if r := w.record(t); r.Path != "tcp" || r.Reason != "firewall" || !r.Waiting {
-		t.Fatalf("record %+v, want on TCP (firewall), waiting for its lease", r)
-	}
-	time.Sleep(30 * time.Millisecond) // several polls: the base is read
-	w.ct.Count(e.ID, 5, 0)            // one way only: the other may be dropped
-	sa.none(t)
-	time.Sleep(30 * time.Millisecond)
-	sa.none(t)
-	w.ct.Count(e.ID, 0, 4)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-}
-
-// TestRulesetChangeWithoutCounters: an entry without accounting counters
-// stays on TCP (firewall) until the next policy reload.
-func TestRulesetChangeWithoutCounters(t *testing.T) {
-	w := newWorldOpts(t, policy.Spec{}, broker.Options{FirewallPoll: 5 * time.Millisecond})
-	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	e, _ := w.ct.Lookup(ta)
-	w.ct.Uncount(e.ID)
-	w.b.RulesetChanged()
-	w.left(sa, sa.expect(t, proto.Down, proto.ReasonFirewall, 1), proto.SideA)
-	w.left(sb, sb.expect(t, proto.Down, proto.ReasonFirewall, 2), proto.SideB)
-	time.Sleep(30 * time.Millisecond)
-	sa.none(t)
-	w.b.SetPolicy(mustCompile(t, policy.Spec{}))
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-}
-
 // TestAdminDowngrade: an operator's downgrade (by the record's or the ring
 // pair's name) lasts until the next policy reload.
 func TestAdminDowngrade(t *testing.T) {

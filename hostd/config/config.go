@@ -32,6 +32,7 @@ type Config struct {
 	ReattachGrace  time.Duration
 	ShutdownGrace  time.Duration // how long a stopping hostd waits for the guests to leave the rings
 	WatchRuleset   bool          // watch the firewall's ruleset and move connections to TCP on a change
+	ProofMaxAge    time.Duration // how long a connection may use the rings without its lease showing packets past the filter
 	Witness        bool          // eBPF witness of SYN origin on guest interfaces (Ownership witness or both)
 	Ownership      string        // how a guest proves a connection is its own: an Ownership* value
 	CTMarkMask     uint32        // the bits of the conntrack mark hostd sets (hostd/mark)
@@ -160,6 +161,7 @@ type file struct {
 	ReattachGrace  string        `hcl:"reattach_grace,optional"`
 	ShutdownGrace  string        `hcl:"shutdown_grace,optional"`
 	WatchRuleset   *bool         `hcl:"watch_ruleset,optional"`
+	ProofMaxAge    string        `hcl:"proof_max_age,optional"`
 	Witness        bool          `hcl:"witness,optional"`
 	Ownership      string        `hcl:"ownership,optional"`
 	CTMarkMask     string        `hcl:"ct_mark_mask,optional"`
@@ -268,6 +270,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		return nil, fmt.Errorf("%s", at("shutdown_grace: "+err.Error()))
 	}
 	c.WatchRuleset = raw.WatchRuleset == nil || *raw.WatchRuleset
+	if c.ProofMaxAge, err = duration(raw.ProofMaxAge, 35*time.Second); err != nil || c.ProofMaxAge < time.Second {
+		return nil, fmt.Errorf("%s", at(fmt.Sprintf("proof_max_age %q: want a duration of at least 1s, such as \"35s\" (a little over two TCP keepalive intervals of the guest libraries)", raw.ProofMaxAge)))
+	}
 	if err := c.ownership(raw); err != nil {
 		return nil, fmt.Errorf("%s", at(err.Error()))
 	}

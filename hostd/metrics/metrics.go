@@ -29,6 +29,10 @@ type Set struct {
 	AcceptErrors  prometheus.Counter     // failed accepts on control sockets, retried
 	ClosedSession *prometheus.CounterVec // reason: sessions hostd closed (silent, not-reading)
 	KicksMerged   prometheus.Counter     // KICKs merged into one already queued
+
+	// The firewall's authority (hostd/broker/firewall.go).
+	ProofEpochs prometheus.Counter // ruleset epochs begun (changes seen, and hostd's start)
+	ProofStale  prometheus.Counter // connections moved off the rings for no passage past the filter
 }
 
 // The kinds of Limited, one per limit in hostd.hcl's limits block.
@@ -88,9 +92,15 @@ func New() *Set {
 		KicksMerged: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "shunt_control_kicks_merged_total", Help: "Relayed KICKs merged into one already waiting for the same flow side.",
 		}),
+		ProofEpochs: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_firewall_epochs_total", Help: "Firewall epochs begun: ruleset changes seen, and hostd's start. Each clears every connection's proof of passage.",
+		}),
+		ProofStale: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_firewall_stale_total", Help: "Connections moved from the rings to TCP because their lease showed no packets past the firewall both ways within proof_max_age (a drop that sent no ruleset event: dynamic set, link down, tc, route).",
+		}),
 	}
 	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Plug, s.Malformed, s.Sessions,
-		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged,
+		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged, s.ProofEpochs, s.ProofStale,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range proto.Reasons() {
 		s.Fallbacks.WithLabelValues(r.String())
