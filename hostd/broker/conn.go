@@ -74,12 +74,12 @@ type Conn struct {
 	switches int
 	rule     string // the policy rule that last decided it (rings, or tcp(policy))
 	created  time.Time
-	ringAB   uint64  // bytes its freed ring pairs carried, per direction
-	ringBA   uint64  //
+	ringAB   uint64     // bytes its freed ring pairs carried, per direction
+	ringBA   uint64     //
 	fw       *fwWait    // it waits on TCP for proof of passage (firewall.go)
 	pf       leaseProof // its proof of passage past the firewall
-	indexed  bool    // in Broker.conns
-	noReqs   bool    // adopted after a restart: its ends' request ids are unknown until they OPEN again
+	indexed  bool       // in Broker.conns
+	noReqs   bool       // adopted after a restart: its ends' request ids are unknown until they OPEN again
 }
 
 // Name names the record in listings and for `hostd downgrade`.
