@@ -141,9 +141,14 @@ static void from_sockaddr(const struct sockaddr_storage *ss, struct shunt_addr *
 
 static void tune(int fd)
 {
-	int one = 1;
+	int one = 1, idle = 15, intvl = 5;
 	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one); /* the lease */
+	/* The lease: hostd keeps a connection on the rings only while its
+	 * packets are seen past the firewall both ways (proof_max_age, 35 s
+	 * by default), so an idle one probes every 15 s, as guestlib does. */
+	setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &one, sizeof one);
+	setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+	setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
 }
 
 /* lease_open connects a new lease to ep (nothing bound first: the kernel

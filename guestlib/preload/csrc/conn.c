@@ -11,6 +11,8 @@
 #include <errno.h>
 #include <linux/futex.h>
 #include <limits.h>
+#include <netinet/in.h>
+#include <netinet/tcp.h>
 #include <sched.h>
 #include <stdlib.h>
 #include <string.h>
@@ -169,6 +171,22 @@ static struct flow *hold(struct flow *f)
 	return f;
 }
 
+/* lease_keepalive keeps an idle lease's packets coming while its bytes
+ * take the rings: hostd keeps a connection there only while its packets
+ * are seen past the firewall both ways (proof_max_age, 35 s by default).
+ * A program that set keepalive itself keeps its own timing. */
+static void lease_keepalive(int fd)
+{
+	int on = 0, idle = 15, intvl = 5;
+	socklen_t len = sizeof on;
+	if (real_getsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, &len) == 0 && on)
+		return;
+	on = 1;
+	real_setsockopt(fd, SOL_SOCKET, SO_KEEPALIVE, &on, sizeof on);
+	real_setsockopt(fd, IPPROTO_TCP, TCP_KEEPIDLE, &idle, sizeof idle);
+	real_setsockopt(fd, IPPROTO_TCP, TCP_KEEPINTVL, &intvl, sizeof intvl);
+}
+
 static void ready(struct flow *f, const struct shunt_msg *m)
 {
 	struct rings *old = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
@@ -207,6 +225,7 @@ static void ready(struct flow *f, const struct shunt_msg *m)
 		shunt_ring_attach_reader(&rg->sf.r);
 	pthread_mutex_unlock(&f->rmu);
 	guard(f->fd);
+	lease_keepalive(f->fd);
 	plog("shunt: fd %d: shunt (slot %u, ring %llu bytes)", f->fd, m->slot, (unsigned long long)rg->sf.r.cap);
 	flow_wake(f); /* a reader asleep on TCP now waits for the ring's start too */
 }
