@@ -88,10 +88,11 @@ func (b *Broker) sawLocked(c *Conn, e ctrack.Entry, ep uint64, at time.Time) {
 }
 
 // fwWait is a connection's wait for proof of passage, on TCP: the poller
-// clears its entry's bits (unless the epoch's clear just did), then reads
-// them until both are set.
+// reads its entry's bits until both are set. Bits set since the epoch's
+// clear prove passage in the epoch; only a connection whose proof is of
+// this epoch but too old has its own bits cleared first.
 type fwWait struct {
-	cleared bool // its bits were cleared for this wait
+	stale bool // its bits must be cleared before they count
 	// An idle lease may wait long: its checks back off, from every
 	// FirewallPoll up to fwPollMax, so that many idle connections cost
 	// few lookups.
@@ -105,7 +106,7 @@ const fwPollMax = 5 * time.Second
 // waitProofLocked makes c wait for proof, and starts the poller.
 func (b *Broker) waitProofLocked(c *Conn) {
 	if c.fw == nil {
-		c.fw = &fwWait{}
+		c.fw = &fwWait{stale: c.pf.epoch != 0 && c.pf.epoch == b.fw.epoch}
 	}
 	b.pollLocked()
 }
@@ -288,10 +289,10 @@ func (b *Broker) dueLocked(now time.Time) (waits, sweeps []*Conn, left bool) {
 // sweepEvery is how often a connection on the rings has its proof read.
 func (b *Broker) sweepEvery() time.Duration { return max(b.opts.ProofMaxAge/4, b.opts.FirewallPoll) }
 
-// checkWait reads the proof of c, a connection waiting on TCP: the first
-// check clears its bits (packets seen before the wait, or by an earlier
-// ruleset, prove nothing now); later ones read them, and once both are
-// set, c goes to the rings if nothing else holds it on TCP.
+// checkWait reads the proof of c, a connection waiting on TCP (a stale
+// one's bits are cleared first: packets seen long ago prove nothing now);
+// once both bits are set, c goes to the rings if nothing else holds it on
+// TCP.
 func (b *Broker) checkWait(c *Conn) {
 	b.mu.Lock()
 	w, orig := c.fw, c.orig
@@ -300,11 +301,11 @@ func (b *Broker) checkWait(c *Conn) {
 	if w == nil || ep == 0 {
 		return // not yet: the epoch's clear is under way
 	}
-	if !w.cleared {
+	if w.stale {
 		err := b.ct.ClearMark(orig, b.opts.ProofOrig|b.opts.ProofReply)
 		b.mu.Lock()
 		if c.fw == w && err == nil {
-			w.cleared = true
+			w.stale = false
 			w.every, w.next = 0, time.Time{}
 		}
 		b.mu.Unlock()

@@ -1,0 +1,139 @@
+package integration
+
+import (
+	"regexp"
+	"strconv"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/integration/nsrig"
+)
+
+// The firewall keeps its authority over time (issue 20; docs/SECURITY.md,
+// "Proof of passage"). Each test adds a DROP rule of the operator's
+// (nftables, priority -5 in forward: before the rig's established-accept
+// rule) and checks, with the rule's own counters, that the rule saw the
+// lease's packets while no byte crossed the rings.
+
+// dropBoth adds a table that drops port's TCP packets both ways, with
+// counters, and removes it when the test ends.
+func (e *env) dropBoth(t *testing.T, port int) {
+	t.Helper()
+	p := strconv.Itoa(port)
+	e.hostCmd("nft", "add table inet shunt_test_fw")
+	t.Cleanup(func() { nsrig.Run(e.rig.HostNSPath(), "nft", "delete table inet shunt_test_fw") })
+	e.hostCmd("nft", "add chain inet shunt_test_fw fw { type filter hook forward priority -5 ; }")
+	e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp dport "+p+" counter drop")
+	e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp sport "+p+" counter drop")
+}
+
+// dropped is how many packets the drop rules dropped.
+func (e *env) dropped(t *testing.T) int {
+	t.Helper()
+	out := e.hostCmd("nft", "list table inet shunt_test_fw")
+	n := 0
+	for _, m := range regexp.MustCompile(`counter packets (\d+)`).FindAllStringSubmatch(out, -1) {
+		v, _ := strconv.Atoi(m[1])
+		n += v
+	}
+	return n
+}
+
+// holdsTCP checks, for d, that the connection to port stays on TCP with
+// reason firewall and that its streams move no byte.
+func (e *env) holdsTCP(t *testing.T, port int, d time.Duration, ss ...*stream) {
+	t.Helper()
+	before := make([]int64, len(ss))
+	for i, s := range ss {
+		before[i] = s.got.Load()
+	}
+	for end := time.Now().Add(d); time.Now().Before(end); time.Sleep(50 * time.Millisecond) {
+		if r, ok := e.connOn(port); !ok || r.Path != "tcp" || r.Reason != "firewall" {
+			t.Fatalf("while the filter drops the lease: record %+v (found %v), want on TCP (firewall)\nflows: %+v", r, ok, e.flows())
+		}
+	}
+	for i, s := range ss {
+		if got := s.got.Load(); got != before[i] {
+			t.Fatalf("stream %d: %d bytes arrived past a rule that drops the connection", i, got-before[i])
+		}
+	}
+}
+
+// TestFirewallDropBothWays: the operator drops a live connection both
+// ways while both ends write. Conntrack counts the dropped retransmissions
+// in both directions (its hooks run before the filter), which used to
+// send the connection back to the rings within a second (finding 2); now
+// it stays on TCP, no byte crosses, the rule's counters show it dropped
+// the lease's packets, and the connection returns to the rings soon after
+// the rule goes.
+func TestFirewallDropBothWays(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5251)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab, ba := both(t, c, s, 71)
+	progress(4<<20, ab, ba)
+	e.dropBoth(t, 5251)
+	onTCP(t, "both ends on TCP after the ruleset changed", c, s)
+	time.Sleep(500 * time.Millisecond) // what was in flight
+	e.holdsTCP(t, 5251, 3*time.Second, ab, ba)
+	if n := e.dropped(t); n == 0 {
+		t.Fatal("the drop rules dropped no packet: the test proves nothing")
+	}
+	e.hostCmd("nft", "delete table inet shunt_test_fw")
+	progress(4<<20, ab, ba) // TCP retransmits once the rule is gone
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+	}
+	progress(4<<20, ab, ba)
+	ab.finish()
+	ba.finish()
+}
+
+// TestFirewallRestartUnderDrop: with the rule in place and the connection
+// on TCP, hostd restarts; the libraries announce the connection again and
+// the new hostd must not give it the rings (finding 4: it used to answer
+// READY). A rule added while hostd is down holds too: the adopted flow
+// leaves the rings at start.
+func TestFirewallRestartUnderDrop(t *testing.T) {
+	e := newEnv(t, 2, "")
+	c, s := e.pair(1, 2, 5252)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	ab, ba := both(t, c, s, 81)
+	progress(2<<20, ab, ba)
+
+	// A rule added while hostd is down.
+	e.killHostd()
+	e.dropBoth(t, 5252)
+	e.startHostd()
+	onTCP(t, "both ends on TCP after hostd came back", c, s)
+	eventually(t, 10*time.Second, "the record on TCP (firewall) after the restart", func() bool {
+		r, ok := e.connOn(5252)
+		return ok && r.Path == "tcp" && r.Reason == "firewall"
+	})
+	time.Sleep(500 * time.Millisecond)
+	e.holdsTCP(t, 5252, 2*time.Second, ab, ba)
+
+	// A restart while the rule holds: the libraries re-OPEN.
+	e.killHostd()
+	e.startHostd()
+	eventually(t, 10*time.Second, "the connection announced again to the new hostd", func() bool {
+		r, ok := e.connOn(5252)
+		return ok && r.Attached == "ab"
+	})
+	e.holdsTCP(t, 5252, 2*time.Second, ab, ba)
+	if n := e.dropped(t); n == 0 {
+		t.Fatal("the drop rules dropped no packet: the test proves nothing")
+	}
+	e.hostCmd("nft", "delete table inet shunt_test_fw")
+	progress(2<<20, ab, ba)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+	}
+	progress(2<<20, ab, ba)
+	ab.finish()
+	ba.finish()
+}
