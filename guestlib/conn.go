@@ -85,6 +85,7 @@ type Conn struct {
 	wshut     atomic.Bool // CloseWrite or Close: no more writes
 	rshut     atomic.Bool // CloseRead: reads return EOF
 	closed    atomic.Bool
+	lost      atomic.Bool // its rings' memory faulted (fault.go)
 	closeOnce sync.Once
 
 	// dlMu guards the deadlines and the TCP read interruption: pokeRead
@@ -335,7 +336,7 @@ func (c *Conn) CloseWrite() error {
 		// the kernel's shutdown ends it, as it would without Shunt.
 		return c.tcp.CloseWrite()
 	}
-	c.writerSyncLocked()
+	c.guarded("close", c.writerSyncLocked)
 	c.writeMu.Unlock()
 	return c.tcp.CloseWrite()
 }
@@ -401,11 +402,12 @@ func (c *Conn) close() error {
 	wlocked := c.lockWriterForShut()
 	if wlocked {
 		c.zcResv = false // an uncommitted reservation is dropped
-		c.writerSyncLocked()
+		c.guarded("close", c.writerSyncLocked)
 		c.writeMu.Unlock()
 	}
 	c.readMu.Lock()
-	unread := c.leaveReadForCloseLocked()
+	var unread bool
+	c.guarded("close", func() { unread = c.leaveReadForCloseLocked() })
 	c.readMu.Unlock()
 	if unread {
 		_ = c.tcp.SetLinger(0)
@@ -418,7 +420,7 @@ func (c *Conn) close() error {
 	if !wlocked { // the kernel close ended the Write blocked in it
 		c.writeMu.Lock()
 		c.zcResv = false
-		c.writerSyncLocked()
+		c.guarded("close", c.writerSyncLocked)
 		c.writeMu.Unlock()
 	}
 	c.leaverWG.Wait()

@@ -8,6 +8,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/shm/ring"
 )
 
@@ -23,7 +24,8 @@ import (
 var errAgain = errors.New("again")
 
 // Read implements net.Conn.
-func (c *Conn) Read(p []byte) (int, error) {
+func (c *Conn) Read(p []byte) (_ int, err error) {
+	defer c.caught(fault.Arm(), "read", &err)
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
 	if len(p) == 0 {
@@ -315,11 +317,15 @@ func (c *Conn) endTCPRead() (poked bool, dl time.Time) {
 func (c *Conn) watch(f *flow, stop *atomic.Bool, done chan<- struct{}) {
 	defer close(done)
 	quit := func() bool { return stop.Load() || f.peerGone.Load() || c.closed.Load() }
-	for !stop.Load() {
-		if _, ok := f.rd.Started(); ok || f.rd.WriterLeft() || f.peerGone.Load() || c.closed.Load() {
-			c.pokeRead()
-			return
+	if fault.Do(func() {
+		for !stop.Load() {
+			if _, ok := f.rd.Started(); ok || f.rd.WriterLeft() || f.peerGone.Load() || c.closed.Load() {
+				c.pokeRead()
+				return
+			}
+			_ = f.rd.Wait(quit, time.Time{})
 		}
-		_ = f.rd.Wait(quit, time.Time{})
+	}) != nil {
+		c.pokeRead() // the Read finds the memory gone itself
 	}
 }

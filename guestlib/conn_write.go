@@ -5,6 +5,7 @@ import (
 	"net"
 	"os"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/shm/ring"
 )
 
@@ -23,7 +24,8 @@ const tcpChunk = 64 << 10
 var errSwitched = errors.New("switched")
 
 // Write implements net.Conn.
-func (c *Conn) Write(p []byte) (int, error) {
+func (c *Conn) Write(p []byte) (_ int, err error) {
+	defer c.caught(fault.Arm(), "write", &err)
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	return c.writeLocked(p)
@@ -152,7 +154,8 @@ func (c *Conn) ringSent(n int) {
 // place, until ReleaseRead(n) consumes them), blocking until at least one
 // is readable. On TCP it reads into an internal buffer, consumed at once:
 // callers need not care which path is active.
-func (c *Conn) ReadBuffer(max int) ([]byte, error) {
+func (c *Conn) ReadBuffer(max int) (_ []byte, err error) {
+	defer c.caught(fault.Arm(), "read", &err)
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
 	if max <= 0 {
@@ -192,7 +195,8 @@ func (c *Conn) ReadBuffer(max int) ([]byte, error) {
 
 // ReleaseRead consumes n bytes returned by ReadBuffer (on TCP they were
 // consumed already).
-func (c *Conn) ReleaseRead(n int) error {
+func (c *Conn) ReleaseRead(n int) (err error) {
+	defer c.caught(fault.Arm(), "read", &err)
 	c.readMu.Lock()
 	defer c.readMu.Unlock()
 	if !c.zcPeek || c.rf == nil {
@@ -210,7 +214,8 @@ func (c *Conn) ReleaseRead(n int) error {
 // WriteBuffer returns up to max bytes to fill in place (ring space when
 // the writer is on a ring: zero copy), blocking until some is free;
 // CommitWrite(n) sends them.
-func (c *Conn) WriteBuffer(max int) ([]byte, error) {
+func (c *Conn) WriteBuffer(max int) (_ []byte, err error) {
+	defer c.caught(fault.Arm(), "write", &err)
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	if expired(c.writeDeadline()) {
@@ -244,7 +249,8 @@ func (c *Conn) WriteBuffer(max int) ([]byte, error) {
 }
 
 // CommitWrite sends the first n bytes of the last WriteBuffer.
-func (c *Conn) CommitWrite(n int) error {
+func (c *Conn) CommitWrite(n int) (err error) {
+	defer c.caught(fault.Arm(), "write", &err)
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
 	if c.zcResv && c.wf != nil {
@@ -259,6 +265,6 @@ func (c *Conn) CommitWrite(n int) error {
 	if n < 0 || n > len(c.zcWrite) {
 		return c.opErr("write", ring.ErrBadCommit)
 	}
-	_, err := c.writeLocked(c.zcWrite[:n])
+	_, err = c.writeLocked(c.zcWrite[:n])
 	return err
 }

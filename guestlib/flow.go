@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
 )
@@ -44,7 +45,8 @@ func (f *flow) release() {
 // reports an error when the Conn cannot take it (closed, still holding
 // the previous rings, rings that do not check out); the Client then gives
 // the rings back. Called from the Client's reader: it never blocks.
-func (c *Conn) ready(m proto.Msg) error {
+func (c *Conn) ready(m proto.Msg) (err error) {
+	defer c.caught(fault.Arm(), "ready", &err)
 	c.fmu.Lock()
 	defer c.fmu.Unlock()
 	c.ansOnce.Do(func() { close(c.answered) })
@@ -122,14 +124,16 @@ func (c *Conn) down(k flowKey, r proto.Reason) bool {
 // without blocking; it reports whether both have left.
 func (c *Conn) tryLeave(f *flow) bool {
 	if !f.wLeft.Load() && c.writeMu.TryLock() {
-		c.writerSyncLocked()
+		c.guarded("leave", c.writerSyncLocked)
 		c.writeMu.Unlock()
 	}
 	if !f.rLeft.Load() && c.readMu.TryLock() {
-		c.readerTryLeaveLocked()
+		c.guarded("leave", c.readerTryLeaveLocked)
 		c.readMu.Unlock()
 	}
-	return f.wLeft.Load() && f.rLeft.Load()
+	// Rings whose memory is gone cannot be left: the leaver stops, and
+	// hostd frees them at CLOSE or when its grace for the region ends.
+	return f.wLeft.Load() && f.rLeft.Load() || c.lost.Load()
 }
 
 // Leaver polls: the directions it waits for are busy (their call leaves

@@ -36,7 +36,7 @@ func (a *Agent) openGroups() error {
 	}
 	a.files = files
 	a.pairs = &pairRegions{log: a.log.Named("regions"), files: files, dir: a.cfg.RegionDir, geo: map[string]region.Geometry{},
-		access: map[string]region.Access{}, live: map[*region.Pool]*os.File{}}
+		access: map[string]region.Access{}, live: map[*region.Pool]*os.File{}, sealed: map[*region.Pool]string{}}
 	a.groups = map[string]*broker.Group{}
 	for _, g := range a.cfg.Groups {
 		acc, err := regionAccess(g)
@@ -104,11 +104,12 @@ func regionAccess(g config.Group) (region.Access, error) {
 	return region.Access{Gid: gid}, nil
 }
 
-// pairRegions keeps the regions of guest pairs as files
-// region_dir/pair-A-B-pID (A the lower guest id, ID the region's), each with its shadow in state_dir: the broker's
-// PairRegions. Both directories are root-only, so no guest can open a pair
-// region by path; its two guests get it as a descriptor, or (VMs) as a
-// device QEMU plugs in. The region of a pair with a libvirt domain in it
+// pairRegions keeps the regions of guest pairs, each with its shadow in
+// state_dir: the broker's PairRegions. Two process guests get theirs as a
+// sealed memfd (region.Files.CreateSealed; shadow sealed-pair-A-B-pID, A
+// the lower guest id, ID the region's), which has no path and cannot grow. Two VMs get theirs as a file
+// region_dir/pair-A-B-pID, a device QEMU plugs in; region_dir is
+// root-only, so no guest can open it by path. The region of a pair with a libvirt domain in it
 // is /dev/shm/shunt-pair-A-B-pID instead (virt.PairShmem; state name
 // shmpair-A-B-pID), since libvirt backs a <shmem> device only with
 // /dev/shm/<name>: created by hostd as a group region is (O_EXCL,
@@ -121,8 +122,9 @@ type pairRegions struct {
 	geo    map[string]region.Geometry // by trust group
 	access map[string]region.Access   // by trust group: its region_group
 
-	mu   sync.Mutex
-	live map[*region.Pool]*os.File // made or adopted, not dropped: closed (kept) when hostd stops
+	mu     sync.Mutex
+	live   map[*region.Pool]*os.File // made or adopted, not dropped: closed (kept) when hostd stops
+	sealed map[*region.Pool]string   // the live sealed ones, by state name
 }
 
 // pairName is the file name of region id of guests a and b (a the lower
@@ -133,6 +135,14 @@ func pairName(a, b, id uint32) string { return fmt.Sprintf("pair-%d-%d-p%d", a, 
 
 // shmPairPrefix begins the state names of pair regions in /dev/shm.
 const shmPairPrefix = "shm"
+
+// sealedPrefix begins the state names of process guests' (sealed) pair
+// regions.
+const sealedPrefix = "sealed-"
+
+// sealed reports whether the pair region of a and b is a sealed memfd:
+// process guests, which get it as a descriptor.
+func sealed(a, b *broker.Guest) bool { return !a.SharedRegion && !b.SharedRegion }
 
 // place returns where region id of guests a and b (a.ID <= b.ID) lives:
 // its path, state name and who besides hostd may open it.
@@ -147,8 +157,16 @@ func (p *pairRegions) place(a, b *broker.Guest, id uint32) (path, name string, a
 
 // Make implements broker.PairRegions.
 func (p *pairRegions) Make(id uint32, a, b *broker.Guest) (*region.Pool, *os.File, error) {
-	path, name, acc := p.place(a, b, id)
 	m := region.Meta{Kind: region.KindPair, ID: id, GuestA: a.ID, GuestB: b.ID}
+	if sealed(a, b) {
+		name := sealedPrefix + pairName(a.ID, b.ID, id)
+		pool, f, err := p.files.CreateSealed(name, m, p.geo[a.Group.Name], nil)
+		if err == nil {
+			p.keepSealed(pool, f, name)
+		}
+		return pool, f, err
+	}
+	path, name, acc := p.place(a, b, id)
 	pool, f, err := p.files.Create(path, name, m, p.geo[a.Group.Name], acc, nil)
 	if errors.Is(err, region.ErrNotOurs) {
 		// Left in hostd's own directory by a hostd that died between
@@ -173,6 +191,14 @@ func (p *pairRegions) keep(pool *region.Pool, f *os.File) {
 	p.live[pool] = f
 }
 
+// keepSealed keeps a sealed region, whose state is called name.
+func (p *pairRegions) keepSealed(pool *region.Pool, f *os.File, name string) {
+	p.keep(pool, f)
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	p.sealed[pool] = name
+}
+
 // close unmaps every pair region and closes its file, leaving the files
 // and shadows for the next hostd.
 func (p *pairRegions) close() {
@@ -183,15 +209,25 @@ func (p *pairRegions) close() {
 		f.Close()
 	}
 	p.live = map[*region.Pool]*os.File{}
+	p.sealed = map[*region.Pool]string{}
 }
 
 // Drop implements broker.PairRegions.
 func (p *pairRegions) Drop(r *broker.Region) {
-	path, name, _ := p.place(r.A, r.B, r.ID)
 	p.mu.Lock()
 	delete(p.live, r.Pool)
+	sname, sealed := p.sealed[r.Pool]
+	delete(p.sealed, r.Pool)
 	p.mu.Unlock()
 	r.Pool.Close()
+	if sealed {
+		r.File.Close()
+		if err := p.files.RemoveState(sname); err != nil {
+			p.log.Warn("cannot remove a pair region's state", "region", r.Name(), "error", err)
+		}
+		return
+	}
+	path, name, _ := p.place(r.A, r.B, r.ID)
 	if r.File != nil {
 		r.File.Close()
 	}
@@ -217,6 +253,7 @@ func (a *Agent) adoptPairs() {
 		a.log.Warn("cannot list pair regions to adopt", "error", err)
 		return
 	}
+	a.adoptSealed()
 	known := map[string]bool{}
 	for _, name := range names {
 		known[name] = true
@@ -253,6 +290,40 @@ func (a *Agent) adoptPairs() {
 			a.log.Warn("removing a file in region_dir that hostd has no record of", "path", filepath.Join(a.cfg.RegionDir, e.Name()))
 			_ = os.Remove(filepath.Join(a.cfg.RegionDir, e.Name()))
 		}
+	}
+}
+
+// adoptSealed finds the sealed pair regions an earlier hostd left (those
+// its shadows name) in the guests that still map them, and hands their
+// flows to the broker; a shadow whose region cannot be adopted (no
+// process holds it any more, it was shrunk, its guests are gone, or it
+// has no live flow) is removed, and the region, if found, truncated.
+func (a *Agent) adoptSealed() {
+	names, err := a.files.Names(sealedPrefix + "pair-")
+	if err != nil {
+		a.log.Warn("cannot list pair regions to adopt", "error", err)
+		return
+	}
+	for _, name := range names {
+		pool, m, f, problems, err := a.files.AdoptSealed(name, nil)
+		if err != nil {
+			a.log.Warn("pair region not adopted (its flows are lost)", "region", name, "error", err)
+			_ = a.files.RemoveState(name)
+			continue
+		}
+		for _, p := range problems {
+			a.log.Warn("region slot dropped", "region", name, "problem", p)
+		}
+		n, ok := a.b.AdoptPair(m, pool, f)
+		if !ok {
+			pool.Close()
+			_ = f.Truncate(0)
+			f.Close()
+			_ = a.files.RemoveState(name)
+			continue
+		}
+		a.pairs.keepSealed(pool, f, name)
+		a.log.Info("adopted live flows from a pair region", "region", name, "flows", n)
 	}
 }
 

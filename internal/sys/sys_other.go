@@ -12,7 +12,13 @@ import (
 // ErrUnsupported is returned by every call on systems other than Linux.
 var ErrUnsupported = errors.New("shunt: shared memory and futexes need Linux")
 
-func Memfd(name string, size int64) (*os.File, error)             { return nil, ErrUnsupported }
+func Memfd(name string, size int64) (*os.File, error) { return nil, ErrUnsupported }
+
+// Sealed: see sys_linux.go.
+const Sealed = 0
+
+func SealedMemfd(name string, size int64) (*os.File, error)       { return nil, ErrUnsupported }
+func Seals(f *os.File) (int, error)                               { return 0, ErrUnsupported }
 func Map(f *os.File, size int) ([]byte, error)                    { return nil, ErrUnsupported }
 func Unmap(mem []byte) error                                      { return ErrUnsupported }
 func Retire(mem []byte) error                                     { return ErrUnsupported }

@@ -134,30 +134,36 @@ func (fl *Files) Create(path, name string, m Meta, g Geometry, a Access, sig wai
 	if m.Kind == KindPair {
 		r.SetName(m.ID, m.GuestA, m.GuestB)
 	}
-	defer func() {
-		if err != nil {
-			r.Close()
-		}
-	}()
+	p, err := fl.record(name, m, g, r, sig)
+	if err != nil {
+		r.Close()
+		return nil, nil, err
+	}
+	return p, f, nil
+}
+
+// record makes the fresh shadow of region r, named name, and returns its
+// pool, which persists to it.
+func (fl *Files) record(name string, m Meta, g Geometry, r *Region, sig wait.Signal) (*Pool, error) {
 	sp := fl.statePath(name)
 	_ = os.Remove(sp)
 	sf, err := os.OpenFile(sp, os.O_RDWR|os.O_CREATE|os.O_EXCL|syscall.O_NOFOLLOW, 0o600)
 	if err != nil {
-		return nil, nil, fmt.Errorf("create region state %s: %w", sp, err)
+		return nil, fmt.Errorf("create region state %s: %w", sp, err)
 	}
 	sh, err := newShadow(sf, m, g)
 	if err != nil {
 		sf.Close()
 		_ = os.Remove(sp)
-		return nil, nil, err
+		return nil, err
 	}
 	p := NewPool(r, sig)
 	if err := p.Persist(sh); err != nil {
 		sh.Close()
 		_ = os.Remove(sp)
-		return nil, nil, err
+		return nil, err
 	}
-	return p, f, nil
+	return p, nil
 }
 
 // Adopt reopens region file path, which hostd created with Create under the
@@ -225,14 +231,25 @@ func (fl *Files) Adopt(path, name string, a Access, sig wait.Signal) (_ *Pool, _
 	if err := f.Chmod(os.FileMode(a.perm())); err != nil {
 		return nil, Meta{}, nil, nil, fmt.Errorf("chmod region %s: %w", path, err)
 	}
-	gen := m.Generation + 1
-	r, err := mapAnd(f, g.Size, func(mem []byte) (*Region, error) { return rewriteHeader(mem, g, gen) })
+	p, problems, err := adoptMapped(f, sh, sig)
 	if err != nil {
 		return nil, Meta{}, nil, nil, err
 	}
+	return p, sh.Meta(), f, problems, nil
+}
+
+// adoptMapped maps the region file f that shadow sh names, rewrites its
+// header from the shadow with the next generation, and adopts its pool.
+func adoptMapped(f *os.File, sh *Shadow, sig wait.Signal) (*Pool, []error, error) {
+	m, g := sh.Meta(), sh.Geometry()
+	gen := m.Generation + 1
+	r, err := mapAnd(f, g.Size, func(mem []byte) (*Region, error) { return rewriteHeader(mem, g, gen) })
+	if err != nil {
+		return nil, nil, err
+	}
 	if err := sh.SetGeneration(gen); err != nil {
 		r.Close()
-		return nil, Meta{}, nil, nil, err
+		return nil, nil, err
 	}
 	if m.Kind == KindPair {
 		r.SetName(m.ID, m.GuestA, m.GuestB)
@@ -240,9 +257,9 @@ func (fl *Files) Adopt(path, name string, a Access, sig wait.Signal) (_ *Pool, _
 	p, problems, err := AdoptShadow(r, sh, sig)
 	if err != nil {
 		r.Close()
-		return nil, Meta{}, nil, nil, err
+		return nil, nil, err
 	}
-	return p, sh.Meta(), f, problems, nil
+	return p, problems, nil
 }
 
 // loadShadowChecked checks the shadow file sf (hostd's own, but checked

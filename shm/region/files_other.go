@@ -33,3 +33,10 @@ func (fl *Files) Adopt(path, name string, a Access, sig wait.Signal) (*Pool, Met
 }
 func (fl *Files) Remove(path, name string) error        { return errUnsupported }
 func (fl *Files) Names(prefix string) ([]string, error) { return nil, errUnsupported }
+func (fl *Files) CreateSealed(name string, m Meta, g Geometry, sig wait.Signal) (*Pool, *os.File, error) {
+	return nil, nil, errUnsupported
+}
+func (fl *Files) AdoptSealed(name string, sig wait.Signal) (*Pool, Meta, *os.File, []error, error) {
+	return nil, Meta{}, nil, nil, errUnsupported
+}
+func (fl *Files) RemoveState(name string) error { return errUnsupported }

@@ -8,6 +8,7 @@ import (
 	"net/netip"
 	"sync"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/wait"
 )
@@ -27,6 +28,11 @@ import (
 // Rings are sized per flow (a power of two chosen by policy) and carved
 // first-fit from the heap in whole chunks; see docs/region.md for why this
 // beats fixed per-slot rings. A Pool is safe for concurrent use.
+//
+// Every access to the region's memory is fault-safe (touchLocked): a guest
+// that truncates the region file makes the memory fault, and the Pool then
+// counts the region dead (Dead) and goes on keeping its own record, so
+// hostd can still free, list and drop the region's flows.
 type Pool struct {
 	r    *Region
 	wake wait.Policy // wakes ring ends on revoke
@@ -38,6 +44,30 @@ type Pool struct {
 	gen    uint64   // the last generation handed out, in any slot
 	shadow *Shadow  // nil: not persisted
 	closed bool
+	dead   bool // the region's memory faulted: it is no longer touched
+}
+
+// touchLocked runs fn, which writes or reads the region's memory, unless
+// the region is dead; a fault in it (the file was truncated under the
+// mapping) makes the region dead. It reports whether fn ran to its end.
+func (p *Pool) touchLocked(fn func()) bool {
+	if p.dead {
+		return false
+	}
+	if err := fault.Do(fn); err != nil {
+		p.dead = true
+		return false
+	}
+	return true
+}
+
+// Dead reports whether the region's memory faulted under hostd (a guest
+// or hostd truncated its file): its flows cannot go on, and the region
+// takes no new flow.
+func (p *Pool) Dead() bool {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.dead
 }
 
 // Request describes a flow to allocate.
@@ -142,18 +172,20 @@ func (p *Pool) load(recs []byte) (problems []error) {
 // like a seqlock: state Reserved first, then the fields, the generation,
 // and the state last.
 func (p *Pool) publishLocked(i int) {
-	b := p.r.slot(i)
-	e := p.slots[i]
-	word32(b, soState).Store(uint32(Reserved))
-	if e.State == Free {
-		clear(b[soReason:])
+	p.touchLocked(func() {
+		b := p.r.slot(i)
+		e := p.slots[i]
+		word32(b, soState).Store(uint32(Reserved))
+		if e.State == Free {
+			clear(b[soReason:])
+			word64(b, soGen).Store(e.Gen)
+			word32(b, soState).Store(uint32(Free))
+			return
+		}
+		EncodeEntry(b, e)
 		word64(b, soGen).Store(e.Gen)
-		word32(b, soState).Store(uint32(Free))
-		return
-	}
-	EncodeEntry(b, e)
-	word64(b, soGen).Store(e.Gen)
-	word32(b, soState).Store(uint32(e.State))
+		word32(b, soState).Store(uint32(e.State))
+	})
 }
 
 // setLocked makes e hostd's record of slot i: in the shadow first (so a
@@ -223,6 +255,9 @@ func (p *Pool) Alloc(req Request) (slot int, e Entry, err error) {
 	if p.closed {
 		return 0, Entry{}, fmt.Errorf("region closed: %w", ErrStale)
 	}
+	if p.dead {
+		return 0, Entry{}, fmt.Errorf("region memory gone (its file was truncated): %w", fault.ErrFault)
+	}
 	slot = -1
 	for i := range p.slots {
 		if p.slots[i].State == Free {
@@ -248,12 +283,21 @@ func (p *Pool) Alloc(req Request) (slot int, e Entry, err error) {
 		Src: req.Src, Dst: req.Dst, Created: req.Created,
 	}
 	// Guests see the slot as Reserved while the rings are formatted.
-	word32(p.r.slot(slot), soState).Store(uint32(Reserved))
-	for _, ro := range []int64{e.RingAB, e.RingBA} {
-		if err := ring.Format(p.r.mem[ro:ro+int64(ring.Size(c))], c); err != nil {
-			p.publishLocked(slot)
-			return 0, Entry{}, fmt.Errorf("format ring at %d: %w", ro, err)
+	var ferr error
+	if !p.touchLocked(func() {
+		word32(p.r.slot(slot), soState).Store(uint32(Reserved))
+		for _, ro := range []int64{e.RingAB, e.RingBA} {
+			if ferr = ring.Format(p.r.mem[ro:ro+int64(ring.Size(c))], c); ferr != nil {
+				ferr = fmt.Errorf("format ring at %d: %w", ro, ferr)
+				return
+			}
 		}
+	}) {
+		return 0, Entry{}, fmt.Errorf("format rings: region memory gone (its file was truncated): %w", fault.ErrFault)
+	}
+	if ferr != nil {
+		p.publishLocked(slot)
+		return 0, Entry{}, ferr
 	}
 	if err := p.setLocked(slot, e); err != nil {
 		p.publishLocked(slot)
@@ -303,13 +347,16 @@ func (p *Pool) Revoke(i int, gen uint64, reason uint32) error {
 	if err := p.setLocked(i, e); err != nil {
 		return err
 	}
-	ab, ba := p.forceRingsLocked(e)
-	// Both reset flags before any wake-up, so an end woken by one finds the
-	// other reset too (it may close the other ring otherwise).
-	ab.Reset(reason)
-	ba.Reset(reason)
-	ab.Abort(reason, &p.wake)
-	ba.Abort(reason, &p.wake)
+	p.touchLocked(func() {
+		ab, ba := p.forceRingsLocked(e)
+		// Both reset flags before any wake-up, so an end woken by one
+		// finds the other reset too (it may close the other ring
+		// otherwise).
+		ab.Reset(reason)
+		ba.Reset(reason)
+		ab.Abort(reason, &p.wake)
+		ba.Abort(reason, &p.wake)
+	})
 	return nil
 }
 
@@ -345,11 +392,15 @@ func (p *Pool) Stats(i int, gen uint64) (ab, ba ring.Stats, err error) {
 	if err != nil {
 		return ab, ba, err
 	}
-	rab, rba, err := p.r.ringsOf(e)
-	if err != nil {
-		return ab, ba, err
+	if !p.touchLocked(func() {
+		var rab, rba *ring.Ring
+		if rab, rba, err = p.r.ringsOf(e); err == nil {
+			ab, ba = rab.Stats(), rba.Stats()
+		}
+	}) {
+		return ring.Stats{}, ring.Stats{}, fmt.Errorf("slot %d: region memory gone: %w", i, fault.ErrFault)
 	}
-	return rab.Stats(), rba.Stats(), nil
+	return ab, ba, err
 }
 
 // Close closes the shadow, if any, and unmaps the region; the pool answers
@@ -391,7 +442,7 @@ func (p *Pool) Release(i int, gen uint64, side uint32) (freed bool, err error) {
 			}
 		}
 		p.slots[i] = e
-		word32(p.r.slot(i), soReleased).Store(e.Released)
+		p.touchLocked(func() { word32(p.r.slot(i), soReleased).Store(e.Released) })
 		return false, nil
 	}
 	return true, p.freeLocked(i, e)

@@ -6,6 +6,7 @@ import (
 	"os"
 	"sync/atomic"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/internal/sys"
 	"github.com/shuntnet/shunt/shm/ring"
 )
@@ -96,7 +97,12 @@ func mapAnd(f *os.File, size int64, fn func([]byte) (*Region, error)) (*Region, 
 	if err != nil {
 		return nil, err
 	}
-	r, err := fn(mem)
+	// A file another process truncated under the mapping faults: an
+	// error, never SIGBUS.
+	var r *Region
+	if ferr := fault.Do(func() { r, err = fn(mem) }); ferr != nil {
+		err = ferr
+	}
 	if err != nil {
 		_ = sys.Unmap(mem)
 		return nil, fmt.Errorf("region %s: %w", f.Name(), err)
@@ -141,10 +147,12 @@ func (r *Region) Generation() uint64 { return r.word64(offGeneration).Load() }
 // after Format or an adoption, before any guest is told of the region; a
 // group region keeps zeros.
 func (r *Region) SetName(id, a, b uint32) {
-	le := binary.LittleEndian
-	le.PutUint32(r.mem[offRegionID:], id)
-	le.PutUint32(r.mem[offGuestA:], a)
-	le.PutUint32(r.mem[offGuestB:], b)
+	_ = fault.Do(func() {
+		le := binary.LittleEndian
+		le.PutUint32(r.mem[offRegionID:], id)
+		le.PutUint32(r.mem[offGuestA:], a)
+		le.PutUint32(r.mem[offGuestB:], b)
+	})
 }
 
 // Name returns what SetName wrote: the pair region's id and guests, or

@@ -4,6 +4,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/shm/wait"
 )
 
@@ -32,7 +33,11 @@ func (e *end) SetDeadline(t time.Time) {
 	e.interrupt()
 }
 
+// interrupt wakes a blocked call. The ring's memory may be gone (its
+// region truncated): the wake is then skipped, and the call finds out at
+// its next look (wait.Policy sleeps at most a second at a time).
 func (e *end) interrupt() {
+	defer fault.Catch(fault.Arm(), nil)
 	e.intr.Add(1)
 	e.flag.Store(1) // make sure Wake below is not skipped as "nobody waits"
 	_ = e.policy.Wake(e.flag)

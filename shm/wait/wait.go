@@ -121,6 +121,13 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 	return p.block(c, flag, deadline)
 }
 
+// maxSleep bounds one sleep: a waiter looks at its ring at least this
+// often. A ring whose memory is gone (its region truncated) can never be
+// woken through, since no futex on it can be reached any more; the
+// waiter's next look faults and its caller fails the call
+// (internal/fault).
+const maxSleep = time.Second
+
 func (p *Policy) block(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 	for {
 		flag.Store(1)
@@ -128,9 +135,9 @@ func (p *Policy) block(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 			flag.Store(0)
 			return nil
 		}
-		var timeout time.Duration
+		timeout := maxSleep
 		if !deadline.IsZero() {
-			timeout = time.Until(deadline)
+			timeout = min(time.Until(deadline), maxSleep)
 			if timeout <= 0 {
 				flag.Store(0)
 				return os.ErrDeadlineExceeded
