@@ -200,6 +200,10 @@ func DefaultClient() (*Client, error) {
 // errNoHostd is why a connection stays on TCP when hostd cannot be reached.
 var errNoHostd = errors.New("hostd unreachable")
 
+// errNotGuest: hostd refused the session, the process not being in the
+// guest's network namespace (ERROR(not-guest), hostd/server.PeerIn).
+var errNotGuest = errors.New("not in the guest's network namespace")
+
 // ensure connects if not connected, at most once per retryEvery. The dial
 // and HELLO run outside the mutex; callers arriving meanwhile wait for
 // that attempt instead of starting their own.

@@ -53,6 +53,9 @@ func (c *Client) downReasonLocked() string {
 	if errors.Is(c.lastErr, proto.ErrVersion) {
 		return proto.ReasonVersion.String()
 	}
+	if errors.Is(c.lastErr, errNotGuest) {
+		return proto.ReasonNotGuest.String() // hostd refused this process: not in the guest's namespace
+	}
 	if errors.Is(c.lastErr, vserial.ErrAllBusy) {
 		return proto.ReasonControlLimit.String() // more processes than the VM has ports
 	}

@@ -175,7 +175,10 @@ var hostRoot = vmRoot{sysfs: "/sys", dev: "/dev", open: vserial.Open}
 //     ports that no other process holds (vserial.FindAll, vserial.Open):
 //     vserial.ErrAllBusy if every one is held, and the socket is not
 //     tried if the VM has ports;
-//   - else the Unix socket at Control (process guests).
+//   - else the Unix socket at Control (process guests), and if that
+//     fails (no permission, not there after a chroot, no hostd behind
+//     it), the abstract socket proto.NetnsControl that hostd serves
+//     inside a guest's network namespace; the error is the path's.
 func (c *Client) dialControl() (net.Conn, error) {
 	path := c.opts.Control
 	st, err := os.Stat(path)
@@ -189,7 +192,10 @@ func (c *Client) dialControl() (net.Conn, error) {
 	}
 	conn, err := net.DialTimeout("unix", path, dialTimeout)
 	if err != nil {
-		return nil, fmt.Errorf("control %s: %w", path, err)
+		if ac, aerr := net.DialTimeout("unix", "@"+proto.NetnsControl, dialTimeout); aerr == nil {
+			return ac, nil
+		}
+		return nil, fmt.Errorf("control %s: %w (and hostd serves no guest in this network namespace)", path, err)
 	}
 	return conn, nil
 }
@@ -233,6 +239,9 @@ func hello(conn net.Conn) (proto.Msg, error) {
 			// An older hostd: every connection stays on TCP (version);
 			// the session is tried again later, with the usual backoff.
 			return m, fmt.Errorf("welcome: hostd speaks protocol version %d, this library %d: %w", m.Version, proto.Version, proto.ErrVersion)
+		}
+		if m.Type == proto.Error && m.Reason == proto.ReasonNotGuest {
+			return m, fmt.Errorf("welcome: %s: %w", m.Text, errNotGuest)
 		}
 		if m.Type != proto.Welcome {
 			return m, fmt.Errorf("welcome: hostd answered HELLO with %s (%s: %s)", m.Type, m.Reason, m.Text)

@@ -28,6 +28,8 @@ func TestMain(m *testing.M) {
 		fmt.Fprintln(os.Stderr, err)
 		os.Exit(1)
 	}
+	// Servers that run as their own users (postgres) load the library too.
+	os.Chmod(dir, 0o755)
 	hostdBin = filepath.Join(dir, "hostd")
 	out, err := exec.Command("go", "build", "-o", hostdBin, "../cmd/hostd").CombinedOutput()
 	if err != nil {

@@ -21,6 +21,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
 
@@ -39,6 +40,8 @@ var serverPkgs = map[string]string{
 	"nginx": "nginx", "sshd": "openssh-server", "ssh": "openssh-client", "scp": "openssh-client",
 	"ssh-keygen": "openssh-client", "socat": "socat", "ab": "apache2-utils", "curl": "curl",
 	"redis-server": "redis-server", "redis-benchmark": "redis-tools", "redis-cli": "redis-tools",
+	"memcached": "memcached", "memcslap": "libmemcached-tools", "memccat": "libmemcached-tools", "memccp": "libmemcached-tools",
+	"apache2": "apache2", "haproxy": "haproxy", "node": "nodejs", "pgbench": "postgresql-contrib", "psql": "postgresql-client",
 }
 
 // toolPath finds a program (sbin directories too: sshd and nginx live
@@ -86,7 +89,10 @@ func newSrvEnv(t *testing.T, tools ...string) *srvEnv {
 	for _, name := range tools {
 		toolPath(t, name)
 	}
-	s := &srvEnv{env: newEnv(t, 2, ""), t: t}
+	// Each guest has its netns in hostd.hcl: servers that drop privileges
+	// (nginx's workers as www-data...) or chroot keep their control channel.
+	testenv.NeedTool(t, "nft", "nftables")
+	s := &srvEnv{env: startEnv(t, "e", stack.Options{Guests: 2, HostdBin: hostdBin, Netns: true}), t: t}
 	t.Cleanup(func() {
 		if t.Failed() && !s.dumped {
 			t.Logf("state at the end:\n%s", s.state())

@@ -16,8 +16,8 @@ install -m 0644 /shunt/bin/libshunt-preload.so /usr/local/lib/libshunt-preload.s
 getent group shunt >/dev/null || groupadd --system shunt
 usermod -a -G shunt vagrant 2>/dev/null || true
 cat > /etc/udev/rules.d/70-shunt.rules <<'RULES'
-SUBSYSTEM=="virtio-ports", ATTR{name}=="org.shunt.ctl*", GROUP="shunt", MODE="0660"
-SUBSYSTEM=="pci", ATTR{vendor}=="0x1af4", ATTR{device}=="0x1110", RUN+="/bin/sh -c 'echo 1 > /sys%p/enable; chgrp shunt /sys%p/resource2; chmod 0660 /sys%p/resource2'"
+SUBSYSTEM=="virtio-ports", ATTR{name}=="org.shunt.ctl*", GROUP="shunt", MODE="0666"
+SUBSYSTEM=="pci", ATTR{vendor}=="0x1af4", ATTR{device}=="0x1110", RUN+="/bin/sh -c 'echo 1 > /sys%p/enable; chgrp shunt /sys%p/resource2; chmod 0666 /sys%p/resource2'"
 RULES
 udevadm control --reload && udevadm trigger --subsystem-match=virtio-ports --subsystem-match=pci || true
 # The library finds the ports (org.shunt.ctl, org.shunt.ctl.1) and the BAR

@@ -6,6 +6,7 @@
 
 #include <errno.h>
 #include <fcntl.h>
+#include <stddef.h>
 #include <stdlib.h>
 #include <string.h>
 #include <sys/stat.h>
@@ -197,21 +198,20 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
 	return fd;
 }
 
-static int open_socket(const char *path, struct shunt_msg *m)
+/* connect_hello connects to the Unix socket sa (len bytes) and gets
+ * WELCOME in m. ERROR(not-guest), hostd refusing a process outside the
+ * guest's network namespace, is EPERM, its text in m. */
+static int connect_hello(const struct sockaddr_un *sa, socklen_t len, struct shunt_msg *m)
 {
-	struct sockaddr_un sa = {.sun_family = AF_UNIX};
-	if (strlen(path) >= sizeof sa.sun_path) {
-		errno = ENAMETOOLONG;
-		return -1;
-	}
-	strcpy(sa.sun_path, path);
 	errno = 0;
 	int fd = sys_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
-	if (fd < 0 || sys_connect(fd, (struct sockaddr *)&sa, sizeof sa) < 0 ||
+	if (fd < 0 || sys_connect(fd, (const struct sockaddr *)sa, len) < 0 ||
 	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
-	    channel_read(fd, 0, m) || (m->type != SHUNT_WELCOME && (errno = EPROTO)) || welcome_ok(m)) {
+	    channel_read(fd, 0, m) ||
+	    (m->type == SHUNT_ERROR && m->reason == SHUNT_REASON_NOT_GUEST && (errno = EPERM)) ||
+	    (m->type != SHUNT_WELCOME && (errno = EPROTO)) || welcome_ok(m)) {
 		int e = errno;
 		if (fd >= 0)
 			sys_close(fd);
@@ -221,6 +221,35 @@ static int open_socket(const char *path, struct shunt_msg *m)
 	tv.tv_sec = 0;
 	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 	return fd;
+}
+
+/* open_socket opens the control socket at path, and if that fails (no
+ * permission after a privilege drop, no such file after a chroot, no
+ * hostd behind it, or hostd refusing this process), the abstract socket
+ * SHUNT_NETNS_CONTROL that hostd serves inside a process guest's network
+ * namespace: it needs no path and no permission, and reaching it proves
+ * the namespace. -1 with the path's errno if neither answers (m then
+ * holds hostd's ERROR text, if it sent one). */
+static int open_socket(const char *path, struct shunt_msg *m)
+{
+	struct sockaddr_un sa = {.sun_family = AF_UNIX};
+	int fd = -1, e = ENAMETOOLONG;
+	if (strlen(path) < sizeof sa.sun_path) {
+		strcpy(sa.sun_path, path);
+		if ((fd = connect_hello(&sa, sizeof sa, m)) >= 0)
+			return fd;
+		e = errno;
+	}
+	struct sockaddr_un an = {.sun_family = AF_UNIX};
+	memcpy(an.sun_path + 1, SHUNT_NETNS_CONTROL, sizeof SHUNT_NETNS_CONTROL - 1);
+	struct shunt_msg am;
+	fd = connect_hello(&an, offsetof(struct sockaddr_un, sun_path) + sizeof SHUNT_NETNS_CONTROL, &am);
+	if (fd >= 0) {
+		*m = am;
+		return fd;
+	}
+	errno = e;
+	return -1;
 }
 
 int channel_open(struct shunt_session *s, struct shunt_msg *m)

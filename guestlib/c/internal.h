@@ -69,7 +69,8 @@ struct shunt_session {
 	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */
 	size_t nmaps, cmaps;
 	uint32_t next_req;
-	unsigned why;       /* why the last open failed: SHUNT_REASON_VERSION or NO_HOSTD (shunt_session_reason) */
+	unsigned why;       /* why the last open failed: SHUNT_REASON_VERSION, NOT_GUEST or NO_HOSTD (shunt_session_reason) */
+	int said;           /* the errno of the last open failure logged (each is said once, not at every retry) */
 	struct pending *pend;
 	uint64_t nonce, pong;
 	/* What the channel has not taken yet: encoded frames, in order (a

@@ -386,10 +386,37 @@ static int map_region(struct shunt_session *s, const char *path);
 
 /* reason_of is why connections stay on TCP when channel_open failed with
  * errno e: an older hostd (version), every control port of the VM in use
- * by other processes (control-limit, as Go says), or no hostd. */
+ * by other processes (control-limit, as Go says), hostd refusing a
+ * process outside the guest's network namespace (not-guest), or no
+ * hostd. */
 static unsigned reason_of(int e)
 {
-	return e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION : e == EBUSY ? SHUNT_REASON_CONTROL_LIMIT : SHUNT_REASON_NO_HOSTD;
+	return e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION
+	       : e == EBUSY	    ? SHUNT_REASON_CONTROL_LIMIT
+	       : e == EPERM	    ? SHUNT_REASON_NOT_GUEST
+				    : SHUNT_REASON_NO_HOSTD;
+}
+
+/* say_unreachable logs why channel_open failed (errno e, m what hostd
+ * answered), once per kind of failure, not at every retry, with what to
+ * do about it. mu held. */
+static void say_unreachable(struct shunt_session *s, int e, const struct shunt_msg *m)
+{
+	if (e == EBUSY || s->said == e) /* channel_open said which ports are busy */
+		return;
+	s->said = e;
+	if (e == EPROTONOSUPPORT)
+		shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
+	else if (e == EPERM)
+		shunt_logf(s, "shunt: connections stay on TCP (not-guest): %s", m->text);
+	else if (e == EACCES || e == ENOENT)
+		shunt_logf(s, "shunt: hostd unreachable at %s: %s (uid %d), and hostd serves no guest in this network namespace: "
+			      "connections stay on TCP (no-hostd). Give the guest its netns in hostd.hcl (every process of the "
+			      "guest may then connect, after setuid or chroot too), or open the channel before dropping privileges "
+			      "(docs/preload.md)",
+			   s->c.control, strerror(e), (int)getuid());
+	else
+		shunt_logf(s, "shunt: hostd unreachable at %s: %s: connections stay on TCP (no-hostd)", s->c.control, strerror(e));
 }
 
 /* region0_check maps a VM's region 0 again when its mapping no longer
@@ -569,14 +596,12 @@ int shunt_session_ensure(struct shunt_session *s)
 	}
 	s->tried = now;
 	struct shunt_msg m;
+	m.text[0] = 0;
 	int fd = channel_open(s, &m);
 	if (fd < 0) {
 		int e = errno;
 		s->why = reason_of(e);
-		if (e == EPROTONOSUPPORT)
-			shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
-		else if (e != EBUSY) /* channel_open said which ports are busy */
-			shunt_logf(s, "shunt: hostd unreachable at %s: %s", s->c.control, strerror(e));
+		say_unreachable(s, e, &m);
 		pthread_mutex_unlock(&s->mu);
 		errno = e;
 		return -1;
@@ -600,6 +625,7 @@ int shunt_session_ensure(struct shunt_session *s)
 		return -1;
 	}
 	set_fd(s, fd);
+	s->said = 0;
 	if (shunt_session_vm(s) && spawn(keepalive, s, fd))
 		shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
 	pthread_mutex_unlock(&s->mu);

@@ -287,6 +287,9 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 #define SHUNT_PROTO_VERSION 3
 #define SHUNT_PROTO_HEADER  8
 #define SHUNT_PROTO_MAX     4096
+/* The abstract Unix socket name (after its NUL) hostd serves inside a
+ * process guest's network namespace (Go's proto.NetnsControl). */
+#define SHUNT_NETNS_CONTROL "shunt/control"
 #define SHUNT_PROTO_STRING_MAX 1024 /* region and text; Go's maxString: longer ones are cut when encoded */
 
 enum shunt_msg_type {
@@ -305,7 +308,7 @@ enum shunt_reason {
 	SHUNT_REASON_POLICY_RELOAD, SHUNT_REASON_PEER_GONE, SHUNT_REASON_ADMIN, SHUNT_REASON_MALFORMED,
 	SHUNT_REASON_NO_HOSTD, SHUNT_REASON_DISABLED, SHUNT_REASON_GUEST_QUOTA, SHUNT_REASON_VERSION,
 	SHUNT_REASON_CONTROL_LIMIT, SHUNT_REASON_FIREWALL, SHUNT_REASON_SHUTDOWN, SHUNT_REASON_MIGRATING,
-	SHUNT_NUM_REASONS
+	SHUNT_REASON_NOT_GUEST, SHUNT_NUM_REASONS
 };
 
 /* The reason's name as Go prints it ("no-hostd"), or "?". */

@@ -151,7 +151,7 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 		}
 		a.guests = append(a.guests, g)
 		for i := range gc.Ports {
-			eps = append(eps, server.Endpoint{Guest: g, Path: vserial.SocketOf(gc.Control, i)})
+			eps = append(eps, server.Endpoint{Guest: g, Path: vserial.SocketOf(gc.Control, i), Netns: gc.Netns})
 		}
 	}
 	return eps, nil

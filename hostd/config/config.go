@@ -149,6 +149,11 @@ type Guest struct {
 	// unix:PATH,server=on,wait=off): how hostd hot-plugs pair regions
 	// into a VM of a group with vm_regions = "pair".
 	QMP string
+	// Netns is a process or container guest's network namespace
+	// (/run/netns/NAME): every process in it may use the guest's control
+	// channel, whatever its uid, after a chroot too (hostd/server,
+	// Endpoint.Netns). "": only hostd's user (root) may.
+	Netns string
 }
 
 type file struct {
@@ -220,6 +225,7 @@ type guestBlock struct {
 	// SharedRegion: see Guest.
 	SharedRegion bool   `hcl:"shared_region,optional"`
 	QMP          string `hcl:"qmp,optional"`
+	Netns        string `hcl:"netns,optional"`
 }
 
 // Load reads and validates the configuration at path.
@@ -370,7 +376,10 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: control_ports %d is more than limits.sessions_per_guest %d: raise the limit", where, g.Ports, c.Limits.SessionsPerGuest)
 		}
 		gu := Guest{Name: g.Name, ID: uint32(g.ID), Group: g.Group, Control: g.Control, Ports: max(g.Ports, 1), Interface: g.Interface, CTMark: uint32(g.CTMark),
-			SharedRegion: g.SharedRegion, QMP: g.QMP}
+			SharedRegion: g.SharedRegion, QMP: g.QMP, Netns: g.Netns}
+		if gu.Netns != "" && (!filepath.IsAbs(gu.Netns) || gu.SharedRegion) {
+			return nil, fmt.Errorf("%s: netns %q: want the absolute path of a process or container guest's network namespace (/run/netns/NAME), not for a VM (shared_region)", where, gu.Netns)
+		}
 		if err := checkQMP(gu, c.group(g.Group)); err != nil {
 			return nil, fmt.Errorf("%s: %w", where, err)
 		}

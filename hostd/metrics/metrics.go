@@ -27,7 +27,7 @@ type Set struct {
 	// The control plane's defences (hostd/server, hostd/broker).
 	Limited       *prometheus.CounterVec // kind: a guest's request over a limit
 	AcceptErrors  prometheus.Counter     // failed accepts on control sockets, retried
-	ClosedSession *prometheus.CounterVec // reason: sessions hostd closed (silent, not-reading)
+	ClosedSession *prometheus.CounterVec // reason: sessions hostd closed (silent, not-reading, not-guest)
 	KicksMerged   prometheus.Counter     // KICKs merged into one already queued
 
 	// The firewall's authority (hostd/broker/firewall.go).
@@ -87,7 +87,7 @@ func New() *Set {
 			Name: "shunt_control_accept_errors_total", Help: "Failed accepts on control sockets (EMFILE...), retried with backoff.",
 		}),
 		ClosedSession: prometheus.NewCounterVec(prometheus.CounterOpts{
-			Name: "shunt_control_closed_total", Help: "Control sessions hostd closed, by reason (silent: no answer to keepalive; not-reading: its writes timed out or its queue filled).",
+			Name: "shunt_control_closed_total", Help: "Control sessions hostd closed, by reason (silent: no answer to keepalive; not-reading: its writes timed out or its queue filled; not-guest: the connecting process was not in the guest's network namespace).",
 		}, []string{"reason"}),
 		KicksMerged: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "shunt_control_kicks_merged_total", Help: "Relayed KICKs merged into one already waiting for the same flow side.",
@@ -111,7 +111,7 @@ func New() *Set {
 	for _, k := range []string{LimitSessions, LimitListens, LimitOpens, LimitOpenRate} {
 		s.Limited.WithLabelValues(k)
 	}
-	for _, r := range []string{"silent", "not-reading"} {
+	for _, r := range []string{"silent", "not-reading", "not-guest"} {
 		s.ClosedSession.WithLabelValues(r)
 	}
 	return s

@@ -28,6 +28,14 @@ type Endpoint struct {
 	// members map the group's region anyway. Zero: mode 0600, hostd's
 	// user only.
 	Gid int
+	// Netns, if set, is the guest's network namespace (a process or
+	// container guest: /run/netns/NAME, /proc/PID/ns/net). The guest is
+	// then the principal, not a uid: the socket is mode 0666 and every
+	// connection is checked to come from a process in that namespace
+	// (PeerIn), and hostd also serves the guest on the abstract socket
+	// proto.NetnsControl inside the namespace, which its processes reach
+	// after a chroot too. Not with Gid.
+	Netns string
 }
 
 // Options bound what one guest may hold of the control server and how
@@ -178,9 +186,11 @@ func (s *Server) quiet(g *broker.Guest, what string) (bool, int) {
 
 type listener struct {
 	net.Listener
-	path string
-	once sync.Once
-	done chan struct{} // closed when the listener is closed (Remove, Close)
+	path   string // "" for the abstract socket in the guest's namespace
+	netns  *Netns // if set, each connection's process must be in it (PeerIn)
+	nsPath string
+	once   sync.Once
+	done   chan struct{} // closed when the listener is closed (Remove, Close)
 }
 
 func (l *listener) close() {
@@ -206,9 +216,22 @@ func Listen(log hclog.Logger, b *broker.Broker, m *metrics.Set, opts Options, ep
 }
 
 // Add creates an endpoint's socket (replacing a stale one) with mode 0600,
-// or 0660 for its group (Endpoint.Gid), and starts accepting on it. A
-// guest may have several endpoints.
+// or 0660 for its group (Endpoint.Gid), or 0666 with each connection
+// checked for the guest's namespace (Endpoint.Netns, which also opens the
+// abstract socket in the namespace), and starts accepting on it. A guest
+// may have several endpoints.
 func (s *Server) Add(ep Endpoint) error {
+	var ns *Netns
+	if ep.Netns != "" {
+		if ep.Gid != 0 {
+			return fmt.Errorf("control socket for guest %s: a group and a network namespace: give one", ep.Guest.Name)
+		}
+		n, err := NetnsOf(ep.Netns)
+		if err != nil {
+			return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
+		}
+		ns = &n
+	}
 	if err := os.MkdirAll(filepath.Dir(ep.Path), 0o755); err != nil {
 		return fmt.Errorf("control socket dir for %s: %w", ep.Guest.Name, err)
 	}
@@ -221,24 +244,50 @@ func (s *Server) Add(ep Endpoint) error {
 		l.Close()
 		return fmt.Errorf("control socket for guest %s: %w", ep.Guest.Name, err)
 	}
+	lns := []*listener{{Listener: l, path: ep.Path, netns: ns, done: make(chan struct{})}}
+	if ns != nil && !s.servesNetns(ep.Guest) {
+		// Best effort: a guest whose namespace already has the name
+		// (another hostd, or its own process) keeps its path.
+		if al, err := listenIn(ep.Netns); err != nil {
+			s.log.Warn("no control socket inside the guest's network namespace: its processes need the path (not after a chroot)", "guest", ep.Guest.Name, "netns", ep.Netns, "error", err)
+		} else {
+			lns = append(lns, &listener{Listener: al, nsPath: ep.Netns, done: make(chan struct{})})
+		}
+	}
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.closed {
-		l.Close()
+		for _, ln := range lns {
+			ln.Listener.Close()
+		}
 		return fmt.Errorf("control socket for guest %s: server closed", ep.Guest.Name)
 	}
-	ln := &listener{Listener: l, path: ep.Path, done: make(chan struct{})}
-	s.listeners[ep.Guest] = append(s.listeners[ep.Guest], ln)
-	s.wg.Add(1)
-	go s.accept(ln, ep.Guest)
+	for _, ln := range lns {
+		s.listeners[ep.Guest] = append(s.listeners[ep.Guest], ln)
+		s.wg.Add(1)
+		go s.accept(ln, ep.Guest)
+	}
 	return nil
+}
+
+// servesNetns reports whether guest g has its abstract socket already
+// (a guest with several endpoints gets one).
+func (s *Server) servesNetns(g *broker.Guest) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return slices.ContainsFunc(s.listeners[g], func(l *listener) bool { return l.nsPath != "" })
 }
 
 // socketAccess gives ep's new socket its owner and mode: 0600, or its
 // group (first, so that the mode never applies to another group) and
-// 0660. Until then the socket has the umask's mode, which lets no one
-// else connect (connect needs write permission).
+// 0660, or 0666 for a guest with a network namespace, whose connections
+// are checked one by one (PeerIn) instead. Until then the socket has the
+// umask's mode, which lets no one else connect (connect needs write
+// permission).
 func socketAccess(ep Endpoint) error {
+	if ep.Netns != "" {
+		return os.Chmod(ep.Path, 0o666)
+	}
 	if ep.Gid == 0 {
 		return os.Chmod(ep.Path, 0o600)
 	}
@@ -263,7 +312,9 @@ func (s *Server) Remove(g *broker.Guest) {
 	s.mu.Unlock()
 	for _, l := range ls {
 		l.close()
-		_ = os.Remove(l.path)
+		if l.path != "" {
+			_ = os.Remove(l.path)
+		}
 	}
 	s.mu.Lock()
 	for k := range s.logged {
@@ -328,6 +379,24 @@ func (s *Server) accept(l *listener, g *broker.Guest) {
 			s.refuse(c, g, n)
 			continue
 		}
+		if l.netns != nil {
+			s.mu.Unlock()
+			if err := PeerIn(c, *l.netns); err != nil {
+				s.refuseStranger(c, g, err)
+				continue
+			}
+			s.mu.Lock()
+			if s.closed || !slices.Contains(s.listeners[g], l) {
+				s.mu.Unlock()
+				c.Close()
+				return
+			}
+			if n := s.perGuest[g]; n >= s.opts.SessionsPerGuest {
+				s.mu.Unlock()
+				s.refuse(c, g, n)
+				continue
+			}
+		}
 		s.perGuest[g]++
 		ss := newSession(s, c, g)
 		s.sessions[ss] = true
@@ -354,6 +423,38 @@ func (s *Server) refuse(c net.Conn, g *broker.Guest, n int) {
 	}
 	c.Close()
 }
+
+// refuseStranger answers a connection from a process outside guest g's
+// network namespace with ERROR(not-guest), saying why and what to do, and
+// closes it. The answer follows the process's HELLO (or strangerWait
+// without one), so that the HELLO never meets a closed socket and the
+// process reads the reason; it runs on a goroutine of its own, since the
+// accept loop waits for no guest. Logged once a minute per guest,
+// counted always.
+func (s *Server) refuseStranger(c net.Conn, g *broker.Guest, why error) {
+	s.m.ClosedSession.WithLabelValues(proto.ReasonNotGuest.String()).Inc()
+	if ok, more := s.quiet(g, "not-guest"); ok {
+		s.log.Warn("refused a control connection from a process outside the guest's network namespace", "guest", g.Name, "error", why, "more", more)
+	}
+	text := fmt.Sprintf("hostd refused this process on guest %s's control socket: %v; run it inside the guest's network namespace, or use the control socket of the guest it is in", g.Name, why)
+	b, err := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonNotGuest, Text: text}).Append(nil)
+	if err != nil {
+		c.Close()
+		return
+	}
+	s.wg.Add(1)
+	go func() {
+		defer s.wg.Done()
+		defer c.Close()
+		_ = c.SetDeadline(time.Now().Add(strangerWait))
+		_, _, _ = proto.Read(c, nil)
+		_ = c.SetWriteDeadline(time.Now().Add(refuseWrite))
+		_, _ = c.Write(b)
+	}()
+}
+
+// strangerWait bounds how long a refused process has to say HELLO.
+const strangerWait = time.Second
 
 // Close stops the server. Sessions are closed without detaching them from
 // the broker: hostd going away is not the guest going away.

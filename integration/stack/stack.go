@@ -38,6 +38,7 @@ type Stack struct {
 	groupExtra string
 	ran        bool // hostd came up once: the region file is its
 	guestCfg   map[int]string
+	netns      bool
 	logs       *os.File
 	ownDir     bool
 }
@@ -55,6 +56,12 @@ type Options struct {
 	// GuestConfig holds more lines for guest i's block (1-based), e.g.
 	// "ct_mark = 5".
 	GuestConfig map[int]string
+	// Netns gives each guest its network namespace in hostd.hcl (netns):
+	// every process in the guest may then use its control socket,
+	// whatever its uid and root directory, and this process (whose main
+	// thread is outside every guest) may not: its Clients then serve no
+	// guest. For tests of real programs run as packaged.
+	Netns bool
 	// Setup, if set, runs on the rig after it is created and before hostd
 	// starts (more links, addresses, routes).
 	Setup func(*nsrig.Rig) error
@@ -67,7 +74,7 @@ func Start(o Options) (_ *Stack, err error) {
 	if err != nil {
 		return nil, err
 	}
-	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra, groupExtra: o.Group, guestCfg: o.GuestConfig}
+	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra, groupExtra: o.Group, guestCfg: o.GuestConfig, netns: o.Netns}
 	if s.Dir == "" {
 		if s.Dir, err = os.MkdirTemp("", "shunt-"+o.Name); err != nil {
 			return nil, err
@@ -132,8 +139,12 @@ func (s *Stack) WriteConfig(policy string) error {
 	}
 	fmt.Fprintf(&b, "trust_group \"t\" {\n  region = %q\n  region_size = \"32MiB\"\n  slots = 64\n%s}\n", s.RegionPath(), group)
 	for _, g := range s.Rig.Guests {
-		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  %s\n}\n",
-			g.Name, g.Index, s.Control(g), g.HostIf, s.guestCfg[g.Index])
+		ns := ""
+		if s.netns {
+			ns = fmt.Sprintf("netns = %q", g.NSPath())
+		}
+		fmt.Fprintf(&b, "guest %q {\n  id = %d\n  group = \"t\"\n  control = %q\n  interface = %q\n  %s\n  %s\n}\n",
+			g.Name, g.Index, s.Control(g), g.HostIf, ns, s.guestCfg[g.Index])
 	}
 	b.WriteString(s.extra)
 	fmt.Fprintf(&b, "policy {\n%s\n}\n", policy)

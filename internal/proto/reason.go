@@ -34,6 +34,7 @@ const (
 	ReasonFirewall              // v3: the firewall's ruleset changed; back on the rings once the lease carried packets both ways under it
 	ReasonShutdown              // v3: hostd is stopping (or gave up the flow's region)
 	ReasonMigrating             // v3: the guest (a VM) is migrating; back on the rings once it arrived
+	ReasonNotGuest              // ERROR: the connecting process is not in the guest's network namespace
 	numReasons
 )
 
@@ -42,7 +43,7 @@ var reasonNames = [...]string{
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
 	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
-	"migrating",
+	"migrating", "not-guest",
 }
 
 func (r Reason) String() string {

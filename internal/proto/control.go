@@ -1,0 +1,12 @@
+package proto
+
+// NetnsControl is the abstract Unix socket name (without its leading NUL)
+// on which hostd also serves a process or container guest that has a
+// network namespace in its configuration, inside that namespace. Abstract
+// names belong to a network namespace and need no file, no permission and
+// no path: a process reaches it after chroot and after dropping
+// privileges, and a connection to it proves that the process is in the
+// guest's namespace. The Go and C libraries try it when the control
+// socket's path fails (docs/preload.md, "Privileges and chroot"). Go
+// writes it "@shunt/control"; C, "\0shunt/control".
+const NetnsControl = "shunt/control"
