@@ -15,6 +15,7 @@ import (
 
 	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/hostd/ctrack"
+	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
@@ -268,6 +269,9 @@ func accepted(t *testing.T, ch <-chan *guestlib.Conn) *guestlib.Conn {
 }
 
 // markOf is the conntrack mark of the connection c (as its client sees it).
+// markOf is the conntrack mark of c's connection without hostd's proof
+// bits (the two highest of its field, which its proof chains set as the
+// connection's packets pass the filter).
 func (w *ownRig) markOf(t *testing.T, c net.Conn) uint32 {
 	t.Helper()
 	tu := ctrack.Tuple{Src: unmap(c.LocalAddr().(*net.TCPAddr).AddrPort()), Dst: unmap(c.RemoteAddr().(*net.TCPAddr).AddrPort())}
@@ -275,7 +279,7 @@ func (w *ownRig) markOf(t *testing.T, c net.Conn) uint32 {
 	if err != nil {
 		t.Fatalf("conntrack entry of %s: %v", tu, err)
 	}
-	return e.Mark
+	return e.Mark &^ mark.Field{Mask: mark.DefaultMask}.Proof()
 }
 
 // TestOwnershipMarksByDefault: with the default configuration hostd

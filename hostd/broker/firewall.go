@@ -129,8 +129,20 @@ func (b *Broker) FirewallEpoch() (epoch uint64, cleared bool) {
 
 // Start begins hostd's first epoch: whatever the firewall did while no
 // hostd watched, every connection needs proof from now on. Adopted flows
-// leave the rings (firewall) until their leases show it.
+// leave the rings (firewall) until their leases show it. hostd calls it
+// before it serves control channels: the epoch's clear is tried once here,
+// so that no OPEN races with it (a connection made meanwhile would lose
+// its handshake's bits and wait for more packets).
 func (b *Broker) Start() {
+	if b.proofOn() {
+		if _, err := b.ct.ClearMarks(b.opts.ProofOrig | b.opts.ProofReply); err != nil {
+			b.log.Warn("cannot clear the conntrack proof bits at start; retrying in the background", "error", err)
+		} else {
+			b.mu.Lock()
+			b.fw.cleared = b.fw.epoch + 1 // the epoch newEpochLocked begins below
+			b.mu.Unlock()
+		}
+	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if !b.proofOn() {
