@@ -22,6 +22,10 @@
  * uring (after io_uring_setup, connections stay on TCP)
  * waiteintr (a blocked epoll_wait, epoll_pwait, poll, select: EINTR)
  * afork aforkkeep aforkp inetd prefork reuseport forkring forkconnect forkdup forkstorm
+ * apacheevent (edge_epoll.c: Apache's event MPM: a worker adds a connection
+ * to the listener thread's sleeping set; never the library's tag)
+ * rawclose (edge_raw.c: syscall(SYS_close), close_range, raw dup2)
+ * bulk4m (edge_vfork.c: 4 MiB through "edge vforkserver" or any echo)
  * spawnkeep systemkeep (fork models and forks in the library's windows, edge_fork.c:
  * against "edge forkserver", "edge prefork", "edge reuseport", "edge
  * spawnserver" and "edge systemserver", the others against the server) */
@@ -171,6 +175,15 @@ static void serve(int c)
 		else
 			printf("FAIL rawwrite-server: poll %d, read %d (errno %d %s), want -1 (ECONNRESET)\n", ready, k, e, strerror(e));
 		fflush(stdout);
+	} else if (!strcmp(name, "rawclose")) {
+		/* Each connection says who it is (8 bytes), then echoes: a
+		 * client that reaches an older connection's server reads no
+		 * fresh number (edge_raw.c). */
+		static int conns;
+		int k = snprintf(buf, sizeof buf, "%07d\n", __atomic_add_fetch(&conns, 1, __ATOMIC_SEQ_CST));
+		write(c, buf, k);
+		while ((k = read(c, buf, sizeof buf)) > 0)
+			write(c, buf, k);
 	} else if (!strcmp(name, "many")) {
 		/* One of MANY connections: on "d", answer after a while (the
 		 * client is asleep in its wait by then). */
@@ -294,6 +307,12 @@ static int client(const char *ip, int port, const char *t)
 		return fork_client(ip, port, t);
 	if (!strcmp(t, "connrefused"))
 		return connrefused(ip, port, t);
+	if (!strcmp(t, "apacheevent"))
+		return apache_event(ip, port, t);
+	if (!strcmp(t, "rawclose"))
+		return raw_fd_calls(ip, port, t);
+	if (!strcmp(t, "bulk4m"))
+		return bulk_client(ip, port, t);
 	if (!strcmp(t, "uring")) {
 		/* Fails (no params), but the process has asked for io_uring. */
 		long r = syscall(SYS_io_uring_setup, 0, NULL);
@@ -603,6 +622,8 @@ int main(int argc, char **argv)
 	}
 	if (argc == 4 && (!strcmp(argv[1], "spawnserver") || !strcmp(argv[1], "systemserver")))
 		return spawnserver(argv[2], atoi(argv[3]), !strcmp(argv[1], "systemserver"));
+	if (argc == 6 && !strcmp(argv[1], "vforkserver"))
+		return vfork_server(argv[2], atoi(argv[3]), argv[4], atoi(argv[5]));
 	if ((argc == 4 || argc == 5) && !strcmp(argv[1], "forkserver"))
 		return forkserver(argv[2], atoi(argv[3]), argc == 5 ? argv[4] : "");
 	if (argc == 4 && (!strcmp(argv[1], "prefork") || !strcmp(argv[1], "reuseport")))

@@ -51,4 +51,14 @@ int prefork(const char *ip, int port, int reuseport);
 int fork_client(const char *ip, int port, const char *t);
 int idle_ok(const char *t);
 
+/* edge_epoll.c */
+int apache_event(const char *ip, int port, const char *t);
+
+/* edge_raw.c */
+int raw_fd_calls(const char *ip, int port, const char *t);
+
+/* edge_vfork.c */
+int vfork_server(const char *ip, int port, const char *how, int keep_ms);
+int bulk_client(const char *ip, int port, const char *t);
+
 #endif

@@ -6,7 +6,18 @@
  * for EPOLLET interests (drop_magic): the tagged events are never reported.
  * Everything else is the kernel's. A set that holds an epoll set (nesting)
  * is told of the inner set's connections' readiness too. Waiting is
- * wait.c's: spin, arm, block with the helper's eventfd in the set. */
+ * wait.c's: spin, arm, block with the helper's eventfd in the set.
+ *
+ * No event of the library's own (a tagged socket, a helper's eventfd) is
+ * ever handed to the program, whatever the path: every kernel wait goes
+ * through strip() (epoll_wait, epoll_pwait, epoll_pwait2; sets with no
+ * fast-path interest; sets the library does not know, such as a dup of a
+ * set or one inherited across exec). A thread blocked on a set is kicked
+ * (struct waiter) when another thread adds or changes a fast-path interest
+ * there, so that it arms the new interest's rings: Apache's event MPM adds
+ * connections to its listener thread's set while that thread sleeps in it,
+ * and the set had no fast-path interest before (the tag once leaked there
+ * as epoll_event.data, and APR crashed on it). */
 #include "preload.h"
 
 #include <errno.h>
@@ -19,6 +30,7 @@
 #define TAG_MASK       0xffffffff00000000ull
 #define KERNEL_EVERY   16                    /* while spinning, the kernel is asked every this many turns */
 #define KERNEL_POLL_NS 5000                  /* epoll_wait(0) asks the kernel at most this often */
+#define RECHECK_NS     1000000               /* a waiter without an eventfd looks again this often */
 
 /* What an EPOLLET interest in a connection was last reported at: where
  * each direction is (stream offsets, paths, the rings' positions and the
@@ -47,6 +59,15 @@ struct epi {
 	int pend;        /* a socket whose connect is under way: in the kernel's set too, until settled */
 };
 
+/* A thread blocked in a set's kernel wait: an interest added or changed
+ * meanwhile writes efd (its eventfd, in the kernel set as EFD_MAGIC), so
+ * that it looks again and arms the new interest's rings. */
+struct waiter {
+	int efd;
+	int kicked;
+	struct waiter *next;
+};
+
 /* The library's side of one epoll set. Sets are never freed: closing one
  * empties it for the next set with its fd number, so a pointer to it (an
  * outer set's in) never dangles. */
@@ -60,6 +81,7 @@ struct ep {
 	int n, cap;
 	int pend;          /* interests with pend set */
 	int64_t kernel_at; /* when epoll_wait(0) last asked the kernel */
+	struct waiter *waiters; /* threads blocked in the kernel wait */
 };
 
 static pthread_mutex_t ep_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -82,7 +104,7 @@ static struct ep *find_locked(int fd, int create)
 			return NULL;
 		e->fd = fd;
 		pthread_mutex_init(&e->mu, NULL);
-		*slot = e;
+		__atomic_store_n(slot, e, __ATOMIC_RELEASE);
 		if (fd < FD_MAX && fd >= eps_top)
 			eps_top = fd + 1;
 	}
@@ -105,6 +127,23 @@ static struct ep *ep_get(int epfd, int create)
 }
 
 int ep_is_set(int fd) { return ep_get(fd, 0) != NULL; }
+
+int ep_maybe_set(int fd)
+{
+	struct ep *e = fd >= 0 && fd < FD_MAX ? __atomic_load_n(&eps[fd], __ATOMIC_ACQUIRE) : NULL;
+	return e && __atomic_load_n(&e->live, __ATOMIC_RELAXED);
+}
+
+int ep_high_in(unsigned first, unsigned last, int *out, int max)
+{
+	int n = 0;
+	pthread_mutex_lock(&ep_mu);
+	for (struct ep *e = eps_high; e && n < max; e = e->next)
+		if (e->live && (unsigned)e->fd >= first && (unsigned)e->fd <= last)
+			out[n++] = e->fd;
+	pthread_mutex_unlock(&ep_mu);
+	return n;
+}
 
 /* drop_locked forgets fd's interests in e before fd's kernel close, and
  * takes its kernel socket out of e's kernel set: a thread asleep in that
@@ -235,6 +274,36 @@ static int find(struct ep *e, int fd)
 	return -1;
 }
 
+/* kick_locked wakes every thread blocked on e (e->mu held): an interest
+ * changed, which their armed rings do not cover. */
+static void kick_locked(struct ep *e)
+{
+	for (struct waiter *w = e->waiters; w; w = w->next)
+		if (!w->kicked) {
+			uint64_t one = 1;
+			w->kicked = 1;
+			ssize_t r = real_write(w->efd, &one, sizeof one); /* fails only when the count is full: awake anyway */
+			(void)r;
+		}
+}
+
+static void wait_on(struct ep *e, struct waiter *w)
+{
+	w->next = e->waiters;
+	e->waiters = w;
+}
+
+static void wait_off(struct ep *e, struct waiter *w)
+{
+	pthread_mutex_lock(&e->mu);
+	for (struct waiter **p = &e->waiters; *p; p = &(*p)->next)
+		if (*p == w) {
+			*p = w->next;
+			break;
+		}
+	pthread_mutex_unlock(&e->mu);
+}
+
 /* ctl_kernel registers (or changes, or drops) a connection's kernel
  * socket in the kernel's set as a wake-up for interest ev. */
 static int ctl_kernel(int epfd, int op, int fd, const struct epoll_event *ev)
@@ -267,6 +336,8 @@ static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
 		real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL); /* all or nothing */
 		return errno = ENOMEM, -1;
 	}
+	if (op != EPOLL_CTL_DEL)
+		kick_locked(e);
 	pthread_mutex_unlock(&e->mu);
 	return r;
 }
@@ -295,6 +366,8 @@ static int ctl_pending(int epfd, int op, int fd, struct epoll_event *ev)
 		}
 		e->pend++;
 	}
+	if (op != EPOLL_CTL_DEL)
+		kick_locked(e); /* its waits re-check it every 1 ms until it settles */
 	pthread_mutex_unlock(&e->mu);
 	return r;
 }
@@ -364,6 +437,8 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 			ctl_kernel(epfd, EPOLL_CTL_MOD, fd, ev);
 	} else if ((r = ctl_kernel(epfd, EPOLL_CTL_ADD, fd, ev)) == 0 && (r = add(e, (struct epi){.fd = fd, .ev = *ev})))
 		real_epoll_ctl(epfd, EPOLL_CTL_DEL, fd, NULL); /* all or nothing */
+	if (r == 0 && op != EPOLL_CTL_DEL)
+		kick_locked(e);
 	pthread_mutex_unlock(&e->mu);
 	return r;
 }
@@ -475,20 +550,23 @@ static int scan(struct ep *e, struct epoll_event *out, int max, enum scan mode, 
 	return k;
 }
 
-/* drop_magic removes the helper's eventfd and the connections' tagged
- * kernel sockets (wake-ups only) from n kernel events at ev. A tagged
- * event is the kernel socket's own edge (new bytes or room on TCP): it is
- * kept in the interest (kedge), so that an EPOLLET interest reports the
- * TCP path's new data even when nothing the library tracks moved. */
+static int magic(uint64_t d) { return d == EFD_MAGIC || (d & TAG_MASK) == CONN_TAG; }
+
+/* drop_magic removes the library's own events (helpers' eventfds, the
+ * connections' tagged kernel sockets: wake-ups only) from n kernel events
+ * at ev; e may be NULL (a set the library does not know). A tagged event
+ * is the kernel socket's own edge (new bytes or room on TCP): it is kept
+ * in the interest (kedge), so that an EPOLLET interest reports the TCP
+ * path's new data even when nothing the library tracks moved. */
 static int drop_magic(struct ep *e, struct epoll_event *ev, int n)
 {
 	int kept = 0, tagged = 0;
 	for (int i = 0; i < n; i++)
-		if (ev[i].data.u64 != EFD_MAGIC && (ev[i].data.u64 & TAG_MASK) != CONN_TAG)
+		if (!magic(ev[i].data.u64))
 			ev[kept++] = ev[i];
 		else if (ev[i].data.u64 != EFD_MAGIC)
 			tagged = 1;
-	if (!tagged)
+	if (!tagged || !e || kept == n)
 		return kept;
 	pthread_mutex_lock(&e->mu);
 	for (int i = 0; i < n; i++) {
@@ -502,12 +580,77 @@ static int drop_magic(struct ep *e, struct epoll_event *ev, int n)
 	return kept;
 }
 
-static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
+/* kwait is the kernel's wait for ns (< 0: none), rounded up to whole ms. */
+static int kwait(int epfd, struct epoll_event *ev, int max, int64_t ns, const sigset_t *mask)
 {
+	int ms = ns < 0 ? -1 : ns >= (int64_t)INT_MAX * 1000000 ? INT_MAX : (int)((ns + 999999) / 1000000);
+	return real_epoll_pwait(epfd, ev, max, ms, mask);
+}
+
+static void drain(int efd)
+{
+	uint64_t v;
+	while (real_read(efd, &v, sizeof v) == sizeof v)
+		;
+}
+
+#define FULL (-2) /* plain_wait: the set has fast-path interests now */
+
+/* plain_wait waits on a set with no fast-path interest (e), or one the
+ * library does not know (e NULL): the kernel's wait, with the library's
+ * events stripped. A known set lists the thread as a waiter, so that an
+ * interest added meanwhile by another thread wakes it (FULL: the caller
+ * waits the full way then). */
+static int plain_wait(struct ep *e, int epfd, struct epoll_event *ev, int max, int64_t deadline, const sigset_t *mask)
+{
+	for (;;) {
+		int64_t left = deadline < 0 ? -1 : deadline - now_ns();
+		if (left < 0 && deadline >= 0)
+			left = 0;
+		struct waiter w = {.efd = -1};
+		if (e) {
+			int efd = left ? wake_efd() : -1;
+			struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
+			if (efd >= 0 && real_epoll_ctl(epfd, EPOLL_CTL_ADD, efd, &m) < 0 && errno != EEXIST)
+				efd = -1;
+			pthread_mutex_lock(&e->mu);
+			if (e->n) {
+				pthread_mutex_unlock(&e->mu);
+				return FULL;
+			}
+			w.efd = efd;
+			if (efd >= 0)
+				wait_on(e, &w);
+			pthread_mutex_unlock(&e->mu);
+			if (efd < 0 && left) /* no eventfd: an interest added meanwhile is seen within RECHECK_NS */
+				left = left < 0 || left > RECHECK_NS ? RECHECK_NS : left;
+		}
+		int r = kwait(epfd, ev, max, left, mask), err = errno;
+		if (w.efd >= 0) {
+			wait_off(e, &w);
+			if (w.kicked)
+				drain(w.efd);
+		}
+		if (r < 0)
+			return errno = err, -1;
+		if ((r = drop_magic(e, ev, r)) > 0)
+			return r;
+		if (deadline >= 0 && now_ns() >= deadline)
+			return 0;
+	}
+}
+
+static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int64_t timeout_ns, const sigset_t *mask)
+{
+	if (max <= 0)
+		return real_epoll_pwait(epfd, ev, max, 0, mask); /* the kernel's EINVAL */
 	struct ep *e = ep_get(epfd, 0);
-	if (!e || !__atomic_load_n(&e->n, __ATOMIC_RELAXED) || max <= 0)
-		return real_epoll_pwait(epfd, ev, max, timeout, mask);
-	int64_t start = now_ns(), deadline = timeout < 0 ? -1 : start + (int64_t)timeout * 1000000;
+	int64_t start = now_ns(), deadline = timeout_ns < 0 ? -1 : start + timeout_ns;
+	if (!e || !__atomic_load_n(&e->n, __ATOMIC_RELAXED)) {
+		int r = plain_wait(e, epfd, ev, max, deadline, mask);
+		if (r != FULL)
+			return r;
+	}
 	for (unsigned turn = 0;; turn++) {
 		if (__atomic_load_n(&e->pend, __ATOMIC_RELAXED))
 			settle_set(e);
@@ -515,7 +658,7 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		/* Non-blocking progress loops (MPI) call epoll_wait(0) back to
 		 * back: ask the kernel at most every KERNEL_POLL_NS then. */
 		int64_t t = now_ns();
-		int ask = timeout == 0 ? t - e->kernel_at >= KERNEL_POLL_NS : turn % KERNEL_EVERY == 0;
+		int ask = timeout_ns == 0 ? t - e->kernel_at >= KERNEL_POLL_NS : turn % KERNEL_EVERY == 0;
 		if (k < max && (k || ask)) {
 			e->kernel_at = t;
 			int r = real_epoll_wait(epfd, ev + k, max - k, 0);
@@ -533,7 +676,19 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 			shunt_spin_yield(now - start);
 			continue;
 		}
-		/* Block: arm every ring of interest, re-check, sleep. */
+		/* Block: list this thread as the set's waiter (an interest
+		 * added from now on kicks it), arm every ring of interest,
+		 * re-check, sleep. */
+		struct helper *h = helper();
+		struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
+		if (h && real_epoll_ctl(epfd, EPOLL_CTL_ADD, helper_efd(h), &m) < 0 && errno != EEXIST)
+			h = NULL; /* then the wait is sliced */
+		struct waiter w = {.efd = h ? helper_efd(h) : -1};
+		if (h) {
+			pthread_mutex_lock(&e->mu);
+			wait_on(e, &w);
+			pthread_mutex_unlock(&e->mu);
+		}
 		struct arm a;
 		arm_init(&a);
 		scan(e, NULL, INT_MAX, ARM, &a);
@@ -541,20 +696,23 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 		if (scan(e, NULL, 1, PEEK, NULL)) {
 			arm_set(&a, 0);
 			arm_free(&a);
+			if (h) {
+				wait_off(e, &w);
+				if (w.kicked)
+					drain(w.efd);
+			}
 			continue;
 		}
-		struct helper *h = helper();
-		struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
-		if (h && real_epoll_ctl(epfd, EPOLL_CTL_ADD, helper_efd(h), &m) < 0 && errno != EEXIST)
-			h = NULL; /* then the wait is sliced */
 		int64_t left = block_start(h, &a, deadline < 0 ? -1 : deadline - now_ns());
 		/* A connect under way wakes nothing in a set that waits for
 		 * input: re-check it every millisecond until it is settled. */
 		if (__atomic_load_n(&e->pend, __ATOMIC_RELAXED) && (left < 0 || left > 1000000))
 			left = 1000000;
-		int r = real_epoll_pwait(epfd, ev, max, left < 0 ? -1 : (int)((left + 999999) / 1000000), mask);
+		int r = kwait(epfd, ev, max, left, mask);
 		int err = errno;
-		block_stop(h); /* it drains the eventfd: errno is EAGAIN after */
+		if (h)
+			wait_off(e, &w);
+		block_stop(h); /* it drains the eventfd (kicks too): errno is EAGAIN after */
 		arm_set(&a, 0);
 		arm_free(&a);
 		errno = err;
@@ -568,13 +726,24 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout,
 INTERPOSE int epoll_wait(int epfd, struct epoll_event *ev, int max, int timeout)
 {
 	REAL_READY();
-	return do_epoll_wait(epfd, ev, max, timeout, NULL);
+	return do_epoll_wait(epfd, ev, max, timeout < 0 ? -1 : (int64_t)timeout * 1000000, NULL);
 }
 
 INTERPOSE int epoll_pwait(int epfd, struct epoll_event *ev, int max, int timeout, const sigset_t *mask)
 {
 	REAL_READY();
-	return do_epoll_wait(epfd, ev, max, timeout, mask);
+	return do_epoll_wait(epfd, ev, max, timeout < 0 ? -1 : (int64_t)timeout * 1000000, mask);
+}
+
+/* epoll_pwait2 (glibc 2.35, Linux 5.11): the same wait with a timespec;
+ * the library's kernel waits round it up to whole milliseconds. */
+INTERPOSE int epoll_pwait2(int epfd, struct epoll_event *ev, int max, const struct timespec *t, const sigset_t *mask)
+{
+	REAL_READY();
+	if (t && (t->tv_sec < 0 || t->tv_nsec < 0 || t->tv_nsec >= 1000000000))
+		return errno = EINVAL, -1;
+	int64_t ns = !t ? -1 : t->tv_sec >= INT64_MAX / 1000000000 - 1 ? -1 : (int64_t)t->tv_sec * 1000000000 + t->tv_nsec;
+	return do_epoll_wait(epfd, ev, max, ns, mask);
 }
 
 /* Every epoll set is known here from its creation, so that one nested in

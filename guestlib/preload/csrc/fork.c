@@ -236,7 +236,7 @@ static void fork_parent(void)
  * connection the child does not get, which only costs it the fast path.
  * A connection on the rings stays the parent's: the new image gets its
  * raw kernel socket, as before (docs/preload.md, Rules: spawn). */
-static void spawn_letgo(int any_fd)
+void spawn_letgo(int any_fd)
 {
 	struct flow *let = NULL;
 	pthread_mutex_lock(&tab_mu);

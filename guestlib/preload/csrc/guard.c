@@ -27,18 +27,13 @@
  *
  * io_uring moves bytes where no preload library sees them. A process that
  * sets it up (io_uring_setup through syscall(), or liburing's setup
- * functions) keeps its new connections on TCP. */
+ * functions; raw.c sees syscall(SYS_io_uring_setup)) keeps its new
+ * connections on TCP. */
 #include "preload.h"
 
 #include <dlfcn.h>
 #include <errno.h>
-#include <stdarg.h>
 #include <string.h>
-#include <sys/syscall.h>
-
-#ifndef SYS_io_uring_setup
-#define SYS_io_uring_setup 425
-#endif
 
 int uring_seen;
 
@@ -156,32 +151,10 @@ void guard_after_fork(void)
 
 /* ---- io_uring ---- */
 
-static void uring(const char *how)
+void uring(const char *how)
 {
 	if (!__atomic_exchange_n(&uring_seen, 1, __ATOMIC_SEQ_CST))
 		plog("shunt: the process set up io_uring (%s): new connections stay on TCP", how);
-}
-
-/* syscall is interposed only to see io_uring_setup; every call goes on to
- * libc's with its six argument registers, as syscall(2) takes them. */
-INTERPOSE long syscall(long nr, ...)
-{
-	REAL_READY();
-	static long (*real)(long, ...);
-	long (*r)(long, ...) = __atomic_load_n(&real, __ATOMIC_ACQUIRE);
-	if (!r) {
-		r = (long (*)(long, ...))dlsym(RTLD_NEXT, "syscall");
-		__atomic_store_n(&real, r, __ATOMIC_RELEASE);
-	}
-	va_list ap;
-	va_start(ap, nr);
-	long a[6];
-	for (int i = 0; i < 6; i++)
-		a[i] = va_arg(ap, long);
-	va_end(ap);
-	if (nr == SYS_io_uring_setup)
-		uring("syscall");
-	return r(nr, a[0], a[1], a[2], a[3], a[4], a[5]);
 }
 
 /* liburing's setup functions (it makes the system call itself). */

@@ -152,7 +152,7 @@ void flow_put(struct flow *f)
 
 /* forget drops fd's reference to its flow (the last one releases it), its
  * listener registration and its epoll interests, before the kernel close. */
-static void forget(int fd)
+void forget(int fd)
 {
 	if (fd < 0)
 		return;
@@ -199,7 +199,8 @@ static void forget(int fd)
 INTERPOSE int close(int fd)
 {
 	REAL_READY();
-	forget(fd);
+	if (!vm_child())
+		forget(fd);
 	return real_close(fd);
 }
 
@@ -234,6 +235,8 @@ static int beyond(int old, int fd, int err)
 INTERPOSE int dup(int old)
 {
 	REAL_READY();
+	if (vm_child())
+		return real_dup(old);
 	int fd = real_dup(old);
 	if (fd >= 0 && beyond(old, fd, EMFILE)) {
 		real_close(fd);
@@ -247,6 +250,8 @@ INTERPOSE int dup(int old)
 INTERPOSE int dup2(int old, int fd)
 {
 	REAL_READY();
+	if (vm_child())
+		return real_dup2(old, fd);
 	if (beyond(old, fd, EBADF))
 		return -1;
 	if (old != fd)
@@ -260,6 +265,8 @@ INTERPOSE int dup2(int old, int fd)
 INTERPOSE int dup3(int old, int fd, int flags)
 {
 	REAL_READY();
+	if (vm_child())
+		return real_dup3(old, fd, flags);
 	if (beyond(old, fd, EBADF))
 		return -1;
 	forget(fd);
@@ -291,6 +298,8 @@ INTERPOSE int fcntl(int fd, int cmd, ...)
 	long arg = va_arg(ap, long);
 	va_end(ap);
 	int r = real_fcntl(fd, cmd, arg);
+	if (r >= 0 && (cmd == F_SETFL || cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC) && vm_child())
+		return r;
 	if (r >= 0 && cmd == F_SETFL)
 		set_nonblock(fd, (arg & O_NONBLOCK) != 0);
 	if (r >= 0 && (cmd == F_DUPFD || cmd == F_DUPFD_CLOEXEC)) {

@@ -11,6 +11,8 @@
  *   wait.c      poll, select, and the helper threads that sleep on rings
  *   epoll.c     epoll
  *   lifetime.c  close, dup, fcntl, ioctl, exec, exit
+ *   raw.c       what changes an fd past those: syscall(SYS_close, ...),
+ *               close_range, closefrom; vfork; children sharing memory
  *   fork.c      fork: which connections each process keeps
  *   share.c     a young connection several processes hold after a fork
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
@@ -343,6 +345,9 @@ void arm_free(struct arm *a);
 struct helper;
 struct helper *helper(void);
 int helper_efd(struct helper *h);
+/* wake_efd: the calling thread's eventfd (its helper's), even where
+ * futex_waitv is missing, or -1: epoll.c kicks a waiter through it. */
+int wake_efd(void);
 int64_t block_start(struct helper *h, struct arm *a, int64_t ns);
 void block_stop(struct helper *h);
 int remaining_ms(int64_t deadline);
@@ -414,5 +419,23 @@ void guard(int fd);
 void guard_forget(int fd);
 void guard_after_fork(void);
 extern int uring_seen;
+/* uring marks the process as an io_uring user (how: which call said so). */
+void uring(const char *how);
+
+/* lifetime.c: forget drops fd from the library's state (flow reference,
+ * listener, epoll interests, guard) before its kernel close. */
+void forget(int fd);
+/* raw.c: vm_child says whether the caller is a child that shares this
+ * process's memory (clone(CLONE_VM) without fork's handlers): its calls
+ * go straight to libc and never change the parent's state. */
+int vm_child(void);
+/* fork.c: spawn_letgo lets go, before a spawn, the young connections the
+ * child may inherit (any_fd: every one, else those without FD_CLOEXEC). */
+void spawn_letgo(int any_fd);
+/* epoll.c: ep_maybe_set says, without a lock, whether fd may be a set
+ * the library knows (forget decides under the locks); ep_high_in lists
+ * the sets at FD_MAX or above within [first, last] (up to max). */
+int ep_maybe_set(int fd);
+int ep_high_in(unsigned first, unsigned last, int *out, int max);
 
 #endif

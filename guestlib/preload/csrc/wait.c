@@ -164,6 +164,13 @@ struct helper *helper(void)
 
 int helper_efd(struct helper *h) { return h->efd; }
 
+int wake_efd(void)
+{
+	if (!me)
+		helper();
+	return me && me->ok ? me->efd : -1;
+}
+
 /* grow starts sleepers until h has want of them (or cannot start more). */
 static int grow(struct helper *h, int want)
 {
