@@ -35,6 +35,20 @@ static inline int sys_poll1(int fd, short events, int timeout_ms)
 	return syscall(SYS_ppoll, &p, 1, timeout_ms < 0 ? NULL : &ts, NULL, (size_t)8);
 }
 
+/* Region mappings whose file may be truncated under them (fault.c). */
+struct sigaction;
+void shunt_fault_guard(void *mem, size_t size);
+void shunt_fault_unguard(void *mem);
+int shunt_fault_dead_slow(const void *p);
+extern unsigned long shunt_faults;
+
+/* shunt_fault_dead reports whether p lies in a region whose memory is
+ * gone (truncated, now zeros): one load while no region died. */
+static inline int shunt_fault_dead(const void *p)
+{
+	return __atomic_load_n(&shunt_faults, __ATOMIC_RELAXED) && shunt_fault_dead_slow(p);
+}
+
 static inline int64_t shunt_now_ns(void)
 {
 	struct timespec ts;

@@ -67,7 +67,7 @@ static void poke(struct shunt_ring *r, int off)
 
 int shunt_rec_broken(const struct shunt_rec_ring *w)
 {
-	return __atomic_load_n(w32(w->r, SHUNT_OFF_RESET), __ATOMIC_ACQUIRE) ||
+	return shunt_fault_dead(w->r->hdr) || __atomic_load_n(w32(w->r, SHUNT_OFF_RESET), __ATOMIC_ACQUIRE) ||
 	       (__atomic_load_n(w32(w->r, SHUNT_OFF_RFLAGS), __ATOMIC_ACQUIRE) & 1);
 }
 
@@ -144,7 +144,7 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 {
 	struct shunt_ring *r = w->r;
 	if (shunt_rec_broken(w)) {
-		*err = __atomic_load_n(w32(r, SHUNT_OFF_RESET), __ATOMIC_RELAXED) ? SHUNT_ERESET : SHUNT_EPIPE;
+		*err = shunt_fault_dead(r->hdr) || __atomic_load_n(w32(r, SHUNT_OFF_RESET), __ATOMIC_RELAXED) ? SHUNT_ERESET : SHUNT_EPIPE;
 		return NULL;
 	}
 	if (!w->dirty_until)

@@ -92,6 +92,7 @@ static void spare_put(uint8_t *mem, uint64_t size)
 /* let_go replaces a region's pages by anonymous ones and keeps the range. */
 static void let_go(uint8_t *mem, uint64_t size)
 {
+	shunt_fault_unguard(mem);
 	if (mmap(mem, size, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS | MAP_FIXED, -1, 0) != MAP_FAILED)
 		spare_put(mem, size);
 }
@@ -187,6 +188,8 @@ static void region_given(struct shunt_session *s, const struct shunt_msg *m, int
 		free(mp);
 		return;
 	}
+	/* Either guest, or hostd taking the memory back, may truncate it. */
+	shunt_fault_guard(mem, st.st_size);
 	mp->id = m->region_id;
 	mp->mem = mem;
 	mp->size = st.st_size;

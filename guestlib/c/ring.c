@@ -103,9 +103,23 @@ static int64_t space(struct shunt_ring *w, uint64_t want)
 	return (int64_t)(w->cap - (w->own - h));
 }
 
+/* gone reports whether r's region was truncated under it (fault.c): its
+ * flows fail as reset. */
+static inline int gone(const struct shunt_ring *r) { return shunt_fault_dead(r->hdr); }
+
+static ssize_t shunt_ring_write1(struct shunt_ring *w, const void *buf, size_t n);
+static ssize_t shunt_ring_read1(struct shunt_ring *r, void *buf, size_t n);
+
 ssize_t shunt_ring_write(struct shunt_ring *w, const void *buf, size_t n)
 {
-	if (__atomic_load_n(w32(w, SHUNT_OFF_RESET), SC))
+	ssize_t got = shunt_ring_write1(w, buf, n);
+	/* Bytes written while the region died went to zeros: an error. */
+	return gone(w) ? SHUNT_ERESET : got;
+}
+
+static ssize_t shunt_ring_write1(struct shunt_ring *w, const void *buf, size_t n)
+{
+	if (__atomic_load_n(w32(w, SHUNT_OFF_RESET), SC) || gone(w))
 		return SHUNT_ERESET;
 	if (w->left)
 		return SHUNT_ELEFT;
@@ -154,7 +168,13 @@ static int64_t avail(struct shunt_ring *r, uint64_t want)
 
 ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
 {
-	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+	ssize_t got = shunt_ring_read1(r, buf, n);
+	return gone(r) ? SHUNT_ERESET : got;
+}
+
+static ssize_t shunt_ring_read1(struct shunt_ring *r, void *buf, size_t n)
+{
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC) || gone(r))
 		return SHUNT_ERESET;
 	int64_t a = avail(r, n);
 	if (a < 0)
@@ -196,7 +216,7 @@ ssize_t shunt_ring_read(struct shunt_ring *r, void *buf, size_t n)
 
 ssize_t shunt_ring_peek(struct shunt_ring *r, void *buf, size_t n)
 {
-	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+	if (__atomic_load_n(w32(r, SHUNT_OFF_RESET), SC) || gone(r))
 		return SHUNT_ERESET;
 	uint32_t fl = __atomic_load_n(w32(r, SHUNT_OFF_WFLAGS), SC);
 	int64_t a = avail(r, n);
@@ -300,7 +320,7 @@ void shunt_ring_leave_read(struct shunt_ring *r)
 
 int shunt_ring_ready(struct shunt_ring *r, int reader)
 {
-	if (__atomic_load_n(&r->stop, SC) || __atomic_load_n(w32(r, SHUNT_OFF_RESET), SC))
+	if (__atomic_load_n(&r->stop, SC) || __atomic_load_n(w32(r, SHUNT_OFF_RESET), SC) || gone(r))
 		return 1;
 	/* own may be moving: another thread of this process that reads (or
 	 * writes) this end while a sleeper asks. A stale value only makes the

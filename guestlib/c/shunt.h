@@ -548,4 +548,13 @@ int shunt_kick_sleep(uint32_t seq, int64_t max_ns);
  * must see in VM mode. */
 void shunt_kick_local(void);
 
+/* SIGBUS on region memory (fault.c): the core handles a fault inside a
+ * region it mapped and chains any other to the application's handler.
+ * A program that sets its own SIGBUS handler after the core installed
+ * its own (the preload library's sigaction) records it here instead:
+ * 0, with the previous chained handler in *old; -1 if the core has no
+ * handler installed (make the real call then). */
+struct sigaction;
+int shunt_fault_sigaction(const struct sigaction *act, struct sigaction *old);
+
 #endif

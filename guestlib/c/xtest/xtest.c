@@ -167,6 +167,7 @@ static int session(const char *control)
 }
 
 int records(const char *name); /* records.c */
+int fault_test(void);           /* fault.c */
 
 int main(int argc, char **argv)
 {
@@ -175,6 +176,8 @@ int main(int argc, char **argv)
 		return records(argv[2]);
 	if (argc == 3 && !strcmp(argv[1], "session"))
 		return session(argv[2]);
+	if (argc >= 2 && !strcmp(argv[1], "fault"))
+		return fault_test();
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))
 		return vectors();
 	if (argc >= 2 && !strcmp(argv[1], "reasons")) {
