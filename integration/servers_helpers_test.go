@@ -90,9 +90,12 @@ func newSrvEnv(t *testing.T, tools ...string) *srvEnv {
 		toolPath(t, name)
 	}
 	// Each guest has its netns in hostd.hcl: servers that drop privileges
-	// (nginx's workers as www-data...) or chroot keep their control channel.
+	// (nginx's workers as www-data...) or chroot keep their control
+	// channel. The trust group has hostd's default quotas and pair
+	// regions (room for 32 connections per guest), as a packaged hostd.
 	testenv.NeedTool(t, "nft", "nftables")
-	s := &srvEnv{env: startEnv(t, "e", stack.Options{Guests: 2, HostdBin: hostdBin, Netns: true}), t: t}
+	o := stack.Options{Guests: 2, HostdBin: hostdBin, Netns: true, Group: "  # hostd's default quotas and pair regions\n"}
+	s := &srvEnv{env: startEnv(t, "e", o), t: t}
 	t.Cleanup(func() {
 		if t.Failed() && !s.dumped {
 			t.Logf("state at the end:\n%s", s.state())

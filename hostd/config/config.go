@@ -428,7 +428,7 @@ func Parse(name string, src []byte) (*Config, error) {
 	}
 	for i := range c.Groups {
 		g := &c.Groups[i]
-		if err := checkQuota(g, c.Policy, tab); err != nil {
+		if err := checkQuota(g, c.Policy, tab, c.SharesRegion(g.Name)); err != nil {
 			return nil, fmt.Errorf("%s", at(fmt.Sprintf("trust_group %q (line %d): %v", g.Name, lines["trust_group."+g.Name], err)))
 		}
 	}
@@ -443,6 +443,14 @@ func (c *Config) group(name string) *Group {
 		}
 	}
 	return nil
+}
+
+// SharesRegion reports whether guests of trust group name may share its
+// region: it has a shared_region guest (a VM), or libvirt may add VMs to
+// any group. There the default quota is a quarter of the region, so that
+// one guest cannot take the others' room.
+func (c *Config) SharesRegion(name string) bool {
+	return c.Libvirt != nil || slices.ContainsFunc(c.Guests, func(g Guest) bool { return g.Group == name && g.SharedRegion })
 }
 
 // checkQMP checks a guest's qmp against its group's vm_regions: a VM
@@ -461,17 +469,26 @@ func checkQMP(g Guest, grp *Group) error {
 	return nil
 }
 
-// Defaults of a trust group's pair regions.
+// Defaults of a trust group's pair regions: room for DefaultConnsPerGuest
+// flows of the default ring_size (1 MiB each way) in one pair region
+// (tmpfs allocates its pages only as rings are touched); a power of two,
+// as a VM pair region's BAR must be.
 const (
-	DefaultPairRegionSize = 16 << 20
+	DefaultPairRegionSize = 128 << 20
 	DefaultPairSlots      = 256
 )
+
+// DefaultConnsPerGuest is how many concurrent fast-path connections of the
+// policy's ring_size the default quota and pair regions leave each guest:
+// a server with 32 clients at once (ab -c 16 and pgbench -c 8 with room to
+// spare) keeps them all on the rings.
+const DefaultConnsPerGuest = 32
 
 // pairAndQuota reads a trust group's pair region geometry and the quota as
 // given (0: the default, which checkQuota fills in once the policy is
 // known).
 func pairAndQuota(grp *Group, g groupBlock) error {
-	size, err := policy.ParseSize(or(g.PairSize, "16MiB"))
+	size, err := policy.ParseSize(or(g.PairSize, "128MiB"))
 	if err != nil {
 		return fmt.Errorf("pair_region_size: %w", err)
 	}
@@ -502,12 +519,19 @@ func pairAndQuota(grp *Group, g groupBlock) error {
 // policy can choose must fit a guest's quota and a pair region, and
 // guest_flows above max_flows_per_guest would never bind. The default quota
 // is a quarter of the group region's bytes and slots (but at least one
-// flow of the largest ring), so that one guest leaves most of the region to
-// the others.
-func checkQuota(g *Group, spec policy.Spec, tab *policy.Table) error {
+// flow of the largest ring), so that one guest leaves most of the region
+// to the others. A group whose guests share no region (process and
+// container guests only: shared false) has its flows in pair regions of
+// their own; its default leaves each guest room for DefaultConnsPerGuest
+// flows of the policy's ring_size at least.
+func checkQuota(g *Group, spec policy.Spec, tab *policy.Table, shared bool) error {
 	rings := []int{policy.DefaultRingSize}
 	if spec.RingSize != "" {
 		rings[0], _ = policy.ParseRingSize(spec.RingSize) // Compile checked it
+	}
+	conns, flows := DefaultConnsPerGuest*region.PairSize(rings[0]), DefaultConnsPerGuest
+	if shared {
+		conns, flows = 0, 0
 	}
 	for _, r := range spec.Rules {
 		if r.RingSize != "" {
@@ -518,14 +542,14 @@ func checkQuota(g *Group, spec policy.Spec, tab *policy.Table) error {
 	largest := slices.Max(rings)
 	pair := region.PairSize(largest)
 	if g.Quota.RingBytes == 0 {
-		g.Quota.RingBytes = max(g.Geometry.Size/4, pair)
+		g.Quota.RingBytes = max(g.Geometry.Size/4, pair, conns)
 	}
 	if g.Quota.RingBytes < pair {
 		return fmt.Errorf("guest_ring_bytes %d is less than one flow of ring_size %d takes (%d bytes: two rings and their headers): raise it, or lower ring_size", g.Quota.RingBytes, largest, pair)
 	}
 	maxFlows := tab.MaxFlowsPerGuest()
 	if g.Quota.Flows == 0 {
-		g.Quota.Flows = max(1, min(g.Geometry.Slots/4, maxFlows))
+		g.Quota.Flows = max(1, min(max(g.Geometry.Slots/4, flows), maxFlows))
 	}
 	if g.Quota.Flows > maxFlows {
 		return fmt.Errorf("guest_flows %d is more than the policy's max_flows_per_guest %d, which binds first: lower it", g.Quota.Flows, maxFlows)

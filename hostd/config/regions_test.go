@@ -10,7 +10,8 @@ import (
 
 // TestRegionDefaults: the state and pair-region directories, the pair
 // regions' geometry and the quota default sensibly: a quarter of the group
-// region's bytes and slots per guest.
+// region's bytes and slots per guest, but room for 32 connections of the
+// policy's ring_size at least (a server with many clients; issue 21).
 func TestRegionDefaults(t *testing.T) {
 	c, err := config.Parse("hostd.hcl", []byte(good))
 	if err != nil {
@@ -23,8 +24,11 @@ func TestRegionDefaults(t *testing.T) {
 	if g.PairGeometry != (region.Geometry{Size: config.DefaultPairRegionSize, Slots: config.DefaultPairSlots}) {
 		t.Fatalf("pair geometry %+v", g.PairGeometry)
 	}
-	if g.Quota != (config.Quota{RingBytes: 4 << 20, Flows: 16}) {
-		t.Fatalf("quota %+v, want 4 MiB and 16 flows (a quarter of 16 MiB and 64 slots)", g.Quota)
+	if want := (config.Quota{RingBytes: 32 * region.PairSize(256<<10), Flows: 32}); g.Quota != want {
+		t.Fatalf("quota %+v, want %+v (32 flows of 256 KiB rings: more than a quarter of 16 MiB and 64 slots)", g.Quota, want)
+	}
+	if l, _ := region.LayoutFor(g.PairGeometry); l.HeapSize/region.PairSize(1<<20) < 32 {
+		t.Fatalf("a default pair region holds %d flows of 1 MiB rings, want 32", l.HeapSize/region.PairSize(1<<20))
 	}
 	if c.Guests[0].SharedRegion {
 		t.Fatal("a guest shares the group region by default; want pair regions")

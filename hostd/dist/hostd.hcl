@@ -24,9 +24,11 @@ trust_group "tenant-a" {
   region_size = "64MiB"
   slots       = 256
   # region_group = "kvm"   # when libvirt runs QEMU as libvirt-qemu:kvm
-  # pair_region_size = "16MiB"   # each pair of process guests gets its own
-  # guest_ring_bytes = "16MiB"   # per guest: rings of the flows it opens (default region_size/4)
-  # guest_flows      = 64        # per guest: flows it opens (default slots/4)
+  # hostd check says how many concurrent fast-path connections each guest
+  # may hold; a group of process guests gets room for 32 by default:
+  # pair_region_size = "128MiB"  # each pair of process guests gets its own
+  # guest_ring_bytes = "16MiB"   # per guest: rings of the flows it opens (default region_size/4; process guests: 32 flows at least)
+  # guest_flows      = 64        # per guest: flows it opens (default slots/4; process guests: 32 at least)
   # vm_regions = "pair"   # a region per VM pair, hot-plugged into both VMs (each
   #                       # VM needs qmp = "/run/shunt/vm1.qmp", a libvirt domain no
   #                       # <shmem> and <shunt:group>; docs/vm.md, "Pair regions")

@@ -73,6 +73,7 @@ var checks = []check{
 	{"interfaces", checkInterfaces},
 	{"space", checkSpace},
 	{"regions", checkRegions},
+	{"quotas", checkQuotas},
 	{"sockets", checkSockets},
 	{"libvirt", checkLibvirt},
 	{"qmp", checkQMP},

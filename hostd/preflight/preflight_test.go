@@ -711,3 +711,15 @@ func TestLibvirtPairRegions(t *testing.T) {
 	want(t, fs, "libvirt", Warning, "trust group b has pair regions for VMs, but no region_group", "region_group = \"kvm\"")
 	only(t, fs, "libvirt")
 }
+
+// TestQuotas: hostd check says how many concurrent fast-path connections
+// each guest may hold and which limit binds: 32 with the defaults (issue
+// 21: the default rig allowed 7), a warning with a small quota.
+func TestQuotas(t *testing.T) {
+	c := newConfig(t)
+	fs := run(t, c, healthy())
+	want(t, fs, "quotas", OK, "trust group a: each guest may hold 32 concurrent fast-path connections of ring_size 1 MiB (bound by guest_ring_bytes", "")
+	c.groups = []string{c.group("a", "64MiB", `guest_ring_bytes = "16MiB"`)}
+	fs = run(t, c, healthy())
+	want(t, fs, "quotas", Warning, "each guest may hold 7 concurrent fast-path connections of ring_size 1 MiB (bound by guest_ring_bytes", "raise guest_ring_bytes")
+}
