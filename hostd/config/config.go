@@ -16,6 +16,7 @@ import (
 	"github.com/hashicorp/hcl/v2/hclsyntax"
 
 	"github.com/shuntnet/shunt/hostd/mark"
+	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/region"
 )
@@ -46,6 +47,7 @@ type Config struct {
 	Groups           []Group
 	Guests           []Guest
 	Policy           policy.Spec
+	Peering          *peers.Config // nil: no peering block (hostd/peers, docs/crosshost.md)
 }
 
 // Limits bound what one guest may hold of hostd's control plane, so that
@@ -179,6 +181,8 @@ type file struct {
 	Guests         []guestBlock  `hcl:"guest,block"`
 	Policy         *policy.Spec  `hcl:"policy,block"`
 	PolicyFile     string        `hcl:"policy_file,optional"`
+	Peering        *peeringBlock `hcl:"peering,block"`
+	Peers          []peerBlock   `hcl:"peer,block"`
 }
 
 type libvirtBlock struct {
@@ -431,6 +435,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		if err := checkQuota(g, c.Policy, tab, c.SharesRegion(g.Name)); err != nil {
 			return nil, fmt.Errorf("%s", at(fmt.Sprintf("trust_group %q (line %d): %v", g.Name, lines["trust_group."+g.Name], err)))
 		}
+	}
+	if c.Peering, err = peering(raw.Peering, raw.Peers); err != nil {
+		return nil, fmt.Errorf("%s", at(err.Error()))
 	}
 	return c, nil
 }

@@ -1,0 +1,101 @@
+package peers
+
+import (
+	"bufio"
+	"encoding/json"
+	"errors"
+	"fmt"
+	"io"
+	"net/netip"
+)
+
+// The channel carries one JSON message a line. A line is at most
+// maxLine bytes and an announcement at most maxAddrs addresses: a peer is
+// another operator's hostd, and what it sends is bounded and validated
+// like a guest's.
+const (
+	maxLine  = 1 << 20
+	maxAddrs = 16384
+	version  = 1
+)
+
+// Message types.
+const (
+	tHello    = "hello"    // first message each way: the channel's version
+	tAnnounce = "announce" // the sender's whole set of guest addresses; replaces the last
+	tRefused  = "refused"  // the receiver refused some announced addresses (Addrs), and why
+	tPing     = "ping"
+	tPong     = "pong"
+)
+
+// Announced is one guest prefix a hostd announces (a guest owns
+// prefixes: a single address is a full-length one), with its guest's
+// trust group (groups are matched by name across hosts).
+type Announced struct {
+	Prefix netip.Prefix `json:"prefix"`
+	Group  string       `json:"group"`
+}
+
+// Refusal is an announced prefix the receiver refused, and why.
+type Refusal struct {
+	Prefix netip.Prefix `json:"prefix"`
+	Reason string       `json:"reason"`
+}
+
+type msg struct {
+	Type    string      `json:"type"`
+	Version int         `json:"version,omitempty"`
+	Addrs   []Announced `json:"addrs,omitempty"`   // announce: the whole set
+	Refused []Refusal   `json:"refused,omitempty"` // refused: all of the last announcement's
+	Nonce   uint64      `json:"nonce,omitempty"`
+}
+
+var errMalformed = errors.New("peer channel: malformed message")
+
+// readMsg reads one message, bounded.
+func readMsg(r *bufio.Reader) (msg, error) {
+	line, err := r.ReadSlice('\n')
+	if errors.Is(err, bufio.ErrBufferFull) {
+		return msg{}, fmt.Errorf("%w: a line over %d bytes", errMalformed, maxLine)
+	}
+	if err != nil {
+		if errors.Is(err, io.EOF) && len(line) > 0 {
+			err = io.ErrUnexpectedEOF
+		}
+		return msg{}, err
+	}
+	var m msg
+	if err := json.Unmarshal(line, &m); err != nil {
+		return msg{}, fmt.Errorf("%w: %v", errMalformed, err)
+	}
+	switch m.Type {
+	case tHello, tPing, tPong:
+	case tRefused:
+		if len(m.Refused) > maxAddrs {
+			return msg{}, fmt.Errorf("%w: %d addresses refused, at most %d", errMalformed, len(m.Refused), maxAddrs)
+		}
+		for _, a := range m.Refused {
+			if len(a.Reason) > 64 {
+				return msg{}, fmt.Errorf("%w: a refusal's reason of %d bytes", errMalformed, len(a.Reason))
+			}
+		}
+	case tAnnounce:
+		if len(m.Addrs) > maxAddrs {
+			return msg{}, fmt.Errorf("%w: %d addresses announced, at most %d", errMalformed, len(m.Addrs), maxAddrs)
+		}
+		for _, a := range m.Addrs {
+			if !a.Prefix.IsValid() || a.Prefix != a.Prefix.Masked() || len(a.Group) > 256 {
+				return msg{}, fmt.Errorf("%w: announced address %+v", errMalformed, a)
+			}
+		}
+	default:
+		return msg{}, fmt.Errorf("%w: type %q", errMalformed, m.Type)
+	}
+	return m, nil
+}
+
+// appendMsg appends m as one line.
+func appendMsg(b []byte, m msg) []byte {
+	j, _ := json.Marshal(m) // plain structs: never fails
+	return append(append(b, j...), '\n')
+}
