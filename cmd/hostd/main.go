@@ -3,7 +3,8 @@
 //	hostd agent -config /etc/shunt/hostd.hcl   run the daemon
 //	hostd check -config /etc/shunt/hostd.hcl   check the config and the host before starting it
 //	hostd guests | flows | status | counters  show state (tables; -json for JSON)
-//	hostd reload                               re-read the policy (as SIGHUP does)
+//	hostd peers                                the peer hosts' hostds (docs/crosshost.md)
+//	hostd reload                               re-read the policy and the peer blocks (as SIGHUP does)
 //	hostd downgrade CONN                       move one connection to TCP (alias: revoke)
 package main
 
@@ -27,6 +28,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/agent"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/hostd/preflight"
 )
 
@@ -39,7 +41,9 @@ commands:
   flows                   list connections: path (rings, leaving, tcp), reason, switches, bytes
   status                  summary
   counters                fallback, switch and flow counters
-  reload                  re-read the policy; moves connections between the rings and TCP
+  peers                   the peer hosts' hostds: state, link, prefixes, bytes (docs/crosshost.md)
+  reload                  re-read the policy and the peer blocks; moves connections between
+                          the rings and TCP
   downgrade CONN          move one connection to TCP until the next reload (name as in
                           'hostd flows')
   revoke CONN             the old name of downgrade
@@ -67,7 +71,7 @@ func main() {
 	case "check":
 		os.Exit(runCheck(args))
 	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke, admin.CmdDowngrade,
-		admin.CmdMigrateOut, admin.CmdMigrateIn:
+		admin.CmdMigrateOut, admin.CmdMigrateIn, admin.CmdPeers:
 		err = runClient(cmd, args)
 	case "-h", "-help", "--help", "help":
 		fmt.Print(usage)
@@ -232,6 +236,16 @@ func runClient(cmd string, args []string) error {
 		for _, k := range keys {
 			fmt.Fprintf(tw, "%s\t%g\n", k, cs[k])
 		}
+	case admin.CmdPeers:
+		var ps []peers.Info
+		if err := json.Unmarshal(out, &ps); err != nil {
+			return err
+		}
+		fmt.Fprintln(tw, "PEER\tADDRESS\tSTATE\tLINK\tPREFIXES\tANNOUNCED\tREFUSED\tFLOWS\tBYTES IN\tBYTES OUT\tRTT\tCONNECTS\tERROR")
+		for _, p := range ps {
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\n", p.Name, p.Address, p.State, or(p.Link, "-"), strings.Join(p.Prefixes, ","),
+				p.Announced, len(p.Refused), p.Flows, p.BytesIn, p.BytesOut, or(p.RTT, "-"), p.Reconnects, p.Error)
+		}
 	case admin.CmdMigrateOut, admin.CmdMigrateIn:
 		var rep admin.MigrateReply
 		if err := json.Unmarshal(out, &rep); err != nil {
@@ -255,4 +269,11 @@ func runClient(cmd string, args []string) error {
 		fmt.Fprintln(tw, string(out))
 	}
 	return nil
+}
+
+func or(s, dflt string) string {
+	if s == "" {
+		return dflt
+	}
+	return s
 }

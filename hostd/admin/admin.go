@@ -34,10 +34,12 @@ const (
 	// and its connections move to the rings again as its library
 	// reconnects (MigrateReply).
 	CmdMigrateIn = "migrate-in"
+	// CmdPeers lists the peer hosts' hostds ([]peers.Info; docs/crosshost.md).
+	CmdPeers = "peers"
 )
 
 // Commands lists the admin commands, in the order `hostd help` shows them.
-var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke, CmdMigrateOut, CmdMigrateIn}
+var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke, CmdMigrateOut, CmdMigrateIn, CmdPeers}
 
 // Request is what the CLI sends.
 type Request struct {

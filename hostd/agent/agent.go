@@ -16,6 +16,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/hostd/ruleset"
 	"github.com/shuntnet/shunt/hostd/server"
 	"github.com/shuntnet/shunt/hostd/virt"
@@ -45,6 +46,7 @@ type Agent struct {
 	marks   *mark.Marker // hostd's nftables table; nil when hostd does not mark
 	groups  map[string]*broker.Group
 	virt    *virt.Watcher // nil without a libvirt block
+	peers   *peers.Room   // the channel to other hosts' hostds; nil without a peering block
 
 	// libvirt guests, registered and unregistered by the watcher
 	vmu      sync.Mutex
@@ -64,6 +66,9 @@ type Agent struct {
 func (a *Agent) Close() {
 	if a.virt != nil {
 		a.virt.Close()
+	}
+	if a.peers != nil {
+		a.peers.Close()
 	}
 	if a.b != nil {
 		a.b.Close()
@@ -192,5 +197,8 @@ func (a *Agent) Reload() (int, error) {
 	}
 	down, up := a.b.SetPolicy(tab)
 	a.log.Info("policy reloaded", "rules", len(tab.Rules()), "to_tcp", down, "to_rings", up)
+	if err := a.reloadPeers(c); err != nil {
+		return down, fmt.Errorf("reload: %w", err)
+	}
 	return down, nil
 }

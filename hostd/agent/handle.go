@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/admin"
+	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/hostd/virt"
 )
 
@@ -44,6 +45,11 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 		return a.migrateOut(r)
 	case admin.CmdMigrateIn:
 		return a.migrateIn(r)
+	case admin.CmdPeers:
+		if a.peers == nil {
+			return []peers.Info{}, nil
+		}
+		return a.peers.List(), nil
 	}
 	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
 }

@@ -84,6 +84,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	a.startLibvirt(ctx)
 	a.adopt()
 	a.b.Start() // the first firewall epoch: nothing from before hostd's start counts as proof
+	if err := a.startPeers(ctx); err != nil {
+		return nil, err
+	}
 	if err := a.startServers(eps); err != nil {
 		return nil, err
 	}

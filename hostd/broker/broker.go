@@ -42,6 +42,9 @@ type Options struct {
 	Witness interface {
 		Origin(src, dst netip.AddrPort) (int, error)
 	}
+	// Remote, if set, says which peer host speaks for an address that no
+	// local guest owns (remote.go); nil: no peers.
+	Remote Remote
 	// MarkMask is the part of the conntrack mark hostd sets (hostd/mark):
 	// a guest's Mark is compared with these bits, its CTMark with the
 	// others. 0 when hostd does not mark.

@@ -158,7 +158,7 @@ func (b *Broker) checkActiveLocked(g *Guest, e ctrack.Entry) proto.Reason {
 	peer := b.guestByAddr(e.Reply.Src.Addr())
 	switch {
 	case peer == nil:
-		return proto.ReasonNotLocal
+		return b.remoteReasonLocked(e.Reply.Src.Addr(), proto.ReasonNotLocal)
 	case peer.Group != g.Group:
 		return proto.ReasonCrossGroup
 	case !b.listeningLocked(peer, e.Reply.Src):

@@ -103,7 +103,7 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 			// An ordinary client: TCP at once. Remember it, so a late
 			// OPEN of the other side gets the same verdict.
 			b.log.Trace("passive open from a client that is no guest", "guest", s.Guest().Name, "orig", e.Orig)
-			b.refuseLocked(h, nil, proto.ReasonNoIntent)
+			b.refuseLocked(h, nil, b.remoteReasonLocked(e.Orig.Src.Addr(), proto.ReasonNoIntent))
 			return false
 		}
 		if !b.hasSessionLocked(og) {

@@ -1,17 +1,8 @@
 package peers_test
 
 import (
-	"crypto/ecdsa"
-	"crypto/elliptic"
-	"crypto/rand"
-	"crypto/x509"
-	"crypto/x509/pkix"
-	"encoding/pem"
-	"math/big"
 	"net"
 	"net/netip"
-	"os"
-	"path/filepath"
 	"strings"
 	"testing"
 	"time"
@@ -19,56 +10,31 @@ import (
 	"github.com/prometheus/client_golang/prometheus"
 
 	"github.com/shuntnet/shunt/hostd/peers"
+	"github.com/shuntnet/shunt/hostd/peers/peertest"
 )
 
-// ca is a test certificate authority that writes PEM files into dir.
+// ca wraps peertest.CA for tests that fail on its errors.
 type ca struct {
-	t    *testing.T
-	dir  string
-	cert *x509.Certificate
-	key  *ecdsa.PrivateKey
+	t *testing.T
+	*peertest.CA
 	path string
 }
 
 func newCA(t *testing.T, name string) *ca {
 	t.Helper()
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	tmpl := &x509.Certificate{SerialNumber: big.NewInt(1), Subject: pkix.Name{CommonName: name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		IsCA: true, BasicConstraintsValid: true, KeyUsage: x509.KeyUsageCertSign}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, tmpl, &key.PublicKey, key)
+	c, err := peertest.NewCA(t.TempDir(), name)
 	if err != nil {
 		t.Fatal(err)
 	}
-	cert, _ := x509.ParseCertificate(der)
-	c := &ca{t: t, dir: t.TempDir(), cert: cert, key: key}
-	c.path = c.write(name+"-ca.pem", "CERTIFICATE", der)
-	return c
+	return &ca{t: t, CA: c, path: c.Path}
 }
 
-func (c *ca) write(name, typ string, der []byte) string {
-	p := filepath.Join(c.dir, name)
-	if err := os.WriteFile(p, pem.EncodeToMemory(&pem.Block{Type: typ, Bytes: der}), 0o600); err != nil {
-		c.t.Fatal(err)
-	}
-	return p
-}
-
-// issue makes a certificate for a hostd named name; it returns the
-// certificate's and the key's paths.
 func (c *ca) issue(name string) (string, string) {
-	key, _ := ecdsa.GenerateKey(elliptic.P256(), rand.Reader)
-	serial, _ := rand.Int(rand.Reader, big.NewInt(1<<62))
-	tmpl := &x509.Certificate{SerialNumber: serial, Subject: pkix.Name{CommonName: name}, DNSNames: []string{name},
-		NotBefore: time.Now().Add(-time.Hour), NotAfter: time.Now().Add(time.Hour),
-		KeyUsage:    x509.KeyUsageDigitalSignature,
-		ExtKeyUsage: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}}
-	der, err := x509.CreateCertificate(rand.Reader, tmpl, c.cert, &key.PublicKey, c.key)
+	cert, key, err := c.Issue(name)
 	if err != nil {
 		c.t.Fatal(err)
 	}
-	kd, _ := x509.MarshalECPrivateKey(key)
-	return c.write(name+"-"+serial.String()+".pem", "CERTIFICATE", der), c.write(name+"-"+serial.String()+".key", "EC PRIVATE KEY", kd)
+	return cert, key
 }
 
 func freeAddr(t *testing.T) string {

@@ -200,7 +200,7 @@ func (f *Fabric) Find(target string) (string, error) {
 			}
 		}
 	}
-	return "", fmt.Errorf("no %q in fabric %s: want h1, h2, or h1/g1 ...", target, f.Name)
+	return "", fmt.Errorf("no %q in fabric %s: want h1, h2, or a guest of one such as h1/g1", target, f.Name)
 }
 
 // Destroy removes both hosts (the fabric veth goes with their

@@ -37,6 +37,7 @@ type Stack struct {
 	extra      string
 	groupExtra string
 	ran        bool // hostd came up once: the region file is its
+	ownRig     bool // Start created the rig: Close destroys it
 	guestCfg   map[int]string
 	netns      bool
 	logs       *os.File
@@ -66,17 +67,23 @@ type Options struct {
 	// starts (more links, addresses, routes).
 	Setup func(*nsrig.Rig) error
 	Logf  func(string, ...any)
+	// Rig, if set, is a rig already created (a host of an nsrig.Fabric):
+	// Start uses it instead of making one (Name and Guests are then
+	// ignored), and Close leaves it to its owner.
+	Rig *nsrig.Rig
 }
 
 // Start creates the rig, starts hostd and makes the clients.
 func Start(o Options) (_ *Stack, err error) {
-	r, err := nsrig.New(o.Name, o.Guests)
-	if err != nil {
-		return nil, err
+	r := o.Rig
+	if r == nil {
+		if r, err = nsrig.New(o.Name, o.Guests); err != nil {
+			return nil, err
+		}
 	}
-	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra, groupExtra: o.Group, guestCfg: o.GuestConfig, netns: o.Netns}
+	s := &Stack{Rig: r, Dir: o.Dir, hostdBin: o.HostdBin, metrics: o.Metrics, extra: o.Extra, groupExtra: o.Group, guestCfg: o.GuestConfig, netns: o.Netns, ownRig: o.Rig == nil}
 	if s.Dir == "" {
-		if s.Dir, err = os.MkdirTemp("", "shunt-"+o.Name); err != nil {
+		if s.Dir, err = os.MkdirTemp("", "shunt-"+r.Name); err != nil {
 			return nil, err
 		}
 		s.ownDir = true
@@ -86,8 +93,10 @@ func Start(o Options) (_ *Stack, err error) {
 			s.Close()
 		}
 	}()
-	if err := r.Create(); err != nil {
-		return nil, fmt.Errorf("create rig: %w", err)
+	if s.ownRig {
+		if err := r.Create(); err != nil {
+			return nil, fmt.Errorf("create rig: %w", err)
+		}
 	}
 	if o.Setup != nil {
 		if err := o.Setup(r); err != nil {
@@ -263,7 +272,10 @@ func (s *Stack) Close() error {
 		c.Close()
 	}
 	s.StopHostd()
-	err := s.Rig.Destroy()
+	var err error
+	if s.ownRig {
+		err = s.Rig.Destroy()
+	}
 	if s.ran {
 		os.Remove(s.RegionPath()) // hostd's; what was there before it ran is left alone
 	}

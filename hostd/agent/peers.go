@@ -1,0 +1,80 @@
+package agent
+
+import (
+	"context"
+	"net/netip"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/peers"
+	"github.com/shuntnet/shunt/internal/nsexec"
+)
+
+// startPeers starts the channel to the peer hosts' hostds if hostd.hcl has
+// a peering block (docs/crosshost.md). Its sockets live in conntrack_netns
+// (the host's network namespace, where the fabric is); it announces the
+// local guests' prefixes, refreshed each second from the broker so that
+// guests of every source are covered; and the broker asks it about
+// addresses no local guest owns.
+func (a *Agent) startPeers(ctx context.Context) error {
+	pc := a.cfg.Peering
+	if pc == nil {
+		return nil
+	}
+	o := peers.Options{Log: a.log.Named("peers"), Registerer: a.m.Registry, Local: a.b.LocalOverlaps}
+	if ns := a.cfg.ConntrackNetns; ns != "" {
+		o.In = func(fn func() error) error { return nsexec.In(ns, fn) }
+	}
+	r, err := peers.Start(*pc, o)
+	if err != nil {
+		return err
+	}
+	a.peers = r
+	a.b.UseRemote(remote{r})
+	a.announce()
+	a.wg.Add(1)
+	go func() {
+		defer a.wg.Done()
+		t := time.NewTicker(time.Second)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				a.announce()
+			}
+		}
+	}()
+	return nil
+}
+
+// announce sends the local guests' prefixes to the peers (a no-op when
+// they have not changed).
+func (a *Agent) announce() {
+	var out []peers.Announced
+	for _, lp := range a.b.LocalPrefixes() {
+		out = append(out, peers.Announced{Prefix: lp.Prefix, Group: lp.Group})
+	}
+	a.peers.Announce(out)
+}
+
+// reloadPeers applies a reloaded configuration's peer blocks.
+func (a *Agent) reloadPeers(c *config.Config) error {
+	switch {
+	case a.peers == nil && c.Peering == nil:
+		return nil
+	case a.peers == nil || c.Peering == nil:
+		a.log.Warn("a peering block added or removed takes effect at the next start")
+		return nil
+	}
+	return a.peers.Reload(*c.Peering)
+}
+
+// remote adapts the peers room to the broker's Remote.
+type remote struct{ r *peers.Room }
+
+func (r remote) Route(addr netip.Addr) (string, bool, bool) {
+	rt, ok := r.r.Route(addr)
+	return rt.Peer, rt.Up, ok
+}
