@@ -161,6 +161,10 @@ func (s *Stack) WriteConfig(policy string) error {
 	return os.WriteFile(s.Config, []byte(b.String()), 0o600)
 }
 
+// SetExtra replaces the configuration's extra text (Options.Extra) for
+// the next WriteConfig.
+func (s *Stack) SetExtra(extra string) { s.extra = extra }
+
 // StartHostd starts hostd and waits until its admin socket answers.
 func (s *Stack) StartHostd() error {
 	if s.logs == nil {
