@@ -1,0 +1,178 @@
+package guestlib
+
+import (
+	"bytes"
+	"errors"
+	"hash/crc32"
+	"io"
+	"math/rand/v2"
+	"os"
+	"testing"
+	"time"
+)
+
+// onlyReader hides a reader's WriterTo, so io.Copy uses the
+// destination's ReadFrom.
+type onlyReader struct{ io.Reader }
+
+// crcWriter checksums what it is given, in pieces of at most max bytes
+// per Write when max > 0 (a short write then, with errShort); with stopAt
+// > 0 it fails with errStop once it has had that many bytes.
+type crcWriter struct {
+	n      int
+	sum    uint32
+	max    int
+	stopAt int
+}
+
+var errShort, errStop = errors.New("short"), errors.New("stop")
+
+func (w *crcWriter) Write(p []byte) (int, error) {
+	var err error
+	if w.max > 0 && len(p) > w.max {
+		p, err = p[:w.max], errShort
+	}
+	w.sum = crc32.Update(w.sum, crc32.IEEETable, p)
+	w.n += len(p)
+	if err == nil && w.stopAt > 0 && w.n >= w.stopAt {
+		err = errStop
+	}
+	return len(p), err
+}
+
+// TestCopyFlipping: io.Copy on both ends (ReadFrom from a plain reader
+// on the writer, WriteTo into a checksumming writer on the reader) while
+// hostd moves the connection between the rings and TCP: every byte
+// once, in order, over both paths.
+func TestCopyFlipping(t *testing.T) {
+	p := newPair(t)
+	c, s := p.conns(t)
+	defer c.Close()
+	defer s.Close()
+	stop := flipper(t, p.auto, 11, 2*time.Millisecond)
+	const total = 32 << 20
+	want := make([]byte, total)
+	_, _ = rand.NewChaCha8([32]byte{11}).Read(want)
+	errc := make(chan error, 1)
+	go func() {
+		n, err := io.Copy(c, onlyReader{bytes.NewReader(want)})
+		if err == nil && n != total {
+			err = io.ErrShortWrite
+		}
+		if err == nil {
+			err = c.CloseWrite()
+		}
+		errc <- err
+	}()
+	var w crcWriter
+	n, err := io.Copy(&w, s)
+	flips := stop()
+	if err != nil || n != total || w.n != total {
+		t.Fatalf("io.Copy from the Conn = %d, %v (writer got %d), want %d\n%s", n, err, w.n, total, ends(c, s))
+	}
+	if err := <-errc; err != nil {
+		t.Fatalf("io.Copy into the Conn: %v", err)
+	}
+	if w.sum != crc32.ChecksumIEEE(want) {
+		t.Fatalf("the bytes differ\n%s", ends(c, s))
+	}
+	if st := s.Stats(); st.RingReceived == 0 || st.TCPReceived == 0 {
+		t.Fatalf("the copy did not use both paths\n%s", ends(c, s))
+	}
+	t.Logf("%d flips\n%s", flips, ends(c, s))
+}
+
+// TestWriteToShortWriter: bytes the destination did not take stay in
+// the ring, at their offset, for the next read.
+func TestWriteToShortWriter(t *testing.T) {
+	p := newPair(t)
+	c, s := p.conns(t)
+	defer c.Close()
+	defer s.Close()
+	waitFor(t, "the fast path", func() bool { return c.Path().Fast && s.Path().Fast })
+	msg := []byte("0123456789abcdef")
+	if _, err := c.Write(msg); err != nil {
+		t.Fatal(err)
+	}
+	waitFor(t, "the bytes on the ring", func() bool { return c.Stats().RingSent == uint64(len(msg)) })
+	w := &crcWriter{max: 10}
+	if n, err := s.WriteTo(w); n != 10 || err != errShort {
+		t.Fatalf("WriteTo = %d, %v; want 10, %v", n, err, errShort)
+	}
+	rest := make([]byte, 6)
+	if _, err := io.ReadFull(s, rest); err != nil || string(rest) != "abcdef" {
+		t.Fatalf("read after the short write: %q, %v; want \"abcdef\"", rest, err)
+	}
+}
+
+// TestWriteToDeadline: WriteTo waiting on a ring ends at the read
+// deadline, as Read does.
+func TestWriteToDeadline(t *testing.T) {
+	p := newPair(t)
+	c, s := p.conns(t)
+	defer c.Close()
+	defer s.Close()
+	waitFor(t, "the fast path", func() bool { return c.Path().Fast && s.Path().Fast })
+	if _, err := c.Write([]byte("x")); err != nil {
+		t.Fatal(err)
+	}
+	if err := s.SetReadDeadline(time.Now().Add(100 * time.Millisecond)); err != nil {
+		t.Fatal(err)
+	}
+	var w crcWriter
+	done := async(func() error { _, err := s.WriteTo(&w); return err })
+	if err := await(t, done, "WriteTo"); !errors.Is(err, os.ErrDeadlineExceeded) || w.n != 1 {
+		t.Fatalf("WriteTo = %v after %d bytes, want the deadline after 1\n%s", err, w.n, ends(c, s))
+	}
+	if !s.Stats().ReadOnRing {
+		t.Fatalf("the reader left the ring\n%s", ends(c, s))
+	}
+}
+
+// TestRingNoAllocsSizes: on the rings, Write, Read, ReadFrom and WriteTo
+// of 1 to 64 KiB allocate nothing per call.
+func TestRingNoAllocsSizes(t *testing.T) {
+	p := newPair(t)
+	c, s := p.conns(t)
+	defer c.Close()
+	defer s.Close()
+	waitFor(t, "the fast path", func() bool { return c.Path().Fast && s.Path().Fast })
+	for _, size := range []int{1 << 10, 8 << 10, 32 << 10} {
+		out, in := make([]byte, size), make([]byte, size)
+		src := bytes.NewReader(out)
+		w := &crcWriter{}
+		steps := map[string]func(){
+			"Write+Read": func() {
+				if _, err := c.Write(out); err != nil {
+					t.Fatal(err)
+				}
+				if _, err := io.ReadFull(s, in); err != nil {
+					t.Fatal(err)
+				}
+			},
+			"ReadFrom+WriteTo": func() {
+				src.Reset(out)
+				if _, err := c.ReadFrom(src); err != nil {
+					t.Fatal(err)
+				}
+				// WriteTo stops once w has had the size bytes
+				// the ring holds.
+				w.n, w.stopAt = 0, size
+				for w.n < size {
+					if _, err := s.WriteTo(w); err != nil && err != errStop {
+						t.Fatal(err)
+					}
+				}
+			},
+		}
+		for name, step := range steps {
+			step()
+			if st := c.Stats(); !st.WriteOnRing || !s.Stats().ReadOnRing {
+				t.Fatalf("not on the rings: %s", ends(c, s))
+			}
+			if a := testing.AllocsPerRun(200, step); a != 0 {
+				t.Errorf("%s of %d bytes on the rings: %v allocations, want 0", name, size, a)
+			}
+		}
+	}
+}
