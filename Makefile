@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-preload bench-vm fuzz clean deb mpi bench-mpi
+.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-sizes bench-http bench-preload bench-vm fuzz clean deb mpi bench-mpi
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -58,7 +58,7 @@ $(BIN)/shunt-mpirun: guestlib/mpi/shunt-mpirun
 	@mkdir -p $(@D)
 	install -m 0755 $< $@
 
-ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early $(BIN)/shunt-connrate ## build the C test programs into bin/: shunt-xtest (cross-language checks, the core's record tests), shunt-edge, shunt-early and shunt-connrate (integration/ctest)
+ctest: $(BIN)/shunt-xtest $(BIN)/shunt-edge $(BIN)/shunt-early $(BIN)/shunt-connrate $(BIN)/shunt-stream ## build the C test programs into bin/: shunt-xtest (cross-language checks, the core's record tests), shunt-edge, shunt-early, shunt-connrate and shunt-stream (integration/ctest)
 
 XTEST_SRC := $(wildcard $(CORE_DIR)/xtest/*.c)
 
@@ -84,6 +84,10 @@ $(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $(EDGE_SRC)
 
 $(BIN)/shunt-connrate: integration/ctest/connrate.c
+	@mkdir -p $(@D)
+	$(CC) $(SHUNT_CFLAGS) -o $@ $<
+
+$(BIN)/shunt-stream: integration/ctest/stream.c
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -o $@ $<
 
@@ -143,6 +147,18 @@ bench-e2e: ## guest-to-guest benchmarks, kernel TCP vs Shunt, interleaved rounds
 	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench Guest -test.benchtime 1s >> ../$(BIN)/bench-e2e.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-e2e.txt
 	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-e2e' $(BIN)/bench-e2e.txt
+
+bench-sizes: ## read and write sizes 1 KiB-1 MiB: Go, C under shunt-run, kernel TCP, BENCHCOUNT interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-sizes.txt
+	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench GuestSizes -test.benchtime 1x >> ../$(BIN)/bench-sizes.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-sizes.txt
+
+bench-http: ## net/http over guestlib vs kernel TCP, bodies 1 KiB-1 MiB, BENCHCOUNT interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-http.txt
+	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench GuestHTTP -test.benchtime 1x >> ../$(BIN)/bench-http.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-http.txt
 
 bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and vader (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/

@@ -24,6 +24,9 @@ import (
 //	        shunt), print "ready", and echo SHUNT_E2E_SIZE-byte messages on
 //	        each connection; a connection whose first byte is 's' is a sink
 //	        instead: read to EOF, then write the byte count as a line
+//	http    listen on SHUNT_E2E_ADDR (SHUNT_E2E_STACK kernel or shunt),
+//	        print "ready", and serve GET /N with an N-byte body and POST
+//	        with the body's length (http_bench_test.go)
 func child() int {
 	addr := os.Getenv("SHUNT_E2E_ADDR")
 	switch os.Getenv("SHUNT_E2E_CHILD") {
@@ -57,6 +60,8 @@ func child() int {
 		return 0
 	case "ctlflood":
 		return ctlFloodChild()
+	case "http":
+		return httpChild(addr, os.Getenv("SHUNT_E2E_STACK"))
 	case "echo":
 		size, _ := strconv.Atoi(os.Getenv("SHUNT_E2E_SIZE"))
 		stack := os.Getenv("SHUNT_E2E_STACK")

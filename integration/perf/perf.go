@@ -9,6 +9,7 @@ package perf
 
 import (
 	"bytes"
+	"encoding/binary"
 	"errors"
 	"fmt"
 	"io"
@@ -112,9 +113,11 @@ func ProcessCPU(pid int) (time.Duration, error) {
 
 // Serve accepts connections on l and answers each one, the peer side of
 // PingPong and Stream across processes: a connection whose first byte is 's'
-// is a sink (read to EOF, then write the byte count as a line); any other
-// first byte makes it an echo of size-byte messages. busy wraps kernel
-// connections in BusyPoll.
+// is a sink that reads as most programs do, io.Copy into io.Discard (8 KiB
+// reads, or the connection's WriteTo), then writes the byte count as a
+// line; 'r' and a 4-byte big-endian size is a sink that reads with Read
+// calls of that size; any other first byte makes it an echo of size-byte
+// messages. busy wraps kernel connections in BusyPoll.
 func Serve(l net.Listener, size int, busy bool) error {
 	for {
 		c, err := l.Accept()
@@ -136,8 +139,17 @@ func serveOne(c net.Conn, size int) {
 	if _, err := io.ReadFull(c, kind); err != nil {
 		return
 	}
-	if kind[0] == 's' {
+	switch kind[0] {
+	case 's':
 		n, _ := io.Copy(io.Discard, c)
+		fmt.Fprintf(c, "%d\n", n)
+		return
+	case 'r':
+		var sz [4]byte
+		if _, err := io.ReadFull(c, sz[:]); err != nil {
+			return
+		}
+		n, _ := readAll(c, int(binary.BigEndian.Uint32(sz[:])))
 		fmt.Fprintf(c, "%d\n", n)
 		return
 	}
@@ -148,6 +160,23 @@ func serveOne(c net.Conn, size int) {
 		}
 		if _, err := c.Write(buf); err != nil {
 			return
+		}
+	}
+}
+
+// readAll reads c to EOF with Read calls of size bytes (at most 16 MiB)
+// and returns the count.
+func readAll(c net.Conn, size int) (int64, error) {
+	buf := make([]byte, min(max(size, 1), 16<<20))
+	var n int64
+	for {
+		k, err := c.Read(buf)
+		n += int64(k)
+		if err == io.EOF {
+			return n, nil
+		}
+		if err != nil {
+			return n, err
 		}
 	}
 }
@@ -206,7 +235,22 @@ func StartEcho(c net.Conn) error {
 // RemoteStream writes total bytes in msg-byte writes to a Serve peer's sink
 // over c and returns GB/s, counting only what the peer reports received.
 func RemoteStream(c net.Conn, msg int, total int64) (float64, error) {
-	if _, err := c.Write([]byte{'s'}); err != nil {
+	return remoteStream(c, []byte{'s'}, msg, total)
+}
+
+// RemoteStreamSized is RemoteStream to a sink that reads with Read calls
+// of readSize bytes (0: with io.Copy, as RemoteStream).
+func RemoteStreamSized(c net.Conn, msg, readSize int, total int64) (float64, error) {
+	if readSize == 0 {
+		return RemoteStream(c, msg, total)
+	}
+	hdr := []byte{'r', 0, 0, 0, 0}
+	binary.BigEndian.PutUint32(hdr[1:], uint32(readSize))
+	return remoteStream(c, hdr, msg, total)
+}
+
+func remoteStream(c net.Conn, hdr []byte, msg int, total int64) (float64, error) {
+	if _, err := c.Write(hdr); err != nil {
 		return 0, err
 	}
 	start := time.Now()
