@@ -1,12 +1,15 @@
 package integration
 
 import (
+	"net"
+	"net/netip"
 	"regexp"
 	"strconv"
 	"testing"
 	"time"
 
 	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/internal/proto"
 )
 
 // The firewall keeps its authority over time (issue 20; docs/SECURITY.md,
@@ -136,4 +139,126 @@ func TestFirewallRestartUnderDrop(t *testing.T) {
 	progress(2<<20, ab, ba)
 	ab.finish()
 	ba.finish()
+}
+
+// verdictFor waits for hostd's answer to OPEN req on r: READY or TCP,
+// skipping the rest (REGION, PING).
+func (r *rgRogue) verdictFor(t *testing.T, req uint32) proto.Msg {
+	t.Helper()
+	for {
+		m := r.next(t)
+		if (m.Type == proto.Ready || m.Type == proto.TCP) && m.ReqID == req {
+			return m
+		}
+	}
+}
+
+// quiet checks that r gets no READY within d.
+func (r *rgRogue) quiet(t *testing.T, d time.Duration, what string) {
+	t.Helper()
+	end := time.Now().Add(d)
+	for time.Now().Before(end) {
+		_ = r.SetReadDeadline(end)
+		m, buf, err := proto.Read(r, r.buf)
+		r.buf = buf
+		if err != nil {
+			return // the deadline: nothing came
+		}
+		switch m.Type {
+		case proto.Ping:
+			r.send(t, proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
+		case proto.Ready:
+			t.Fatalf("%s: hostd sent READY %+v while the filter drops the lease", what, m)
+		}
+	}
+}
+
+// TestFirewallColludingRaw: two colluding guests speak the control
+// protocol themselves (internal/proto) over real kernel connections.
+// With the operator's rule dropping their connection both ways they try
+// what used to reopen the rings: LEFT, then a TCP byte each way (dropped,
+// but counted by conntrack before the filter); and an OPEN sent after the
+// rule for a connection made before it (a late OPEN). hostd answers
+// neither with READY, while the rule's counters show the bytes dropped.
+func TestFirewallColludingRaw(t *testing.T) {
+	e := newEnv(t, 2, "")
+	g1, g2 := e.rig.Guests[0], e.rig.Guests[1]
+	r1, err := rgDial(e.control(g1))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r1.Close()
+	r2, err := rgDial(e.control(g2))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r2.Close()
+	r1.hello(t)
+	r2.hello(t)
+	const port = 5253
+	var l net.Listener
+	if err := nsrig.In(g2.NSPath(), func() (err error) {
+		l, err = net.Listen("tcp4", netip.AddrPortFrom(g2.Addr, port).String())
+		return err
+	}); err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	r2.send(t, proto.Msg{Type: proto.Listen, Local: netip.AddrPortFrom(g2.Addr, port)})
+	dst := netip.AddrPortFrom(g2.Addr, port)
+	connect := func(sport uint16) (c, s net.Conn) {
+		c = kernelDial(t, g1, netip.AddrPortFrom(g1.Addr, sport), dst)
+		_ = l.(*net.TCPListener).SetDeadline(time.Now().Add(5 * time.Second))
+		s, err := l.Accept()
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { s.Close() })
+		return c, s
+	}
+	open := func(req uint32, c net.Conn) {
+		src := c.LocalAddr().(*net.TCPAddr).AddrPort()
+		r1.send(t, proto.Msg{Type: proto.Open, ReqID: req, Role: proto.Active, Local: src, Remote: dst})
+		r2.send(t, proto.Msg{Type: proto.Open, ReqID: req, Role: proto.Passive, Local: dst, Remote: src})
+	}
+	c1, s1 := connect(41253)
+	c2, _ := connect(41254) // made before the rule, announced after it
+	open(1, c1)
+	if m := r1.verdictFor(t, 1); m.Type != proto.Ready {
+		t.Fatalf("first connection before any rule: %+v, want READY", m)
+	}
+	if m := r2.verdictFor(t, 1); m.Type != proto.Ready {
+		t.Fatalf("first connection before any rule, passive side: %+v, want READY", m)
+	}
+
+	e.dropBoth(t, port)
+	for _, r := range []*rgRogue{r1, r2} {
+		var down proto.Msg
+		for down = r.next(t); down.Type != proto.Down; down = r.next(t) {
+		}
+		if down.Reason != proto.ReasonFirewall {
+			t.Fatalf("DOWN %+v, want reason firewall", down)
+		}
+		side := proto.SideA
+		if r == r2 {
+			side = proto.SideB
+		}
+		r.send(t, proto.Msg{Type: proto.Left, ReqID: down.ReqID, RegionID: down.RegionID, Slot: down.Slot, Gen: down.Gen, Side: side})
+	}
+	// One TCP byte each way: dropped by the rule, counted by conntrack.
+	if _, err := c1.Write([]byte{1}); err != nil {
+		t.Fatal(err)
+	}
+	if _, err := s1.Write([]byte{2}); err != nil {
+		t.Fatal(err)
+	}
+	open(2, c2)
+	if m := r1.verdictFor(t, 2); m.Type != proto.TCP || m.Reason != proto.ReasonFirewall {
+		t.Fatalf("late OPEN after the rule: %+v, want TCP(firewall)", m)
+	}
+	r1.quiet(t, 3*time.Second, "LEFT and a byte each way, and a late OPEN")
+	r2.quiet(t, 100*time.Millisecond, "the passive side")
+	if n := e.dropped(t); n < 2 {
+		t.Fatalf("the drop rules dropped %d packets: want at least the two bytes", n)
+	}
 }
