@@ -9,7 +9,9 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/integration/nsrig"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/internal/testenv"
 )
 
 // The firewall keeps its authority over time (issue 20; docs/SECURITY.md,
@@ -261,4 +263,95 @@ func TestFirewallColludingRaw(t *testing.T) {
 	if n := e.dropped(t); n < 2 {
 		t.Fatalf("the drop rules dropped %d packets: want at least the two bytes", n)
 	}
+}
+
+// staleEnv is a stack whose proof_max_age is short, so that drops that
+// send no ruleset event are seen within seconds. (With it shorter than the
+// libraries' 15 s keepalive, an idle or ring-only lease also drops to TCP
+// at each sweep and returns on its next packets: fine for a test, not for
+// a deployment.)
+func staleEnv(t *testing.T) *env {
+	t.Helper()
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "nft", "nftables")
+	return startEnv(t, "f", stack.Options{Guests: 2, HostdBin: hostdBin, Extra: "proof_max_age = \"2s\"\n"})
+}
+
+// staleStops streams both ways on a connection, cuts its packets with
+// cut (no ruleset event), and checks that the sweep moves it to TCP
+// within 1.5 x proof_max_age and some slack, that no byte then crosses,
+// and that it returns to the rings after heal.
+func staleStops(t *testing.T, e *env, port int, cut, heal func()) {
+	t.Helper()
+	c, s := e.pair(1, 2, port)
+	// The streams start at once: a connection made while an epoch's clear
+	// runs may lose its handshake's bits, and proves itself by its bytes.
+	ab, ba := both(t, c, s, uint64(port))
+	if !fastSoon(t, c, s) {
+		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+	}
+	progress(2<<20, ab, ba)
+	events := e.counter("shunt_firewall_epochs_total")
+	cut()
+	eventually(t, 10*time.Second, "the record on TCP (firewall) after the cut", func() bool {
+		r, ok := e.connOn(port)
+		return ok && r.Path == "tcp" && r.Reason == "firewall"
+	})
+	time.Sleep(500 * time.Millisecond) // what was in flight
+	e.holdsTCP(t, port, 3*time.Second, ab, ba)
+	if got := e.counter("shunt_firewall_epochs_total"); got != events {
+		t.Fatalf("firewall epochs %v -> %v: the cut sent a ruleset event, so this test does not show the sweep", events, got)
+	}
+	if e.counter("shunt_firewall_stale_total") < 1 {
+		t.Fatal("shunt_firewall_stale_total did not count the connection")
+	}
+	heal()
+	progress(2<<20, ab, ba)
+	if !fastSoon(t, c, s) {
+		t.Fatalf("after the cut healed: %s / %s, want fast again", c.Path(), s.Path())
+	}
+	progress(2<<20, ab, ba)
+	ab.finish()
+	ba.finish()
+}
+
+// TestFirewallLinkDown: the guest's host-side interface goes down (no
+// nftables event): its connection leaves the rings within the sweep's
+// bound, moves nothing while the link is down, and returns once it is up.
+func TestFirewallLinkDown(t *testing.T) {
+	e := staleEnv(t)
+	hostIf := e.rig.Guests[1].HostIf
+	staleStops(t, e, 5254,
+		func() { e.hostCmd("ip", "link", "set", hostIf, "down") },
+		func() { e.hostCmd("ip", "link", "set", hostIf, "up") })
+}
+
+// TestFirewallDynamicSet: a fail2ban-style rule fills a set from the
+// packet path (a packet to a trap port adds its source), and the set
+// drops that source: the elements added by packets send no ruleset event,
+// so only the sweep sees the drop.
+func TestFirewallDynamicSet(t *testing.T) {
+	e := staleEnv(t)
+	g1, g2 := e.rig.Guests[0], e.rig.Guests[1]
+	e.hostCmd("nft", "add table inet shunt_test_ban")
+	t.Cleanup(func() { nsrig.Run(e.rig.HostNSPath(), "nft", "delete table inet shunt_test_ban") })
+	e.hostCmd("nft", "add set inet shunt_test_ban banned { type ipv4_addr; flags dynamic; }")
+	e.hostCmd("nft", "add chain inet shunt_test_ban fw { type filter hook forward priority -5 ; }")
+	e.hostCmd("nft", "add rule inet shunt_test_ban fw tcp dport 9 add @banned { ip saddr } drop")
+	e.hostCmd("nft", "add rule inet shunt_test_ban fw ip saddr @banned drop")
+	staleStops(t, e, 5255,
+		func() {
+			// A packet to the trap port: its SYN adds g1 to the set.
+			_ = nsrig.In(g1.NSPath(), func() error {
+				c, err := net.DialTimeout("tcp4", netip.AddrPortFrom(g2.Addr, 9).String(), 200*time.Millisecond)
+				if err == nil {
+					c.Close()
+				}
+				return nil
+			})
+			if out := e.hostCmd("nft", "list set inet shunt_test_ban banned"); !regexp.MustCompile(regexp.QuoteMeta(g1.Addr.String())).MatchString(out) {
+				t.Fatalf("the trap did not ban %s:\n%s", g1.Addr, out)
+			}
+		},
+		func() { e.hostCmd("nft", "delete element inet shunt_test_ban banned { "+g1.Addr.String()+" }") })
 }

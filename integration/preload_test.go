@@ -327,10 +327,12 @@ func TestPreloadHostdRestart(t *testing.T) {
 	e.startHostd()
 	eventually(t, 10*time.Second, "iperf3's listener announced to the new hostd", listening)
 	// The stream outlives the new hostd's reattach grace (3s) only if its
-	// flows were reattached.
+	// flows were reattached. (The new hostd moves them to TCP until their
+	// leases show packets past the firewall since its start: the busy one
+	// returns to the rings, one more "shunt" line.)
 	select {
 	case err := <-streamDone:
-		if err != nil || fastLines(live.String()) != 2 {
+		if err != nil || fastLines(live.String()) < 2 {
 			t.Fatalf("the stream across the restart: %v\n%s", err, live.String())
 		}
 	case <-time.After(30 * time.Second):

@@ -2,6 +2,7 @@ package agent
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"net/http"
 	"os"
@@ -162,15 +163,23 @@ func (a *Agent) watchRuleset(ctx context.Context) {
 	}
 }
 
-// acctSysctl turns conntrack's accounting counters on, which the ruleset
-// watch reads to learn that a connection's lease carries packets.
-const acctSysctl = "/proc/sys/net/netfilter/nf_conntrack_acct"
+// acctSysctl turns conntrack's accounting counters on (`hostd flows`
+// shows a lease's packets); tstampSysctl gives each new entry its start
+// time, so that a firewall epoch's clear spares the proof bits of entries
+// made since the change (their packets all met the new rules).
+const (
+	acctSysctl   = "/proc/sys/net/netfilter/nf_conntrack_acct"
+	tstampSysctl = "/proc/sys/net/netfilter/nf_conntrack_timestamp"
+)
 
-// enableAcct sets net.netfilter.nf_conntrack_acct=1 in the conntrack
-// namespace; if it cannot, connections moved to TCP by a ruleset change
-// stay there until the next policy reload (`hostd check` says so too).
+// enableAcct sets net.netfilter.nf_conntrack_acct=1 and
+// nf_conntrack_timestamp=1 in the conntrack namespace; without the
+// timestamps, a connection made while an epoch's clear runs may lose its
+// handshake's proof bits and wait on TCP for its next packets.
 func (a *Agent) enableAcct() {
-	write := func() error { return os.WriteFile(acctSysctl, []byte("1\n"), 0o644) }
+	write := func() error {
+		return errors.Join(os.WriteFile(acctSysctl, []byte("1\n"), 0o644), os.WriteFile(tstampSysctl, []byte("1\n"), 0o644))
+	}
 	var err error
 	if a.cfg.ConntrackNetns == "" {
 		err = write()
@@ -178,7 +187,7 @@ func (a *Agent) enableAcct() {
 		err = nsexec.In(a.cfg.ConntrackNetns, write)
 	}
 	if err != nil {
-		a.log.Warn("cannot turn conntrack accounting on: after a firewall ruleset change, connections stay on TCP until the next policy reload", "sysctl", "net.netfilter.nf_conntrack_acct", "error", err)
+		a.log.Warn("cannot turn conntrack accounting or timestamps on: lease counters are not shown, and a connection made during a firewall change may wait on TCP for its next packets", "sysctls", "net.netfilter.nf_conntrack_acct, nf_conntrack_timestamp", "error", err)
 	}
 }
 

@@ -56,6 +56,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	if err := broker.CheckOverlaps(a.guests); err != nil {
 		return nil, err
 	}
+	if cfg.WatchRuleset {
+		a.enableAcct() // before any epoch: timestamps on the entries it clears
+	}
 	if err := a.startMarks(); err != nil {
 		return nil, err
 	}
@@ -93,7 +96,6 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	a.wg.Add(1)
 	go a.watchConntrack(ctx)
 	if cfg.WatchRuleset {
-		a.enableAcct()
 		a.wg.Add(1)
 		go a.watchRuleset(ctx)
 	}

@@ -13,7 +13,9 @@ import (
 // operator's filter. hostd clears the bits, and reads them back:
 //
 //   - epochs: every ruleset change, and hostd's start, begins an epoch
-//     whose first act is clearing every entry's bits (ClearMarks). A
+//     whose first act is clearing every entry's bits (ClearMarks), but
+//     those of entries made since the epoch began (conntrack timestamps:
+//     their packets all met the new ruleset). A
 //     connection may go (back) to the rings only with both bits seen in a
 //     lookup that began after that clear completed: its proof's epoch is
 //     the current one. Until the clear is done, nothing upgrades.
@@ -27,7 +29,8 @@ import (
 
 // fwState is the broker's epoch of the ruleset, guarded by Broker.mu.
 type fwState struct {
-	epoch    uint64 // ruleset changes seen, hostd's start the first
+	epoch    uint64    // ruleset changes seen, hostd's start the first
+	since    time.Time // when the epoch began: entries made later keep their bits
 	cleared  uint64 // the epoch whose clear of every entry's bits completed
 	clearing bool   // a clear runs (clearAll)
 	polling  bool   // the poller runs (pollProof)
@@ -135,7 +138,7 @@ func (b *Broker) FirewallEpoch() (epoch uint64, cleared bool) {
 // its handshake's bits and wait for more packets).
 func (b *Broker) Start() {
 	if b.proofOn() {
-		if _, err := b.ct.ClearMarks(b.opts.ProofOrig | b.opts.ProofReply); err != nil {
+		if _, err := b.ct.ClearMarks(b.opts.ProofOrig|b.opts.ProofReply, time.Now()); err != nil {
 			b.log.Warn("cannot clear the conntrack proof bits at start; retrying in the background", "error", err)
 		} else {
 			b.mu.Lock()
@@ -190,6 +193,7 @@ func (b *Broker) RulesetChanged() {
 // newEpochLocked begins an epoch and clears every entry's proof bits.
 func (b *Broker) newEpochLocked() {
 	b.fw.epoch++
+	b.fw.since = time.Now()
 	b.m.ProofEpochs.Inc()
 	if !b.fw.clearing {
 		b.fw.clearing = true
@@ -207,7 +211,7 @@ func (b *Broker) clearAll() {
 	retry := 100 * time.Millisecond
 	for {
 		b.mu.Lock()
-		ep := b.fw.epoch
+		ep, since := b.fw.epoch, b.fw.since
 		if b.closed || b.fw.cleared == ep {
 			b.fw.clearing = false
 			b.mu.Unlock()
@@ -215,7 +219,7 @@ func (b *Broker) clearAll() {
 		}
 		b.mu.Unlock()
 		start := time.Now()
-		n, err := b.ct.ClearMarks(b.opts.ProofOrig | b.opts.ProofReply)
+		n, err := b.ct.ClearMarks(b.opts.ProofOrig|b.opts.ProofReply, since)
 		if err != nil {
 			b.log.Warn("cannot clear the conntrack proof bits: no connection goes to the rings until it succeeds", "error", err)
 			select {

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"net/netip"
+	"time"
 )
 
 // Tuple is one direction of a connection.
@@ -40,6 +41,9 @@ type Entry struct {
 	Assured     bool
 	Mark        uint32
 	Zone        uint16
+	// Start is when the entry was made (net.netfilter.nf_conntrack_timestamp=1
+	// when it was made; zero otherwise).
+	Start time.Time
 	// Accounting counters (net.netfilter.nf_conntrack_acct=1), per
 	// direction; all zero when the entry has none (accounting was off
 	// when the entry was made).
@@ -79,10 +83,11 @@ type Tracker interface {
 	// has t as either direction (ErrNotFound if there is none).
 	ClearMark(t Tuple, bits uint32) error
 	// ClearMarks clears the given bits of the mark of every TCP entry
-	// that has any of them set, and returns how many entries it changed.
-	// An entry made meanwhile may keep its bits: they were set after the
-	// call began.
-	ClearMarks(bits uint32) (int, error)
+	// that has any of them set and was made before madeBefore (an entry
+	// without a start timestamp counts as made before), and returns how
+	// many entries it changed. An entry made meanwhile may keep its bits:
+	// they were set after the call began.
+	ClearMarks(bits uint32, madeBefore time.Time) (int, error)
 	// Destroyed calls fn for every destroyed TCP entry until ctx ends or the
 	// event stream fails (then it returns the error; ENOBUFS means events
 	// were lost and the caller must resync).

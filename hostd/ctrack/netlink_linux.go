@@ -10,6 +10,7 @@ import (
 	"os"
 	"sync"
 	"syscall"
+	"time"
 
 	"github.com/mdlayher/netlink"
 	"github.com/ti-mo/conntrack"
@@ -75,7 +76,7 @@ func entry(f conntrack.Flow) Entry {
 	return Entry{
 		ID:   f.ID,
 		Orig: tuple(f.TupleOrig), Reply: tuple(f.TupleReply),
-		TCPState: f.ProtoInfo.TCP.State, Assured: f.Status.Assured(), Mark: f.Mark, Zone: f.Zone,
+		TCPState: f.ProtoInfo.TCP.State, Assured: f.Status.Assured(), Mark: f.Mark, Zone: f.Zone, Start: f.Timestamp.Start,
 		PacketsOrig: f.CountersOrig.Packets, PacketsReply: f.CountersReply.Packets,
 		BytesOrig: f.CountersOrig.Bytes, BytesReply: f.CountersReply.Bytes,
 	}
@@ -99,7 +100,7 @@ func (n *Netlink) ClearMark(t Tuple, bits uint32) error {
 // ClearMarks implements Tracker: the kernel filters a dump by each bit
 // (CTA_FILTER mark and mask), and each entry found is updated. An entry
 // gone meanwhile is no error.
-func (n *Netlink) ClearMarks(bits uint32) (int, error) {
+func (n *Netlink) ClearMarks(bits uint32, madeBefore time.Time) (int, error) {
 	c, err := dial(n.netns)
 	if err != nil {
 		return 0, err
@@ -119,6 +120,9 @@ func (n *Netlink) ClearMarks(bits uint32) (int, error) {
 				continue
 			}
 			e := entry(f)
+			if !e.Start.IsZero() && e.Start.After(madeBefore) {
+				continue // made since: its bits are new
+			}
 			if err := n.ClearMark(e.Orig, bits); err != nil && !errors.Is(err, ErrNotFound) {
 				return changed, err
 			}

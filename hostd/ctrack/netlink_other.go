@@ -5,6 +5,7 @@ package ctrack
 import (
 	"context"
 	"errors"
+	"time"
 )
 
 // Netlink is the kernel Tracker; conntrack exists only on Linux.
@@ -22,7 +23,7 @@ func (*Netlink) Lookup(Tuple) (Entry, error) { return Entry{}, errNotLinux }
 func (*Netlink) ClearMark(Tuple, uint32) error { return errNotLinux }
 
 // ClearMarks implements Tracker.
-func (*Netlink) ClearMarks(uint32) (int, error) { return 0, errNotLinux }
+func (*Netlink) ClearMarks(uint32, time.Time) (int, error) { return 0, errNotLinux }
 
 // Destroyed implements Tracker.
 func (*Netlink) Destroyed(context.Context, func(Entry)) error { return errNotLinux }

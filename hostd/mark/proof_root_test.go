@@ -35,7 +35,7 @@ func TestProofBits(t *testing.T) {
 	if err := r.Firewall(""); err != nil {
 		t.Fatal(err)
 	}
-	if _, err := nsrig.Run(r.HostNSPath(), "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1"); err != nil {
+	if _, err := nsrig.Run(r.HostNSPath(), "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1", "net.netfilter.nf_conntrack_timestamp=1"); err != nil {
 		t.Fatal(err)
 	}
 	ct, err := ctrack.Dial(r.HostNSPath())
@@ -149,7 +149,15 @@ func TestProofBits(t *testing.T) {
 	if _, err := io.ReadFull(c, make([]byte, 1)); err != nil {
 		t.Fatal(err)
 	}
-	n, err := ct.ClearMarks(f.Proof())
+	// An epoch that began before the connection was made spares its bits
+	// (its packets all met the rules of that epoch).
+	if n, err := ct.ClearMarks(f.Proof(), before.Start.Add(-time.Second)); err != nil || n != 0 {
+		t.Fatalf("ClearMarks for entries made before the connection: %d, %v; want it spared", n, err)
+	}
+	if got, _ := proof(); got != f.Proof() {
+		t.Fatalf("after a ClearMarks that should spare it: proof bits %#x", got)
+	}
+	n, err := ct.ClearMarks(f.Proof(), time.Now())
 	if err != nil || n < 1 {
 		t.Fatalf("ClearMarks: %d, %v; want at least this connection", n, err)
 	}

@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"sync"
+	"time"
 
 	"github.com/shuntnet/shunt/hostd/ctrack"
 )
@@ -24,7 +25,7 @@ func (t *Table) Add(orig, reply ctrack.Tuple, mark uint32) ctrack.Entry {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	t.nextID++
-	e := ctrack.Entry{ID: t.nextID, Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark,
+	e := ctrack.Entry{ID: t.nextID, Orig: orig, Reply: reply, TCPState: ctrack.StateEstablished, Assured: true, Mark: mark, Start: time.Now(),
 		PacketsOrig: 3, PacketsReply: 2, BytesOrig: 180, BytesReply: 120} // the handshake, accounted
 	t.entries = append(t.entries, e)
 	return e
@@ -98,13 +99,14 @@ func (t *Table) ClearMark(q ctrack.Tuple, bits uint32) error {
 	return fmt.Errorf("%s: %w", q, ctrack.ErrNotFound)
 }
 
-// ClearMarks implements ctrack.Tracker.
-func (t *Table) ClearMarks(bits uint32) (int, error) {
+// ClearMarks implements ctrack.Tracker. Entries are made with no start
+// time unless SetStart gave one.
+func (t *Table) ClearMarks(bits uint32, madeBefore time.Time) (int, error) {
 	t.mu.Lock()
 	defer t.mu.Unlock()
 	n := 0
 	for i := range t.entries {
-		if e := &t.entries[i]; e.Mark&bits != 0 {
+		if e := &t.entries[i]; e.Mark&bits != 0 && (e.Start.IsZero() || !e.Start.After(madeBefore)) {
 			e.Mark &^= bits
 			n++
 		}
