@@ -31,9 +31,9 @@ import (
 type fwState struct {
 	epoch    uint64    // ruleset changes seen, hostd's start the first
 	since    time.Time // when the epoch began: entries made later keep their bits
-	cleared  uint64 // the epoch whose clear of every entry's bits completed
-	clearing bool   // a clear runs (clearAll)
-	polling  bool   // the poller runs (pollProof)
+	cleared  uint64    // the epoch whose clear of every entry's bits completed
+	clearing bool      // a clear runs (clearAll)
+	polling  bool      // the poller runs (pollProof)
 }
 
 // proofOK reports whether a lookup that began in epoch ep (0: during a
