@@ -77,7 +77,8 @@ $(BIN)/shunt-early: integration/ctest/early.c $(BIN)/libshunt-early.so
 
 # The edge suite's servers ignore some write results on purpose.
 EDGE_SRC := integration/ctest/edge.c integration/ctest/edge_blocking.c integration/ctest/edge_switch.c integration/ctest/edge_fork.c \
-            integration/ctest/edge_epoll.c integration/ctest/edge_raw.c integration/ctest/edge_vfork.c
+            integration/ctest/edge_epoll.c integration/ctest/edge_raw.c integration/ctest/edge_vfork.c \
+            integration/ctest/edge_locks.c integration/ctest/edge_limits.c
 
 $(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	@mkdir -p $(@D)

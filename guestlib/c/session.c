@@ -618,7 +618,9 @@ int shunt_session_ensure(struct shunt_session *s)
 	}
 	region0_check(s, &m);
 	if (spawn(reader, s, fd)) {
-		shunt_logf(s, "shunt: cannot start the control reader thread");
+		if (s->said != -1) /* once, not at every retry (a process limit of 0) */
+			shunt_logf(s, "shunt: cannot start the control reader thread (a process limit?): connections stay on TCP");
+		s->said = -1;
 		sys_close(fd);
 		pthread_mutex_unlock(&s->mu);
 		errno = EAGAIN;

@@ -26,6 +26,8 @@
  * to the listener thread's sleeping set; never the library's tag)
  * rawclose (edge_raw.c: syscall(SYS_close), close_range, raw dup2)
  * bulk4m (edge_vfork.c: 4 MiB through "edge vforkserver" or any echo)
+ * settlestorm (edge_locks.c: short connections from 4 threads, libpq's way)
+ * nproc lostsession (edge_limits.c: no threads, no session: TCP, said once)
  * spawnkeep systemkeep (fork models and forks in the library's windows, edge_fork.c:
  * against "edge forkserver", "edge prefork", "edge reuseport", "edge
  * spawnserver" and "edge systemserver", the others against the server) */
@@ -313,6 +315,10 @@ static int client(const char *ip, int port, const char *t)
 		return raw_fd_calls(ip, port, t);
 	if (!strcmp(t, "bulk4m"))
 		return bulk_client(ip, port, t);
+	if (!strcmp(t, "settlestorm"))
+		return settle_storm(ip, port, t);
+	if (!strcmp(t, "nproc") || !strcmp(t, "lostsession"))
+		return limits_client(ip, port, t);
 	if (!strcmp(t, "uring")) {
 		/* Fails (no params), but the process has asked for io_uring. */
 		long r = syscall(SYS_io_uring_setup, 0, NULL);

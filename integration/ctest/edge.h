@@ -61,4 +61,10 @@ int raw_fd_calls(const char *ip, int port, const char *t);
 int vfork_server(const char *ip, int port, const char *how, int keep_ms);
 int bulk_client(const char *ip, int port, const char *t);
 
+/* edge_locks.c */
+int settle_storm(const char *ip, int port, const char *t);
+
+/* edge_limits.c */
+int limits_client(const char *ip, int port, const char *t);
+
 #endif

@@ -345,10 +345,19 @@ static void *leaver(void *arg)
 	return NULL;
 }
 
+/* A process that cannot start threads (HAProxy as packaged sets its
+ * process limit to 0) is told so once, not at every connection (it once
+ * logged it 29,419 times); it tries again at most once a second, quietly. */
+#define LEAVER_RETRY_NS 1000000000
+static pid_t leaver_said;      /* atomic: the process that said it cannot start its leaver */
+static int64_t leaver_next_try; /* atomic: no new attempt before this (ns, monotonic) */
+
 int leaver_start(void)
 {
 	if (__atomic_load_n(&leaver_up, __ATOMIC_ACQUIRE) == my_pid)
 		return 0;
+	if (__atomic_load_n(&leaver_said, __ATOMIC_ACQUIRE) == my_pid && now_ns() < __atomic_load_n(&leaver_next_try, __ATOMIC_RELAXED))
+		return -1;
 	pid_t p = __atomic_load_n(&leaver_pid, __ATOMIC_SEQ_CST);
 	if (p == my_pid || !__atomic_compare_exchange_n(&leaver_pid, &p, my_pid, 0, __ATOMIC_SEQ_CST, __ATOMIC_SEQ_CST)) {
 		/* Another thread starts it now: its answer is ours, so that no
@@ -359,7 +368,11 @@ int leaver_start(void)
 	}
 	int e = shunt_thread_start(NULL, 64 << 10, leaver, NULL);
 	if (e) {
-		plog("shunt: cannot start the leaver thread: %s (idle readers leave at their next read; OPEN goes at once)", strerror(e));
+		__atomic_store_n(&leaver_next_try, now_ns() + LEAVER_RETRY_NS, __ATOMIC_RELAXED);
+		if (__atomic_exchange_n(&leaver_said, my_pid, __ATOMIC_ACQ_REL) != my_pid)
+			plog("shunt: cannot start the leaver thread: %s (a process limit?): OPEN goes at once, idle readers leave "
+			     "at their next read; said once",
+			     strerror(e));
 		__atomic_store_n(&leaver_pid, 0, __ATOMIC_SEQ_CST);
 		return -1;
 	}

@@ -21,11 +21,15 @@
  * from the kernel (so with the kernel's rounding) when it becomes a
  * connection (conn.c) and after each setsockopt of either. */
 
+/* real_getsockopt, not the interposed one: open.c's tuple() calls this
+ * under tab_mu, and the interposed getsockopt settles a socket first,
+ * which takes settle_mu: the lock order (preload.h) puts settle_mu
+ * before tab_mu. */
 static int64_t timeo_ns(int fd, int opt)
 {
 	struct timeval tv;
 	socklen_t len = sizeof tv;
-	if (getsockopt(fd, SOL_SOCKET, opt, &tv, &len) < 0 || len != sizeof tv || tv.tv_sec < 0 || tv.tv_usec < 0)
+	if (real_getsockopt(fd, SOL_SOCKET, opt, &tv, &len) < 0 || len != sizeof tv || tv.tv_sec < 0 || tv.tv_usec < 0)
 		return 0;
 	if (tv.tv_sec >= INT64_MAX / 1000000000 - 1)
 		return 0; /* centuries: none */

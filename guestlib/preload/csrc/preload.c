@@ -82,7 +82,7 @@ void resolve_real(void)
 #define LOG_MAX         512 /* a log line; longer ones are cut */
 
 int verbose, disabled, stats, loopback;
-int64_t test_stash_delay_ns;
+int64_t test_stash_delay_ns, test_settle_delay_ns;
 int64_t spin_ns = DEFAULT_SPIN_NS;
 pid_t my_pid;
 
@@ -136,7 +136,7 @@ int64_t now_ns(void)
 struct flow *fds[FD_MAX];
 uint8_t kind[FD_MAX];
 uint8_t nonblk[FD_MAX];
-pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER;
+pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER; /* after settle_mu, before a flow's locks (preload.h, Locks) */
 
 /* ---- the session: the core calls these back from its reader thread ---- */
 
@@ -158,6 +158,8 @@ __attribute__((constructor)) static void init(void)
 		loopback = 1;
 	if ((s = getenv("SHUNT_TEST_STASH_DELAY_US")) && *s)
 		test_stash_delay_ns = atoll(s) * 1000;
+	if ((s = getenv("SHUNT_TEST_SETTLE_DELAY_US")) && *s)
+		test_settle_delay_ns = atoll(s) * 1000;
 	if ((s = getenv("SHUNT_STATS")) && *s == '1')
 		stats = 1;
 	if ((s = getenv("SHUNT_DISABLE")) && *s == '1')

@@ -18,8 +18,23 @@
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
  *               io_uring detection
  *
- * Locks: ep_mu (the epoll sets, epoll.c) comes before a set's mu, and a
- * set's mu is dropped before another set's is taken (nesting). tab_mu
+ * Locks, in the one order they may be taken (an arrow: the left one may
+ * be held while the right one is taken, never the other way):
+ *
+ *   settle_mu -> ep_mu -> a set's mu -> tab_mu -> a flow's rmu -> its wmu
+ *             -> idx_mu -> free_mu, rings_mu, guard_mu -> the session's lock
+ *
+ * settle_mu (socket.c) is first: a settle makes the connection (conn_open:
+ * tab_mu, idx_mu, and the session when OPEN goes at once). It is taken
+ * only for a socket whose non-blocking connect is under way, by the first
+ * call that looks at it: getsockopt, poll, epoll and every I/O call settle
+ * first. So no code that holds any lock after it may call an interposed
+ * function (the library's internal lookups use real_*): the leaver once
+ * held tab_mu (tuple, open.c) and called the interposed getsockopt on a
+ * socket whose settle was not done yet, and waited for settle_mu while the
+ * next settle held it and waited for tab_mu (pgbench -C hung;
+ * TestPreloadEdgeServers settlestorm). ep_mu comes before a set's mu, and
+ * a set's mu is dropped before another set's is taken (nesting). tab_mu
  * (the fd table) and ep_mu are held together only by fork.c's prepare
  * handler, in the order ep_mu, every set's mu, then tab_mu: no other path
  * may take them the other way round (forget, fork_parent and
@@ -30,11 +45,12 @@
  * a sleeper. Both are taken only in that order (rings_done, conn_end),
  * after tab_mu when both are held (fork). idx_mu (open.c: the open queue
  * and the request-id index) comes after them; free_mu (freed flows,
- * lifetime.c) and rings_mu (conn.c) are leaves. The core's session lock
- * is innermost: messages are sent under tab_mu, a flow's wmu or idx_mu,
- * and the session calls back without its lock. fork: fork.c's atfork
- * handlers take every lock above (ep_mu and the sets, tab_mu, each
- * connection's rmu and wmu, idx_mu, free_mu, rings_mu; then the core's
+ * lifetime.c), rings_mu (conn.c) and guard_mu (guard.c) are leaves but for
+ * the session. The core's session lock is innermost: messages are sent
+ * under tab_mu, a flow's wmu or idx_mu, and the session calls back without
+ * its lock. fork: fork.c's atfork handlers take every lock above (ep_mu
+ * and the sets, tab_mu, each connection's rmu and wmu, idx_mu, free_mu,
+ * rings_mu; then the core's
  * take the session's), so the child starts with none held. */
 #ifndef SHUNT_PRELOAD_H
 #define SHUNT_PRELOAD_H
@@ -99,6 +115,8 @@ extern int loopback;     /* SHUNT_TEST_LOOPBACK=1: loopback connections are cand
 extern int stats;        /* SHUNT_STATS=1: each connection's bytes per path at its close */
 extern int64_t test_stash_delay_ns; /* SHUNT_TEST_STASH_DELAY_US: a reader on TCP with a ring that has not
 				     * started sleeps this long between its check and its read (tests) */
+extern int64_t test_settle_delay_ns; /* SHUNT_TEST_SETTLE_DELAY_US: a settle sleeps this long after it made the
+				      * connection, before it lets settle_mu go (tests: the lock-order window) */
 
 /* plog writes one line to stderr when verbose (-v); pstat always. */
 void plog(const char *fmt, ...) __attribute__((format(printf, 1, 2)));

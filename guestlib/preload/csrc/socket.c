@@ -111,7 +111,10 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
  * it wait (a moment: OPEN is sent, nothing is waited for), so that every
  * byte of the connection is counted. settling is set in the thread that
  * settles: the calls it makes on the socket meanwhile (getsockopt,
- * setsockopt) must not wait for itself. */
+ * setsockopt) must not wait for itself. It is the first lock of the
+ * library's one order (preload.h, Locks): a settle takes tab_mu and
+ * idx_mu (conn_open), so no holder of those may call an interposed
+ * function, which would settle. */
 static pthread_mutex_t settle_mu = PTHREAD_MUTEX_INITIALIZER;
 static __thread int settling;
 
@@ -138,6 +141,10 @@ void settle(int fd)
 		plog("shunt: fd %d connect: tcp (the connect failed; its error stays in SO_ERROR)", fd);
 	else
 		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen, NULL);
+	if (test_settle_delay_ns) { /* widen the window in which the leaver may OPEN it (tests) */
+		struct timespec ts = {test_settle_delay_ns / 1000000000, test_settle_delay_ns % 1000000000};
+		nanosleep(&ts, NULL);
+	}
 	uint8_t k = FD_PENDING; /* a fork meanwhile made it FD_KERNEL: it stays so */
 	__atomic_compare_exchange_n(&kind[fd], &k, FD_TCP, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 	settling = 0;
