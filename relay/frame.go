@@ -1,0 +1,79 @@
+package relay
+
+import (
+	"encoding/binary"
+	"errors"
+	"fmt"
+	"io"
+)
+
+// A frame is a 20-byte header, then Len bytes of payload (DATA only):
+//
+//	type u8 | 3 bytes zero | flow u32 | arg u64 | len u32   (little endian)
+//
+// DATA's arg is the stream offset of its first byte; CREDIT's is the
+// offset the receiver's consumer has taken (the sender may send up to it
+// plus the window); DOWN's is a proto.Reason; LEFT's is the final offset.
+const (
+	headerSize = 20
+	// MaxPayload bounds a DATA frame: large enough for streaming writes,
+	// small enough that flows on one connection take turns.
+	MaxPayload = 256 << 10
+)
+
+// Frame types.
+const (
+	fData   = 1
+	fCredit = 2
+	fDown   = 3
+	fLeft   = 4
+)
+
+type frame struct {
+	typ  uint8
+	flow uint32
+	arg  uint64
+	data []byte
+}
+
+// ErrProtocol marks a peer relay that broke the link protocol: the link
+// ends (a peer is another host's relay, and untrusted).
+var ErrProtocol = errors.New("relay link: protocol error")
+
+// header appends f's header to b.
+func (f *frame) header(b []byte) []byte {
+	var h [headerSize]byte
+	h[0] = f.typ
+	binary.LittleEndian.PutUint32(h[4:], f.flow)
+	binary.LittleEndian.PutUint64(h[8:], f.arg)
+	binary.LittleEndian.PutUint32(h[16:], uint32(len(f.data)))
+	return append(b, h[:]...)
+}
+
+// readFrame reads one frame, validating its header; the payload is read
+// into a fresh buffer of exactly its length (at most MaxPayload).
+func readFrame(r io.Reader) (frame, error) {
+	var h [headerSize]byte
+	if _, err := io.ReadFull(r, h[:]); err != nil {
+		return frame{}, err
+	}
+	f := frame{typ: h[0], flow: binary.LittleEndian.Uint32(h[4:]), arg: binary.LittleEndian.Uint64(h[8:])}
+	n := binary.LittleEndian.Uint32(h[16:])
+	switch {
+	case h[1] != 0 || h[2] != 0 || h[3] != 0:
+		return f, fmt.Errorf("%w: reserved header bytes set", ErrProtocol)
+	case f.typ < fData || f.typ > fLeft:
+		return f, fmt.Errorf("%w: frame type %d", ErrProtocol, f.typ)
+	case f.typ != fData && n != 0:
+		return f, fmt.Errorf("%w: a payload of %d bytes on frame type %d", ErrProtocol, n, f.typ)
+	case n > MaxPayload:
+		return f, fmt.Errorf("%w: a payload of %d bytes, at most %d", ErrProtocol, n, MaxPayload)
+	}
+	if n > 0 {
+		f.data = make([]byte, n)
+		if _, err := io.ReadFull(r, f.data); err != nil {
+			return f, err
+		}
+	}
+	return f, nil
+}
