@@ -89,6 +89,16 @@ func BenchmarkStream(b *testing.B) {
 	}
 }
 
+// BenchmarkStreamReadSize: 64 KiB writes through a 1 MiB ring, the child
+// reading with Read calls of each size.
+func BenchmarkStreamReadSize(b *testing.B) {
+	for _, rs := range []int{1 << 10, 4 << 10, 8 << 10, 64 << 10} {
+		b.Run(human(rs), func(b *testing.B) {
+			stream(b, "copy", 1<<20, 64<<10, fmt.Sprintf("SHUNT_CHILD_RSIZE=%d", rs))
+		})
+	}
+}
+
 // BenchmarkRingSize is the buffer-management comparison: the same 64 KiB
 // stream through rings of each capacity. A pool that sizes rings per flow
 // can pick the knee of this curve; fixed per-slot rings must pick one size
@@ -101,12 +111,12 @@ func BenchmarkRingSize(b *testing.B) {
 	}
 }
 
-func stream(b *testing.B, api string, capacity, size int) {
+func stream(b *testing.B, api string, capacity, size int, extra ...string) {
 	role := "sink"
 	if api == "zerocopy" {
 		role = "sink-zc"
 	}
-	fl := startPeer(b, role, capacity, size, wait.Adaptive)
+	fl := startPeer(b, role, capacity, size, wait.Adaptive, extra...)
 	src := make([]byte, size)
 	for i := range src {
 		src[i] = byte(i)

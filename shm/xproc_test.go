@@ -146,6 +146,9 @@ func child(role string) error {
 		var n int
 		var fold uint64
 		buf := make([]byte, size)
+		if rs := envInt("SHUNT_CHILD_RSIZE"); rs > 0 {
+			buf = make([]byte, rs)
+		}
 		for {
 			var k int
 			var err error
