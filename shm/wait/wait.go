@@ -3,6 +3,7 @@ package wait
 import (
 	"fmt"
 	"os"
+	"runtime"
 	"sync/atomic"
 	"time"
 
@@ -114,6 +115,7 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 				break
 			}
 			if spun >= yieldAfter {
+				runtime.Gosched()
 				sys.Yield()
 			}
 		}
