@@ -6,6 +6,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/internal/nsexec"
 )
@@ -14,14 +15,17 @@ import (
 // a peering block (docs/crosshost.md). Its sockets live in conntrack_netns
 // (the host's network namespace, where the fabric is); it announces the
 // local guests' prefixes, refreshed each second from the broker so that
-// guests of every source are covered; and the broker asks it about
-// addresses no local guest owns.
+// guests of every source are covered; the broker asks it about addresses
+// no local guest owns, and checks the peers' claims (VerifyClaim).
 func (a *Agent) startPeers(ctx context.Context) error {
 	pc := a.cfg.Peering
 	if pc == nil {
 		return nil
 	}
-	o := peers.Options{Log: a.log.Named("peers"), Registerer: a.m.Registry, Local: a.b.LocalOverlaps}
+	o := peers.Options{Log: a.log.Named("peers"), Registerer: a.m.Registry, Local: a.b.LocalOverlaps,
+		Verify: func(peer string, c peers.Claim) string {
+			return a.b.VerifyClaim(peer, c.Group, ctrack.Tuple{Src: c.Src, Dst: c.Dst}, c.Active).String()
+		}}
 	if ns := a.cfg.ConntrackNetns; ns != "" {
 		o.In = func(fn func() error) error { return nsexec.In(ns, fn) }
 	}

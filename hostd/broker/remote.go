@@ -3,6 +3,7 @@ package broker
 import (
 	"net/netip"
 
+	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/internal/proto"
 )
 
@@ -75,4 +76,57 @@ func (b *Broker) LocalOverlaps(p netip.Prefix) bool {
 		}
 	}
 	return false
+}
+
+// VerifyClaim checks a peer host's claim of a connection, this host's half
+// of it exactly as for a local connection's other side (docs/crosshost.md):
+// t is the connection as between the two hosts, t.Src the claiming
+// peer's guest; active says that guest connected. The claim holds only if
+//
+//   - the peer announced t.Src (and this host accepted it): a peer never
+//     speaks for an address it did not announce (not-owner);
+//   - this host's conntrack has an ESTABLISHED entry of exactly t, in the
+//     direction the claim says (no-conntrack, not-established, not-owner):
+//     a peer can never make this host pair a connection its conntrack has
+//     not seen;
+//   - the other end, after this host's NAT, is a local guest (not-local),
+//     of the trust group of the same name (cross-group).
+//
+// A peer's masquerading (SNAT to its host's address) fails the first
+// check: its guests' addresses must cross between the hosts. The lookup
+// runs without the broker's lock. Pairing across hosts is not built yet:
+// a claim that holds pairs nothing.
+func (b *Broker) VerifyClaim(peer, group string, t ctrack.Tuple, active bool) proto.Reason {
+	t = t.Unmap()
+	b.mu.Lock()
+	r := b.opts.Remote
+	b.mu.Unlock()
+	if r == nil {
+		return proto.ReasonNotLocal
+	}
+	if by, up, ok := r.Route(t.Src.Addr()); !ok || !up || by != peer {
+		return proto.ReasonNotOwner
+	}
+	e, reason := b.lookup(t, false)
+	if reason != proto.ReasonNone {
+		return reason
+	}
+	local := e.Orig.Src // the peer's guest accepted: this host's guest connected
+	if active {
+		local = e.Reply.Src
+	}
+	switch {
+	case active && e.Orig != t, !active && e.Reply != t:
+		return proto.ReasonNotOwner
+	}
+	b.mu.Lock()
+	g := b.guestByAddr(local.Addr())
+	b.mu.Unlock()
+	switch {
+	case g == nil:
+		return proto.ReasonNotLocal
+	case g.Group == nil || g.Group.Name != group:
+		return proto.ReasonCrossGroup
+	}
+	return proto.ReasonNone
 }

@@ -240,6 +240,7 @@ func (r *Room) run(p *peer, c net.Conn) {
 	r.mu.Lock()
 	p.sess, p.state, p.err, p.since = nil, StateDown, err.Error(), time.Now()
 	p.accepted, p.refused, p.theyRefuse = nil, nil, nil
+	endClaimsLocked(p)
 	r.mu.Unlock()
 	r.m.up.WithLabelValues(p.cfg.Name).Set(0)
 	r.m.announced.WithLabelValues(p.cfg.Name).Set(0)
@@ -270,6 +271,10 @@ func (r *Room) handle(p *peer, s *session, m msg) error {
 		}
 	case tPing:
 		return s.send(msg{Type: tPong, Nonce: m.Nonce})
+	case tClaim:
+		return r.verify(p, s, m)
+	case tVerdict:
+		r.verdict(p, m)
 	case tPong:
 		if rtt := time.Since(time.Unix(0, int64(m.Nonce))); rtt >= 0 && rtt < time.Minute {
 			r.mu.Lock()

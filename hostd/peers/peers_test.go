@@ -1,6 +1,7 @@
 package peers_test
 
 import (
+	"errors"
 	"net"
 	"net/netip"
 	"strings"
@@ -52,9 +53,10 @@ var (
 )
 
 type host struct {
-	cfg peers.Config
-	reg *prometheus.Registry
-	r   *peers.Room
+	verify func(string, peers.Claim) string
+	cfg    peers.Config
+	reg    *prometheus.Registry
+	r      *peers.Room
 }
 
 // pair configures h1 and h2 for each other (h1 dials: its name sorts
@@ -74,7 +76,7 @@ func (h *host) start(t *testing.T, local ...string) {
 	t.Helper()
 	h.reg = prometheus.NewRegistry()
 	var err error
-	h.r, err = peers.Start(h.cfg, peers.Options{Registerer: h.reg, Local: func(q netip.Prefix) bool {
+	h.r, err = peers.Start(h.cfg, peers.Options{Registerer: h.reg, Verify: h.verify, Local: func(q netip.Prefix) bool {
 		for _, l := range local {
 			if q.Contains(netip.MustParseAddr(l)) {
 				return true
@@ -284,5 +286,37 @@ func TestConfigCheck(t *testing.T) {
 		if err == nil || !strings.Contains(err.Error(), want) {
 			t.Errorf("Check: %v, want %q", err, want)
 		}
+	}
+}
+
+// TestPeersClaims: a claim goes to the peer, whose verifier decides, and
+// its verdict comes back by id; a refusal is counted by its reason; a
+// claim to a peer without a channel fails at once.
+func TestPeersClaims(t *testing.T) {
+	h1, h2 := pair(t, newCA(t, "ca"))
+	var got []string
+	h2.verify = func(peer string, c peers.Claim) string {
+		got = append(got, peer)
+		if c.Src.Port() == 4000 && c.Active && c.Group == "t" {
+			return "none"
+		}
+		return "no-conntrack"
+	}
+	h1.start(t)
+	if _, err := h1.r.Claim("h2", peers.Claim{}, time.Second); !errors.Is(err, peers.ErrNoChannel) {
+		t.Fatalf("a claim to a peer that is down: %v", err)
+	}
+	h2.start(t)
+	eventually(t, "up", func() bool { return h1.r.List()[0].State == peers.StateUp }, func() any { return h1.r.List() })
+	c := peers.Claim{Src: netip.MustParseAddrPort("10.77.1.2:4000"), Dst: netip.MustParseAddrPort("10.78.1.2:80"), Active: true, Group: "t"}
+	if v, err := h1.r.Claim("h2", c, 5*time.Second); err != nil || v != "none" {
+		t.Fatalf("a good claim: %q, %v", v, err)
+	}
+	c.Src = netip.MustParseAddrPort("10.77.1.2:4001")
+	if v, err := h1.r.Claim("h2", c, 5*time.Second); err != nil || v != "no-conntrack" {
+		t.Fatalf("a forged claim: %q, %v", v, err)
+	}
+	if n := counter(h2.reg, "shunt_peer_refused_total", "h1", "claim-no-conntrack"); n != 1 || len(got) != 2 || got[0] != "h1" {
+		t.Fatalf("refused claims counted %v; verifier saw %v", n, got)
 	}
 }

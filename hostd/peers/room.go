@@ -26,6 +26,10 @@ type Options struct {
 	// Local reports whether prefix p overlaps this host's own guests'
 	// addresses: a peer may never announce one of them.
 	Local func(p netip.Prefix) bool
+	// Verify checks a peer's claim (the broker's VerifyClaim) and returns
+	// the reason's name, "none" if it holds; nil: every claim is refused
+	// with not-local.
+	Verify func(peer string, c Claim) string
 }
 
 // Room is hostd's peer channel: the links to the configured peers and
@@ -60,6 +64,8 @@ type peer struct {
 	theyRefuse map[netip.Prefix]string // what this host announced and it refused
 	reconnects uint64
 	rtt        time.Duration
+	claims     map[uint64]chan string // this host's claims waiting for their verdicts
+	nextClaim  uint64
 	in, out    atomic.Uint64
 	quit       chan struct{} // closed when the peer is removed by a reload
 }

@@ -26,6 +26,8 @@ const (
 	tRefused  = "refused"  // the receiver refused some announced addresses (Addrs), and why
 	tPing     = "ping"
 	tPong     = "pong"
+	tClaim    = "claim"   // the sender claims a connection (Claim); answered by a verdict of the same id
+	tVerdict  = "verdict" // the receiver's verdict on a claim: Reason, "none" if it holds
 )
 
 // Announced is one guest prefix a hostd announces (a guest owns
@@ -42,8 +44,22 @@ type Refusal struct {
 	Reason string       `json:"reason"`
 }
 
+// Claim is a host's claim of a connection between one of its guests and
+// one of the peer's (docs/crosshost.md): the connection as between the
+// two hosts (Src is the claimant's guest), whether that guest connected,
+// and its trust group's name.
+type Claim struct {
+	Src    netip.AddrPort `json:"src"`
+	Dst    netip.AddrPort `json:"dst"`
+	Active bool           `json:"active"`
+	Group  string         `json:"group"`
+}
+
 type msg struct {
 	Type    string      `json:"type"`
+	ID      uint64      `json:"id,omitempty"`     // claim, verdict
+	Claim   *Claim      `json:"claim,omitempty"`  // claim
+	Reason  string      `json:"reason,omitempty"` // verdict
 	Version int         `json:"version,omitempty"`
 	Addrs   []Announced `json:"addrs,omitempty"`   // announce: the whole set
 	Refused []Refusal   `json:"refused,omitempty"` // refused: all of the last announcement's
@@ -70,6 +86,14 @@ func readMsg(r *bufio.Reader) (msg, error) {
 	}
 	switch m.Type {
 	case tHello, tPing, tPong:
+	case tClaim:
+		if c := m.Claim; c == nil || !c.Src.IsValid() || !c.Dst.IsValid() || len(c.Group) > 256 {
+			return msg{}, fmt.Errorf("%w: claim %+v", errMalformed, m.Claim)
+		}
+	case tVerdict:
+		if len(m.Reason) > 64 {
+			return msg{}, fmt.Errorf("%w: a verdict's reason of %d bytes", errMalformed, len(m.Reason))
+		}
 	case tRefused:
 		if len(m.Refused) > maxAddrs {
 			return msg{}, fmt.Errorf("%w: %d addresses refused, at most %d", errMalformed, len(m.Refused), maxAddrs)

@@ -10,6 +10,7 @@ import (
 	"io"
 	"math/rand/v2"
 	"net"
+	"net/netip"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -46,10 +47,12 @@ func TestMain(m *testing.M) {
 
 // pairEnv is a fabric of two hosts, each with its own hostd, peered.
 type pairEnv struct {
-	t      *testing.T
-	f      *nsrig.Fabric
-	hosts  [2]*stack.Stack
-	extras [2]string
+	t         *testing.T
+	f         *nsrig.Fabric
+	hosts     [2]*stack.Stack // nil: no hostd on that host
+	extras    [2]string
+	ca        *peertest.CA
+	cert, key [2]string
 }
 
 // peering is host k's (0-based) peering and peer blocks: it listens on
@@ -71,10 +74,11 @@ peer "h%d" {
 		net.JoinHostPort(f.Addrs[o].String(), "7470"), strings.Join(allow, `", "`))
 }
 
-// newPair builds the fabric and starts both hostds; allow[k] is what host
-// k's config allows the other host to announce. Everything is removed when
-// the test ends; on failure both hostds' logs are shown.
-func newPair(t *testing.T, guests int, allow [2][]string) *pairEnv {
+// newPair builds the fabric and starts a hostd on each host k with
+// run[k]; allow[k] is what host k's config allows the other host to
+// announce. Everything is removed when the test ends; on failure the
+// hostds' logs are shown.
+func newPair(t *testing.T, guests int, allow [2][]string, run [2]bool) *pairEnv {
 	t.Helper()
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
@@ -111,8 +115,12 @@ func newPair(t *testing.T, guests int, allow [2][]string) *pairEnv {
 			t.Fatal(err)
 		}
 	}
+	e.ca, e.cert, e.key = ca, cert, key
 	for k := range 2 {
 		e.extras[k] = peering(f, ca, cert, key, k, allow[k])
+		if !run[k] {
+			continue
+		}
 		s, err := stack.Start(stack.Options{Rig: f.Hosts[k], HostdBin: hostdBin, Dir: t.TempDir(), Extra: e.extras[k], Logf: t.Logf})
 		if err != nil {
 			t.Fatalf("start h%d: %v", k+1, err)
@@ -133,7 +141,7 @@ func tail(s string, n int) string {
 // peersOf is host k's `hostd peers`.
 func (e *pairEnv) peersOf(k int) []peers.Info {
 	var ps []peers.Info
-	if s := e.hosts[k]; s.Hostd != nil {
+	if s := e.hosts[k]; s != nil && s.Hostd != nil {
 		if err := admin.Call(s.Admin, admin.Request{Cmd: admin.CmdPeers}, &ps); err != nil {
 			e.t.Logf("h%d peers: %v", k+1, err)
 		}
@@ -216,7 +224,7 @@ func roundTrip(t *testing.T, c net.Conn, seed uint64, n int) {
 // back-off and the channel comes back when h2's hostd does; a SIGHUP
 // with a wider prefix list on h2 accepts what it refused.
 func TestAcrossHostsPeers(t *testing.T) {
-	e := newPair(t, 2, [2][]string{{"10.78.0.0/16", "fd00:78::/32"}, {"10.77.1.0/24"}})
+	e := newPair(t, 2, [2][]string{{"10.78.0.0/16", "fd00:78::/32"}, {"10.77.1.0/24"}}, [2]bool{true, true})
 	step := 10 * time.Second
 	e.within(step, "both channels up", func() bool { return state(e.peersOf(0)) == peers.StateUp && state(e.peersOf(1)) == peers.StateUp })
 	e.within(step, "h2 accepts h1/g1 and refuses h1/g2", func() bool {
@@ -303,4 +311,66 @@ func TestAcrossHostsPeers(t *testing.T) {
 		}
 		return p[0].Announced >= 2
 	})
+}
+
+// TestAcrossHostsClaims: h2's hostd verifies claims sent by h1 (played by
+// the test: a peers.Room with h1's certificate, in h1's host namespace)
+// against its own conntrack. A claim for a real connection holds, either
+// way round; a forged one (a tuple h2's conntrack has not seen), one for
+// an address h1 did not announce, and one of another trust group's name
+// are refused with their reasons, counted by h2.
+func TestAcrossHostsClaims(t *testing.T) {
+	e := newPair(t, 2, [2][]string{nil, {"10.77.0.0/16"}}, [2]bool{false, true})
+	h1ns := e.f.Hosts[0].HostNSPath()
+	room, err := peers.Start(peers.Config{Certificate: e.cert[0], Key: e.key[0], CA: e.ca.Path, Interval: 200 * time.Millisecond,
+		Peers: []peers.Peer{{Name: "h2", Address: net.JoinHostPort(e.f.Addrs[1].String(), "7470"), Prefixes: []netip.Prefix{netip.MustParsePrefix("10.78.0.0/16")}}}},
+		peers.Options{In: func(fn func() error) error { return nsrig.In(h1ns, fn) }})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer room.Close()
+	g1, g2 := e.f.Hosts[0].Guests[0], e.f.Hosts[1].Guests[0]
+	room.Announce([]peers.Announced{{Prefix: netip.PrefixFrom(g1.Addr, 32), Group: "t"}}) // g1 only
+	step := 10 * time.Second
+	e.within(step, "h2 accepts the test's h1", func() bool { p := e.peersOf(1); return state(p) == peers.StateUp && p[0].Announced == 1 })
+
+	echoServer(t, g2.NSPath(), g2.Addr.String()+":7001")
+	var c net.Conn
+	if err := nsrig.In(g1.NSPath(), func() (err error) { c, err = net.DialTimeout("tcp4", g2.Addr.String()+":7001", step); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer c.Close()
+	roundTrip(t, c, 3, 64<<10) // ESTABLISHED in both hosts' conntrack
+	local := netip.MustParseAddrPort(c.LocalAddr().String())
+	echoServer(t, g1.NSPath(), g1.Addr.String()+":7002")
+	var back net.Conn
+	if err := nsrig.In(g2.NSPath(), func() (err error) { back, err = net.DialTimeout("tcp4", g1.Addr.String()+":7002", step); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer back.Close()
+	roundTrip(t, back, 4, 64<<10)
+	remote := netip.MustParseAddrPort(back.LocalAddr().String())
+
+	ap := func(a netip.Addr, port uint16) netip.AddrPort { return netip.AddrPortFrom(a, port) }
+	g2srv := ap(g2.Addr, 7001)
+	for _, cl := range []struct {
+		name  string
+		claim peers.Claim
+		want  string
+	}{
+		{"h1/g1 connected to h2/g1", peers.Claim{Src: local, Dst: g2srv, Active: true, Group: "t"}, "none"},
+		{"h2/g1 connected to h1/g1", peers.Claim{Src: ap(g1.Addr, 7002), Dst: remote, Active: false, Group: "t"}, "none"},
+		{"forged: a tuple h2 has not seen", peers.Claim{Src: ap(g1.Addr, local.Port()+1), Dst: g2srv, Active: true, Group: "t"}, "no-conntrack"},
+		{"the wrong direction", peers.Claim{Src: local, Dst: g2srv, Active: false, Group: "t"}, "not-owner"},
+		{"an address h1 did not announce", peers.Claim{Src: ap(e.f.Hosts[0].Guests[1].Addr, local.Port()), Dst: g2srv, Active: true, Group: "t"}, "not-owner"},
+		{"another trust group's name", peers.Claim{Src: local, Dst: g2srv, Active: true, Group: "other"}, "cross-group"},
+	} {
+		v, err := room.Claim("h2", cl.claim, step)
+		if err != nil || v != cl.want {
+			t.Errorf("%s: verdict %q, %v; want %q", cl.name, v, err, cl.want)
+		}
+	}
+	if n := e.counter(1, "shunt_peer_refused_total{peer=h1,reason=claim-no-conntrack}"); n != 1 {
+		t.Errorf("h2 counted %v forged claims, want 1", n)
+	}
 }
