@@ -13,6 +13,12 @@ import (
 // 16383 guests.
 const DefaultMask uint32 = 0xffff0000
 
+// ProofPriority is where hostd's proof chains run: after every chain an
+// operator can reasonably give (filter 0, security 50, srcnat 100, and
+// anything up to here), just before conntrack confirms the entry
+// (INT_MAX). A packet that reaches them went past the operator's filter.
+const ProofPriority = 1<<31 - 2
+
 // Field is the part of the conntrack mark that hostd owns: a contiguous run
 // of bits. Its two highest bits are the proof of passage (a packet of the
 // connection's original direction, and one of its reply direction, went

@@ -10,12 +10,6 @@ import (
 	"golang.org/x/sys/unix"
 )
 
-// ProofPriority is where hostd's proof chains run: after every chain an
-// operator can reasonably give (filter 0, security 50, srcnat 100, and
-// anything up to here), just before conntrack confirms the entry
-// (INT_MAX). A packet that reaches them went past the operator's filter.
-const ProofPriority = 1<<31 - 2
-
 // proofChains are the chains that set the proof bits: postrouting sees
 // every packet that leaves by a real interface (forwarded between guests,
 // or sent by local processes); input sees every packet delivered to a

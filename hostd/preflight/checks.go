@@ -35,6 +35,7 @@ func (e *env) inNetns() string {
 const (
 	eventsSysctl = "net.netfilter.nf_conntrack_events"
 	acctSysctl   = "net.netfilter.nf_conntrack_acct"
+	tstampSysctl = "net.netfilter.nf_conntrack_timestamp"
 )
 
 // checkConntrack: hostd looks flows up over ctnetlink and learns of
@@ -80,20 +81,30 @@ func checkConntrack(_ context.Context, e *env) {
 	}
 }
 
-// checkAcct: after a firewall ruleset change, hostd moves a connection back
-// to the rings only once conntrack's accounting counters show its lease
-// carried packets both ways; hostd turns accounting on at start.
+// checkAcct: the proof of passage (docs/SECURITY.md) needs no counters,
+// but hostd turns accounting (lease counters in `hostd flows`) and
+// timestamps on at start: with timestamps, a firewall epoch's clear
+// spares the proof of connections made since the change.
 func checkAcct(e *env, ns, where string) {
 	v, err := e.p.Sysctl(ns, acctSysctl)
-	const without = ": after a firewall ruleset change, connections stay on TCP until the next policy reload"
 	switch {
 	case err != nil:
-		e.warn("read "+acctSysctl+where+": "+err.Error()+without, "modprobe nf_conntrack, and run hostd as root (it sets "+acctSysctl+"=1 at start)")
+		e.warn("read "+acctSysctl+where+": "+err.Error()+": `hostd flows` shows no lease counters", "modprobe nf_conntrack, and run hostd as root (it sets "+acctSysctl+"=1 at start)")
 	case v == "1":
-		e.ok("%s = 1%s: the ruleset watch can see connections' packets", acctSysctl, where)
+		e.ok("%s = 1%s: `hostd flows` shows each lease's packets", acctSysctl, where)
 	default:
 		e.ok("%s = %s%s: hostd sets it to 1 at start (watch_ruleset); connections made before keep no counters", acctSysctl, v, where)
 	}
+	v, err = e.p.Sysctl(ns, tstampSysctl)
+	switch {
+	case err != nil:
+		e.warn("read "+tstampSysctl+where+": "+err.Error()+": a connection made during a firewall change may wait on TCP for its next packets", "modprobe nf_conntrack, and run hostd as root (it sets "+tstampSysctl+"=1 at start)")
+	case v == "1":
+		e.ok("%s = 1%s: a firewall change keeps the proof of passage of connections made since", tstampSysctl, where)
+	default:
+		e.ok("%s = %s%s: hostd sets it to 1 at start (watch_ruleset)", tstampSysctl, v, where)
+	}
+	e.ok("proof of passage: hostd's proof chains (table inet %s, priority %d on postrouting and input) show each connection's packets past the firewall; a connection without them both ways for proof_max_age (%s) moves to TCP", mark.Table, mark.ProofPriority, e.cfg.ProofMaxAge)
 }
 
 // checkNftables: hostd marks each guest's new connections with its own

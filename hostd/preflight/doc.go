@@ -9,7 +9,7 @@
 //	config      the file parses and validates (hostd/config)
 //	privileges  the check runs as root, as hostd does
 //	conntrack   ctnetlink answers, net.netfilter.nf_conntrack_events is on, and
-//	            nf_conntrack_acct is readable (watch_ruleset: hostd sets it)
+//	            nf_conntrack_acct and nf_conntrack_timestamp are readable (watch_ruleset: hostd sets them)
 //	nftables    nft works, if a guest's ct_mark needs a firewall rule
 //	witness     eBPF programs load and TCX attaches, if witness = true
 //	interfaces  every guest interface exists

@@ -172,7 +172,7 @@ func TestConntrack(t *testing.T) {
 			p := healthy()
 			p.Conntrack = func(string) error { return tc.dial }
 			p.Sysctl = func(_, name string) (string, error) {
-				if name == acctSysctl {
+				if name == acctSysctl || name == tstampSysctl {
 					return "1", nil
 				}
 				if name != eventsSysctl {
