@@ -20,17 +20,8 @@ import (
 // rule) and checks, with the rule's own counters, that the rule saw the
 // lease's packets while no byte crossed the rings.
 
-// dropBoth adds a table that drops port's TCP packets both ways, with
-// counters, and removes it when the test ends.
-func (e *env) dropBoth(t *testing.T, port int) {
-	t.Helper()
-	p := strconv.Itoa(port)
-	e.hostCmd("nft", "add table inet shunt_test_fw")
-	t.Cleanup(func() { nsrig.Run(e.rig.HostNSPath(), "nft", "delete table inet shunt_test_fw") })
-	e.hostCmd("nft", "add chain inet shunt_test_fw fw { type filter hook forward priority -5 ; }")
-	e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp dport "+p+" counter drop")
-	e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp sport "+p+" counter drop")
-}
+// dropBoth drops port's TCP packets both ways (dropRules).
+func (e *env) dropBoth(t *testing.T, port int) { e.dropRules(t, port, true, true) }
 
 // dropped is how many packets the drop rules dropped.
 func (e *env) dropped(t *testing.T) int {
@@ -64,36 +55,74 @@ func (e *env) holdsTCP(t *testing.T, port int, d time.Duration, ss ...*stream) {
 	}
 }
 
-// TestFirewallDropBothWays: the operator drops a live connection both
-// ways while both ends write. Conntrack counts the dropped retransmissions
-// in both directions (its hooks run before the filter), which used to
-// send the connection back to the rings within a second (finding 2); now
-// it stays on TCP, no byte crosses, the rule's counters show it dropped
-// the lease's packets, and the connection returns to the rings soon after
-// the rule goes.
-func TestFirewallDropBothWays(t *testing.T) {
-	e := newEnv(t, 2, "")
-	c, s := e.pair(1, 2, 5251)
-	if !fastSoon(t, c, s) {
-		t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+// dropRules adds a table whose rules drop port's TCP packets in the given
+// directions (to the server: dport; from it: sport), with counters, and
+// removes it when the test ends.
+func (e *env) dropRules(t *testing.T, port int, toServer, fromServer bool) {
+	t.Helper()
+	p := strconv.Itoa(port)
+	e.hostCmd("nft", "add table inet shunt_test_fw")
+	t.Cleanup(func() { nsrig.Run(e.rig.HostNSPath(), "nft", "delete table inet shunt_test_fw") })
+	e.hostCmd("nft", "add chain inet shunt_test_fw fw { type filter hook forward priority -5 ; }")
+	if toServer {
+		e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp dport "+p+" counter drop")
 	}
-	ab, ba := both(t, c, s, 71)
-	progress(4<<20, ab, ba)
-	e.dropBoth(t, 5251)
-	onTCP(t, "both ends on TCP after the ruleset changed", c, s)
-	time.Sleep(500 * time.Millisecond) // what was in flight
-	e.holdsTCP(t, 5251, 3*time.Second, ab, ba)
-	if n := e.dropped(t); n == 0 {
-		t.Fatal("the drop rules dropped no packet: the test proves nothing")
+	if fromServer {
+		e.hostCmd("nft", "add rule inet shunt_test_fw fw tcp sport "+p+" counter drop")
 	}
-	e.hostCmd("nft", "delete table inet shunt_test_fw")
-	progress(4<<20, ab, ba) // TCP retransmits once the rule is gone
-	if !fastSoon(t, c, s) {
-		t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+}
+
+// TestFirewallDrop: the operator drops a live connection's packets, both
+// ways or one way, while both ends write, or while they are idle and write
+// only afterwards. Conntrack counts the dropped packets (its hooks run
+// before the filter), which used to send the connection back to the
+// rings within a second once they rose both ways (finding 2); now it
+// stays on TCP, no byte crosses, the rule's counters show it dropped the
+// lease's packets, and the connection returns to the rings soon after the
+// rule goes.
+func TestFirewallDrop(t *testing.T) {
+	for i, tc := range []struct {
+		name                 string
+		toServer, fromServer bool
+		idle                 bool // the ends write only after the rule came
+	}{
+		{"both-ways", true, true, false},
+		{"to-server", true, false, false},
+		{"from-server", false, true, false},
+		{"idle-then-send", true, true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			e := newEnv(t, 2, "")
+			port := 5260 + i
+			c, s := e.pair(1, 2, port)
+			if !fastSoon(t, c, s) {
+				t.Fatalf("paths %s / %s, want fast", c.Path(), s.Path())
+			}
+			var ab, ba *stream
+			if !tc.idle {
+				ab, ba = both(t, c, s, uint64(port))
+				progress(4<<20, ab, ba)
+			}
+			e.dropRules(t, port, tc.toServer, tc.fromServer)
+			onTCP(t, "both ends on TCP after the ruleset changed", c, s)
+			if tc.idle {
+				ab, ba = both(t, c, s, uint64(port))
+			}
+			time.Sleep(500 * time.Millisecond) // what was in flight
+			e.holdsTCP(t, port, 3*time.Second, ab, ba)
+			if n := e.dropped(t); n == 0 {
+				t.Fatal("the drop rules dropped no packet: the test proves nothing")
+			}
+			e.hostCmd("nft", "delete table inet shunt_test_fw")
+			progress(4<<20, ab, ba) // TCP retransmits once the rule is gone
+			if !fastSoon(t, c, s) {
+				t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+			}
+			progress(4<<20, ab, ba)
+			ab.finish()
+			ba.finish()
+		})
 	}
-	progress(4<<20, ab, ba)
-	ab.finish()
-	ba.finish()
 }
 
 // TestFirewallRestartUnderDrop: with the rule in place and the connection
