@@ -197,7 +197,7 @@ func runClient(cmd string, args []string) error {
 		if err := json.Unmarshal(out, &fl); err != nil {
 			return err
 		}
-		fmt.Fprintln(tw, "CONN\tFLOW\tA\tB\tSRC\tDST\tPATH\tSWITCHES\tRING\tRINGS A>B\tRINGS B>A\tLEASE A>B\tLEASE B>A\tATTACHED\tRULE\tAGE")
+		fmt.Fprintln(tw, "CONN\tFLOW\tA\tB\tSRC\tDST\tPATH\tSWITCHES\tRING\tGUEST-SAID A>B\tGUEST-SAID B>A\tLEASE A>B\tLEASE B>A\tATTACHED\tRULE\tAGE")
 		for _, f := range fl {
 			path := f.Path
 			if f.Reason != "" {

@@ -325,6 +325,9 @@ int shunt_thread_start(pthread_t *th, size_t stack, void *(*fn)(void *), void *a
 		pthread_attr_setstacksize(&at, stack);
 	sigset_t all, old;
 	sigfillset(&all);
+	/* Not SIGBUS: a fault on a truncated region must reach fault.c's
+	 * handler; blocked, it kills the process. */
+	sigdelset(&all, SIGBUS);
 	pthread_sigmask(SIG_SETMASK, &all, &old);
 	int err = pthread_create(th ? th : &own, &at, fn, arg);
 	pthread_sigmask(SIG_SETMASK, &old, NULL);

@@ -107,7 +107,8 @@ func regionAccess(g config.Group) (region.Access, error) {
 // pairRegions keeps the regions of guest pairs, each with its shadow in
 // state_dir: the broker's PairRegions. Two process guests get theirs as a
 // sealed memfd (region.Files.CreateSealed; shadow sealed-pair-A-B-pID, A
-// the lower guest id, ID the region's), which has no path and cannot grow. Two VMs get theirs as a file
+// the lower guest id, ID the region's), which has no path, cannot grow,
+// and is truncated to nothing when dropped. Two VMs get theirs as a file
 // region_dir/pair-A-B-pID, a device QEMU plugs in; region_dir is
 // root-only, so no guest can open it by path. The region of a pair with a libvirt domain in it
 // is /dev/shm/shunt-pair-A-B-pID instead (virt.PairShmem; state name
@@ -125,6 +126,43 @@ type pairRegions struct {
 	mu     sync.Mutex
 	live   map[*region.Pool]*os.File // made or adopted, not dropped: closed (kept) when hostd stops
 	sealed map[*region.Pool]string   // the live sealed ones, by state name
+	dying  map[*os.File]*time.Timer  // dropped sealed ones, until truncateLater truncates them
+}
+
+// truncateDelay is how long a dropped sealed region keeps its memory after
+// its guests were told UNREGION (the broker sends it right after Drop):
+// honest libraries let it go at UNREGION (their mapping turns into
+// private zeros), so only a mapping a guest kept against hostd's word
+// faults when it is truncated.
+const truncateDelay = time.Second
+
+// truncateLater truncates dropped sealed region f to nothing after
+// truncateDelay, and closes it: every mapping a guest kept faults from
+// then on (the libraries fail its flows cleanly), so no two guests can go
+// on exchanging bytes through it once hostd let it go (docs/region.md,
+// "Revocation"). Sealed against growth, it can never hold anything again.
+func (p *pairRegions) truncateLater(name string, f *os.File) {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	if p.dying == nil {
+		p.dying = map[*os.File]*time.Timer{}
+	}
+	p.dying[f] = time.AfterFunc(truncateDelay, func() {
+		p.mu.Lock()
+		_, mine := p.dying[f]
+		delete(p.dying, f)
+		p.mu.Unlock()
+		if mine {
+			p.truncate(name, f)
+		}
+	})
+}
+
+func (p *pairRegions) truncate(name string, f *os.File) {
+	if err := f.Truncate(0); err != nil {
+		p.log.Error("cannot take a pair region's memory back", "region", name, "error", err)
+	}
+	f.Close()
 }
 
 // pairName is the file name of region id of guests a and b (a the lower
@@ -208,6 +246,11 @@ func (p *pairRegions) close() {
 		pool.Close()
 		f.Close()
 	}
+	for f, t := range p.dying { // dropped: their memory goes now
+		t.Stop()
+		p.truncate(f.Name(), f)
+	}
+	p.dying = nil
 	p.live = map[*region.Pool]*os.File{}
 	p.sealed = map[*region.Pool]string{}
 }
@@ -221,7 +264,7 @@ func (p *pairRegions) Drop(r *broker.Region) {
 	p.mu.Unlock()
 	r.Pool.Close()
 	if sealed {
-		r.File.Close()
+		p.truncateLater(r.Name(), r.File)
 		if err := p.files.RemoveState(sname); err != nil {
 			p.log.Warn("cannot remove a pair region's state", "region", r.Name(), "error", err)
 		}

@@ -66,7 +66,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	opts := broker.Options{PairingTimeout: cfg.PairingTimeout, Limits: broker.Limits{
 		ListensPerSession: lim.ListensPerSession, ListensPerGuest: lim.ListensPerGuest,
 		PendingOpensPerGuest: lim.PendingOpensPerGuest, OpensPerSecond: lim.OpensPerSecond,
-	}, PairRegionLinger: cfg.PairRegionLinger}
+	}, PairRegionLinger: cfg.PairRegionLinger, RevokeGrace: cfg.RevokeGrace}
 	if a.witness != nil {
 		opts.Witness = a.witness
 	}

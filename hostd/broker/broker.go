@@ -56,6 +56,10 @@ type Options struct {
 	// short connections one after the other does not make, hand over and
 	// map a region for each; 0 = DefaultPairRegionLinger, < 0 = none.
 	PairRegionLinger time.Duration
+	// RevokeGrace is how long the ends of a retired pair region's flows
+	// have to leave its rings before hostd takes its memory away
+	// (revoke.go); 0 = DefaultRevokeGrace.
+	RevokeGrace time.Duration
 }
 
 // DefaultProofMaxAge is Options.ProofMaxAge's default: a little over two

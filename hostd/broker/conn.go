@@ -74,12 +74,15 @@ type Conn struct {
 	switches int
 	rule     string // the policy rule that last decided it (rings, or tcp(policy))
 	created  time.Time
-	ringAB   uint64     // bytes its freed ring pairs carried, per direction
-	ringBA   uint64     //
-	fw       *fwWait    // it waits on TCP for proof of passage (firewall.go)
-	pf       leaseProof // its proof of passage past the firewall
-	indexed  bool       // in Broker.conns
-	noReqs   bool       // adopted after a restart: its ends' request ids are unknown until they OPEN again
+	ringAB   uint64 // bytes its freed ring pairs carried, per direction
+	ringBA   uint64 //
+	// bogusCounts: a ring count its guests wrote was implausible and
+	// dropped (ringAB/BA are guest-reported: info.go).
+	bogusCounts bool
+	fw          *fwWait    // it waits on TCP for proof of passage (firewall.go)
+	pf          leaseProof // its proof of passage past the firewall
+	indexed     bool       // in Broker.conns
+	noReqs      bool       // adopted after a restart: its ends' request ids are unknown until they OPEN again
 }
 
 // Name names the record in listings and for `hostd downgrade`.
@@ -340,6 +343,9 @@ func (b *Broker) downgradeLocked(c *Conn, reason proto.Reason) bool {
 	if legacy {
 		b.revokeLocked(f, reason)
 	}
+	if revokesMemory[reason] {
+		b.revokeMemoryLocked(f.Region, reason)
+	}
 	return true
 }
 
@@ -365,7 +371,7 @@ func (b *Broker) connFlowFreedLocked(c *Conn, f *Flow) {
 // retryAfterFree are the reasons that may be over by the time a ring pair
 // is freed (a policy flipped back, the firewall's lease check passed, the
 // migrating guest arrived before its connection left the rings).
-var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true, proto.ReasonMigrating: true}
+var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true, proto.ReasonMigrating: true, reasonRetired: true}
 
 // retryOnReload are the reasons a policy reload retries a connection on
 // TCP for; the others (gone, version, conntrack-gone, ...) do not change

@@ -94,8 +94,12 @@ func (b *Broker) releaseLocked(f *Flow, side uint32) {
 		// Last side: what the rings carried, for listings (the
 		// counters go with the slot).
 		if ab, ba, err := f.Region.Pool.Stats(f.id.slot, f.Gen); err == nil && f.conn != nil {
-			f.conn.ringAB += ab.Written
-			f.conn.ringBA += ba.Written
+			// Guest-reported (info.go): bounded, and marked when cut.
+			wab, okA := plausible(ab.Written, f.Created)
+			wba, okB := plausible(ba.Written, f.Created)
+			f.conn.ringAB += wab
+			f.conn.ringBA += wba
+			f.conn.bogusCounts = f.conn.bogusCounts || !okA || !okB
 		}
 	}
 	f.released |= side
@@ -104,6 +108,10 @@ func (b *Broker) releaseLocked(f *Flow, side uint32) {
 		b.log.Warn("release failed; freeing the slot", "flow", f.Name(), "error", err)
 		_ = f.Region.Pool.Free(f.id.slot, f.Gen)
 		freed = true
+	}
+	if f.Region.Pool.Dead() {
+		// hostd faulted on it: a guest truncated the region.
+		defer b.revokeMemoryLocked(f.Region, reasonRetired)
 	}
 	if !freed {
 		return

@@ -49,8 +49,11 @@ const reasonPlugging = proto.Reason(0xffff)
 
 // reasonName is how listings and logs name a connection's reason.
 func reasonName(r proto.Reason) string {
-	if r == reasonPlugging {
+	switch r {
+	case reasonPlugging:
 		return "region-plug"
+	case reasonRetired:
+		return "region-retired"
 	}
 	return r.String()
 }

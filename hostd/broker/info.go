@@ -14,23 +14,28 @@ import (
 // FlowInfo describes a connection record for the admin API (`hostd
 // flows`): its ends, its path, and its current ring pair if it has one.
 type FlowInfo struct {
-	Name     string    `json:"name"` // its ring pair's name while it has one, else Conn
-	Conn     string    `json:"conn"` // the record's name
-	Group    string    `json:"group"`
-	GuestA   string    `json:"guest_a"`
-	GuestB   string    `json:"guest_b"`
-	Src      string    `json:"src"`
-	Dst      string    `json:"dst"`
-	Path     string    `json:"path"`  // rings, leaving, tcp
-	State    string    `json:"state"` // ready (on the rings), leaving, tcp
-	Reason   string    `json:"reason,omitempty"`
-	Switches int       `json:"switches"`
-	Rule     string    `json:"rule"`
-	Ring     int       `json:"ring_bytes"`         // capacity of its ring pair, 0 without one
-	BytesAB  uint64    `json:"bytes_ab"`           // read from its current ring AB
-	BytesBA  uint64    `json:"bytes_ba"`           // read from its current ring BA
-	RingsAB  uint64    `json:"rings_written_ab"`   // written to all its rings AB, for display
-	RingsBA  uint64    `json:"rings_written_ba"`   // written to all its rings BA
+	Name     string `json:"name"` // its ring pair's name while it has one, else Conn
+	Conn     string `json:"conn"` // the record's name
+	Group    string `json:"group"`
+	GuestA   string `json:"guest_a"`
+	GuestB   string `json:"guest_b"`
+	Src      string `json:"src"`
+	Dst      string `json:"dst"`
+	Path     string `json:"path"`  // rings, leaving, tcp
+	State    string `json:"state"` // ready (on the rings), leaving, tcp
+	Reason   string `json:"reason,omitempty"`
+	Switches int    `json:"switches"`
+	Rule     string `json:"rule"`
+	Ring     int    `json:"ring_bytes"` // capacity of its ring pair, 0 without one
+	// The ring byte counts are guest-reported: the ends write a ring's
+	// indices, so these are what they claim, never hostd's measurement
+	// (LeaseAB/BA, from conntrack, are), and a count no ring could have
+	// carried since the flow began is dropped (Counters says so).
+	BytesAB  uint64    `json:"bytes_ab"`           // read from its current ring AB (guest-reported)
+	BytesBA  uint64    `json:"bytes_ba"`           // read from its current ring BA (guest-reported)
+	RingsAB  uint64    `json:"rings_written_ab"`   // written to all its rings AB, for display (guest-reported)
+	RingsBA  uint64    `json:"rings_written_ba"`   // written to all its rings BA (guest-reported)
+	Counters string    `json:"ring_counters"`      // "guest-reported", or with "implausible ... dropped"
 	LeaseAB  uint64    `json:"lease_bytes_ab"`     // conntrack accounting, original direction (0 without)
 	LeaseBA  uint64    `json:"lease_bytes_ba"`     // conntrack accounting, reply direction
 	Created  time.Time `json:"created"`            //
@@ -60,6 +65,8 @@ type flowCopy struct {
 	a, b           bool // attached ends
 	ringAB, ringBA uint64
 	fw             bool
+	flowCreated    time.Time // its ring pair's
+	bogus          bool      // a guest-reported counter was implausible
 }
 
 // Flows lists the connection records, by name, with ring counters. It
@@ -76,9 +83,9 @@ func (b *Broker) flowList(lease bool) []FlowInfo {
 	for c := range b.records {
 		fc := flowCopy{conn: c.Name(), guestA: c.a.g, guestB: c.b.g, group: c.a.g.Group, orig: c.orig, path: c.path,
 			reason: c.reason, switches: c.switches, rule: c.rule, created: c.created,
-			a: c.a.sess != nil, b: c.b.sess != nil, ringAB: c.ringAB, ringBA: c.ringBA, fw: c.fw != nil}
+			a: c.a.sess != nil, b: c.b.sess != nil, ringAB: c.ringAB, ringBA: c.ringBA, fw: c.fw != nil, bogus: c.bogusCounts}
 		if f := c.flow; f != nil {
-			fc.hasFlow, fc.id, fc.gen, fc.pool, fc.capacity = true, f.id, f.Gen, f.Region.Pool, f.Capacity
+			fc.hasFlow, fc.id, fc.gen, fc.pool, fc.capacity, fc.flowCreated = true, f.id, f.Gen, f.Region.Pool, f.Capacity, f.Created
 		}
 		cs = append(cs, fc)
 	}
@@ -109,10 +116,22 @@ func (b *Broker) flowList(lease bool) []FlowInfo {
 			// The generation check in Stats keeps a slot freed and reused
 			// since the copy from being read as this flow.
 			if ab, ba, err := c.pool.Stats(c.id.slot, c.gen); err == nil {
-				fi.BytesAB, fi.BytesBA = ab.Read, ba.Read
-				fi.RingsAB += ab.Written
-				fi.RingsBA += ba.Written
+				var ok [4]bool
+				fi.BytesAB, ok[0] = plausible(ab.Read, c.flowCreated)
+				fi.BytesBA, ok[1] = plausible(ba.Read, c.flowCreated)
+				var w uint64
+				w, ok[2] = plausible(ab.Written, c.flowCreated)
+				fi.RingsAB += w
+				w, ok[3] = plausible(ba.Written, c.flowCreated)
+				fi.RingsBA += w
+				if ok != [4]bool{true, true, true, true} {
+					c.bogus = true
+				}
 			}
+		}
+		fi.Counters = "guest-reported"
+		if c.bogus {
+			fi.Counters = "guest-reported; implausible values dropped"
 		}
 		if lease {
 			if e, err := b.ct.Lookup(c.orig); err == nil {
@@ -210,4 +229,20 @@ func (b *Broker) Counts() Counts {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return Counts{Guests: len(b.guests), Sessions: len(b.sessions), Flows: len(b.flows), Conns: len(b.records)}
+}
+
+// maxRingRate is more bytes per second than any ring can carry (several
+// times memory bandwidth): only a count a guest made up goes past it.
+const maxRingRate = 1 << 36
+
+// plausible returns n, a ring counter (which its guests write: docs/SECURITY.md),
+// if one ring could have carried n bytes since since; otherwise 0 and
+// false. A listing shows ring counters as guest-reported, bounded by
+// this, never as hostd's measurement.
+func plausible(n uint64, since time.Time) (uint64, bool) {
+	secs := uint64(min(max(time.Since(since), 0)/time.Second, 1<<26)) + 1
+	if n > secs*maxRingRate {
+		return 0, false
+	}
+	return n, true
 }

@@ -27,6 +27,13 @@ type Region struct {
 
 	flows  int         // live flows in it; guarded by the broker's mutex
 	linger *time.Timer // drops it once it has had no flow for a while; guarded by the broker's mutex
+
+	// Revocation (revoke.go), guarded by the broker's mutex: retired, it
+	// takes no new flow and is dropped once its flows are freed or the
+	// grace is over.
+	retired bool
+	grace   *time.Timer
+	dropped bool
 }
 
 // Name is how logs and listings name the region.
@@ -153,6 +160,10 @@ func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 		return nil, proto.ReasonCrossGroup
 	}
 	key, lo, hi := pairKey(ga, gb)
+	if r := rg.byPair[key]; r != nil && b.regionGoneLocked(r) {
+		b.log.Warn("a pair region's memory is gone (a guest truncated it): retired, the pair gets a fresh one", "region", r.Name())
+		b.revokeMemoryLocked(r, reasonRetired)
+	}
 	if r := rg.byPair[key]; r != nil {
 		if r.vm != nil && !r.vm.plugged {
 			return r, reasonPlugging
@@ -284,6 +295,10 @@ func (b *Broker) flowFreedLocked(f *Flow) {
 	if r.flows--; r.flows > 0 || r.ID == 0 {
 		return
 	}
+	if r.retired {
+		b.dropRetiredLocked(r) // no linger: its memory goes now
+		return
+	}
 	b.idleLocked(r)
 }
 
@@ -315,6 +330,10 @@ func (b *Broker) linger() time.Duration {
 }
 
 func (b *Broker) dropRegionLocked(r *Region) {
+	if r.dropped {
+		return
+	}
+	r.dropped = true
 	rg := b.rgLocked()
 	key, _, _ := pairKey(r.A, r.B)
 	if rg.byPair[key] == r {

@@ -20,20 +20,33 @@ type fakePairs struct {
 	mu      sync.Mutex
 	made    []uint32
 	dropped []uint32
+	pools   map[uint32]*region.Pool
 }
 
 func (p *fakePairs) Make(id uint32, a, b *broker.Guest) (*region.Pool, *os.File, error) {
 	r, f := shmtest.Region(p.t, region.Geometry{Size: 4 << 20, Slots: 8})
+	pool := region.NewPool(r, nil)
 	p.mu.Lock()
 	p.made = append(p.made, id)
+	if p.pools == nil {
+		p.pools = map[uint32]*region.Pool{}
+	}
+	p.pools[id] = pool
 	p.mu.Unlock()
-	return region.NewPool(r, nil), f, nil
+	return pool, f, nil
 }
 
 func (p *fakePairs) Drop(r *broker.Region) {
 	p.mu.Lock()
 	p.dropped = append(p.dropped, r.ID)
 	p.mu.Unlock()
+}
+
+// mem is region id's memory, as a guest maps it.
+func (p *fakePairs) mem(id uint32) []byte {
+	p.mu.Lock()
+	defer p.mu.Unlock()
+	return p.pools[id].Region().Mem()
 }
 
 func (p *fakePairs) counts() (made, dropped int) {

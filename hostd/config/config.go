@@ -42,12 +42,16 @@ type Config struct {
 	// PairRegionLinger is how long a pair region outlives its last flow
 	// (0: the broker's default; negative: not at all).
 	PairRegionLinger time.Duration
-	Limits           Limits   // what one guest may hold of the control plane
-	Libvirt          *Libvirt // nil: no libvirt integration
-	Groups           []Group
-	Guests           []Guest
-	Policy           policy.Spec
-	Peering          *peers.Config // nil: no peering block (hostd/peers, docs/crosshost.md)
+	// RevokeGrace is how long the flows of a retired pair region have
+	// to leave it before hostd takes its memory away (0: the broker's
+	// default).
+	RevokeGrace time.Duration
+	Limits      Limits   // what one guest may hold of the control plane
+	Libvirt     *Libvirt // nil: no libvirt integration
+	Groups      []Group
+	Guests      []Guest
+	Policy      policy.Spec
+	Peering     *peers.Config // nil: no peering block (hostd/peers, docs/crosshost.md)
 }
 
 // Limits bound what one guest may hold of hostd's control plane, so that
@@ -175,6 +179,7 @@ type file struct {
 	StateDir       string        `hcl:"state_dir,optional"`
 	RegionDir      string        `hcl:"region_dir,optional"`
 	PairLinger     string        `hcl:"pair_region_linger,optional"`
+	RevokeGrace    string        `hcl:"revoke_grace,optional"`
 	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
 	Limits         *limitsBlock  `hcl:"limits,block"`
 	Groups         []groupBlock  `hcl:"trust_group,block"`
@@ -302,6 +307,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		c.PairRegionLinger = -1 // none
 	} else if c.PairRegionLinger, err = duration(raw.PairLinger, 0); err != nil {
 		return nil, fmt.Errorf("%s", at("pair_region_linger: "+err.Error()))
+	}
+	if c.RevokeGrace, err = duration(raw.RevokeGrace, 0); err != nil || c.RevokeGrace > time.Minute {
+		return nil, fmt.Errorf("%s", at(fmt.Sprintf("revoke_grace %q: want a duration up to 1m", raw.RevokeGrace)))
 	}
 	if filepath.Clean(c.StateDir) == filepath.Clean(c.RegionDir) {
 		return nil, fmt.Errorf("%s", at("state_dir and region_dir are one directory: give each its own"))

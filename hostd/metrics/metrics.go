@@ -157,8 +157,8 @@ type FlowBytes struct {
 func (s *Set) NewFlowBytes(fn func() []FlowStat) {
 	s.Registry.MustRegister(&FlowBytes{
 		Fn:      fn,
-		perFlow: prometheus.NewDesc("shunt_flow_bytes", "Bytes moved by a live flow, by direction (from the ring counters).", []string{"flow", "direction"}, nil),
-		perGst:  prometheus.NewDesc("shunt_guest_bytes_sent", "Bytes sent by a guest over its live flows.", []string{"guest"}, nil),
+		perFlow: prometheus.NewDesc("shunt_flow_bytes", "Guest-reported: bytes a live flow's ring counters say it moved, by direction. The guests write those counters; hostd drops a count no ring could have carried since the flow began, but does not measure them.", []string{"flow", "direction"}, nil),
+		perGst:  prometheus.NewDesc("shunt_guest_bytes_sent", "Guest-reported: bytes sent by a guest over its live flows (the sum of its shunt_flow_bytes).", []string{"guest"}, nil),
 	})
 }
 
