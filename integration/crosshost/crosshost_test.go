@@ -176,25 +176,6 @@ func state(ps []peers.Info) string {
 	return ps[0].State
 }
 
-// echoServer runs a kernel TCP echo server in namespace ns at addr (no
-// Shunt) until the test ends.
-func echoServer(t *testing.T, ns, addr string) {
-	var ln net.Listener
-	if err := nsrig.In(ns, func() (err error) { ln, err = net.Listen("tcp4", addr); return err }); err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { ln.Close() })
-	go func() {
-		for {
-			c, err := ln.Accept()
-			if err != nil {
-				return
-			}
-			go func() { io.Copy(c, c); c.Close() }()
-		}
-	}()
-}
-
 // roundTrip sends n seeded bytes over c and checks the checksum of what
 // comes back, within 20 s.
 func roundTrip(t *testing.T, c net.Conn, seed uint64, n int) {
@@ -245,7 +226,7 @@ func TestAcrossHostsPeers(t *testing.T) {
 	}
 
 	g1, g2 := e.f.Hosts[0].Guests[0], e.f.Hosts[1].Guests[0]
-	echoServer(t, g2.NSPath(), g2.Addr.String()+":7001")
+	g2.Echo(t, netip.AddrPortFrom(g2.Addr, 7001))
 	e.hosts[1].StopHostd()
 	e.within(step, "h1 sees h2 down", func() bool { return state(e.peersOf(0)) != peers.StateUp })
 	ctx, cancel := context.WithTimeout(context.Background(), step)
@@ -273,13 +254,7 @@ func TestAcrossHostsPeers(t *testing.T) {
 			c.Close()
 		}
 	}()
-	var kc net.Conn
-	if err := nsrig.In(g2.NSPath(), func() (err error) {
-		kc, err = net.DialTimeout("tcp4", g1.Addr.String()+":7002", step)
-		return err
-	}); err != nil {
-		t.Fatal(err)
-	}
+	kc := g2.Dial(t, netip.AddrPortFrom(g1.Addr, 7002))
 	defer kc.Close()
 	roundTrip(t, kc, 2, 1<<20)
 	e.within(step, "the passive side's TCP(peer-unreachable)", func() bool {
@@ -334,19 +309,13 @@ func TestAcrossHostsClaims(t *testing.T) {
 	step := 10 * time.Second
 	e.within(step, "h2 accepts the test's h1", func() bool { p := e.peersOf(1); return state(p) == peers.StateUp && p[0].Announced == 1 })
 
-	echoServer(t, g2.NSPath(), g2.Addr.String()+":7001")
-	var c net.Conn
-	if err := nsrig.In(g1.NSPath(), func() (err error) { c, err = net.DialTimeout("tcp4", g2.Addr.String()+":7001", step); return err }); err != nil {
-		t.Fatal(err)
-	}
+	g2.Echo(t, netip.AddrPortFrom(g2.Addr, 7001))
+	c := g1.Dial(t, netip.AddrPortFrom(g2.Addr, 7001))
 	defer c.Close()
 	roundTrip(t, c, 3, 64<<10) // ESTABLISHED in both hosts' conntrack
 	local := netip.MustParseAddrPort(c.LocalAddr().String())
-	echoServer(t, g1.NSPath(), g1.Addr.String()+":7002")
-	var back net.Conn
-	if err := nsrig.In(g2.NSPath(), func() (err error) { back, err = net.DialTimeout("tcp4", g1.Addr.String()+":7002", step); return err }); err != nil {
-		t.Fatal(err)
-	}
+	g1.Echo(t, netip.AddrPortFrom(g1.Addr, 7002))
+	back := g2.Dial(t, netip.AddrPortFrom(g1.Addr, 7002))
 	defer back.Close()
 	roundTrip(t, back, 4, 64<<10)
 	remote := netip.MustParseAddrPort(back.LocalAddr().String())

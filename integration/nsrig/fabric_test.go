@@ -5,6 +5,7 @@ package nsrig_test
 import (
 	"io"
 	"net"
+	"net/netip"
 	"os"
 	"strings"
 	"testing"
@@ -44,22 +45,10 @@ func TestFabricTwoHosts(t *testing.T) {
 	if g1.Addr == g2.Addr {
 		t.Fatalf("both hosts' guests have %s", g1.Addr)
 	}
+	for _, a := range []netip.Addr{g2.Addr, g2.Addr6} {
+		g2.Echo(t, netip.AddrPortFrom(a, 7001))
+	}
 	echo := func(addr string) error {
-		var ln net.Listener
-		if err := nsrig.In(g2.NSPath(), func() (err error) {
-			ln, err = net.Listen("tcp", net.JoinHostPort(addr, "7001"))
-			return err
-		}); err != nil {
-			return err
-		}
-		defer ln.Close()
-		go func() {
-			c, err := ln.Accept()
-			if err == nil {
-				io.Copy(c, c)
-				c.Close()
-			}
-		}()
 		var c net.Conn
 		if err := nsrig.In(g1.NSPath(), func() (err error) {
 			c, err = net.DialTimeout("tcp", net.JoinHostPort(addr, "7001"), 3*time.Second)

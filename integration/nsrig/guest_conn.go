@@ -3,6 +3,7 @@
 package nsrig
 
 import (
+	"io"
 	"net"
 	"net/netip"
 	"testing"
@@ -17,9 +18,23 @@ func (g *Guest) Listen(t testing.TB) netip.AddrPort { return g.ListenOn(t, g.Add
 // address).
 func (g *Guest) ListenOn(t testing.TB, a netip.Addr) netip.AddrPort {
 	t.Helper()
+	return g.serve(t, netip.AddrPortFrom(a, 0), func(c net.Conn) { c.Close() })
+}
+
+// Echo is a plain TCP echo server (no Shunt) on at, until the test ends;
+// it returns the address it listens on.
+func (g *Guest) Echo(t testing.TB, at netip.AddrPort) netip.AddrPort {
+	t.Helper()
+	return g.serve(t, at, func(c net.Conn) { io.Copy(c, c); c.Close() })
+}
+
+// serve listens on at inside the guest and hands each connection to
+// handle, on a goroutine of its own, until the test ends.
+func (g *Guest) serve(t testing.TB, at netip.AddrPort, handle func(net.Conn)) netip.AddrPort {
+	t.Helper()
 	var l net.Listener
 	err := In(g.NSPath(), func() (err error) {
-		l, err = net.Listen(network(a), netip.AddrPortFrom(a, 0).String())
+		l, err = net.Listen(network(at.Addr()), at.String())
 		return err
 	})
 	if err != nil {
@@ -32,7 +47,7 @@ func (g *Guest) ListenOn(t testing.TB, a netip.Addr) netip.AddrPort {
 			if err != nil {
 				return
 			}
-			c.Close()
+			go handle(c)
 		}
 	}()
 	return l.Addr().(*net.TCPAddr).AddrPort()
