@@ -343,3 +343,54 @@ func TestAcrossHostsClaims(t *testing.T) {
 		t.Errorf("h2 counted %v forged claims, want 1", n)
 	}
 }
+
+// TestAcrossHostsLinkCut: the peer channel follows the fabric. A link cut
+// (the fabric veth down) takes it down on both sides, and connections to
+// the other host's guests get peer-unreachable; with the link back, h1
+// redials and both sides are up again. A DROP of the channel's port in
+// h2's input chain does the same, and removing it brings the channel back.
+func TestAcrossHostsLinkCut(t *testing.T) {
+	e := newPair(t, 1, [2][]string{{"10.78.0.0/16"}, {"10.77.0.0/16"}}, [2]bool{true, true})
+	step := 10 * time.Second
+	bothUp := func() bool { return state(e.peersOf(0)) == peers.StateUp && state(e.peersOf(1)) == peers.StateUp }
+	bothDown := func() bool { return state(e.peersOf(0)) != peers.StateUp && state(e.peersOf(1)) != peers.StateUp }
+	e.within(step, "both up", bothUp)
+	if err := e.f.SetLink(false); err != nil {
+		t.Fatal(err)
+	}
+	e.within(step, "both down after the cut", bothDown)
+	g2 := e.f.Hosts[1].Guests[0]
+	ctx, cancel := context.WithTimeout(context.Background(), time.Second)
+	c, err := e.hosts[0].Dial(ctx, 1, g2.Addr.String()+":7001") // the kernel cannot route it: no connection
+	cancel()
+	if err == nil {
+		c.Close()
+		t.Fatal("a connection crossed a cut fabric")
+	}
+	if err := e.f.SetLink(true); err != nil {
+		t.Fatal(err)
+	}
+	e.within(step, "both up again", bothUp)
+
+	// The channel's port dropped on h2 (the operator's filter on the
+	// host's own input): the channel dies of silence and is redialed in
+	// vain; the guests' own traffic still crosses.
+	if _, err := nsrig.Run(e.f.Hosts[1].HostNSPath(), "nft", "add table inet xh; add chain inet xh in { type filter hook input priority 0; }; add rule inet xh in tcp dport 7470 drop"); err != nil {
+		t.Fatal(err)
+	}
+	e.within(step, "both down with the port dropped", bothDown)
+	g2.Echo(t, netip.AddrPortFrom(g2.Addr, 7001))
+	ctx, cancel = context.WithTimeout(context.Background(), step)
+	defer cancel()
+	c, err = e.hosts[0].Dial(ctx, 1, g2.Addr.String()+":7001")
+	if err != nil {
+		t.Fatalf("dial h2/g1: %v", err)
+	}
+	defer c.Close()
+	roundTrip(t, c, 5, 256<<10)
+	e.within(step, "TCP(peer-unreachable)", func() bool { return e.counter(0, "shunt_fallbacks_total{reason=peer-unreachable}") >= 1 })
+	if _, err := nsrig.Run(e.f.Hosts[1].HostNSPath(), "nft", "delete table inet xh"); err != nil {
+		t.Fatal(err)
+	}
+	e.within(step, "both up once the port passes", bothUp)
+}
