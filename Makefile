@@ -10,9 +10,10 @@ BIN         := bin
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
 
-build: ## build every package, and the commands into bin/
+build: ## build every package, the commands into bin/, and the CNI plugin into bin/cni/shunt
 	$(GO) build ./...
 	$(GO) build -o $(BIN)/ ./cmd/...
+	$(GO) build -o $(BIN)/cni/shunt ./cmd/shunt-cni
 	$(MAKE) --no-print-directory preload
 
 # C: the one definition of the compiler flags, for the library and the C test
@@ -98,6 +99,7 @@ VERSION ?= $(shell git describe --tags --always --dirty 2>/dev/null)
 
 deb: preload ## build the shunt-host and shunt-guest Debian packages into bin/ (VERSION=...)
 	$(GO) build -ldflags='-s -w' -o $(BIN)/hostd ./cmd/hostd
+	$(GO) build -ldflags='-s -w' -o $(BIN)/cni/shunt ./cmd/shunt-cni
 	$(GO) run ./packaging -version '$(VERSION)' -bin $(BIN) -out $(BIN)
 
 deps-demo: ## install what the demo needs (as root on Debian or Ubuntu; prints the apt-get command otherwise)

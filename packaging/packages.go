@@ -21,6 +21,9 @@ const (
 	shuntRunPath  = "/usr/bin/shunt-run"
 	preloadPath   = "/usr/lib/x86_64-linux-gnu/shunt/libshunt-preload.so"
 	udevRulePath  = "/lib/udev/rules.d/70-shunt.rules"
+	cniPath       = "/usr/lib/cni/shunt"  // where Debian's containernetworking-plugins are
+	cdiPath       = "/etc/cdi/shunt.json" // read by podman, CRI-O and containerd
+	containersDoc = "/usr/share/doc/shunt-host/containers.md"
 )
 
 // build says where the inputs are and what the packages are stamped with.
@@ -66,6 +69,12 @@ func (b build) packages() ([]*nfpm.Info, error) {
 		file(src("hostd/dist/grafana-dashboard.json"), dashboardPath, 0o644),
 		file(src("README.md"), "/usr/share/doc/shunt-host/README.md", 0o644),
 		file(src("docs/config.md"), "/usr/share/doc/shunt-host/config.md", 0o644),
+		// Containers (docs/containers.md): the CNI plugin and the CDI
+		// spec, whose device "default" mounts shunt-guest's library.
+		file(bin("cni/shunt"), cniPath, 0o755),
+		{Source: src("container/cdi/shunt.json"), Destination: cdiPath, Type: files.TypeConfig,
+			FileInfo: &files.ContentFileInfo{Mode: 0o644}},
+		file(src("docs/containers.md"), containersDoc, 0o644),
 	}
 	host.Scripts = nfpm.Scripts{
 		PostInstall: src("packaging/scripts/shunt-host.postinst"),

@@ -159,7 +159,8 @@ func TestPackageContents(t *testing.T) {
 		{"shunt-host", map[string]string{
 			hostdPath: "-rwxr-xr-x", unitPath: "-rw-r--r--", configPath: "-rw-------",
 			dashboardPath: "-rw-r--r--", "/usr/share/doc/shunt-host/README.md": "-rw-r--r--",
-		}, "libc6 (>= 2.", configPath},
+			cniPath: "-rwxr-xr-x", cdiPath: "-rw-r--r--", containersDoc: "-rw-r--r--",
+		}, "libc6 (>= 2.", cdiPath + "\n" + configPath},
 		{"shunt-guest", map[string]string{
 			shuntRunPath: "-rwxr-xr-x", preloadPath: "-rw-r--r--", udevRulePath: "-rw-r--r--",
 		}, "libc6 (>= 2.", ""},

@@ -20,13 +20,16 @@ demo_pkgs=(gcc libc6-dev make iproute2 nftables procps kmod)
 # rig tests, the unmodified programs (and the real servers and their
 # clients of integration/servers_*_test.go), Open MPI, QEMU and a kernel for
 # the VM tests, libvirt for the libvirt test, ruby for the Vagrantfile
-# check, systemd for checking the unit.
+# check, systemd for checking the unit; podman with its CNI plugins and
+# runc for the container tests (integration/containers: crun refuses the
+# hybrid cgroup hierarchies some CI hosts have).
 test_pkgs=("${demo_pkgs[@]}" iptables conntrack
 	sockperf iperf3 redis-server redis-tools openmpi-bin libopenmpi-dev
 	nginx openssh-server openssh-client socat apache2-utils curl
 	apache2 memcached libmemcached-tools haproxy postgresql postgresql-contrib nodejs
 	qemu-system-x86 linux-image-amd64 busybox-static xz-utils
-	libvirt-daemon-system libvirt-clients ruby systemd)
+	libvirt-daemon-system libvirt-clients ruby systemd
+	podman containernetworking-plugins runc)
 
 usage() { echo "usage: $0 demo|test [--check]" >&2; exit 2; }
 

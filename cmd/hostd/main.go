@@ -6,6 +6,7 @@
 //	hostd peers                                the peer hosts' hostds (docs/crosshost.md)
 //	hostd reload                               re-read the policy and the peer blocks (as SIGHUP does)
 //	hostd downgrade CONN                       move one connection to TCP (alias: revoke)
+//	hostd guest add|remove|list                guests at run time (containers)
 package main
 
 import (
@@ -55,6 +56,10 @@ commands:
                           mark its new tap and plug its pair regions into the new QEMU
                           (the destination's)
 
+  guest add|remove|list   add and remove process and container guests at run time
+                          (hostd guest help; docs/containers.md)
+  cdi    -config FILE     print the CDI spec that puts containers on container_socket
+
 client flags: -admin SOCKET (default /run/shunt/admin.sock), -json
 `
 
@@ -70,6 +75,10 @@ func main() {
 		err = runAgent(args)
 	case "check":
 		os.Exit(runCheck(args))
+	case "guest":
+		err = runGuest(args)
+	case "cdi":
+		err = runCDI(args)
 	case admin.CmdGuests, admin.CmdFlows, admin.CmdStatus, admin.CmdCounters, admin.CmdReload, admin.CmdRevoke, admin.CmdDowngrade,
 		admin.CmdMigrateOut, admin.CmdMigrateIn, admin.CmdPeers:
 		err = runClient(cmd, args)

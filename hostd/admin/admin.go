@@ -38,7 +38,9 @@ const (
 	CmdPeers = "peers"
 )
 
-// Commands lists the admin commands, in the order `hostd help` shows them.
+// Commands lists the admin commands, in the order `hostd help` shows them
+// (`hostd guest add|remove|list` sends CmdGuestAdd, CmdGuestRemove and
+// CmdGuestList).
 var Commands = []string{CmdGuests, CmdFlows, CmdStatus, CmdCounters, CmdReload, CmdDowngrade, CmdRevoke, CmdMigrateOut, CmdMigrateIn, CmdPeers}
 
 // Request is what the CLI sends.
@@ -53,6 +55,8 @@ type Request struct {
 	Control   string `json:"control,omitempty"`
 	Interface string `json:"interface,omitempty"`
 	QMP       string `json:"qmp,omitempty"`
+	// For CmdGuestAdd: the guest (Guest names the one to remove).
+	Spec *GuestSpec `json:"spec,omitempty"`
 }
 
 // MigrateReply answers CmdMigrateOut and CmdMigrateIn.

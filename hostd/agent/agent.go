@@ -56,6 +56,8 @@ type Agent struct {
 
 	mig sync.Mutex // one migrate-out or migrate-in at a time
 
+	rt runtimeGuests // added at run time (runtime.go)
+
 	cancel  context.CancelFunc
 	wg      sync.WaitGroup
 	started time.Time

@@ -50,6 +50,15 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 			return []peers.Info{}, nil
 		}
 		return a.peers.List(), nil
+	case admin.CmdGuestAdd:
+		if r.Spec == nil {
+			return nil, fmt.Errorf("guest-add: no spec")
+		}
+		return a.addRuntime(*r.Spec)
+	case admin.CmdGuestRemove:
+		return a.removeRuntime(r.Guest)
+	case admin.CmdGuestList:
+		return a.listRuntime(), nil
 	}
 	return nil, fmt.Errorf("unknown command %q (known: %s)", r.Cmd, strings.Join(admin.Commands, ", "))
 }

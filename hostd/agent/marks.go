@@ -39,6 +39,9 @@ func (a *Agent) startMarks() error {
 	for _, gc := range a.cfg.Guests {
 		ifname[gc.Name] = gc.Interface
 	}
+	for _, r := range a.rt.byName { // restored run-time guests
+		ifname[r.spec.Name] = r.spec.Interface
+	}
 	for _, g := range a.guests {
 		if err := a.markGuest(g, ifname[g.Name]); err != nil {
 			return err

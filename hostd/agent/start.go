@@ -53,6 +53,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	if err != nil {
 		return nil, err
 	}
+	a.restoreRuntime()
 	if err := broker.CheckOverlaps(a.guests); err != nil {
 		return nil, err
 	}
@@ -93,6 +94,11 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	if err := a.startServers(eps); err != nil {
 		return nil, err
 	}
+	if err := a.serveRuntime(); err != nil {
+		return nil, err
+	}
+	a.wg.Add(1)
+	go a.reapRuntime(ctx)
 	a.wg.Add(1)
 	go a.watchConntrack(ctx)
 	if cfg.WatchRuleset {

@@ -199,6 +199,31 @@ func (b *Broker) RemoveGuest(g *Guest) {
 			b.goneLocked(f, region.SideB)
 		}
 	}
+	b.dropPairsOfLocked(g)
+}
+
+// dropPairsOfLocked takes the pair regions of g, a guest that went, out
+// of use: no new flow goes into them, and each goes at once when its last
+// flow is freed (not after a linger: a guest that comes back, or another
+// with its id, gets a new region, never one a gone process may still map).
+func (b *Broker) dropPairsOfLocked(g *Guest) {
+	rg := b.rgLocked()
+	for _, r := range rg.byID {
+		if r.A != g && r.B != g {
+			continue
+		}
+		key, _, _ := pairKey(r.A, r.B)
+		if rg.byPair[key] == r {
+			delete(rg.byPair, key)
+		}
+		if r.flows == 0 {
+			if r.linger != nil {
+				r.linger.Stop()
+				r.linger = nil
+			}
+			b.dropRegionLocked(r)
+		}
+	}
 }
 
 func (b *Broker) guestByAddr(a netip.Addr) *Guest {

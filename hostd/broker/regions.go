@@ -305,7 +305,7 @@ func (b *Broker) flowFreedLocked(f *Flow) {
 // idleLocked drops pair region r, which no flow uses, after its linger.
 func (b *Broker) idleLocked(r *Region) {
 	d := b.linger()
-	if d <= 0 {
+	if key, _, _ := pairKey(r.A, r.B); d <= 0 || b.rgLocked().byPair[key] != r { // or one of its guests went (dropPairsOfLocked)
 		b.dropRegionLocked(r)
 		return
 	}

@@ -39,6 +39,11 @@ type Config struct {
 	CTMarkMask     uint32        // the bits of the conntrack mark hostd sets (hostd/mark)
 	StateDir       string        // root-only: hostd's shadow of every region (region.Files)
 	RegionDir      string        // root-only: the regions of guest pairs
+	// ContainerSocket is the control socket of the guests added at run
+	// time without one of their own (containers, docs/containers.md):
+	// one path for all of them, each process known by its network
+	// namespace. "": none.
+	ContainerSocket string
 	// PairRegionLinger is how long a pair region outlives its last flow
 	// (0: the broker's default; negative: not at all).
 	PairRegionLinger time.Duration
@@ -178,6 +183,7 @@ type file struct {
 	CTMarkMask     string        `hcl:"ct_mark_mask,optional"`
 	StateDir       string        `hcl:"state_dir,optional"`
 	RegionDir      string        `hcl:"region_dir,optional"`
+	ContainerSock  string        `hcl:"container_socket,optional"`
 	PairLinger     string        `hcl:"pair_region_linger,optional"`
 	RevokeGrace    string        `hcl:"revoke_grace,optional"`
 	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
@@ -302,6 +308,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		if !filepath.IsAbs(d.path) || filepath.Clean(d.path) == "/" {
 			return nil, fmt.Errorf("%s", at(fmt.Sprintf("%s %q: want an absolute path of a directory of hostd's own", d.name, d.path)))
 		}
+	}
+	if c.ContainerSocket = raw.ContainerSock; c.ContainerSocket != "" && !filepath.IsAbs(c.ContainerSocket) {
+		return nil, fmt.Errorf("%s", at(fmt.Sprintf("container_socket %q: want an absolute path", c.ContainerSocket)))
 	}
 	if raw.PairLinger == "0s" || raw.PairLinger == "0" {
 		c.PairRegionLinger = -1 // none

@@ -18,6 +18,9 @@ reattach_grace  = "5s"
 
 # state_dir  = "/run/shunt/state"     # root-only: hostd's record of every region
 # region_dir = "/run/shunt/regions"   # root-only: the regions of process-guest pairs
+# Containers (docs/containers.md): the socket the CDI device shunt.net/guest
+# mounts (its directory, whole) and the CNI plugin's guests use.
+# container_socket = "/run/shunt/container/control.sock"
 
 trust_group "tenant-a" {
   region      = "/dev/shm/shunt-tenant-a"   # the VMs' region (shared_region guests)

@@ -23,7 +23,8 @@ func NetnsOf(path string) (Netns, error) {
 	if err := unix.Stat(path, &st); err != nil {
 		return Netns{}, fmt.Errorf("netns %s: %w", path, err)
 	}
-	if st.Mode&unix.S_IFMT != unix.S_IFREG {
+	var fs unix.Statfs_t
+	if err := unix.Statfs(path, &fs); err != nil || fs.Type != unix.NSFS_MAGIC || st.Mode&unix.S_IFMT != unix.S_IFREG {
 		return Netns{}, fmt.Errorf("netns %s: not a namespace file (want /run/netns/NAME or /proc/PID/ns/net)", path)
 	}
 	return Netns{st.Dev, st.Ino}, nil
@@ -59,13 +60,28 @@ var errNotGuest = errors.New("not the guest's")
 // process elsewhere lends its own session, as it could relay for it
 // anyway: the session stays the guest's, and acts only for it.
 func PeerIn(c net.Conn, want Netns) error {
+	got, cred, err := PeerNetns(c)
+	if err != nil {
+		return err
+	}
+	if got != want {
+		return fmt.Errorf("pid %d (%s, uid %d) is in another network namespace (inode %d, the guest's is %d): %w",
+			cred.Pid, comm(int(cred.Pid)), cred.Uid, got.Ino, want.Ino, errNotGuest)
+	}
+	return nil
+}
+
+// PeerNetns returns the network namespace of the process at the other end
+// of c, and its credentials, as PeerIn reads them: the container socket
+// serves the run-time guest of that namespace.
+func PeerNetns(c net.Conn) (Netns, *unix.Ucred, error) {
 	uc, ok := c.(*net.UnixConn)
 	if !ok {
-		return fmt.Errorf("control connection %T is not a Unix socket", c)
+		return Netns{}, nil, fmt.Errorf("control connection %T is not a Unix socket", c)
 	}
 	raw, err := uc.SyscallConn()
 	if err != nil {
-		return err
+		return Netns{}, nil, err
 	}
 	var cred *unix.Ucred
 	pidfd, credErr, pidfdErr := -1, error(nil), error(nil)
@@ -73,26 +89,22 @@ func PeerIn(c net.Conn, want Netns) error {
 		cred, credErr = unix.GetsockoptUcred(int(fd), unix.SOL_SOCKET, unix.SO_PEERCRED)
 		pidfd, pidfdErr = unix.GetsockoptInt(int(fd), unix.SOL_SOCKET, unix.SO_PEERPIDFD)
 	}); err != nil {
-		return err
+		return Netns{}, nil, err
 	}
 	if credErr != nil {
-		return fmt.Errorf("peer credentials: %w", credErr)
+		return Netns{}, nil, fmt.Errorf("peer credentials: %w", credErr)
 	}
 	if pidfdErr != nil || pidfd < 0 {
 		if pidfd, err = unix.PidfdOpen(int(cred.Pid), 0); err != nil {
-			return fmt.Errorf("pid %d: %w (it exited)", cred.Pid, errNotGuest)
+			return Netns{}, nil, fmt.Errorf("pid %d: %w (it exited)", cred.Pid, errNotGuest)
 		}
 	}
 	defer unix.Close(pidfd)
 	got, err := peerNetns(pidfd, int(cred.Pid))
 	if err != nil {
-		return fmt.Errorf("pid %d: its network namespace: %w", cred.Pid, err)
+		return Netns{}, nil, fmt.Errorf("pid %d: its network namespace: %w", cred.Pid, err)
 	}
-	if got != want {
-		return fmt.Errorf("pid %d (%s, uid %d) is in another network namespace (inode %d, the guest's is %d): %w",
-			cred.Pid, comm(int(cred.Pid)), cred.Uid, got.Ino, want.Ino, errNotGuest)
-	}
-	return nil
+	return got, cred, nil
 }
 
 // peerNetns returns the network namespace of the process pidfd names.

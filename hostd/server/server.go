@@ -95,11 +95,12 @@ type Server struct {
 	wg   sync.WaitGroup
 
 	mu        sync.Mutex
-	listeners map[*broker.Guest][]*listener // a VM has one per control port
+	listeners map[*broker.Guest][]*listener // a VM has one per control port; nil: the container socket (AddShared)
 	sessions  map[*session]bool
 	perGuest  map[*broker.Guest]int // sessions of each guest, before HELLO too
 	logged    map[logKey]*logState  // see quiet
 	buckets   map[*broker.Guest]*bucket
+	admitted  map[*broker.Guest]bool // served on the container socket (Admit)
 	closed    bool
 }
 
@@ -114,27 +115,11 @@ type bucket struct {
 // it reports false). A guest that connects faster than SessionRate only
 // fills its own socket's backlog: hostd spends no more on it.
 func (s *Server) pace(l *listener, g *broker.Guest) bool {
-	rate := float64(s.opts.SessionRate)
 	for {
-		s.mu.Lock()
-		if s.buckets == nil {
-			s.buckets = map[*broker.Guest]*bucket{}
-		}
-		b := s.buckets[g]
-		now := time.Now()
-		if b == nil {
-			b = &bucket{tokens: rate, last: now}
-			s.buckets[g] = b
-		}
-		b.tokens = min(rate, b.tokens+now.Sub(b.last).Seconds()*rate)
-		b.last = now
-		if b.tokens >= 1 {
-			b.tokens--
-			s.mu.Unlock()
+		wait := s.take(g)
+		if wait == 0 {
 			return true
 		}
-		wait := time.Duration((1 - b.tokens) / rate * float64(time.Second))
-		s.mu.Unlock()
 		t := time.NewTimer(wait)
 		select {
 		case <-l.done:
@@ -143,6 +128,30 @@ func (s *Server) pace(l *listener, g *broker.Guest) bool {
 		case <-t.C:
 		}
 	}
+}
+
+// take takes one of guest g's session tokens and returns 0, or returns
+// how long until it has one.
+func (s *Server) take(g *broker.Guest) time.Duration {
+	rate := float64(s.opts.SessionRate)
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.buckets == nil {
+		s.buckets = map[*broker.Guest]*bucket{}
+	}
+	b := s.buckets[g]
+	now := time.Now()
+	if b == nil {
+		b = &bucket{tokens: rate, last: now}
+		s.buckets[g] = b
+	}
+	b.tokens = min(rate, b.tokens+now.Sub(b.last).Seconds()*rate)
+	b.last = now
+	if b.tokens >= 1 {
+		b.tokens--
+		return 0
+	}
+	return max(time.Duration((1-b.tokens)/rate*float64(time.Second)), time.Nanosecond)
 }
 
 // A guest's sessions can fail in the same way thousands of times a second
@@ -303,6 +312,7 @@ func (s *Server) Remove(g *broker.Guest) {
 	s.mu.Lock()
 	ls := s.listeners[g]
 	delete(s.listeners, g)
+	delete(s.admitted, g) // before the sessions are listed: no new one starts after
 	var ss []*session
 	for x := range s.sessions {
 		if x.g == g {
@@ -416,12 +426,7 @@ const refuseWrite = 100 * time.Millisecond
 // empty buffer and is bounded by refuseWrite).
 func (s *Server) refuse(c net.Conn, g *broker.Guest, n int) {
 	s.b.Limited(g, metrics.LimitSessions, s.opts.SessionsPerGuest)
-	text := fmt.Sprintf("guest %s has %d control sessions, its limit (limits.sessions_per_guest): close one and connect again", g.Name, n)
-	if b, err := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonControlLimit, Text: text}).Append(nil); err == nil {
-		_ = c.SetWriteDeadline(time.Now().Add(refuseWrite))
-		_, _ = c.Write(b)
-	}
-	c.Close()
+	s.refuseWith(c, proto.ReasonControlLimit, fmt.Sprintf("guest %s has %d control sessions, its limit (limits.sessions_per_guest): close one and connect again", g.Name, n))
 }
 
 // refuseStranger answers a connection from a process outside guest g's
@@ -436,7 +441,12 @@ func (s *Server) refuseStranger(c net.Conn, g *broker.Guest, why error) {
 	if ok, more := s.quiet(g, "not-guest"); ok {
 		s.log.Warn("refused a control connection from a process outside the guest's network namespace", "guest", g.Name, "error", why, "more", more)
 	}
-	text := fmt.Sprintf("hostd refused this process on guest %s's control socket: %v; run it inside the guest's network namespace, or use the control socket of the guest it is in", g.Name, why)
+	s.refuseAfterHello(c, fmt.Sprintf("hostd refused this process on guest %s's control socket: %v; run it inside the guest's network namespace, or use the control socket of the guest it is in", g.Name, why))
+}
+
+// refuseAfterHello answers ERROR(not-guest, text) once the process said
+// HELLO (or after strangerWait), on a goroutine of its own, and closes c.
+func (s *Server) refuseAfterHello(c net.Conn, text string) {
 	b, err := (&proto.Msg{Type: proto.Error, Reason: proto.ReasonNotGuest, Text: text}).Append(nil)
 	if err != nil {
 		c.Close()
