@@ -37,7 +37,7 @@ type runtimeGuests struct {
 	mu     sync.Mutex
 	byName map[string]*runtimeGuest
 	byNS   map[server.Netns]*runtimeGuest // by namespace: whom container_socket serves
-	next   uint32                    // freeID looks from here: ids are not reused while hostd runs
+	next   uint32                         // freeID looks from here: ids are not reused while hostd runs
 }
 
 type runtimeGuest struct {
@@ -52,7 +52,7 @@ type runtimeGuest struct {
 // not taken for the guest's.
 type persisted struct {
 	Spec admin.GuestSpec `json:"spec"`
-	NS   server.Netns         `json:"ns"`
+	NS   server.Netns    `json:"ns"`
 }
 
 var guestName = regexp.MustCompile(`^[A-Za-z0-9_.-]{1,64}$`)
