@@ -77,14 +77,15 @@ func TestPodmanIperf3Redis(t *testing.T) {
 	g := w.waitGuest(srv)
 	w.waitListening(g.Name)
 	out := w.podman(append(append([]string{"run", "--rm", "--label", "shunt-test=" + w.name, "--network", w.name}, dev...),
-		w.image, "/usr/bin/iperf3", "-c", g.Addresses[0], "-n", strconv.Itoa(len(data)))...)
+		w.image, "/usr/bin/iperf3", "-c", g.Addresses[0], "-t", "2")...)
 	w.podman("wait", srv)
 	ring, tcp := ringBytes(out)
-	t.Logf("iperf3 client: %d bytes on the rings, %d on TCP", ring, tcp)
+	t.Logf("iperf3 client (2 s): %d bytes on the rings, %d on TCP", ring, tcp)
 	// The first bytes go on TCP until both ends' OPENs paired (the open
-	// delay, then hostd): on this busy 2-core host that can be a third.
-	if ring < int64(len(data))/2 {
-		t.Errorf("iperf3: %d of %d bytes on the rings, want most of them\nclient:\n%s\nserver:\n%s\n%s", ring, len(data), out, w.logsOf(srv), w.state())
+	// delay, then hostd's checks), which on this busy 2-core host took up
+	// to a few hundred ms: hence 2 s, of which most must be on the rings.
+	if ring < tcp {
+		t.Errorf("iperf3: %d bytes on the rings and %d on TCP, want most of them on the rings\nclient:\n%s\nserver:\n%s\n%s", ring, tcp, out, w.logsOf(srv), w.state())
 	}
 
 	// The data check: the same file through socat, compared byte for byte.
