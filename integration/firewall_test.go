@@ -8,6 +8,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/proto"
@@ -114,13 +115,7 @@ func TestFirewallDrop(t *testing.T) {
 				t.Fatal("the drop rules dropped no packet: the test proves nothing")
 			}
 			e.hostCmd("nft", "delete table inet shunt_test_fw")
-			progress(4<<20, ab, ba) // TCP retransmits once the rule is gone
-			if !fastSoon(t, c, s) {
-				t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
-			}
-			progress(4<<20, ab, ba)
-			ab.finish()
-			ba.finish()
+			backOnRings(t, c, s, ab, ba)
 		})
 	}
 }
@@ -163,9 +158,17 @@ func TestFirewallRestartUnderDrop(t *testing.T) {
 		t.Fatal("the drop rules dropped no packet: the test proves nothing")
 	}
 	e.hostCmd("nft", "delete table inet shunt_test_fw")
+	backOnRings(t, c, s, ab, ba)
+}
+
+// backOnRings checks, once what cut a connection is gone, that its
+// streams go on (TCP retransmits), that it returns to the rings, and that
+// every byte of both streams arrives intact.
+func backOnRings(t *testing.T, c, s *guestlib.Conn, ab, ba *stream) {
+	t.Helper()
 	progress(2<<20, ab, ba)
 	if !fastSoon(t, c, s) {
-		t.Fatalf("after the rule went: %s / %s, want fast again", c.Path(), s.Path())
+		t.Fatalf("after the cut healed: %s / %s, want fast again", c.Path(), s.Path())
 	}
 	progress(2<<20, ab, ba)
 	ab.finish()
@@ -335,13 +338,7 @@ func staleStops(t *testing.T, e *env, port int, cut, heal func()) {
 		t.Fatal("shunt_firewall_stale_total did not count the connection")
 	}
 	heal()
-	progress(2<<20, ab, ba)
-	if !fastSoon(t, c, s) {
-		t.Fatalf("after the cut healed: %s / %s, want fast again", c.Path(), s.Path())
-	}
-	progress(2<<20, ab, ba)
-	ab.finish()
-	ba.finish()
+	backOnRings(t, c, s, ab, ba)
 }
 
 // TestFirewallLinkDown: the guest's host-side interface goes down (no

@@ -13,6 +13,21 @@ import (
 // Proof bits as hostd/mark's default field has them.
 const passOrig, passReply = 0x80000000, 0x40000000
 
+// readyBoth expects READY for the connection of requests 1 (sa) and 2 (sb).
+func readyBoth(t *testing.T, sa, sb *session) {
+	t.Helper()
+	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+}
+
+// leftBoth expects DOWN(reason) for that connection on both sessions, and
+// answers each with LEFT.
+func (w *world) leftBoth(t *testing.T, sa, sb *session, reason proto.Reason) {
+	t.Helper()
+	w.left(sa, sa.expect(t, proto.Down, reason, 1), proto.SideA)
+	w.left(sb, sb.expect(t, proto.Down, reason, 2), proto.SideB)
+}
+
 func proofWorld(t *testing.T, maxAge time.Duration) *world {
 	return newWorldOpts(t, policy.Spec{}, broker.Options{FirewallPoll: 5 * time.Millisecond,
 		ProofOrig: passOrig, ProofReply: passReply, ProofMaxAge: maxAge})
@@ -27,12 +42,10 @@ func TestRulesetChange(t *testing.T) {
 	w := proofWorld(t, time.Minute)
 	sa, sb := w.sessions()
 	ta := w.connect(sa, sb, "4000", 1)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 	e, _ := w.ct.Lookup(ta)
 	w.b.RulesetChanged()
-	w.left(sa, sa.expect(t, proto.Down, proto.ReasonFirewall, 1), proto.SideA)
-	w.left(sb, sb.expect(t, proto.Down, proto.ReasonFirewall, 2), proto.SideB)
+	w.leftBoth(t, sa, sb, proto.ReasonFirewall)
 	if r := w.record(t); r.Path != "tcp" || r.Reason != "firewall" || !r.Waiting {
 		t.Fatalf("record %+v, want on TCP (firewall), waiting for proof", r)
 	}
@@ -45,8 +58,7 @@ func TestRulesetChange(t *testing.T) {
 	time.Sleep(30 * time.Millisecond)
 	sa.none(t)
 	w.ct.Pass(e.ID, passReply)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 }
 
 // TestFirewallLateOpen: a connection made (and proven) before a ruleset
@@ -67,8 +79,7 @@ func TestFirewallLateOpen(t *testing.T) {
 	sa.none(t)
 	e, _ := w.ct.Lookup(ta)
 	w.ct.Pass(e.ID, passOrig|passReply)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 }
 
 // TestFirewallStale: a connection on the rings whose lease shows no
@@ -79,8 +90,7 @@ func TestFirewallStale(t *testing.T) {
 	w := proofWorld(t, 300*time.Millisecond)
 	sa, sb := w.sessions()
 	ta := w.connect(sa, sb, "4000", 1)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 	e, _ := w.ct.Lookup(ta)
 	// Keepalives pass: the sweep renews the proof, round after round.
 	for range 12 {
@@ -93,14 +103,12 @@ func TestFirewallStale(t *testing.T) {
 		w.ct.Pass(e.ID, passOrig)
 		time.Sleep(75 * time.Millisecond)
 	}
-	w.left(sa, sa.expect(t, proto.Down, proto.ReasonFirewall, 1), proto.SideA)
-	w.left(sb, sb.expect(t, proto.Down, proto.ReasonFirewall, 2), proto.SideB)
+	w.leftBoth(t, sa, sb, proto.ReasonFirewall)
 	w.ct.Pass(e.ID, passOrig)
 	time.Sleep(50 * time.Millisecond)
 	sa.none(t)
 	w.ct.Pass(e.ID, passReply)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 }
 
 // TestFirewallStartDowngrades: hostd's start begins an epoch: a
@@ -111,18 +119,15 @@ func TestFirewallStartDowngrades(t *testing.T) {
 	w := proofWorld(t, time.Minute)
 	sa, sb := w.sessions()
 	ta := w.connect(sa, sb, "4000", 1)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 	w.b.Start() // as a restarted hostd does after adopting
-	w.left(sa, sa.expect(t, proto.Down, proto.ReasonFirewall, 1), proto.SideA)
-	w.left(sb, sb.expect(t, proto.Down, proto.ReasonFirewall, 2), proto.SideB)
+	w.leftBoth(t, sa, sb, proto.ReasonFirewall)
 	w.cleared(t)
 	time.Sleep(30 * time.Millisecond)
 	sa.none(t)
 	e, _ := w.ct.Lookup(ta)
 	w.ct.Pass(e.ID, passOrig|passReply)
-	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	readyBoth(t, sa, sb)
 }
 
 // TestFirewallProofProperty drives a connection through random sequences

@@ -292,12 +292,16 @@ func table() *nftables.Table { return &nftables.Table{Name: Table, Family: nftab
 // chains are hostd's base chains: new connections from a guest either go
 // through the host (forward) or to it (input).
 func chains(t *nftables.Table) []*nftables.Chain {
-	mk := func(name string, hook *nftables.ChainHook) *nftables.Chain {
-		p := nftables.ChainPriority(Priority)
-		pol := nftables.ChainPolicyAccept
-		return &nftables.Chain{Name: name, Table: t, Type: nftables.ChainTypeFilter, Hooknum: hook, Priority: &p, Policy: &pol}
-	}
-	return []*nftables.Chain{mk("forward", nftables.ChainHookForward), mk("input", nftables.ChainHookInput)}
+	return []*nftables.Chain{baseChain(t, "forward", nftables.ChainHookForward, Priority), baseChain(t, "input", nftables.ChainHookInput, Priority)}
+}
+
+// baseChain is one of hostd's base chains: a filter chain on hook at
+// priority prio that accepts what its rules do not drop (they drop
+// nothing: they set marks).
+func baseChain(t *nftables.Table, name string, hook *nftables.ChainHook, prio int32) *nftables.Chain {
+	p := nftables.ChainPriority(prio)
+	pol := nftables.ChainPolicyAccept
+	return &nftables.Chain{Name: name, Table: t, Type: nftables.ChainTypeFilter, Hooknum: hook, Priority: &p, Policy: &pol}
 }
 
 // Ruleset is hostd's table for the given entries: its marking chains,

@@ -16,12 +16,8 @@ import (
 // local socket (loopback included, after the operator's input filter,
 // which postrouting on lo would run before).
 func proofChains(t *nftables.Table) []*nftables.Chain {
-	mk := func(name string, hook *nftables.ChainHook) *nftables.Chain {
-		p := nftables.ChainPriority(ProofPriority)
-		pol := nftables.ChainPolicyAccept
-		return &nftables.Chain{Name: name, Table: t, Type: nftables.ChainTypeFilter, Hooknum: hook, Priority: &p, Policy: &pol}
-	}
-	return []*nftables.Chain{mk("proof_out", nftables.ChainHookPostrouting), mk("proof_in", nftables.ChainHookInput)}
+	return []*nftables.Chain{baseChain(t, "proof_out", nftables.ChainHookPostrouting, ProofPriority),
+		baseChain(t, "proof_in", nftables.ChainHookInput, ProofPriority)}
 }
 
 // proofRules are a proof chain's two rules, one per direction.
