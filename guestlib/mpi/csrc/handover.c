@@ -76,7 +76,11 @@ void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *w
 		return;
 	ep->said = 1;
 	ep->said_reason = reason;
-	say(reason == SHUNT_REASON_NONE ? 1 : 0, "to %s: %s%s%s%s", ep->who, what, reason ? " (" : "",
+	/* peer-gone at level 1: it is how every job ends (the first rank to
+	 * finish ends its session), and a peer that really died is reported
+	 * at level 0 when its lease ends without goodbye. */
+	int level = reason == SHUNT_REASON_NONE || reason == SHUNT_REASON_PEER_GONE ? 1 : 0;
+	say(level, "to %s: %s%s%s%s", ep->who, what, reason ? " (" : "",
 	    reason ? reason_name(reason) : "", reason ? ")" : "");
 }
 

@@ -229,6 +229,27 @@ static void conn_parse(struct conn *c)
 	}
 }
 
+/* lease_end_cause says why a lease ended without the peer's goodbye, by
+ * what the kernel said: a FIN is the peer's process exiting (the kernel
+ * closes its sockets), a reset is a firewall's REJECT with tcp-reset as
+ * often as a process that died with bytes unread, a time-out is a path
+ * that stopped carrying packets. */
+static const char *lease_end_cause(int err)
+{
+	switch (err) {
+	case 0:
+		return "its lease closed without goodbye: did the process exit or die?";
+	case ECONNRESET:
+		return "its lease was reset (a firewall rule that rejects it with a TCP reset, or the process died with bytes unread)";
+	case ETIMEDOUT:
+		return "its lease timed out (a firewall now dropping its packets, or the peer's guest gone)";
+	case EHOSTUNREACH:
+	case ENETUNREACH:
+		return "its lease lost its route (the peer's guest or its network gone, or a firewall's REJECT)";
+	}
+	return "its lease failed on read";
+}
+
 /* conn_read reads what the socket has and handles it. */
 static void conn_read(struct conn *c)
 {
@@ -258,9 +279,10 @@ static void conn_read(struct conn *c)
 			continue;
 		if (n < 0 && (errno == EAGAIN || errno == EWOULDBLOCK))
 			return;
+		int err = n < 0 ? errno : 0;
 		c->eof = 1;
 		if (!c->closing && !c->bye && !shunt_btl.finalizing && c->ep)
-			peer_failed(c->ep, "its lease closed without goodbye: did the process die?");
+			peer_failed(c->ep, lease_end_cause(err));
 		c->dead = 1;
 		return;
 	}

@@ -168,6 +168,31 @@ struct mca_btl_base_endpoint_t *ep_of(uint32_t vpid)
 
 /* ---- ob1's calls ---- */
 
+/* tcp_listed reports whether the job's btl list lets the TCP BTL carry a
+ * peer whose lease cannot connect: no list (every BTL), a list naming
+ * tcp, or an exclusion list (^...) that does not. */
+static int tcp_listed(void)
+{
+	int idx = mca_base_var_find("opal", "btl", NULL, NULL);
+	char **v = NULL;
+	if (idx < 0 || mca_base_var_get_value(idx, &v, NULL, NULL) != OPAL_SUCCESS || !v || !*v || !**v)
+		return 1;
+	const char *s = *v;
+	int exclude = *s == '^';
+	if (exclude)
+		s++;
+	int found = 0;
+	for (const char *p = s; *p;) {
+		size_t n = strcspn(p, ",");
+		if (n == 3 && !strncmp(p, "tcp", 3))
+			found = 1;
+		p += n;
+		if (*p == ',')
+			p++;
+	}
+	return exclude ? !found : found;
+}
+
 static int shunt_add_procs(struct mca_btl_base_module_t *btl, size_t nprocs, struct opal_proc_t **procs,
 			   struct mca_btl_base_endpoint_t **peers, opal_bitmap_t *reachable)
 {
@@ -214,10 +239,12 @@ static int shunt_add_procs(struct mca_btl_base_module_t *btl, size_t nprocs, str
 				snprintf(ep->who, sizeof ep->who, "rank %u (%s:%u)", vpid, ip, ep->addr.port);
 			int r = lease_open(ep, mca_btl_shunt_component.connect_ms);
 			if (r < 0) {
+				const char *next = tcp_listed() ? "left to the next BTL (tcp)"
+								: "no BTL of the job reaches it (tcp is not in the btl list)";
 				if (r == -ECONNREFUSED)
-					say(0, "to %s: the lease connect was refused (a firewall REJECT?): left to the next BTL (tcp)", ep->who);
+					say(0, "to %s: the lease connect was refused (a firewall REJECT?): %s", ep->who, next);
 				else
-					say(0, "to %s: the lease connect failed (%s): left to the next BTL (tcp)", ep->who, strerror(-r));
+					say(0, "to %s: the lease connect failed (%s): %s", ep->who, strerror(-r), next);
 				continue;
 			}
 			ep->reachable = 1;

@@ -1,0 +1,48 @@
+package integration
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/shuntnet/shunt/integration/stack"
+	"github.com/shuntnet/shunt/internal/testenv"
+)
+
+// TestMPIBTLDefaults: jobs with hostd's defaults, as a user who follows
+// docs/mpi.md has them (no pair_region_size, guest_ring_bytes or
+// guest_flows in the trust group; the rig's roomy ones are not set),
+// with no policy rule (1 MiB rings) and with the 4 MiB rule docs/mpi.md
+// gives: at 2 and at 4 ranks every direction between the guests takes a
+// ring (none says no-space, hostd lists them all at once), and a job
+// that ends well prints nothing at btl_shunt_verbose 0 (no "ring ended
+// ... (peer-gone)" as the first rank leaves).
+func TestMPIBTLDefaults(t *testing.T) {
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "nft", "nftables")
+	needBTL(t)
+	for _, c := range []struct{ name, policy string }{
+		{"default-ring", ""},
+		{"mpi-rule-4MiB", mpiRingPolicy},
+	} {
+		t.Run(c.name, func(t *testing.T) {
+			e := startEnv(t, "d", stack.Options{Guests: 2, HostdBin: hostdBin, Policy: c.policy, Group: "  # hostd's defaults\n"})
+			for _, np := range []int{2, 4} {
+				var out string
+				flows := e.maxRings(func() {
+					out = e.runMPI(t, mpiJob{np: np, prog: "btlcheck", args: []string{"-m", "1048576"}, mca: []string{"--mca", "btl_shunt_verbose", "0"}})
+				})
+				want := np * np / 2 // np/2 ranks per guest, each to np/2 in the other, both ways
+				if !strings.Contains(out, "data ok") || strings.Contains(out, "no-space") || strings.Contains(out, "tcp (") || flows != want {
+					t.Fatalf("%d ranks: hostd listed %d flows at most, want %d, and no direction on tcp\n%s\nhostd's flows: %s", np, flows, want, out, e.flowsJSON())
+				}
+				for _, bad := range []string{"peer-gone", "ring ended", "btl/shunt: "} {
+					if strings.Contains(out, bad) {
+						t.Fatalf("%d ranks: a job that ended well printed %q at verbosity 0\n%s", np, bad, out)
+					}
+				}
+				t.Logf("%d ranks: %d flows on rings", np, flows)
+			}
+		})
+	}
+}
+
