@@ -249,8 +249,9 @@ func (d *demo) print(sz sizes, hostdCPU, guestCPU time.Duration) {
 		ks, ss := medianF(m[kernel]), medianF(m[shunt])
 		rows = append(rows, row{what: what, kernel: fmt.Sprintf("%.2f GB/s", ks),
 			shunt: fmt.Sprintf("%.2f GB/s", ss), ratio: ratio(ks, ss, true),
-			why: "the stream ran at what the sink process could take; on an idle machine that is the rings' side, " +
-				"on a busy one either side may wait for a core (run it again, or see make bench-sizes)"})
+			why: "not expected with both ends on a core of their own (make bench-sizes: 6-13x); a ring's ends poll " +
+				"before they sleep, so on a machine whose cores are busy with other work they wait for a core " +
+				"where the kernel's ends sleep at once: check the load (uptime) and run the demo again"})
 	}
 	stream("64 KiB writes, sink io.Copy(io.Discard, conn) (*)", d.stream)
 	stream("64 KiB writes, sink Read of 8 KiB at a time", d.read8k)
