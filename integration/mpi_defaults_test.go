@@ -45,4 +45,3 @@ func TestMPIBTLDefaults(t *testing.T) {
 		})
 	}
 }
-
