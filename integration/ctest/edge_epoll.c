@@ -8,8 +8,10 @@
  * connection out (EPOLL_CTL_DEL) and the worker reads, as in Apache; every
  * round adds it again, level or EPOLLONESHOT, with or without EPOLLOUT,
  * through epoll_wait, epoll_pwait and epoll_pwait2, and every second round
- * closes it and connects again (the fd number is reused). A dup of the set
- * (a set the library does not know) never shows the tag either.
+ * closes it and connects again (the fd number is reused). In the last two
+ * rounds the listener sleeps in an outer set that holds its set (nesting).
+ * A dup of the set (a set the library does not know) never shows the tag
+ * either.
  *
  *   edge client IP PORT apacheevent   (against "edge server": its "cmd" mode)
  */
@@ -18,12 +20,14 @@
 #include <sys/syscall.h>
 
 #define ROUNDS   8
+#define NESTED   6    /* from this round on, the listener sleeps in an outer set */
 #define WAIT_MS  3000 /* a wait that sees nothing by then failed */
 #define PIPE_TAG 0x7069706500000000ull /* the program's data for the wakeup pipe */
 #define CONN_TAG 0x636f6e6e00000000ull /* the program's data for the connection, plus the round */
+#define SET_TAG  0x7365740000000000ull /* the program's data for the inner set in the outer */
 
 struct apache {
-	int ep, pipe[2];
+	int ep, outer, pipe[2];
 	sem_t asleep, woke, added;
 	int round, fail;
 	char why[200];
@@ -32,6 +36,14 @@ struct apache {
 
 static int wait_round(struct apache *a, struct epoll_event *ev, int max, int round)
 {
+	if (round >= NESTED) { /* the outer set, then the inner one without waiting */
+		int n = epoll_wait(a->outer, ev, max, WAIT_MS);
+		if (n <= 0)
+			return n;
+		if (n != 1 || ev[0].data.u64 != SET_TAG)
+			return n; /* reported as bad data below */
+		return epoll_wait(a->ep, ev, max, 0);
+	}
 	if (round % 3 == 0)
 		return epoll_wait(a->ep, ev, max, WAIT_MS);
 	if (round % 3 == 1)
@@ -92,9 +104,12 @@ static void *listener(void *arg)
 int apache_event(const char *ip, int port, const char *t)
 {
 	alarm(60);
-	struct apache a = {.ep = epoll_create1(EPOLL_CLOEXEC)};
-	if (a.ep < 0 || pipe(a.pipe))
+	struct apache a = {.ep = epoll_create1(EPOLL_CLOEXEC), .outer = epoll_create1(EPOLL_CLOEXEC)};
+	if (a.ep < 0 || a.outer < 0 || pipe(a.pipe))
 		return fail(t, "epoll_create1 or pipe");
+	struct epoll_event oe = {.events = EPOLLIN, .data.u64 = SET_TAG};
+	if (epoll_ctl(a.outer, EPOLL_CTL_ADD, a.ep, &oe))
+		return fail(t, "epoll_ctl: the set into the outer set");
 	sem_init(&a.asleep, 0, 0);
 	sem_init(&a.woke, 0, 0);
 	sem_init(&a.added, 0, 0);

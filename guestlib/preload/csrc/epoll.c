@@ -82,6 +82,7 @@ struct ep {
 	int pend;          /* interests with pend set */
 	int64_t kernel_at; /* when epoll_wait(0) last asked the kernel */
 	struct waiter *waiters; /* threads blocked in the kernel wait */
+	int nested;        /* atomic: another set held it once (kick_outer looks for it then) */
 };
 
 static pthread_mutex_t ep_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -287,6 +288,38 @@ static void kick_locked(struct ep *e)
 		}
 }
 
+/* kick_outer kicks the waiters of every set that holds e, and of theirs,
+ * up to the kernel's 4 levels of nesting (e->mu not held): an outer set's
+ * waiter armed the inner set's rings as they were, and the kernel wakes
+ * it for the inner set's kernel events only, never for a ring. */
+static void kick_outer(struct ep *e, int depth)
+{
+	if (depth >= 4 || !__atomic_load_n(&e->nested, __ATOMIC_RELAXED))
+		return;
+	struct ep *outer[16];
+	int n = 0;
+	pthread_mutex_lock(&ep_mu);
+	for (int i = 0; i <= eps_top; i++) {
+		struct ep *o = i < eps_top ? eps[i] : eps_high;
+		for (; o; o = i < eps_top ? NULL : o->next) {
+			if (!o->live || o == e)
+				continue;
+			pthread_mutex_lock(&o->mu);
+			for (int j = 0; j < o->n; j++)
+				if (o->it[j].in == e) {
+					kick_locked(o);
+					if (n < 16)
+						outer[n++] = o;
+					break;
+				}
+			pthread_mutex_unlock(&o->mu);
+		}
+	}
+	pthread_mutex_unlock(&ep_mu);
+	for (int i = 0; i < n; i++)
+		kick_outer(outer[i], depth + 1);
+}
+
 static void wait_on(struct ep *e, struct waiter *w)
 {
 	w->next = e->waiters;
@@ -339,6 +372,10 @@ static int ctl_nested(int epfd, int op, int fd, struct epoll_event *ev)
 	if (op != EPOLL_CTL_DEL)
 		kick_locked(e);
 	pthread_mutex_unlock(&e->mu);
+	if (op == EPOLL_CTL_ADD)
+		__atomic_store_n(&in->nested, 1, __ATOMIC_RELAXED);
+	if (op != EPOLL_CTL_DEL)
+		kick_outer(e, 0);
 	return r;
 }
 
@@ -369,6 +406,8 @@ static int ctl_pending(int epfd, int op, int fd, struct epoll_event *ev)
 	if (op != EPOLL_CTL_DEL)
 		kick_locked(e); /* its waits re-check it every 1 ms until it settles */
 	pthread_mutex_unlock(&e->mu);
+	if (op != EPOLL_CTL_DEL)
+		kick_outer(e, 0);
 	return r;
 }
 
@@ -440,6 +479,8 @@ INTERPOSE int epoll_ctl(int epfd, int op, int fd, struct epoll_event *ev)
 	if (r == 0 && op != EPOLL_CTL_DEL)
 		kick_locked(e);
 	pthread_mutex_unlock(&e->mu);
+	if (r == 0 && op != EPOLL_CTL_DEL)
+		kick_outer(e, 0);
 	return r;
 }
 
