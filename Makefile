@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-sizes bench-http bench-preload bench-vm fuzz clean deb mpi bench-mpi
+.PHONY: core-syms help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-sizes bench-http bench-preload bench-vm fuzz clean deb mpi bench-mpi
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -117,7 +117,21 @@ test: deps-test ## run all tests (privileged ones need root; under CI=true they 
 test-short: ## quick unprivileged tests
 	$(GO) test -short ./...
 
-check: fmt vet staticcheck ## gofmt + vet + staticcheck
+check: fmt vet staticcheck core-syms ## gofmt + vet + staticcheck; the C core calls nothing the preload library defines
+
+# The C core (guestlib/c) runs inside the preload library, which
+# interposes libc's socket, I/O and syscall() wrappers: the core makes its
+# system calls through guestlib/c/sys.c, never through them. Checked here:
+# no undefined symbol of the core's objects is one the preload's objects
+# define (nm).
+core-syms:
+	@d=$$(mktemp -d) && trap 'rm -rf "$$d"' EXIT && \
+	for f in $(CORE_SRC); do $(CC) $(SHUNT_CFLAGS) -fPIC -fvisibility=hidden -I$(CORE_DIR) -c $$f -o "$$d/core_$$(basename $$f .c).o" || exit 1; done && \
+	for f in $(PRELOAD_SRC); do $(CC) $(SHUNT_CFLAGS) -fPIC -fvisibility=hidden -I$(CORE_DIR) -c $$f -o "$$d/preload_$$(basename $$f .c).o" || exit 1; done && \
+	nm -g --defined-only "$$d"/preload_*.o | awk 'NF == 3 {print $$3}' | sort -u > "$$d/defined" && \
+	nm -u "$$d"/core_*.o | awk '{print $$NF}' | sort -u > "$$d/called" && \
+	bad=$$(comm -12 "$$d/defined" "$$d/called") && \
+	if [ -n "$$bad" ]; then echo "the C core calls what guestlib/preload defines (make the call through guestlib/c/sys.h):"; echo "$$bad"; exit 1; fi
 
 fmt:
 	@out=$$(gofmt -l $$(git ls-files '*.go')); if [ -n "$$out" ]; then echo "gofmt needed:"; echo "$$out"; exit 1; fi

@@ -208,7 +208,7 @@ static int connect_hello(const struct sockaddr_un *sa, socklen_t len, struct shu
 	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
 	if (fd < 0 || sys_connect(fd, (const struct sockaddr *)sa, len) < 0 ||
-	    setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
+	    sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
 	    channel_read(fd, 0, m) ||
 	    (m->type == SHUNT_ERROR && m->reason == SHUNT_REASON_NOT_GUEST && (errno = EPERM)) ||
 	    (m->type != SHUNT_WELCOME && (errno = EPROTO)) || welcome_ok(m)) {
@@ -219,7 +219,7 @@ static int connect_hello(const struct sockaddr_un *sa, socklen_t len, struct shu
 		return -1;
 	}
 	tv.tv_sec = 0;
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
 	return fd;
 }
 

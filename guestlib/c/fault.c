@@ -77,12 +77,13 @@ static void on_sigbus(int sig, siginfo_t *si, void *uc)
 		void *restorer;
 		uint64_t mask;
 	} dfl = {SIG_DFL, 0, NULL, 0};
-	syscall(SYS_rt_sigaction, SIGBUS, &dfl, NULL, sizeof dfl.mask);
+	shunt_sys(SYS_rt_sigaction, SIGBUS, (long)&dfl, 0, sizeof dfl.mask, 0, 0);
 }
 
 /* install puts the handler in place once, keeping the one it replaces.
- * The call is made outside install_mu: in the preload library it goes
- * through its own sigaction, which asks shunt_fault_sigaction. */
+ * The call is made outside install_mu, through glibc's own name for
+ * sigaction (sys_sigaction), which the preload library's sigaction does
+ * not catch: before installed is set it would pass the call on anyway. */
 static pthread_once_t install_once = PTHREAD_ONCE_INIT;
 
 static void install_now(void)
@@ -92,7 +93,7 @@ static void install_now(void)
 	sa.sa_sigaction = on_sigbus;
 	sa.sa_flags = SA_SIGINFO | SA_ONSTACK | SA_RESTART;
 	sigemptyset(&sa.sa_mask);
-	if (sigaction(SIGBUS, &sa, &prev) != 0)
+	if (sys_sigaction(SIGBUS, &sa, &prev) != 0)
 		return;
 	pthread_mutex_lock(&install_mu);
 	chained = prev;

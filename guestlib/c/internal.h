@@ -1,12 +1,14 @@
 /* Shared by the core's files; not part of the API (shunt.h).
  *
- * The system calls that an LD_PRELOAD library interposes are made here with
- * syscall(2), never through their libc wrappers (see shunt.h): errno is set
- * as the wrappers set it. */
+ * The system calls that an LD_PRELOAD library interposes are made through
+ * sys.h (the syscall instruction itself), never through their libc
+ * wrappers nor syscall(2), which the preload library interposes too:
+ * errno is set as the wrappers set it. */
 #ifndef SHUNT_INTERNAL_H
 #define SHUNT_INTERNAL_H
 
 #include "shunt.h"
+#include "sys.h"
 
 #include <poll.h>
 #include <pthread.h>
@@ -15,25 +17,6 @@
 #include <sys/syscall.h>
 #include <time.h>
 #include <unistd.h>
-
-static inline ssize_t sys_read(int fd, void *buf, size_t n) { return syscall(SYS_read, fd, buf, n); }
-static inline ssize_t sys_write(int fd, const void *buf, size_t n) { return syscall(SYS_write, fd, buf, n); }
-static inline int sys_close(int fd) { return syscall(SYS_close, fd); }
-static inline int sys_socket(int domain, int type, int proto) { return syscall(SYS_socket, domain, type, proto); }
-static inline int sys_connect(int fd, const struct sockaddr *a, socklen_t len) { return syscall(SYS_connect, fd, a, len); }
-static inline ssize_t sys_recvmsg(int fd, struct msghdr *msg, int flags) { return syscall(SYS_recvmsg, fd, msg, flags); }
-static inline ssize_t sys_send(int fd, const void *buf, size_t n, int flags)
-{
-	return syscall(SYS_sendto, fd, buf, n, flags, NULL, 0);
-}
-
-/* sys_poll is poll(2) on one fd; timeout_ms < 0 waits without bound. */
-static inline int sys_poll1(int fd, short events, int timeout_ms)
-{
-	struct pollfd p = {.fd = fd, .events = events};
-	struct timespec ts = {timeout_ms / 1000, (timeout_ms % 1000) * 1000000L};
-	return syscall(SYS_ppoll, &p, 1, timeout_ms < 0 ? NULL : &ts, NULL, (size_t)8);
-}
 
 /* Region mappings whose file may be truncated under them (fault.c). */
 struct sigaction;

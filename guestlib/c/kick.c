@@ -29,12 +29,6 @@ uint32_t shunt_kick_seq(void) { return __atomic_load_n(&kick_seq, SC); }
 
 uint32_t *shunt_kick_word(void) { return &kick_seq; }
 
-struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; }; /* struct futex_waitv */
-
-#ifndef SYS_futex_waitv
-#define SYS_futex_waitv 449
-#endif
-
 /* Every sleep here is bounded (a kick can be lost), yet an untimed wait
  * must go on after a signal handler with SA_RESTART, as a socket call
  * does. A timed FUTEX_WAIT fails with EINTR after any handler; futex_waitv,
@@ -45,23 +39,21 @@ struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; }; /* struct futex
  * goes on, as it always did. */
 int shunt_kick_sleep(uint32_t seq, int64_t max_ns)
 {
-	static int no_waitv;
 	int64_t d = max_ns >= 0 && max_ns < SHUNT_KICK_MAX_SLEEP_NS ? max_ns : SHUNT_KICK_MAX_SLEEP_NS;
-	if (max_ns < 0 && !__atomic_load_n(&no_waitv, __ATOMIC_RELAXED)) {
+	if (max_ns < 0 && shunt_have_waitv()) {
 		struct timespec until;
 		clock_gettime(CLOCK_MONOTONIC, &until);
 		until.tv_nsec += d;
 		until.tv_sec += until.tv_nsec / 1000000000;
 		until.tv_nsec %= 1000000000;
-		struct waitv w = {.val = seq, .uaddr = (uintptr_t)&kick_seq, .flags = 2 /* FUTEX_32 */};
-		if (syscall(SYS_futex_waitv, &w, 1, 0, &until, CLOCK_MONOTONIC) >= 0)
+		struct shunt_waitv w = shunt_waitv_word(&kick_seq, seq);
+		if (shunt_futex_waitv(&w, 1, &until) >= 0)
 			return 0;
 		if (errno != ENOSYS)
 			return errno == EINTR ? SHUNT_EINTR : 0;
-		__atomic_store_n(&no_waitv, 1, __ATOMIC_RELAXED);
 	}
 	struct timespec ts = {d / 1000000000, d % 1000000000};
-	if (syscall(SYS_futex, &kick_seq, FUTEX_WAIT, seq, &ts, NULL, 0) < 0 && errno == EINTR && max_ns >= 0)
+	if (shunt_futex_wait(&kick_seq, seq, &ts) < 0 && errno == EINTR && max_ns >= 0)
 		return SHUNT_EINTR;
 	return 0;
 }
@@ -69,7 +61,7 @@ int shunt_kick_sleep(uint32_t seq, int64_t max_ns)
 void shunt_kicked(void)
 {
 	__atomic_add_fetch(&kick_seq, 1, SC);
-	syscall(SYS_futex, &kick_seq, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+	shunt_futex_wake(&kick_seq, INT32_MAX);
 }
 
 void shunt_kicks_enable(void)

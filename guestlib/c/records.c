@@ -61,7 +61,7 @@ static void poke(struct shunt_ring *r, int off)
 		if (shunt_remote_wake)
 			shunt_remote_wake(r);
 		else
-			syscall(SYS_futex, flag, FUTEX_WAKE, INT32_MAX, NULL, NULL, 0);
+			shunt_futex_wake(flag, INT32_MAX);
 	}
 }
 

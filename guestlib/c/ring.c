@@ -66,7 +66,7 @@ int shunt_ring_reader(struct shunt_ring *r, void *mem, size_t len, uint64_t want
 static long futex(uint32_t *addr, int op, uint32_t val, const struct timespec *ts)
 {
 	/* Not FUTEX_PRIVATE: the word is shared with another process. */
-	return syscall(SYS_futex, addr, op, val, ts, NULL, 0);
+	return op == FUTEX_WAKE ? shunt_futex_wake(addr, (int)val) : shunt_futex_wait(addr, val, ts);
 }
 
 void (*shunt_remote_wake)(struct shunt_ring *r);
@@ -344,7 +344,7 @@ static int64_t now_ns(void)
 void shunt_spin_yield(int64_t spun_ns)
 {
 	if (spun_ns >= SHUNT_YIELD_AFTER_NS)
-		syscall(SYS_sched_yield);
+		shunt_sys(SYS_sched_yield, 0, 0, 0, 0, 0, 0);
 }
 
 void shunt_ring_stop(struct shunt_ring *r, int reader)

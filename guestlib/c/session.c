@@ -261,7 +261,7 @@ static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 		uint8_t *q = realloc(s->outq, cap);
 		if (!q) {
 			if (off) /* half a frame is out: the stream is broken */
-				syscall(SYS_shutdown, s->fd, SHUT_RDWR);
+				sys_shutdown(s->fd, SHUT_RDWR);
 			errno = ENOMEM;
 			return -1;
 		}

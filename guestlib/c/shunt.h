@@ -15,15 +15,17 @@
  * read or write outside the region.
  *
  * System calls: the core never calls the libc wrappers that an LD_PRELOAD
- * library interposes (read, write, close, poll, socket, connect, send); it
- * makes those system calls itself with syscall(2) (internal.h). So it
- * behaves the same inside the preload library, in an MPI transport or in a
- * plain program, needs no hook table to be filled in first, and never
- * re-enters an interposition layer whose locks its caller may hold. Calls
- * that no preload library interposes (open, stat, mmap, opendir,
- * getsockname, pthreads) go through libc, and so does setsockopt, which
- * ours interposes only to note a fast-path socket's timeouts, taking no
- * lock.
+ * library interposes (read, write, close, poll, socket, connect, send,
+ * setsockopt, shutdown, sigaction, nor syscall(2) itself); it makes those
+ * system calls with the syscall instruction (sys.h, sys.c: the one
+ * system-call layer, with the futex helpers the preload library shares).
+ * So it behaves the same inside the preload library, in an MPI transport
+ * or in a plain program, needs no hook table to be filled in first, and
+ * never re-enters an interposition layer whose locks its caller may hold.
+ * Calls that no preload library interposes (open, stat, mmap, opendir,
+ * getsockname, pthreads) go through libc. `make check` (core-syms) checks
+ * with nm that the core's objects call no symbol the preload library
+ * defines.
  *
  * Limits are named constants below. None is a silent cap: past each one
  * the code takes a slower path that is still correct, as its comment says. */

@@ -70,7 +70,7 @@ void flow_wake(struct flow *f)
 	if (!__atomic_load_n(&f->ev_armed, __ATOMIC_RELAXED))
 		return;
 	__atomic_store_n(&f->ev, 0, __ATOMIC_SEQ_CST);
-	syscall(SYS_futex, &f->ev, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	shunt_futex_wake(&f->ev, INT_MAX);
 	if (shunt_kicks_enabled()) /* VM mode: the helpers sleep on the kick count */
 		shunt_kick_local();
 }
@@ -340,7 +340,7 @@ static void *leaver(void *arg)
 			tp = &ts;
 		}
 		/* Returns at once if a kick set leaver_tick since the store. */
-		syscall(SYS_futex, &leaver_tick, FUTEX_WAIT, 0, tp, NULL, 0);
+		shunt_futex_wait(&leaver_tick, 0, tp);
 	}
 	return NULL;
 }
@@ -383,7 +383,7 @@ int leaver_start(void)
 void leaver_wake(void)
 {
 	__atomic_store_n(&leaver_tick, 1, __ATOMIC_SEQ_CST);
-	syscall(SYS_futex, &leaver_tick, FUTEX_WAKE, 1, NULL, NULL, 0);
+	shunt_futex_wake(&leaver_tick, 1);
 }
 
 /* leaver_kick: a DOWN left a direction behind; the leaver looks again. */

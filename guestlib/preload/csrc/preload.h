@@ -57,6 +57,7 @@
 
 #define _GNU_SOURCE
 #include "shunt.h"
+#include "sys.h"
 
 #include <fcntl.h>
 #include <poll.h>

@@ -30,14 +30,9 @@
 #include <sys/syscall.h>
 #include <time.h>
 
-#ifndef SYS_futex_waitv
-#define SYS_futex_waitv 449
-#endif
 
 #define WATCHER_STACK (128 << 10)
 #define WORDS_MAX     8 /* the caller's words, plus its own */
-
-struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; };
 
 struct watcher {
 	pthread_t th;
@@ -80,7 +75,7 @@ static void *watch_loop(void *arg)
 			block_stop(h);
 		if ((r > 0 && (p[0].revents || (n > 2 && p[2].revents))) || (a && r == 0)) {
 			__atomic_store_n(&w->word, 0, __ATOMIC_SEQ_CST);
-			syscall(SYS_futex, &w->word, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+			shunt_futex_wake(&w->word, INT_MAX);
 		}
 		pthread_mutex_lock(&w->mu);
 		w->busy = 0;
@@ -154,14 +149,14 @@ int conn_sleep(int fd, short events, struct arm *a, int64_t timeout_ns)
 	 * (futex_waitv would go on after SA_RESTART), but takes one word: the
 	 * caller sleeps on its own, and the watcher sleeps on the others too. */
 	int timed = timeout_ns >= 0 && !kicks;
-	struct waitv v[WORDS_MAX];
+	struct shunt_waitv v[WORDS_MAX];
 	int n = 0;
 	__atomic_store_n(&w->word, 1, __ATOMIC_SEQ_CST);
-	v[n++] = (struct waitv){.val = 1, .uaddr = (uintptr_t)&w->word, .flags = 2 /* FUTEX_32 */};
+	v[n++] = shunt_waitv_word(&w->word, 1);
 	if (kicks)
-		v[n++] = (struct waitv){.val = a->seq, .uaddr = (uintptr_t)shunt_kick_word(), .flags = 2};
+		v[n++] = shunt_waitv_word(shunt_kick_word(), a->seq);
 	for (int i = 0; i < a->n && !kicks; i++)
-		v[n++] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[i], .flags = 2};
+		v[n++] = shunt_waitv_word(a->flag[i], 1);
 	pthread_mutex_lock(&w->mu);
 	w->fd = fd;
 	w->events = events;
@@ -184,9 +179,9 @@ int conn_sleep(int fd, short events, struct arm *a, int64_t timeout_ns)
 	long r;
 	if (timed) {
 		struct timespec rel = {timeout_ns / 1000000000, timeout_ns % 1000000000};
-		r = syscall(SYS_futex, &w->word, FUTEX_WAIT, 1, &rel, NULL, 0);
+		r = shunt_futex_wait(&w->word, 1, &rel);
 	} else {
-		r = syscall(SYS_futex_waitv, v, n, 0, up, CLOCK_MONOTONIC);
+		r = shunt_futex_waitv(v, n, up);
 	}
 	if (r < 0 && errno == EINTR) {
 		err = EINTR;

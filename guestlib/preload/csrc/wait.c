@@ -35,24 +35,12 @@
 #include <sys/eventfd.h>
 #include <sys/syscall.h>
 
-#ifndef FUTEX_WAITV_MAX
-#define FUTEX_WAITV_MAX 128
-#endif
-#ifndef FUTEX_32
-#define FUTEX_32 2
-#endif
-#ifndef SYS_futex_waitv
-#define SYS_futex_waitv 449
-#endif
-
-#define SLEEPER_WORDS (FUTEX_WAITV_MAX - 1) /* ring words per sleeper; the other is its cancel word */
+#define SLEEPER_WORDS (SHUNT_WAITV_MAX - 1) /* ring words per sleeper; the other is its cancel word */
 #define SLEEPERS_MAX  16                    /* per waiting thread: 2032 rings wake it at once */
 #define RECHECK_MS    1                     /* past that: how often the other rings are re-checked */
 #define SLEEPER_STACK (256 << 10)           /* a sleeper makes one system call at a time (glibc adds static TLS) */
 #define KERNEL_EVERY  16                    /* while spinning, the kernel fds are asked every this many turns */
 #define POLL_STACK    64                    /* pollfds on the stack; larger sets are allocated */
-
-struct waitv { uint64_t val, uaddr; uint32_t flags, reserved; }; /* struct futex_waitv */
 
 struct helper;
 
@@ -61,7 +49,7 @@ struct sleeper {
 	pthread_t th;
 	int n;                             /* words in w, set by the waiting thread before it asks */
 	int asked;                         /* guarded by h->mu: sleep now */
-	struct waitv w[FUTEX_WAITV_MAX];   /* w[0] is h->cancel */
+	struct shunt_waitv w[SHUNT_WAITV_MAX]; /* w[0] is h->cancel */
 };
 
 /* helper is a waiting thread's set of sleepers and its eventfd; only that
@@ -103,7 +91,7 @@ static void *sleeper_loop(void *arg)
 			until.tv_nsec %= 1000000000;
 			up = &until;
 		}
-		if (syscall(SYS_futex_waitv, sl->w, sl->n, 0, up, CLOCK_MONOTONIC) < 0 && errno != EAGAIN &&
+		if (shunt_futex_waitv(sl->w, sl->n, up) < 0 && errno != EAGAIN &&
 		    errno != ETIMEDOUT && errno != EINTR && !__atomic_exchange_n(&waitv_broken, 1, __ATOMIC_SEQ_CST))
 			plog("shunt: futex_waitv: %s; waits on sets re-check every %d ms", strerror(errno), RECHECK_MS);
 		if (!__atomic_load_n(&h->cancel, __ATOMIC_SEQ_CST)) {
@@ -208,15 +196,15 @@ int64_t block_start(struct helper *h, struct arm *a, int64_t ns)
 	__atomic_store_n(&h->cancel, 0, __ATOMIC_SEQ_CST);
 	for (int i = 0; i < have; i++) {
 		struct sleeper *sl = h->s[i];
-		sl->w[0] = (struct waitv){.val = 0, .uaddr = (uintptr_t)&h->cancel, .flags = FUTEX_32};
+		sl->w[0] = shunt_waitv_word(&h->cancel, 0);
 		if (kicks) { /* the words sit in a BAR: sleep on the kick count instead */
-			sl->w[1] = (struct waitv){.val = a->seq, .uaddr = (uintptr_t)shunt_kick_word(), .flags = FUTEX_32};
+			sl->w[1] = shunt_waitv_word(shunt_kick_word(), a->seq);
 			sl->n = 2;
 			continue;
 		}
 		int first = i * SLEEPER_WORDS, k = a->n - first < SLEEPER_WORDS ? a->n - first : SLEEPER_WORDS;
 		for (int j = 0; j < k; j++)
-			sl->w[j + 1] = (struct waitv){.val = 1, .uaddr = (uintptr_t)a->flag[first + j], .flags = FUTEX_32};
+			sl->w[j + 1] = shunt_waitv_word(a->flag[first + j], 1);
 		sl->n = k + 1;
 	}
 	pthread_mutex_lock(&h->mu);
@@ -233,7 +221,7 @@ void block_stop(struct helper *h)
 	if (!h)
 		return;
 	__atomic_store_n(&h->cancel, 1, __ATOMIC_SEQ_CST);
-	syscall(SYS_futex, &h->cancel, FUTEX_WAKE, INT_MAX, NULL, NULL, 0);
+	shunt_futex_wake(&h->cancel, INT_MAX);
 	pthread_mutex_lock(&h->mu);
 	while (h->busy)
 		pthread_cond_wait(&h->cv, &h->mu);
