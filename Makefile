@@ -85,11 +85,11 @@ $(BIN)/shunt-edge: $(EDGE_SRC) integration/ctest/edge.h
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -Wno-unused-result -o $@ $(EDGE_SRC)
 
-$(BIN)/shunt-connrate: integration/ctest/connrate.c
+$(BIN)/shunt-connrate: integration/ctest/connrate.c integration/ctest/tool.h
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -o $@ $<
 
-$(BIN)/shunt-stream: integration/ctest/stream.c
+$(BIN)/shunt-stream: integration/ctest/stream.c integration/ctest/tool.h
 	@mkdir -p $(@D)
 	$(CC) $(SHUNT_CFLAGS) -o $@ $<
 

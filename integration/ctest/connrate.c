@@ -11,52 +11,8 @@
  * whole connections, close included. Every wait has a bound (SO_RCVTIMEO). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
-#include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <time.h>
-#include <unistd.h>
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static void die(const char *what)
-{
-	fprintf(stderr, "shunt-connrate: %s: %s\n", what, strerror(errno));
-	exit(1);
-}
-
-static void bounded(int fd)
-{
-	struct timeval tv = {10, 0};
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-	int one = 1;
-	setsockopt(fd, IPPROTO_TCP, TCP_NODELAY, &one, sizeof one);
-}
-
-static int full(int fd, char *buf, size_t n, int reading)
-{
-	size_t done = 0;
-	while (done < n) {
-		ssize_t k = reading ? read(fd, buf + done, n - done) : write(fd, buf + done, n - done);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		done += k;
-	}
-	return 0;
-}
+#include "tool.h"
 
 static int cmp(const void *a, const void *b)
 {
@@ -66,6 +22,7 @@ static int cmp(const void *a, const void *b)
 
 int main(int argc, char **argv)
 {
+	tool_name = "shunt-connrate";
 	if (argc < 4) {
 		fprintf(stderr, "usage: shunt-connrate serve ADDR PORT | client ADDR PORT N\n");
 		return 2;
@@ -88,7 +45,7 @@ int main(int argc, char **argv)
 					continue;
 				die("accept");
 			}
-			bounded(c);
+			bounded(c, 10, 1);
 			if (full(c, buf, 8, 1) == 0 && full(c, buf, 8, 0) == 0)
 				while (read(c, buf, sizeof buf) > 0) /* until the client's close */
 					;
@@ -107,7 +64,7 @@ int main(int argc, char **argv)
 		int fd = socket(AF_INET, SOCK_STREAM, 0);
 		if (fd < 0)
 			die("socket");
-		bounded(fd);
+		bounded(fd, 10, 1);
 		if (connect(fd, (struct sockaddr *)&sa, sizeof sa))
 			die("connect");
 		memcpy(buf, "connrate", 8);

@@ -17,50 +17,8 @@
  * Every wait has a bound (SO_RCVTIMEO, SO_SNDTIMEO). */
 #define _GNU_SOURCE
 #include <arpa/inet.h>
-#include <errno.h>
-#include <netinet/in.h>
-#include <netinet/tcp.h>
-#include <stdint.h>
-#include <stdio.h>
-#include <stdlib.h>
-#include <string.h>
-#include <sys/socket.h>
-#include <time.h>
-#include <unistd.h>
 
-static int64_t now_ns(void)
-{
-	struct timespec ts;
-	clock_gettime(CLOCK_MONOTONIC, &ts);
-	return ts.tv_sec * 1000000000LL + ts.tv_nsec;
-}
-
-static void die(const char *what)
-{
-	fprintf(stderr, "shunt-stream: %s: %s\n", what, strerror(errno));
-	exit(1);
-}
-
-static void bounded(int fd)
-{
-	struct timeval tv = {30, 0};
-	setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
-	setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
-}
-
-static int full(int fd, char *buf, size_t n, int reading)
-{
-	size_t done = 0;
-	while (done < n) {
-		ssize_t k = reading ? read(fd, buf + done, n - done) : write(fd, buf + done, n - done);
-		if (k < 0 && errno == EINTR)
-			continue;
-		if (k <= 0)
-			return -1;
-		done += k;
-	}
-	return 0;
-}
+#include "tool.h"
 
 #define MAXSIZE (16u << 20)
 
@@ -93,6 +51,7 @@ static void sink(int c, char *buf)
 
 int main(int argc, char **argv)
 {
+	tool_name = "shunt-stream";
 	if (argc < 4) {
 		fprintf(stderr, "usage: shunt-stream serve ADDR PORT | send ADDR PORT WSIZE RSIZE TOTAL [DELAY_MS]\n");
 		return 2;
@@ -118,7 +77,7 @@ int main(int argc, char **argv)
 					continue;
 				die("accept");
 			}
-			bounded(c);
+			bounded(c, 30, 0);
 			sink(c, buf);
 			close(c);
 		}
@@ -134,7 +93,7 @@ int main(int argc, char **argv)
 	int fd = socket(AF_INET, SOCK_STREAM, 0);
 	if (fd < 0)
 		die("socket");
-	bounded(fd);
+	bounded(fd, 30, 0);
 	if (connect(fd, (struct sockaddr *)&sa, sizeof sa))
 		die("connect");
 	unsigned char hdr[5] = {'r', rsize >> 24, rsize >> 16, rsize >> 8, rsize};
