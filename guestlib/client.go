@@ -44,7 +44,9 @@ type Options struct {
 	// request, an RPC per connection) costs hostd nothing and the program
 	// nothing, as flow offload in a router waits for a flow to prove
 	// itself. 0 = $SHUNT_OPEN_DELAY_MS, else DefaultOpenDelay; negative:
-	// offer at once.
+	// offer at once. It is the least delay: the Client doubles it while
+	// the connections it offers end soon after (up to 200 ms) and halves
+	// it again as they live long (delay.go).
 	OpenDelay time.Duration
 }
 
@@ -126,7 +128,8 @@ type Client struct {
 	// which real guests never do.
 	loopback bool
 
-	opens opener // the delayed OPENs
+	opens opener     // the delayed OPENs
+	delay *openDelay // how long they wait now (delay.go)
 
 	mu         sync.Mutex
 	sess       *session // nil while disconnected
@@ -169,7 +172,7 @@ func NewClient(opts Options) (*Client, error) {
 	c := &Client{
 		opts: o, discover: discover, vm: hostRoot,
 		conns: map[uint32]*Conn{}, pongs: map[uint64]chan struct{}{}, flows: map[flowKey]*Conn{}, regions: map[uint32]*mapping{},
-		listens: map[netip.AddrPort]int{}, done: make(chan struct{}),
+		listens: map[netip.AddrPort]int{}, done: make(chan struct{}), delay: newOpenDelay(o.OpenDelay),
 	}
 	if o.Kick {
 		c.enableKicks()

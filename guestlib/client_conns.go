@@ -2,6 +2,7 @@ package guestlib
 
 import (
 	"errors"
+	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -34,7 +35,9 @@ func (c *Client) open(conn *Conn) {
 	}
 	if err := c.sendLocked(conn.openMsg()); err != nil {
 		conn.reason = proto.ReasonControlLimit.String() // re-offered after a reconnect
+		return
 	}
+	conn.toldAt = time.Now()
 }
 
 // unreachable reports whether hostd is known to be out of reach now (no
@@ -80,6 +83,12 @@ func (c *Client) connClosed(conn *Conn, f *flow) {
 		delete(c.conns, conn.req)
 	}
 	_ = c.sendLocked(m)
+	if !conn.toldAt.IsZero() {
+		life := time.Since(conn.toldAt)
+		if d, changed := c.delay.lived(life); changed {
+			c.logf("shunt: open delay now %v (a connection lived %v after its OPEN)", d, life.Round(time.Millisecond))
+		}
+	}
 }
 
 func sideOf(r proto.Role) proto.Side {

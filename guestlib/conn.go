@@ -50,7 +50,8 @@ type Conn struct {
 	local  netip.AddrPort
 	remote netip.AddrPort
 	role   proto.Role
-	req    uint32 // the OPEN's request id for the Conn's whole life; 0: never offered
+	req    uint32    // the OPEN's request id for the Conn's whole life; 0: never offered
+	toldAt time.Time // when its OPEN went to hostd (zero: it did not); under the Client's mu
 
 	// fmu orders READY, DOWN and Close: a flow is installed only while
 	// the Conn is open, and Close sees every installed flow.
@@ -162,7 +163,7 @@ func (c *Conn) announce() {
 	case cl.opts.OpenDelay <= 0 || cl.unreachable():
 		cl.open(c) // at once; without hostd it only records why (no-hostd, version)
 	default:
-		cl.opens.add(c, cl.opts.OpenDelay)
+		cl.opens.add(c, cl.delay.now())
 	}
 }
 

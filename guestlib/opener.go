@@ -9,9 +9,10 @@ import (
 // timer, as the C library's leaver does: a timer per connection cost each
 // short connection a wake-up of the runtime's timer thread (a futex and a
 // thread switch, about 25 us on two cores), although most close before
-// their OPEN is due. The delay is the same for every connection, so the
-// queue is in due order; a connection closed before its turn stays in it
-// until then, and offerNow skips it.
+// their OPEN is due. The queue is in due order (the delay adapts, so a new
+// connection may be due before older ones: it is put in its place); a
+// connection closed before its turn stays in it until then, and offerNow
+// skips it.
 type opener struct {
 	mu    sync.Mutex
 	q     []openDue
@@ -33,8 +34,15 @@ func (o *opener) add(c *Conn, delay time.Duration) {
 	if o.ended {
 		return
 	}
-	o.q = append(o.q, openDue{c, time.Now().Add(delay)})
-	if o.armed {
+	at := time.Now().Add(delay)
+	i := len(o.q)
+	for i > 0 && o.q[i-1].at.After(at) {
+		i--
+	}
+	o.q = append(o.q, openDue{})
+	copy(o.q[i+1:], o.q[i:])
+	o.q[i] = openDue{c, at}
+	if o.armed && i > 0 {
 		return
 	}
 	o.armed = true

@@ -153,6 +153,7 @@ void conn_end(struct flow *f)
 	pthread_mutex_unlock(&f->rmu);
 	if (rg || f->told) /* a connection hostd never heard of is owed nothing */
 		shunt_flow_close(&id);
+	open_lived(f);
 	if (rg) {
 		shunt_flow_detach(&rg->sf);
 		rings_free(rg);

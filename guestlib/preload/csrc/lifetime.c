@@ -42,6 +42,7 @@ struct flow *flow_new(void)
 	f->next_free = NULL;
 	f->req = 0;
 	f->told = 0;
+	f->told_at = 0;
 	f->open_at = 0;
 	f->onext = f->oprev = f->inext = NULL;
 	f->dropped = f->fork_drop = f->fork_held = 0;

@@ -21,8 +21,71 @@
 
 #include <arpa/inet.h>
 #include <stdlib.h>
+#include <sys/mman.h>
 
 int64_t open_delay_ns = 5000000;
+
+/* The open delay adapts to what this process's connections do, so that a
+ * server or client of short connections under load (ab -c 16, pgbench -C,
+ * a connection per request) stops offering them: on a busy machine the
+ * tail of such connections outlives 5 ms, and each one offered costs both
+ * ends and hostd an OPEN, a pairing, READY, and CLOSE, for bytes that were
+ * nearly all sent already. A connection that was offered but closed less
+ * than OPEN_PAYS_NS (or four delays) after its OPEN did not pay for it:
+ * the delay doubles, up to OPEN_DELAY_MAX_NS. One that lived longer halves
+ * it again, down to SHUNT_OPEN_DELAY_MS. Connections closed within the
+ * delay say nothing: hostd never heard of them. So the delay climbs above
+ * a short-connection load's tail within a few connections, and the first
+ * long-lived connections bring it back; a long-lived connection meanwhile
+ * reaches the rings later (at most OPEN_DELAY_MAX_NS, well inside hostd's
+ * pairing timeout), never not at all. Counted by time after OPEN, not by
+ * bytes: a latency-bound connection (small messages, long life) pays back
+ * as well as a bulk one. Per process tree: the delay lives in a
+ * MAP_SHARED page made at the process's first connection, which the
+ * children it forks after share, so that a server that forks a process
+ * per connection (PostgreSQL's backends) learns in its children for the
+ * next ones. SHUNT_OPEN_DELAY_MS=0 (at once) turns it off. The Go library
+ * does the same (guestlib, openDelay). */
+#define OPEN_DELAY_MAX_NS 200000000LL
+#define OPEN_PAYS_NS 50000000LL
+static int64_t delay_own;   /* the delay, if no page can be had */
+static int64_t *delay_page; /* atomic: the shared word; the delay now, 0 until adapted: open_delay_ns */
+
+static int64_t *delay_word(void)
+{
+	int64_t *p = __atomic_load_n(&delay_page, __ATOMIC_ACQUIRE);
+	if (p)
+		return p;
+	void *m = mmap(NULL, 4096, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_ANONYMOUS, -1, 0);
+	if (m == MAP_FAILED)
+		return &delay_own;
+	if (!__atomic_compare_exchange_n(&delay_page, &p, (int64_t *)m, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE)) {
+		munmap(m, 4096);
+		return p;
+	}
+	return m;
+}
+
+static int64_t open_delay(void)
+{
+	int64_t d = __atomic_load_n(delay_word(), __ATOMIC_RELAXED);
+	return d ? d : open_delay_ns;
+}
+
+void open_lived(struct flow *f)
+{
+	if (!f->told_at || open_delay_ns <= 0)
+		return;
+	int64_t life = now_ns() - f->told_at, d = open_delay(), nd = d;
+	if (life < (OPEN_PAYS_NS > 4 * d ? OPEN_PAYS_NS : 4 * d))
+		nd = 2 * d < OPEN_DELAY_MAX_NS ? 2 * d : OPEN_DELAY_MAX_NS;
+	else
+		nd = d / 2 > open_delay_ns ? d / 2 : open_delay_ns;
+	int64_t seen = __atomic_load_n(delay_word(), __ATOMIC_RELAXED);
+	if (nd != d && __atomic_compare_exchange_n(delay_word(), &seen, nd, 0, __ATOMIC_RELAXED, __ATOMIC_RELAXED))
+		plog("shunt: open delay now %lld ms (fd %d lived %lld ms after its OPEN)", (long long)(nd / 1000000), f->fd,
+		     (long long)(life / 1000000));
+}
 
 /* idx_mu guards the queue, the index, and each flow's open_at and links;
  * it comes after tab_mu and a flow's locks (preload.h). */
@@ -220,6 +283,7 @@ static void send_open(struct flow *f)
 	int r = shunt_session_open(session, &m);
 	if (r)
 		f->told = 0;
+	f->told_at = r ? 0 : now_ns();
 	pthread_mutex_unlock(&f->wmu);
 	inet_ntop(AF_INET6, m.remote.ip, ip, sizeof ip);
 	plog("shunt: fd %d %s [%s]:%u: open (request %u%s)", f->fd, f->role == SHUNT_ROLE_ACTIVE ? "connect" : "accept", ip,
@@ -260,7 +324,7 @@ void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct
 		 * it out before f can be freed (release, fork.c). */
 		if (delayed) {
 			pthread_mutex_lock(&idx_mu);
-			kick = queue_locked(f, now_ns() + open_delay_ns);
+			kick = queue_locked(f, now_ns() + open_delay());
 			pthread_mutex_unlock(&idx_mu);
 		}
 	}

@@ -179,6 +179,7 @@ struct flow {
 	int fd;         /* the fd it was opened on (logs, and hostd's callbacks) */
 	uint32_t req;   /* its request id (0 until OPEN): names it to hostd for its whole life; set under wmu and idx_mu */
 	int told;       /* hostd was sent its OPEN (or REATTACH): it is owed a CLOSE */
+	int64_t told_at; /* when this process sent its OPEN (0: not sent): the open delay adapts (open.c, open_lived) */
 	/* The open delay and the request-id index (open.c), under idx_mu:
 	 * when OPEN is due (0: not waiting), the queue's links, and the
 	 * index's chain (in it from OPEN to release). */
@@ -427,6 +428,9 @@ void share_exec(struct flow *f);
 void share_exec_failed(struct flow *f);
 /* open.c: open_requeue queues f's OPEN again for now + ns (f not queued) */
 void open_requeue(struct flow *f, int64_t ns);
+/* open_lived: f, which was offered to hostd, is ending: the open delay
+ * adapts to how long it lived after its OPEN (open.c). */
+void open_lived(struct flow *f);
 
 /* guard.c: guard watches fd, a new flow's kernel socket: bytes arriving
  * there mean the program wrote past the library (a raw syscall), and the
