@@ -40,7 +40,7 @@ var serverPkgs = map[string]string{
 	"nginx": "nginx", "sshd": "openssh-server", "ssh": "openssh-client", "scp": "openssh-client",
 	"ssh-keygen": "openssh-client", "socat": "socat", "ab": "apache2-utils", "curl": "curl",
 	"redis-server": "redis-server", "redis-benchmark": "redis-tools", "redis-cli": "redis-tools",
-	"memcached": "memcached", "memcslap": "libmemcached-tools", "memccat": "libmemcached-tools", "memccp": "libmemcached-tools",
+	"memcached": "memcached", "memcslap": "libmemcached-tools", "python3": "python3",
 	"apache2": "apache2", "haproxy": "haproxy", "node": "nodejs", "pgbench": "postgresql-contrib", "psql": "postgresql-client",
 }
 
@@ -94,8 +94,7 @@ func newSrvEnv(t *testing.T, tools ...string) *srvEnv {
 	// channel. The trust group has hostd's default quotas and pair
 	// regions (room for 32 connections per guest), as a packaged hostd.
 	testenv.NeedTool(t, "nft", "nftables")
-	o := stack.Options{Guests: 2, HostdBin: hostdBin, Netns: true, Group: "  # hostd's default quotas and pair regions\n"}
-	s := &srvEnv{env: startEnv(t, "e", o), t: t}
+	s := &srvEnv{env: startEnv(t, "e", srvStackOptions()), t: t}
 	t.Cleanup(func() {
 		if t.Failed() && !s.dumped {
 			t.Logf("state at the end:\n%s", s.state())
@@ -108,6 +107,12 @@ func newSrvEnv(t *testing.T, tools ...string) *srvEnv {
 		}
 	})
 	return s
+}
+
+// srvStackOptions: two guests, each with its netns in hostd.hcl, and
+// hostd's default quotas and pair regions.
+func srvStackOptions() stack.Options {
+	return stack.Options{Guests: 2, HostdBin: hostdBin, Netns: true, Group: "  # hostd's default quotas and pair regions\n"}
 }
 
 // guestProc is a process started in a guest, perhaps the root of a tree.

@@ -26,7 +26,7 @@ demo_pkgs=(gcc libc6-dev make iproute2 nftables procps kmod)
 test_pkgs=("${demo_pkgs[@]}" iptables conntrack
 	sockperf iperf3 redis-server redis-tools openmpi-bin libopenmpi-dev
 	nginx openssh-server openssh-client socat apache2-utils curl
-	apache2 memcached libmemcached-tools haproxy postgresql postgresql-contrib nodejs
+	apache2 memcached libmemcached-tools python3 haproxy postgresql postgresql-contrib nodejs
 	qemu-system-x86 linux-image-amd64 busybox-static xz-utils
 	libvirt-daemon-system libvirt-clients ruby systemd
 	podman containernetworking-plugins runc)

@@ -75,6 +75,7 @@ var checks = []check{
 	{"regions", checkRegions},
 	{"quotas", checkQuotas},
 	{"sockets", checkSockets},
+	{"netns", checkNetns},
 	{"libvirt", checkLibvirt},
 	{"qmp", checkQMP},
 	{"metrics", checkMetrics},

@@ -723,3 +723,15 @@ func TestQuotas(t *testing.T) {
 	fs = run(t, c, healthy())
 	want(t, fs, "quotas", Warning, "each guest may hold 7 concurrent fast-path connections of ring_size 1 MiB (bound by guest_ring_bytes", "raise guest_ring_bytes")
 }
+
+// TestNetns: a process guest's netns is checked (a missing one is a
+// problem: hostd would not start), and one without is told what it
+// means for servers that drop privileges.
+func TestNetns(t *testing.T) {
+	c := newConfig(t)
+	fs := run(t, c, healthy())
+	want(t, fs, "netns", OK, "guest g1: no netns: its control socket is root's (0600)", "")
+	c.guests = []string{fmt.Sprintf("guest \"g1\" {\n  id = 1\n  group = \"a\"\n  control = %q\n  addresses = [\"10.0.0.1\"]\n  netns = %q\n}\n", c.path("run/g1.sock"), c.path("missing-ns"))}
+	fs = run(t, c, healthy())
+	want(t, fs, "netns", Problem, "netns "+c.path("missing-ns")+" is not a network namespace file", "ip netns add")
+}

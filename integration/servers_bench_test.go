@@ -1,0 +1,107 @@
+package integration
+
+import (
+	"fmt"
+	"os/exec"
+	"testing"
+	"time"
+)
+
+// BenchmarkPackagedAB: requests per second that ab -c 16 gets from nginx
+// and Apache (event MPM) as Debian packages them (nginxPackagedCmd,
+// apacheCmd), each in guest 2 both plain and with both ends under
+// shunt-run at once (on their own ports), for Debian's index page
+// (10.7 KB), with a connection per request and with keep-alive, 2 s each.
+// The eight runs are interleaved, round after round (benchRounds), and
+// each reports its median and each pair its ratio, Shunt over plain:
+//
+//	flock -o /work/heavy.lock go test ./integration -run '^$' -bench BenchmarkPackagedAB -benchtime 1x
+func BenchmarkPackagedAB(b *testing.B) {
+	e := startEnv(b, "b", srvStackOptions())
+	needPreload(b)
+	g2 := e.rig.Guests[1].Addr.String()
+	type run struct {
+		srv, stack, mode string
+		port             int
+		preload, ka      bool
+	}
+	var runs []run
+	for i, srv := range []string{"nginx", "apache"} {
+		for j, preload := range []bool{false, true} {
+			port := 8100 + 80*i + j
+			var cmd *exec.Cmd
+			if srv == "nginx" {
+				cmd = nginxPackagedCmd(b, e, 2, preload, servedDir(b), "/var/www/html", g2, port)
+			} else {
+				cmd = apacheCmd(b, e, 2, preload, servedDir(b), "/var/www/html", "event", port)
+			}
+			p, err := startGuestProc(e, 2, cmd)
+			if err != nil {
+				b.Fatal(err)
+			}
+			b.Cleanup(p.stop)
+			waitListening(b, e, 2, port)
+			for _, ka := range []bool{false, true} {
+				runs = append(runs, run{srv, map[bool]string{false: "kernel", true: "shunt"}[preload],
+					map[bool]string{false: "close", true: "keepalive"}[ka], port, preload, ka})
+			}
+		}
+	}
+	rps := map[run][]float64{}
+	for b.Loop() {
+		for range benchRounds {
+			for _, r := range runs {
+				args := []string{"-q", "-t", "2", "-n", "1000000", "-c", "16"}
+				if r.ka {
+					args = append(args, "-k")
+				}
+				cmd := srvCommand(b, e, 1, r.preload, nil, "ab", append(args, fmt.Sprintf("http://%s:%d/index.html", g2, r.port))...)
+				out := runBounded(b, e, 1, cmd, 30*time.Second)
+				res := abResult(out)
+				if res["Complete requests"] == 0 || res["Failed requests"]+res["Non-2xx responses"] > 0 {
+					b.Fatalf("ab against %s (%s, %s): %v\n%s", r.srv, r.stack, r.mode, res, tailLines(out, 40))
+				}
+				rps[r] = append(rps[r], res["Requests per second"])
+			}
+		}
+	}
+	for _, r := range runs {
+		b.ReportMetric(median(rps[r]), fmt.Sprintf("%s-%s-%s-req/s", r.srv, r.stack, r.mode))
+		if r.preload {
+			k := r
+			k.preload, k.stack, k.port = false, "kernel", r.port-1
+			b.ReportMetric(median(rps[r])/median(rps[k]), fmt.Sprintf("%s-%s-shunt/kernel", r.srv, r.mode))
+		}
+		b.Logf("%s %s %s: %v", r.srv, r.stack, r.mode, rps[r])
+	}
+}
+
+// runBounded runs cmd in guest i to its end within timeout and returns
+// its output; past the deadline it fails t with the output and where each
+// of the process's threads waits (with gdb's backtraces if gdb is there).
+func runBounded(t testing.TB, e *env, i int, cmd *exec.Cmd, timeout time.Duration) string {
+	t.Helper()
+	p, err := startGuestProc(e, i, cmd)
+	if err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-p.done:
+		if p.err != nil {
+			t.Fatalf("%s: %v\n%s", cmd.Args, p.err, p.out.String())
+		}
+		return p.out.String()
+	case <-time.After(timeout):
+	}
+	where := threads(cmd.Process.Pid)
+	if gdb, err := exec.LookPath("gdb"); err == nil {
+		bt, _ := exec.Command(gdb, "-p", fmt.Sprint(cmd.Process.Pid), "-batch", "-ex", "thread apply all bt").CombinedOutput()
+		where += string(bt)
+	}
+	p.stop()
+	t.Fatalf("%s did not finish in %s\n%s\n%s", cmd.Args, timeout, tailLines(p.out.String(), 60), where)
+	return ""
+}
+
+// benchRounds is how many interleaved rounds a server benchmark runs.
+const benchRounds = 5
