@@ -350,33 +350,12 @@ func (s *Server) accept(l *listener, g *broker.Guest) {
 		if !s.pace(l, g) {
 			return
 		}
-		c, err := l.Accept()
-		if err != nil {
-			select {
-			case <-l.done:
-				return
-			default:
-			}
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			s.m.AcceptErrors.Inc()
-			if delay == 0 {
-				s.log.Warn("accept on a control socket failed; retrying with backoff (counted in shunt_control_accept_errors_total)", "guest", g.Name, "error", err)
-			}
-			delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
-			t := time.NewTimer(delay)
-			select {
-			case <-l.done:
-				t.Stop()
-				return
-			case <-t.C:
-			}
-			continue
+		c, ok := s.acceptOne(l, g.Name, &delay)
+		if !ok {
+			return
 		}
-		if delay != 0 {
-			s.log.Info("accepting on the control socket again", "guest", g.Name)
-			delay = 0
+		if c == nil {
+			continue
 		}
 		s.mu.Lock()
 		if s.closed || !slices.Contains(s.listeners[g], l) {
@@ -407,14 +386,55 @@ func (s *Server) accept(l *listener, g *broker.Guest) {
 				continue
 			}
 		}
-		s.perGuest[g]++
-		ss := newSession(s, c, g)
-		s.sessions[ss] = true
-		s.mu.Unlock()
-		s.wg.Add(2)
-		go ss.writeLoop()
-		go ss.readLoop()
+		s.startLocked(c, g)
 	}
+}
+
+// acceptOne accepts the next connection on l, or returns nil after an
+// error it waited a backoff for (delay carries it from call to call, as
+// accept says), or reports false once l is closed.
+func (s *Server) acceptOne(l *listener, who string, delay *time.Duration) (net.Conn, bool) {
+	c, err := l.Accept()
+	if err == nil {
+		if *delay != 0 {
+			s.log.Info("accepting on the control socket again", "guest", who)
+			*delay = 0
+		}
+		return c, true
+	}
+	select {
+	case <-l.done:
+		return nil, false
+	default:
+	}
+	if errors.Is(err, net.ErrClosed) {
+		return nil, false
+	}
+	s.m.AcceptErrors.Inc()
+	if *delay == 0 {
+		s.log.Warn("accept on a control socket failed; retrying with backoff (counted in shunt_control_accept_errors_total)", "guest", who, "error", err)
+	}
+	*delay = min(max(2**delay, acceptBackoffMin), acceptBackoffMax)
+	t := time.NewTimer(*delay)
+	select {
+	case <-l.done:
+		t.Stop()
+		return nil, false
+	case <-t.C:
+	}
+	return nil, true
+}
+
+// startLocked serves c as a session of guest g; s.mu is held, and
+// released.
+func (s *Server) startLocked(c net.Conn, g *broker.Guest) {
+	s.perGuest[g]++
+	ss := newSession(s, c, g)
+	s.sessions[ss] = true
+	s.mu.Unlock()
+	s.wg.Add(2)
+	go ss.writeLoop()
+	go ss.readLoop()
 }
 
 // refuseWrite bounds the one write to a session refused at accept: a

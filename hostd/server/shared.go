@@ -71,28 +71,13 @@ func (s *Server) acceptShared(l *listener, resolve Resolver) {
 	defer s.wg.Done()
 	var delay time.Duration
 	for {
-		c, err := l.Accept()
-		if err != nil {
-			select {
-			case <-l.done:
-				return
-			default:
-			}
-			if errors.Is(err, net.ErrClosed) {
-				return
-			}
-			s.m.AcceptErrors.Inc()
-			delay = min(max(2*delay, acceptBackoffMin), acceptBackoffMax)
-			t := time.NewTimer(delay)
-			select {
-			case <-l.done:
-				t.Stop()
-				return
-			case <-t.C:
-			}
+		c, ok := s.acceptOne(l, "(container socket)", &delay)
+		if !ok {
+			return
+		}
+		if c == nil {
 			continue
 		}
-		delay = 0
 		g, err := resolve(c)
 		if err != nil {
 			s.m.ClosedSession.WithLabelValues(proto.ReasonNotGuest.String()).Inc()
@@ -131,13 +116,7 @@ func (s *Server) start(c net.Conn, g *broker.Guest, current func() bool) bool {
 		s.refuse(c, g, n)
 		return true
 	}
-	s.perGuest[g]++
-	ss := newSession(s, c, g)
-	s.sessions[ss] = true
-	s.mu.Unlock()
-	s.wg.Add(2)
-	go ss.writeLoop()
-	go ss.readLoop()
+	s.startLocked(c, g)
 	return true
 }
 
