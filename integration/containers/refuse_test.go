@@ -3,6 +3,7 @@
 package containers
 
 import (
+	"context"
 	"fmt"
 	"os"
 	"os/exec"
@@ -10,7 +11,16 @@ import (
 	"strconv"
 	"strings"
 	"testing"
+
+	"github.com/shuntnet/shunt/internal/proto"
 )
+
+// ctxT is a step's context, cancelled when the test ends.
+func ctxT(t *testing.T) context.Context {
+	ctx, cancel := context.WithTimeout(context.Background(), step)
+	t.Cleanup(cancel)
+	return ctx
+}
 
 // probe runs the probe in container id against control and returns what
 // hostd answered.
@@ -74,6 +84,14 @@ func TestContainerRefused(t *testing.T) {
 	}
 	if got, want := w.probe(b, w.csock), "WELCOME "+strconv.FormatUint(uint64(bg.ID), 10); got != want {
 		t.Errorf("B on the container socket: %q, want %q", got, want)
+	}
+	// hostd also serves each run-time guest inside its own namespace, on
+	// the abstract socket the libraries fall back to: no mount needed.
+	if got, want := w.probe(b, "@"+proto.NetnsControl), "WELCOME "+strconv.FormatUint(uint64(bg.ID), 10); got != want {
+		t.Errorf("B on the abstract socket in its namespace: %q, want %q", got, want)
+	}
+	if out, err := w.podmanCmd(ctxT(t), "exec", "-e", "SHUNT_CONTROL=@"+proto.NetnsControl, u, "/bin/probe").CombinedOutput(); err == nil {
+		t.Errorf("an unregistered container found an abstract socket in its namespace: %s", out)
 	}
 	// So is an unregistered container that forges A's socket.
 	if got := w.probe(u, "/own/control.sock"); !strings.HasPrefix(got, "ERROR not-guest") {
