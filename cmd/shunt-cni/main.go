@@ -12,6 +12,6 @@ import (
 
 func main() {
 	p := &cni.Plugin{HostPeer: cni.HostPeer}
-	skel.PluginMainFuncs(skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check}, cni.Versions,
+	skel.PluginMainFuncs(skel.CNIFuncs{Add: p.Add, Del: p.Del, Check: p.Check, Status: p.Status}, cni.Versions,
 		"shunt: puts a container's TCP connections on Shunt's shared-memory rings (registers it with hostd)")
 }

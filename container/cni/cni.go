@@ -20,9 +20,11 @@ import (
 // prevResult, since it only ever runs chained.
 var Versions = version.PluginSupports("0.3.0", "0.3.1", "0.4.0", "1.0.0", "1.1.0")
 
-// Error codes of its own (the spec leaves 100 and up to plugins).
+// Error codes of its own (the spec leaves 100 and up to plugins), and
+// the spec's for STATUS.
 const (
-	ErrRefused uint = 100 // hostd refused the guest; the message says why
+	ErrRefused     uint = 100 // hostd refused the guest; the message says why
+	ErrUnavailable uint = 50  // STATUS: the plugin cannot serve an ADD now (hostd not answering)
 )
 
 // Conf is the plugin's network configuration:
@@ -206,6 +208,20 @@ func (p *Plugin) Check(args *skel.CmdArgs) error {
 		return nil
 	}
 	return types.NewError(types.ErrUnknownContainer, fmt.Sprintf("shunt: hostd has no guest %s for this container", spec.Name), "")
+}
+
+// Status (CNI 1.1) fails with code 50 while hostd does not answer, when
+// an ADD could not register a container. GC is left to hostd, which drops
+// the guests whose namespace went (the plugin has none of its own state).
+func (p *Plugin) Status(args *skel.CmdArgs) error {
+	c, err := parse(args.StdinData)
+	if err != nil {
+		return err
+	}
+	if err := admin.Call(c.AdminSocket, admin.Request{Cmd: admin.CmdStatus}, nil); err != nil {
+		return types.NewError(ErrUnavailable, "shunt: hostd is not answering at "+c.AdminSocket, err.Error())
+	}
+	return nil
 }
 
 type unreachableError struct{ err error }

@@ -39,6 +39,8 @@ func (f *fakeHostd) handle(r admin.Request) (any, error) {
 		_, had := f.guests[r.Guest]
 		delete(f.guests, r.Guest)
 		return admin.GuestReply{Name: r.Guest, Removed: had}, nil
+	case admin.CmdStatus:
+		return map[string]int{}, nil
 	case admin.CmdGuestList:
 		var out []admin.GuestSpec
 		for _, s := range f.guests {
@@ -186,6 +188,12 @@ func TestCNIErrors(t *testing.T) {
 		if code(err) != c.code {
 			t.Errorf("%s: %v (code %d), want code %d", c.name, err, code(err), c.code)
 		}
+	}
+	if err := p.Status(args(conf(sock, ""))); err != nil {
+		t.Errorf("STATUS with hostd up: %v", err)
+	}
+	if err := p.Status(args(conf(gone, ""))); code(err) != ErrUnavailable {
+		t.Errorf("STATUS with hostd down: %v, want code %d", err, ErrUnavailable)
 	}
 	// DEL with hostd down succeeds: hostd drops the guest itself once
 	// its namespace is gone.

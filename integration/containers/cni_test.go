@@ -123,6 +123,12 @@ func TestCNIConformance(t *testing.T) {
 	w.must("ip", "netns", "del", ns)
 	w.waitFor(15*time.Second, "the guest of a namespace that went dropped", func() bool { return len(w.guests()) == 0 })
 
+	// STATUS (1.1): ready while hostd answers.
+	status := fmt.Sprintf(`{"cniVersion":"1.1.0","name":"x","type":"shunt","admin_socket":%q}`, w.admin)
+	if m, ok := plugin(t, "STATUS", "", status); !ok {
+		t.Errorf("STATUS with hostd up: %v", m)
+	}
+
 	// Errors: the spec's JSON error and a non-zero exit.
 	noPrev := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"x","type":"shunt","admin_socket":%q}`, w.admin)
 	withPrev := fmt.Sprintf(`{"cniVersion":"1.0.0","name":"x","type":"shunt","interface":"none","admin_socket":%%q,"prevResult":{"cniVersion":"1.0.0","ips":[{"address":"10.250.1.2/24"}]}}`)
@@ -135,6 +141,7 @@ func TestCNIConformance(t *testing.T) {
 		{"CHECK of an unknown container", "CHECK", "/proc/self/ns/net", fmt.Sprintf(withPrev, w.admin), 3},
 		{"ADD with hostd down", "ADD", "/proc/self/ns/net", fmt.Sprintf(withPrev, filepath.Join(w.dir, "nobody.sock")), 11},
 		{"ADD of hostd's own namespace", "ADD", "/proc/self/ns/net", fmt.Sprintf(withPrev, w.admin), 100},
+		{"STATUS with hostd down", "STATUS", "", strings.Replace(status, w.admin, filepath.Join(w.dir, "nobody.sock"), 1), 50},
 	} {
 		m, ok := plugin(t, c.cmd, c.netns, c.conf)
 		if ok || m["code"] != c.code || m["msg"] == "" {
