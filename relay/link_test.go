@@ -17,7 +17,7 @@ import (
 
 // conns makes n connected TCP pairs on loopback, in the same order on
 // both sides.
-func conns(t *testing.T, n int) ([]net.Conn, []net.Conn) {
+func conns(t testing.TB, n int) ([]net.Conn, []net.Conn) {
 	t.Helper()
 	ln, err := net.Listen("tcp", "127.0.0.1:0")
 	if err != nil {
