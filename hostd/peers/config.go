@@ -115,3 +115,36 @@ func (cr *creds) server() *tls.Config {
 		ClientCAs: cr.pool, ClientAuth: tls.RequireAndVerifyClientCert,
 	}
 }
+
+// TLSInfo is what `hostd check` reports of the peering TLS material.
+type TLSInfo struct {
+	Name     string    // this hostd's name among its peers
+	NotAfter time.Time // its certificate's expiry
+}
+
+// Inspect loads c's TLS material and checks that this hostd's own
+// certificate chains to the CA and names it for both TLS roles, as every
+// peer will check it.
+func Inspect(c *Config) (TLSInfo, error) {
+	cr, err := loadCreds(c)
+	if err != nil {
+		return TLSInfo{}, err
+	}
+	leaf, err := x509.ParseCertificate(cr.cert.Certificate[0])
+	if err != nil {
+		return TLSInfo{}, err
+	}
+	inter := x509.NewCertPool()
+	for _, der := range cr.cert.Certificate[1:] {
+		if ic, err := x509.ParseCertificate(der); err == nil {
+			inter.AddCert(ic)
+		}
+	}
+	info := TLSInfo{Name: cr.name, NotAfter: leaf.NotAfter}
+	_, err = leaf.Verify(x509.VerifyOptions{Roots: cr.pool, Intermediates: inter, DNSName: cr.name,
+		KeyUsages: []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth, x509.ExtKeyUsageClientAuth}})
+	if err != nil {
+		return info, fmt.Errorf("peering: this hostd's certificate does not verify against the CA, as its peers will check it: %w", err)
+	}
+	return info, nil
+}

@@ -79,6 +79,7 @@ var checks = []check{
 	{"libvirt", checkLibvirt},
 	{"qmp", checkQMP},
 	{"metrics", checkMetrics},
+	{"peering", checkPeering},
 }
 
 // env is what a check sees: the configuration, the probes, and the
