@@ -18,7 +18,7 @@ import (
 // does.
 const (
 	maxOpenDelay = 200 * time.Millisecond
-	openPays     = 50 * time.Millisecond
+	openPays     = 200 * time.Millisecond
 )
 
 // openDelay is a Client's open delay now. Safe for concurrent use.
