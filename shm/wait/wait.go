@@ -82,7 +82,12 @@ const checkEvery = 64
 // vCPU; a waiter that only spins there keeps its peer off the CPU for the
 // whole budget, and with a budget near the wake-up cost both ends settle
 // into paying it on every message. Yielding lets a co-located peer run at
-// once; with nothing else runnable it costs one system call.
+// once; with nothing else runnable it costs one system call. The first
+// yield of a wait also gives the goroutine's P to the program's runnable
+// goroutines (runtime.Gosched): the one that will answer (net/http's
+// handler, a Transport's loop) may be waiting for it. Once per wait: it
+// lets every goroutine runnable then go first, and each further one
+// would cost a trip through the scheduler.
 const yieldAfter = 500 * time.Nanosecond
 
 // Wait returns nil once c is ready, or os.ErrDeadlineExceeded when the
@@ -98,6 +103,7 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 			spin = DefaultSpin
 		}
 		start := time.Now()
+		gave := false
 		for i := 1; ; i++ {
 			if c.Ready() {
 				return nil
@@ -115,7 +121,10 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 				break
 			}
 			if spun >= yieldAfter {
-				runtime.Gosched()
+				if !gave {
+					runtime.Gosched()
+					gave = true
+				}
 				sys.Yield()
 			}
 		}
