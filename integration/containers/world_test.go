@@ -282,11 +282,25 @@ func (w *world) ensureImage() string {
 		imageTag = "localhost/shunt-test:" + tag
 		ctx, cancel := context.WithTimeout(context.Background(), step)
 		defer cancel()
+		// Containers an earlier run left (a killed test binary) go first.
+		if out, err := w.podmanCmd(ctx, "ps", "-aq", "--filter", "label=shunt-test").Output(); err == nil {
+			if ids := strings.Fields(string(out)); len(ids) > 0 {
+				_ = w.podmanCmd(ctx, append([]string{"rm", "-f", "-t", "0"}, ids...)...).Run()
+			}
+		}
 		if w.podmanCmd(ctx, "image", "exists", imageTag).Run() == nil {
 			return
 		}
 		if out, err := w.podmanCmd(ctx, "import", tar, imageTag).CombinedOutput(); err != nil {
 			imageErr = fmt.Errorf("podman import: %v: %s", err, out)
+			return
+		}
+		// Older test images (of other binaries) go: one is kept.
+		out, _ := w.podmanCmd(ctx, "images", "--format", "{{.Repository}}:{{.Tag}}", "localhost/shunt-test").Output()
+		for _, img := range strings.Fields(string(out)) {
+			if img != imageTag {
+				_ = w.podmanCmd(ctx, "rmi", "-f", img).Run()
+			}
 		}
 	})
 	if imageErr != nil {
