@@ -24,8 +24,9 @@ import (
 //   - the sweep: a connection on the rings has its bits cleared, read and
 //     cleared again, round after round (every ProofMaxAge/4); one that
 //     shows no passage both ways for ProofMaxAge moves to TCP (firewall).
-//     That covers what sends no ruleset event: dynamic sets, ipset, tc,
-//     a link down, routes.
+//     That covers what sends no ruleset event: dynamic sets, ipset, tc
+//     ingress, a link down, routes (not tc egress, which drops after
+//     postrouting, where the packet already set its bit).
 
 // fwState is the broker's epoch of the ruleset, guarded by Broker.mu.
 type fwState struct {
@@ -59,8 +60,14 @@ func (b *Broker) lookupEpochLocked() uint64 {
 
 // leaseProof is one connection's proof of passage.
 type leaseProof struct {
-	epoch     uint64    // the epoch of the last lookup that showed both bits (0: none)
-	seenAt    time.Time // when that lookup was
+	epoch uint64 // the epoch of the last lookup that showed both bits (0: none)
+	// seenAt is the earliest time the bits that lookup showed may have
+	// been set: the rule sets a bit once per clearing, so they prove
+	// passage only since the later of the epoch's start, the entry's
+	// making and hostd's last clear of this entry (ownClear), however
+	// recent the lookup.
+	seenAt    time.Time
+	ownClear  time.Time // when hostd last cleared this entry's bits (the sweep, a stale wait)
 	clearedAt time.Time // when the sweep last cleared its bits (zero: not yet, on this stretch of rings)
 	sweptAt   time.Time // when the sweep last looked
 }
@@ -83,11 +90,28 @@ func (b *Broker) provenLocked(c *Conn, now time.Time) bool {
 
 func (b *Broker) proofOn() bool { return b.opts.ProofOrig != 0 }
 
-// sawLocked records a lookup of c's entry that began in epoch ep.
+// sawLocked records a lookup of c's entry that began in epoch ep, at at.
+// Its bits date from no earlier than the epoch's start, the entry's start
+// and hostd's last clear of them: that is the proof's age, not at (bits
+// set by a handshake long ago, with nothing passing since, are no fresh
+// proof for a late OPEN).
 func (b *Broker) sawLocked(c *Conn, e ctrack.Entry, ep uint64, at time.Time) {
-	if b.passed(e.Mark) && b.fw.proofOK(ep) {
-		c.pf.epoch, c.pf.seenAt = ep, at
+	if !b.passed(e.Mark) || !b.fw.proofOK(ep) {
+		return
 	}
+	since := b.fw.since
+	for _, t := range []time.Time{e.Start, c.pf.ownClear} {
+		if t.After(since) {
+			since = t
+		}
+	}
+	if since.After(at) {
+		since = at
+	}
+	if c.pf.epoch == ep && c.pf.seenAt.After(since) {
+		return // an earlier lookup knew better
+	}
+	c.pf.epoch, c.pf.seenAt = ep, since
 }
 
 // fwWait is a connection's wait for proof of passage, on TCP: the poller
@@ -318,11 +342,13 @@ func (b *Broker) checkWait(c *Conn) {
 		return // not yet: the epoch's clear is under way
 	}
 	if w.stale {
+		at := time.Now()
 		err := b.ct.ClearMark(orig, b.opts.ProofOrig|b.opts.ProofReply)
 		b.mu.Lock()
 		if c.fw == w && err == nil {
 			w.stale = false
 			w.every, w.next = 0, time.Time{}
+			c.pf.ownClear = at
 		}
 		b.mu.Unlock()
 		return // gone (err): ConntrackDestroyed or Resync handles it
@@ -384,10 +410,13 @@ func (b *Broker) sweep(c *Conn) {
 	}
 	switch {
 	case cleared.IsZero():
-		c.pf.clearedAt = now
+		c.pf.clearedAt, c.pf.ownClear = now, now
 	case seen:
+		if cleared.After(c.pf.ownClear) {
+			c.pf.ownClear = cleared
+		}
 		b.sawLocked(c, e, ep, now)
-		c.pf.clearedAt = now
+		c.pf.clearedAt, c.pf.ownClear = now, now
 	case now.Sub(cleared) > b.opts.ProofMaxAge:
 		b.m.ProofStale.Inc()
 		b.log.Info("lease shows no packets past the firewall both ways: moved to TCP until it does", "conn", c.Name(), "tuple", c.orig, "for", now.Sub(cleared).Round(time.Millisecond))

@@ -1,0 +1,32 @@
+package broker_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+// TestFirewallLateOpenOldBits: proof bits are set once per clearing, so
+// bits a lookup finds may be as old as the entry (or the epoch's clear).
+// A connection whose handshake set them, then whose packets stop passing
+// with no ruleset event (a dynamic set, ipset, tc), and whose OPENs come
+// later than ProofMaxAge, has no fresh proof: it waits on TCP until its
+// own bits, cleared, show packets again. (Before: READY at once, so two
+// colluding guests holding N connections made before such a drop got
+// about N x proof_max_age of rings past it, one late OPEN at a time.)
+func TestFirewallLateOpenOldBits(t *testing.T) {
+	w := proofWorld(t, 300*time.Millisecond)
+	sa, sb := w.sessions()
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80") // the handshake's bits
+	time.Sleep(time.Second)                          // nothing passes since
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa.expect(t, proto.TCP, proto.ReasonFirewall, 1)
+	sb.expect(t, proto.TCP, proto.ReasonFirewall, 2)
+	time.Sleep(100 * time.Millisecond) // the poller clears the stale bits
+	sa.none(t)
+	e, _ := w.ct.Lookup(ta)
+	w.ct.Pass(e.ID, passOrig|passReply) // packets pass again
+	readyBoth(t, sa, sb)
+}
