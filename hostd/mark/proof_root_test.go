@@ -22,33 +22,10 @@ import (
 // conntrack still counts the dropped packets; the reply bit returns once
 // the rule goes (TCP retransmits); ClearMarks clears every entry's bits.
 func TestProofBits(t *testing.T) {
-	testenv.NeedRoot(t)
-	testenv.NeedTool(t, "nft", "nftables")
-	r, err := nsrig.New("prf", 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Create(); err != nil {
-		t.Fatal(err)
-	}
-	defer r.Destroy()
-	if err := r.Firewall(""); err != nil {
-		t.Fatal(err)
-	}
+	r, ct, f := proofRig(t, "prf")
 	if _, err := nsrig.Run(r.HostNSPath(), "sysctl", "-qw", "net.netfilter.nf_conntrack_acct=1", "net.netfilter.nf_conntrack_timestamp=1"); err != nil {
 		t.Fatal(err)
 	}
-	ct, err := ctrack.Dial(r.HostNSPath())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ct.Close()
-	m, err := mark.Open(mark.Options{Netns: r.HostNSPath()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	f := m.Field()
 	g1, g2 := r.Guests[0], r.Guests[1]
 
 	var l net.Listener
@@ -164,6 +141,37 @@ func TestProofBits(t *testing.T) {
 	if got, _ := proof(); got != 0 {
 		t.Fatalf("after ClearMarks: proof bits %#x", got)
 	}
+}
+
+// proofRig is a rig of two guests with the rig's firewall and hostd's
+// table (proof chains included) in its host namespace, and a conntrack
+// client there; all go when the test ends.
+func proofRig(t *testing.T, name string) (*nsrig.Rig, *ctrack.Netlink, mark.Field) {
+	t.Helper()
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "nft", "nftables")
+	r, err := nsrig.New(name, 2)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := r.Create(); err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { r.Destroy() })
+	if err := r.Firewall(""); err != nil {
+		t.Fatal(err)
+	}
+	ct, err := ctrack.Dial(r.HostNSPath())
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { ct.Close() })
+	m, err := mark.Open(mark.Options{Netns: r.HostNSPath()})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { m.Close() })
+	return r, ct, m.Field()
 }
 
 func itoa(p uint16) string {

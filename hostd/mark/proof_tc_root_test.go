@@ -10,7 +10,6 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/ctrack"
-	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
@@ -20,30 +19,8 @@ import (
 // postrouting, so the packets it drops have set their direction's bit.
 func TestProofTCEgressUnseen(t *testing.T) {
 	testenv.NeedRoot(t)
-	testenv.NeedTool(t, "nft", "nftables")
 	testenv.NeedTool(t, "tc", "iproute2")
-	r, err := nsrig.New("prt", 2)
-	if err != nil {
-		t.Fatal(err)
-	}
-	if err := r.Create(); err != nil {
-		t.Fatal(err)
-	}
-	defer r.Destroy()
-	if err := r.Firewall(""); err != nil {
-		t.Fatal(err)
-	}
-	ct, err := ctrack.Dial(r.HostNSPath())
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer ct.Close()
-	m, err := mark.Open(mark.Options{Netns: r.HostNSPath()})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer m.Close()
-	f := m.Field()
+	r, ct, f := proofRig(t, "prt")
 	g1, g2 := r.Guests[0], r.Guests[1]
 	var l net.Listener
 	if err := nsrig.In(g2.NSPath(), func() (err error) {
