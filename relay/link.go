@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync"
 	"sync/atomic"
+	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
 )
@@ -31,6 +32,7 @@ type Link struct {
 	done     chan struct{}
 	wg       sync.WaitGroup
 	dropped  atomic.Uint64 // frames for flows not open here
+	stats    linkStats
 
 	mu    sync.Mutex
 	flows map[uint32]*Flow
@@ -72,6 +74,26 @@ func (l *Link) Err() error {
 	l.mu.Lock()
 	defer l.mu.Unlock()
 	return l.err
+}
+
+// linkStats are the link's counters (Stats), updated without its lock.
+type linkStats struct {
+	bytesOut, bytesIn, frames, writes atomic.Uint64
+	stalled                           atomic.Int64 // ns writers waited for credit, over all flows
+}
+
+// Stats are a link's counters, for metrics per link.
+type Stats struct {
+	BytesOut, BytesIn uint64        // flow bytes (payloads) sent and received
+	Frames            uint64        // frames sent
+	Writes            uint64        // vectored writes that sent them (Frames/Writes: the batching)
+	Stalled           time.Duration // time writers waited for credit, summed over flows (a wait counts once it ends)
+}
+
+// Stats returns the link's counters so far.
+func (l *Link) Stats() Stats {
+	return Stats{BytesOut: l.stats.bytesOut.Load(), BytesIn: l.stats.bytesIn.Load(), Frames: l.stats.frames.Load(),
+		Writes: l.stats.writes.Load(), Stalled: time.Duration(l.stats.stalled.Load())}
 }
 
 // Dropped counts frames that named a flow not open here (a late frame of
@@ -146,6 +168,8 @@ func (l *Link) writer(c *lconn) {
 				bufs = append(bufs, f.data)
 			}
 		}
+		l.stats.frames.Add(uint64(len(q)))
+		l.stats.writes.Add(1)
 		if _, err := bufs.WriteTo(c.c); err != nil {
 			l.fail(fmt.Errorf("relay link: write: %w", err))
 			return
@@ -208,6 +232,7 @@ func (l *Link) take(fr frame) error {
 		f.buf = append(f.buf, fr.data)
 		f.buffered += n
 		f.recvd += n
+		l.stats.bytesIn.Add(n)
 	case fCredit:
 		if fr.arg < f.acked || fr.arg > f.sent {
 			return fmt.Errorf("%w: flow %d: credit for offset %d, acked %d, sent %d", ErrProtocol, f.id, fr.arg, f.acked, f.sent)
@@ -289,8 +314,12 @@ func (f *Flow) Write(p []byte) (int, error) {
 	defer f.mu.Unlock()
 	done := 0
 	for done < len(p) {
-		for f.err == nil && !f.closed && (!f.peerOpen || f.sent >= f.acked+f.l.window) {
-			f.cond.Wait()
+		if f.err == nil && !f.closed && (!f.peerOpen || f.sent >= f.acked+f.l.window) {
+			since := time.Now()
+			for f.err == nil && !f.closed && (!f.peerOpen || f.sent >= f.acked+f.l.window) {
+				f.cond.Wait()
+			}
+			f.l.stats.stalled.Add(int64(time.Since(since)))
 		}
 		if f.err != nil {
 			return done, f.err
@@ -303,6 +332,7 @@ func (f *Flow) Write(p []byte) (int, error) {
 		f.l.send(f.c, frame{typ: fData, flow: f.id, arg: f.sent, data: chunk})
 		f.sent += n
 		done += int(n)
+		f.l.stats.bytesOut.Add(n)
 	}
 	return done, nil
 }

@@ -173,6 +173,13 @@ func TestLinkNoHeadOfLineBlocking(t *testing.T) {
 	if sent != window || acked != 0 {
 		t.Fatalf("stalled flow sent %d acked %d, want exactly its window %d and nothing acked", sent, acked, window)
 	}
+	// The stalled writer's wait is counted; both flows' bytes are.
+	if st := la.Stats(); st.Stalled <= 0 || st.BytesOut != window+32<<20 || st.Frames < st.Writes || st.Writes == 0 {
+		t.Fatalf("sender's stats %+v", st)
+	}
+	if st := lb.Stats(); st.BytesIn != window+32<<20 {
+		t.Fatalf("receiver's stats %+v", st)
+	}
 }
 
 // TestLinkAckedIsConsumed: the sender's Acked follows what the receiver's
