@@ -309,8 +309,8 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s", at(fmt.Sprintf("%s %q: want an absolute path of a directory of hostd's own", d.name, d.path)))
 		}
 	}
-	if c.ContainerSocket = raw.ContainerSock; c.ContainerSocket != "" && !filepath.IsAbs(c.ContainerSocket) {
-		return nil, fmt.Errorf("%s", at(fmt.Sprintf("container_socket %q: want an absolute path", c.ContainerSocket)))
+	if err := c.checkContainerSocket(raw.ContainerSock); err != nil {
+		return nil, fmt.Errorf("%s", at(err.Error()))
 	}
 	if raw.PairLinger == "0s" || raw.PairLinger == "0" {
 		c.PairRegionLinger = -1 // none
@@ -457,6 +457,29 @@ func Parse(name string, src []byte) (*Config, error) {
 		return nil, fmt.Errorf("%s", at(err.Error()))
 	}
 	return c, nil
+}
+
+// checkContainerSocket sets c.ContainerSocket from sock: an absolute
+// path in a directory of its own, since the CDI device mounts that
+// directory into containers whole (docs/containers.md): never the admin
+// socket's or the metrics socket's directory.
+func (c *Config) checkContainerSocket(sock string) error {
+	if c.ContainerSocket = sock; sock == "" {
+		return nil
+	}
+	if !filepath.IsAbs(sock) {
+		return fmt.Errorf("container_socket %q: want an absolute path", sock)
+	}
+	dir := filepath.Dir(filepath.Clean(sock))
+	for _, other := range []struct{ name, path string }{{"admin_socket", c.AdminSocket}, {"metrics_address", MetricsUnix(c.MetricsAddress)}} {
+		if other.path != "" && filepath.Dir(filepath.Clean(other.path)) == dir {
+			return fmt.Errorf("container_socket %s is in the directory of %s (%s), which containers would then see: give it a directory of its own, such as /run/shunt/container/control.sock", sock, other.name, other.path)
+		}
+	}
+	if dir == "/" || dir == "/run" {
+		return fmt.Errorf("container_socket %s: give it a directory of its own, such as /run/shunt/container/control.sock", sock)
+	}
+	return nil
 }
 
 // group returns the trust group called name (nil if there is none).
