@@ -31,6 +31,7 @@
 #define KERNEL_EVERY   16                    /* while spinning, the kernel is asked every this many turns */
 #define KERNEL_POLL_NS 5000                  /* epoll_wait(0) asks the kernel at most this often */
 #define RECHECK_NS     1000000               /* a waiter without an eventfd looks again this often */
+#define REG_MAX        4                     /* helpers' eventfds a set remembers being in its kernel set */
 
 /* What an EPOLLET interest in a connection was last reported at: where
  * each direction is (stream offsets, paths, the rings' positions and the
@@ -83,6 +84,14 @@ struct ep {
 	int64_t kernel_at; /* when epoll_wait(0) last asked the kernel */
 	struct waiter *waiters; /* threads blocked in the kernel wait */
 	int nested;        /* atomic: another set held it once (kick_outer looks for it then) */
+	/* helpers' eventfds known to be in the kernel set (efd_in), by
+	 * (efd, helper id); the kernel drops one when its helper's thread
+	 * exits (the eventfd closes), and a later helper has another id */
+	struct {
+		int efd;
+		unsigned id;
+	} reg[REG_MAX];
+	unsigned reg_next;
 };
 
 static pthread_mutex_t ep_mu = PTHREAD_MUTEX_INITIALIZER;
@@ -110,6 +119,7 @@ static struct ep *find_locked(int fd, int create)
 			eps_top = fd + 1;
 	}
 	if (*slot && create && !(*slot)->live) {
+		memset((*slot)->reg, 0, sizeof (*slot)->reg); /* a new kernel set */
 		(*slot)->live = 1;
 		(*slot)->gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 	}
@@ -318,6 +328,28 @@ static void kick_outer(struct ep *e, int depth)
 	pthread_mutex_unlock(&ep_mu);
 	for (int i = 0; i < n; i++)
 		kick_outer(outer[i], depth + 1);
+}
+
+/* efd_in makes sure eventfd efd (helper id) is in e's kernel set as
+ * EFD_MAGIC: an epoll_ctl the first time, not at every wait. 0, or -1. */
+static int efd_in(struct ep *e, int efd, unsigned id)
+{
+	pthread_mutex_lock(&e->mu);
+	for (int i = 0; i < REG_MAX; i++)
+		if (e->reg[i].id == id && e->reg[i].efd == efd) {
+			pthread_mutex_unlock(&e->mu);
+			return 0;
+		}
+	pthread_mutex_unlock(&e->mu);
+	struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
+	if (real_epoll_ctl(e->fd, EPOLL_CTL_ADD, efd, &m) < 0 && errno != EEXIST)
+		return -1;
+	pthread_mutex_lock(&e->mu);
+	unsigned at = e->reg_next++ % REG_MAX;
+	e->reg[at].efd = efd;
+	e->reg[at].id = id;
+	pthread_mutex_unlock(&e->mu);
+	return 0;
 }
 
 static void wait_on(struct ep *e, struct waiter *w)
@@ -650,9 +682,9 @@ static int plain_wait(struct ep *e, int epfd, struct epoll_event *ev, int max, i
 			left = 0;
 		struct waiter w = {.efd = -1};
 		if (e) {
-			int efd = left ? wake_efd() : -1;
-			struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
-			if (efd >= 0 && real_epoll_ctl(epfd, EPOLL_CTL_ADD, efd, &m) < 0 && errno != EEXIST)
+			unsigned id;
+			int efd = left ? wake_efd(&id) : -1;
+			if (efd >= 0 && efd_in(e, efd, id))
 				efd = -1;
 			pthread_mutex_lock(&e->mu);
 			if (e->n) {
@@ -721,8 +753,7 @@ static int do_epoll_wait(int epfd, struct epoll_event *ev, int max, int64_t time
 		 * added from now on kicks it), arm every ring of interest,
 		 * re-check, sleep. */
 		struct helper *h = helper();
-		struct epoll_event m = {.events = EPOLLIN, .data.u64 = EFD_MAGIC};
-		if (h && real_epoll_ctl(epfd, EPOLL_CTL_ADD, helper_efd(h), &m) < 0 && errno != EEXIST)
+		if (h && efd_in(e, helper_efd(h), helper_id(h)))
 			h = NULL; /* then the wait is sliced */
 		struct waiter w = {.efd = h ? helper_efd(h) : -1};
 		if (h) {

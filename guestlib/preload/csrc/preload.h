@@ -365,9 +365,12 @@ void arm_free(struct arm *a);
 struct helper;
 struct helper *helper(void);
 int helper_efd(struct helper *h);
-/* wake_efd: the calling thread's eventfd (its helper's), even where
- * futex_waitv is missing, or -1: epoll.c kicks a waiter through it. */
-int wake_efd(void);
+/* helper_id numbers the process's helpers from 1 (an eventfd's number may
+ * be reused by a later helper; the pair (efd, id) is not). wake_efd: the
+ * calling thread's eventfd (its helper's), even where futex_waitv is
+ * missing, or -1, and its helper's id: epoll.c kicks a waiter through it. */
+unsigned helper_id(struct helper *h);
+int wake_efd(unsigned *id);
 int64_t block_start(struct helper *h, struct arm *a, int64_t ns);
 void block_stop(struct helper *h);
 int remaining_ms(int64_t deadline);

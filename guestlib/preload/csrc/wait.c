@@ -56,6 +56,7 @@ struct sleeper {
  * thread starts and stops them, and the thread's exit frees them. */
 struct helper {
 	int efd;
+	unsigned id;     /* this process's helpers are numbered from 1: epoll.c remembers which sets hold efd by it */
 	int ok;          /* efd made; a helper that failed is kept so it is not retried */
 	uint32_t cancel; /* every sleeper's first word: 1 ends the sleep */
 	pthread_mutex_t mu;
@@ -71,6 +72,7 @@ static pthread_key_t me_key; /* runs helper_free at thread exit, if me_key_ok */
 static int me_key_ok;
 static pthread_once_t me_once = PTHREAD_ONCE_INIT;
 static int waitv_broken; /* futex_waitv is missing or failed: every wait is sliced */
+static unsigned helper_ids; /* atomic: the last helper's id */
 
 static void *sleeper_loop(void *arg)
 {
@@ -145,6 +147,7 @@ struct helper *helper(void)
 	pthread_cond_init(&me->cv, NULL);
 	me->efd = eventfd(0, EFD_NONBLOCK | EFD_CLOEXEC);
 	me->ok = me->efd >= 0;
+	me->id = __atomic_add_fetch(&helper_ids, 1, __ATOMIC_RELAXED);
 	if (me_key_ok)
 		pthread_setspecific(me_key, me);
 	return helper();
@@ -152,10 +155,13 @@ struct helper *helper(void)
 
 int helper_efd(struct helper *h) { return h->efd; }
 
-int wake_efd(void)
+unsigned helper_id(struct helper *h) { return h->id; }
+
+int wake_efd(unsigned *id)
 {
 	if (!me)
 		helper();
+	*id = me ? me->id : 0;
 	return me && me->ok ? me->efd : -1;
 }
 
