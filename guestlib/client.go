@@ -146,8 +146,9 @@ type Client struct {
 	closes     []proto.Msg // CLOSEs and LEFTs to write when the queue has room or once reconnected
 	lastTry    time.Time
 	lastErr    error
-	retrying   bool // a reconnect goroutine runs
-	connected  bool // a session was installed once (later ones are reconnects)
+	said       string // the last failure to reach hostd that was logged: each kind is said once
+	retrying   bool   // a reconnect goroutine runs
+	connected  bool   // a session was installed once (later ones are reconnects)
 	closed     bool
 	reconnects int
 	done       chan struct{}
@@ -268,6 +269,13 @@ func (c *Client) connectUnlocked() error {
 		err = net.ErrClosed
 	}
 	c.lastErr = err
+	if err != nil && err.Error() != c.said && !errors.Is(err, vserial.ErrAllBusy) && !errors.Is(err, net.ErrClosed) { // handshake said busy ports
+		c.said = err.Error()
+		reason := c.downReasonLocked()
+		c.logf("shunt: cannot reach hostd: %v: connections stay on TCP (%s); a process or container guest with netns in hostd.hcl may connect whatever its user or root directory (docs/preload.md, \"Privileges and chroot\")", err, reason)
+	} else if err == nil {
+		c.said = ""
+	}
 	if err != nil {
 		if conn != nil {
 			conn.Close()
