@@ -155,6 +155,11 @@ func (a *Agent) addRuntime(spec admin.GuestSpec) (admin.GuestReply, error) {
 	if err != nil {
 		return admin.GuestReply{}, err
 	}
+	for _, gc := range a.cfg.Guests {
+		if ns, err := server.NetnsOf(gc.Netns); gc.Netns != "" && err == nil && ns == r.ns {
+			return admin.GuestReply{}, fmt.Errorf("guest %s: network namespace %s is configured guest %s's: one namespace is one guest", spec.Name, spec.Netns, gc.Name)
+		}
+	}
 	for _, o := range a.rt.byName {
 		if o.ns == r.ns {
 			return admin.GuestReply{}, fmt.Errorf("guest %s: network namespace %s (inode %d) is guest %s's already: one namespace is one guest", spec.Name, spec.Netns, r.ns.Ino, o.spec.Name)

@@ -21,7 +21,7 @@ type Guest struct {
 	CTMark  uint32 // the operator's mark, outside Options.MarkMask; 0: not checked
 	Mark    uint32 // hostd's mark id in Options.MarkMask, as its connections carry it (hostd/mark); 0: none
 	Ifindex int    // host-side interface, for the eBPF witness; 0: none
-	Source  string // where it was declared: "config" or "libvirt"
+	Source  string // where it was declared: "config", "libvirt" or "runtime" (hostd guest add)
 	// SharedRegion guests (VMs, whose ivshmem BAR takes no descriptor)
 	// have their flows with each other in the group's region. The others
 	// get a region per peer (see Broker.UsePairRegions).
