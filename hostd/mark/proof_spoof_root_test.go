@@ -137,7 +137,7 @@ func repairSeqs(t *testing.T, c net.Conn) (rcvNxt, sndNxt uint32) {
 		if serr = unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_REPAIR, 1); serr != nil {
 			return
 		}
-		rcvNxt, sndNxt = get(1), get(2) // TCP_RECV_QUEUE, TCP_SEND_QUEUE
+		rcvNxt, sndNxt = get(1), get(2)                                                             // TCP_RECV_QUEUE, TCP_SEND_QUEUE
 		if err := unix.SetsockoptInt(int(fd), unix.IPPROTO_TCP, unix.TCP_REPAIR, -1); serr == nil { // TCP_REPAIR_OFF_NO_WP
 			serr = err
 		}
