@@ -51,8 +51,9 @@ func (f *frame) header(b []byte) []byte {
 }
 
 // readFrame reads one frame, validating its header; the payload is read
-// into a fresh buffer of exactly its length (at most MaxPayload).
-func readFrame(r io.Reader) (frame, error) {
+// into scratch (of MaxPayload bytes), which it aliases until the next
+// call.
+func readFrame(r io.Reader, scratch []byte) (frame, error) {
 	var h [headerSize]byte
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return frame{}, err
@@ -70,7 +71,7 @@ func readFrame(r io.Reader) (frame, error) {
 		return f, fmt.Errorf("%w: a payload of %d bytes, at most %d", ErrProtocol, n, MaxPayload)
 	}
 	if n > 0 {
-		f.data = make([]byte, n)
+		f.data = scratch[:n]
 		if _, err := io.ReadFull(r, f.data); err != nil {
 			return f, err
 		}

@@ -182,8 +182,9 @@ func (l *Link) writer(c *lconn) {
 // exceed), so one slow reader stalls no other flow.
 func (l *Link) reader(c *lconn) {
 	defer l.wg.Done()
+	scratch := make([]byte, MaxPayload)
 	for {
-		fr, err := readFrame(c.c)
+		fr, err := readFrame(c.c, scratch)
 		if err == nil {
 			err = l.take(fr)
 		}
@@ -229,7 +230,7 @@ func (l *Link) take(fr frame) error {
 		case f.recvd+n > f.granted+l.window:
 			return fmt.Errorf("%w: flow %d: bytes up to %d beyond the credit %d", ErrProtocol, f.id, f.recvd+n, f.granted+l.window)
 		}
-		f.buf = append(f.buf, fr.data)
+		f.buf.put(fr.data)
 		f.buffered += n
 		f.recvd += n
 		l.stats.bytesIn.Add(n)
@@ -294,7 +295,7 @@ type Flow struct {
 	acked    uint64 // the peer's consumer took up to here
 	peerOpen bool   // the peer opened the flow (its first CREDIT came)
 	// receiving
-	buf      [][]byte
+	buf      chunks
 	buffered uint64
 	recvd    uint64 // next offset expected
 	consumed uint64 // this side's consumer took up to here
@@ -361,16 +362,7 @@ func (f *Flow) Read(p []byte) (int, error) {
 		}
 		return 0, f.err
 	}
-	n := 0
-	for n < len(p) && len(f.buf) > 0 {
-		c := copy(p[n:], f.buf[0])
-		n += c
-		if c == len(f.buf[0]) {
-			f.buf = f.buf[1:]
-		} else {
-			f.buf[0] = f.buf[0][c:]
-		}
-	}
+	n := f.buf.take(p)
 	f.buffered -= uint64(n)
 	f.consumed += uint64(n)
 	if f.consumed-f.granted >= f.l.window/4 || f.buffered == 0 {
@@ -413,6 +405,8 @@ func (f *Flow) Close() {
 	f.l.mu.Unlock()
 	f.mu.Lock()
 	f.closed = true
+	f.buf.free()
+	f.buffered = 0
 	f.cond.Broadcast()
 	f.mu.Unlock()
 }

@@ -347,9 +347,51 @@ func FuzzReadFrame(f *testing.F) {
 	f.Add(append(fr.header(nil), fr.data...))
 	f.Add([]byte{2, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0})
 	f.Fuzz(func(t *testing.T, b []byte) {
-		fr, err := readFrame(bytes.NewReader(b))
+		fr, err := readFrame(bytes.NewReader(b), make([]byte, MaxPayload))
 		if err == nil && (len(fr.data) > MaxPayload || fr.typ < fData || fr.typ > fLeft) {
 			t.Fatalf("accepted %+v", fr)
 		}
 	})
+}
+
+// TestLinkTinyFramesBounded: a peer that cuts a window into 1-byte frames
+// costs the receiver no more memory than the bytes (packed chunks), and
+// every byte reads back in order.
+func TestLinkTinyFramesBounded(t *testing.T) {
+	const window = 64 << 10
+	ca, cb := conns(t, 1)
+	l := NewLink(ca, LinkOptions{Window: window})
+	defer func() { l.Close(); l.Wait(); cb[0].Close() }()
+	f, err := l.Open(1)
+	if err != nil {
+		t.Fatal(err)
+	}
+	go io.Copy(io.Discard, cb[0])
+	want := seeded(9, window)
+	var b []byte
+	for i := range want {
+		fr := frame{typ: fData, flow: 1, arg: uint64(i), data: want[i : i+1]}
+		b = append(fr.header(b), fr.data...)
+	}
+	if _, err := cb[0].Write(b); err != nil {
+		t.Fatal(err)
+	}
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		f.mu.Lock()
+		recvd, nq := f.recvd, len(f.buf.q)
+		f.mu.Unlock()
+		if recvd == window {
+			if nq > window/chunkSize+1 {
+				t.Fatalf("%d one-byte frames held in %d chunks of %d", window, nq, chunkSize)
+			}
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("received %d of %d; link error %v", recvd, window, l.Err())
+		}
+	}
+	got := make([]byte, window)
+	if _, err := io.ReadFull(f, got); err != nil || !bytes.Equal(got, want) {
+		t.Fatalf("read back: %v, equal %v", err, bytes.Equal(got, want))
+	}
 }
