@@ -135,18 +135,8 @@ func TestPreloadEdgeServers(t *testing.T) {
 	t.Run("lostsession", func(t *testing.T) {
 		cmd := client("lostsession")
 		cmd.Env = append(cmd.Env, "SHUNT_EDGE_CHROOT="+t.TempDir())
-		stdin, _ := cmd.StdinPipe()
-		stdout, _ := cmd.StdoutPipe()
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := nsrig.Start(e.rig.Guests[0].NSPath(), cmd); err != nil {
-			t.Fatal(err)
-		}
+		stdin, r, stderr := e.startAt(t, 1, cmd, "ready\n")
 		defer cmd.Process.Kill()
-		r := bufio.NewReader(stdout)
-		if line, err := r.ReadString('\n'); err != nil || line != "ready\n" {
-			t.Fatalf("client: %q, %v\n%s", line, err, stderr.String())
-		}
 		e.killHostd()
 		e.startHostd()
 		fmt.Fprintln(stdin, "go")
@@ -158,4 +148,24 @@ func TestPreloadEdgeServers(t *testing.T) {
 			t.Fatalf("lostsession: want PASS, on TCP, the unreachable hostd said at most once:\n%s", out)
 		}
 	})
+}
+
+// startAt starts cmd in guest i with pipes to its stdin and stdout, and
+// waits for its first line, which must be want (the client is ready for
+// the test's step): its stdin, the rest of its stdout, and its stderr.
+func (e *env) startAt(t *testing.T, i int, cmd *exec.Cmd, want string) (io.WriteCloser, *bufio.Reader, *bytes.Buffer) {
+	t.Helper()
+	stdout, _ := cmd.StdoutPipe()
+	stdin, _ := cmd.StdinPipe()
+	var stderr bytes.Buffer
+	cmd.Stderr = &stderr
+	if err := nsrig.Start(e.rig.Guests[i-1].NSPath(), cmd); err != nil {
+		t.Fatal(err)
+	}
+	r := bufio.NewReader(stdout)
+	if line, err := r.ReadString('\n'); err != nil || line != want {
+		cmd.Process.Kill()
+		t.Fatalf("client: %q, %v\n%s", line, err, stderr.String())
+	}
+	return stdin, r, &stderr
 }

@@ -1,7 +1,6 @@
 package integration
 
 import (
-	"bufio"
 	"bytes"
 	"encoding/json"
 	"fmt"
@@ -602,18 +601,8 @@ func TestPreloadEdgeCases(t *testing.T) {
 	// connection goes on over TCP, as the kernel and the firewall let it.
 	t.Run("revoke", func(t *testing.T) {
 		cmd := client("revoke")
-		stdout, _ := cmd.StdoutPipe()
-		stdin, _ := cmd.StdinPipe()
-		var stderr bytes.Buffer
-		cmd.Stderr = &stderr
-		if err := nsrig.Start(e.rig.Guests[0].NSPath(), cmd); err != nil {
-			t.Fatal(err)
-		}
+		stdin, r, stderr := e.startAt(t, 1, cmd, "blocked\n")
 		defer cmd.Process.Kill()
-		r := bufio.NewReader(stdout)
-		if line, err := r.ReadString('\n'); err != nil || line != "blocked\n" {
-			t.Fatalf("client: %q, %v", line, err)
-		}
 		e.hostCmd("conntrack", "-D", "-p", "tcp", "--dport", "7700")
 		eventually(t, 5*time.Second, "the library's DOWN", func() bool { return strings.Contains(stderr.String(), ": down (conntrack-gone)") })
 		fmt.Fprintln(stdin, "go")
