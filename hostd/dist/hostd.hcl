@@ -45,6 +45,21 @@ trust_group "tenant-a" {
 #   uri    = "qemu:///system"
 # }
 
+# Peer hosts' hostds (docs/crosshost.md: what of the cross-host path is
+# built): mutual TLS with a CA of the fleet; each peer may announce only
+# its prefixes. Connections to a peer's guests stay on TCP today
+# (peer-unreachable while its channel is down).
+# peering {
+#   listen      = "192.0.2.1:7470"
+#   certificate = "/etc/shunt/peer.pem"
+#   key         = "/etc/shunt/peer.key"
+#   ca          = "/etc/shunt/peer-ca.pem"
+# }
+# peer "host-b" {
+#   address  = "192.0.2.2:7470"
+#   prefixes = ["10.78.0.0/16"]
+# }
+
 guest "vm1" {
   id        = 1
   group     = "tenant-a"
