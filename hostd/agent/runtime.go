@@ -343,6 +343,16 @@ func (a *Agent) restoreRuntime() {
 		if r != nil && a.rt.byNS[r.ns] != nil {
 			r, why = nil, "its namespace is guest "+a.rt.byNS[r.ns].spec.Name+"'s"
 		}
+		// A configured guest given its addresses meanwhile wins: a stale
+		// spec must never keep hostd from starting (CheckOverlaps).
+		if r != nil {
+			if err := broker.CheckOverlaps(append(slices.Clone(a.guests), r.g)); err != nil {
+				if a.witness != nil && r.g.Ifindex != 0 {
+					a.witness.Detach(r.g.Ifindex)
+				}
+				r, why = nil, err.Error()
+			}
+		}
 		if r == nil {
 			a.log.Info("run-time guest not restored; its spec is dropped", "file", path, "why", why)
 			_ = os.Remove(path)
