@@ -201,10 +201,19 @@ func (b *Broker) RulesetChanged() {
 	}
 	n := 0
 	for c := range b.records {
-		if b.downgradeLocked(c, proto.ReasonFirewall) {
+		switch {
+		case b.downgradeLocked(c, proto.ReasonFirewall):
 			n++
-		} else if c.path == PathTCP && c.reason == proto.ReasonNone {
+		case c.path == PathTCP && c.reason == proto.ReasonNone:
 			c.reason = proto.ReasonFirewall
+		case c.path == PathTCP && c.reason != proto.ReasonFirewall:
+			// Kept on TCP by something else (policy, limits, a gone
+			// end): polling its entry would cost a lookup every few
+			// seconds for as long as it lives. It waits for proof
+			// once that is over (mayUpgradeLocked: its proof is of an
+			// older epoch now).
+			c.fw = nil
+			continue
 		}
 		c.fw = &fwWait{}
 	}

@@ -4,7 +4,9 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/policy"
 )
 
 // TestFirewallLateOpenOldBits: proof bits are set once per clearing, so
@@ -28,5 +30,33 @@ func TestFirewallLateOpenOldBits(t *testing.T) {
 	sa.none(t)
 	e, _ := w.ct.Lookup(ta)
 	w.ct.Pass(e.ID, passOrig|passReply) // packets pass again
+	readyBoth(t, sa, sb)
+}
+
+// TestFirewallChangeSparesIdleRecords: a ruleset change makes only the
+// connections that want the rings wait for proof. One kept on TCP by
+// policy costs no conntrack lookup per poll (before, every record was
+// polled until it showed passage, forever if idle: a pair of guests with
+// many idle connections on TCP made the poller look up each every 5 s);
+// once policy lets it go to the rings, it waits for proof then.
+func TestFirewallChangeSparesIdleRecords(t *testing.T) {
+	w := newWorldOpts(t, policy.Spec{Default: "tcp"}, broker.Options{FirewallPoll: 5 * time.Millisecond,
+		ProofOrig: passOrig, ProofReply: passReply, ProofMaxAge: time.Minute})
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	sa.expect(t, proto.TCP, proto.ReasonPolicy, 1)
+	sb.expect(t, proto.TCP, proto.ReasonPolicy, 2)
+	w.b.RulesetChanged()
+	w.cleared(t)
+	before := w.ct.Lookups()
+	time.Sleep(300 * time.Millisecond)
+	if n := w.ct.Lookups() - before; n != 0 {
+		t.Fatalf("%d conntrack lookups in 300 ms for a connection policy keeps on TCP", n)
+	}
+	w.b.SetPolicy(mustCompile(t, policy.Spec{}))
+	time.Sleep(50 * time.Millisecond)
+	sa.none(t) // its handshake's bits were cleared by the change
+	e, _ := w.ct.Lookup(ta)
+	w.ct.Pass(e.ID, passOrig|passReply)
 	readyBoth(t, sa, sb)
 }
