@@ -20,6 +20,9 @@ const (
 	minBackoff = 100 * time.Millisecond
 	maxBackoff = 5 * time.Second
 	handshake  = 5 * time.Second // bounds a dial plus its TLS handshake
+	// maxHandshakes bounds the inbound channels in their TLS handshake at
+	// once: before it, anyone who reaches the port is a stranger.
+	maxHandshakes = 64
 )
 
 // session is one up channel. Writes are serialized and bounded by a
@@ -136,6 +139,7 @@ func (r *Room) dial(p *peer, addr, name string) (net.Conn, error) {
 // retried with a pause (EMFILE must not stop it).
 func (r *Room) acceptLoop(ln net.Listener) {
 	defer r.wg.Done()
+	busy := make(chan struct{}, maxHandshakes)
 	for {
 		c, err := ln.Accept()
 		if err != nil {
@@ -148,17 +152,31 @@ func (r *Room) acceptLoop(ln net.Listener) {
 			time.Sleep(100 * time.Millisecond)
 			continue
 		}
+		select {
+		case busy <- struct{}{}:
+		default:
+			r.m.refused.WithLabelValues("?", "busy").Inc()
+			c.Close()
+			continue
+		}
 		r.wg.Add(1)
 		go func() {
 			defer r.wg.Done()
-			r.accepted(c)
+			r.accepted(c, func() { <-busy })
 		}()
 	}
 }
 
 // accepted makes the TLS handshake of an inbound channel and runs it if
-// its certificate names a configured peer without a channel.
-func (r *Room) accepted(raw net.Conn) {
+// its certificate names a configured peer without a channel; done frees
+// its handshake's place.
+func (r *Room) accepted(raw net.Conn, done func()) {
+	handshook := false
+	defer func() {
+		if !handshook {
+			done()
+		}
+	}()
 	var in, out atomic.Uint64
 	cc := &counted{Conn: raw, in: &in, out: &out, m: r.m, peer: "?"}
 	r.mu.Lock()
@@ -173,6 +191,8 @@ func (r *Room) accepted(raw net.Conn) {
 		return
 	}
 	_ = c.SetDeadline(time.Time{})
+	handshook = true
+	done()
 	names := c.ConnectionState().PeerCertificates[0].DNSNames
 	r.mu.Lock()
 	var p *peer

@@ -17,7 +17,7 @@ func newMetrics(reg prometheus.Registerer) *metricSet {
 		up:         prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "shunt_peer_up", Help: "1 while the channel to the peer hostd is up."}, []string{"peer"}),
 		reconnects: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_peer_connects_total", Help: "Channels to the peer that came up."}, []string{"peer"}),
 		bytes:      prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_peer_bytes_total", Help: "Bytes on the channel to the peer, TLS included."}, []string{"peer", "dir"}),
-		refused:    prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_peer_refused_total", Help: "Refused peer channels (tls, unknown-peer) and announced addresses (forbidden-prefix, local-address, announced-by-another-peer)."}, []string{"peer", "reason"}),
+		refused:    prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_peer_refused_total", Help: "Refused peer channels (tls, unknown-peer, busy) and announced addresses (forbidden-prefix, local-address, announced-by-another-peer)."}, []string{"peer", "reason"}),
 		announced:  prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "shunt_peer_addresses", Help: "Guest addresses the peer announced and this host accepted."}, []string{"peer"}),
 		rtt:        prometheus.NewGaugeVec(prometheus.GaugeOpts{Name: "shunt_peer_rtt_seconds", Help: "Round trip of the last ping on the peer's channel."}, []string{"peer"}),
 	}

@@ -320,3 +320,32 @@ func TestPeersClaims(t *testing.T) {
 		t.Fatalf("refused claims counted %v; verifier saw %v", n, got)
 	}
 }
+
+// TestPeersHandshakeBound: strangers who connect and never handshake hold
+// at most 64 places; the others are closed at once and counted (busy), and
+// once the strangers go a peer comes up.
+func TestPeersHandshakeBound(t *testing.T) {
+	h1, h2 := pair(t, newCA(t, "ca"))
+	h2.start(t)
+	var idle []net.Conn
+	defer func() {
+		for _, c := range idle {
+			c.Close()
+		}
+	}()
+	for range 80 {
+		c, err := net.Dial("tcp", h2.cfg.Listen)
+		if err != nil {
+			t.Fatal(err)
+		}
+		idle = append(idle, c)
+	}
+	eventually(t, "strangers beyond 64 refused", func() bool { return counter(h2.reg, "shunt_peer_refused_total", "?", "busy") >= 16 },
+		func() any { return counter(h2.reg, "shunt_peer_refused_total", "?", "busy") })
+	for _, c := range idle {
+		c.Close()
+	}
+	idle = nil
+	h1.start(t)
+	eventually(t, "h1 up once the strangers left", func() bool { return h2.r.List()[0].State == peers.StateUp }, func() any { return h2.r.List() })
+}
