@@ -3,6 +3,8 @@ package integration
 import (
 	"fmt"
 	"os/exec"
+	"regexp"
+	"strconv"
 	"testing"
 	"time"
 )
@@ -119,3 +121,65 @@ func runBounded(t testing.TB, e *env, i int, cmd *exec.Cmd, timeout time.Duratio
 
 // benchRounds is how many interleaved rounds a server benchmark runs.
 const benchRounds = 5
+
+var pgbenchTPS = regexp.MustCompile(`(?m)^tps = ([0-9.]+)`)
+
+// BenchmarkPackagedPgbench: transactions per second of pgbench against
+// PostgreSQL run as user postgres (postgresCmd) in guest 2, plain and with
+// both ends under shunt-run, side by side: -c 8 (eight connections for
+// the run) and -C -c 8 (a connection per transaction), 2 s each, the four
+// cells interleaved for benchRounds rounds, medians and ratios:
+//
+//	flock -o /work/heavy.lock go test ./integration -run '^$' -bench BenchmarkPackagedPgbench -benchtime 1x
+func BenchmarkPackagedPgbench(b *testing.B) {
+	e := startEnv(b, "b", srvStackOptions())
+	needPreload(b)
+	g2 := e.rig.Guests[1].Addr.String()
+	type cell struct {
+		stack, mode string
+		preload     bool
+		port        int
+	}
+	var cells []cell
+	for j, preload := range []bool{false, true} {
+		port := 5440 + j
+		p, err := startGuestProc(e, 2, postgresCmd(b, e, 2, preload, servedDir(b), g2, port))
+		if err != nil {
+			b.Fatal(err)
+		}
+		b.Cleanup(p.stop)
+		waitListening(b, e, 2, port)
+		pg := []string{"-h", g2, "-p", fmt.Sprint(port), "-U", "postgres", "postgres"}
+		runBounded(b, e, 1, srvCommand(b, e, 1, false, nil, "pgbench", append([]string{"-i", "-s", "1", "-q"}, pg...)...), time.Minute)
+		stack := map[bool]string{false: "kernel", true: "shunt"}[preload]
+		cells = append(cells, cell{stack, "c8", preload, port}, cell{stack, "C-c8", preload, port})
+	}
+	tps := map[cell][]float64{}
+	for b.Loop() {
+		for range benchRounds {
+			for _, c := range cells {
+				args := []string{"-n", "-c", "8", "-j", "2", "-T", "2"}
+				if c.mode == "C-c8" {
+					args = append(args, "-C")
+				}
+				args = append(args, "-h", g2, "-p", fmt.Sprint(c.port), "-U", "postgres", "postgres")
+				out := runBounded(b, e, 1, srvCommand(b, e, 1, c.preload, nil, "pgbench", args...), 30*time.Second)
+				m := pgbenchTPS.FindStringSubmatch(out)
+				if m == nil {
+					b.Fatalf("pgbench %v: no tps\n%s", args, tailLines(out, 30))
+				}
+				v, _ := strconv.ParseFloat(m[1], 64)
+				tps[c] = append(tps[c], v)
+			}
+		}
+	}
+	for _, c := range cells {
+		b.ReportMetric(median(tps[c]), fmt.Sprintf("%s-%s-tps", c.stack, c.mode))
+		if c.preload {
+			k := c
+			k.preload, k.stack, k.port = false, "kernel", c.port-1
+			b.ReportMetric(median(tps[c])/median(tps[k]), fmt.Sprintf("%s-shunt/kernel", c.mode))
+		}
+		b.Logf("pgbench %s %s: %v", c.stack, c.mode, tps[c])
+	}
+}

@@ -47,19 +47,12 @@ func pgBin(t testing.TB, name string) string {
 	return ms[len(ms)-1]
 }
 
-var pgbenchDone = regexp.MustCompile(`number of transactions actually processed: (\d+)/(\d+)`)
-
-// TestServerPostgres: Debian's PostgreSQL, run as user postgres (a
-// cluster made by its initdb, listening on guest 2's address, clients
-// trusted from the rig's addresses), with pgbench in guest 1: -i loads
-// the tables, -c 8 runs eight connections on the rings, and 20 short runs
-// of -C (a connection per transaction) each finish within their deadline;
-// every transaction is counted, and the balances add up (the accounts'
-// sum equals the history's, which holds all 1800).
-func TestServerPostgres(t *testing.T) {
-	s := newSrvEnv(t, "pgbench", "psql")
+// postgresCmd makes a cluster in dir with Debian's initdb, as user
+// postgres (clients from the rig's addresses trusted), and returns its
+// postgres for guest i, run as user postgres, listening on addr:port.
+func postgresCmd(t testing.TB, e *env, i int, preload bool, dir, addr string, port int) *exec.Cmd {
+	t.Helper()
 	initdb, postgres := pgBin(t, "initdb"), pgBin(t, "postgres")
-	dir := servedDir(t)
 	data := filepath.Join(dir, "data")
 	cmd := exec.Command(initdb, "-D", data, "-U", "postgres", "--auth=trust", "--no-sync")
 	uid, gid := asUser(t, cmd, "postgres")
@@ -75,10 +68,24 @@ func TestServerPostgres(t *testing.T) {
 	}
 	fmt.Fprintln(hba, "host all all 10.77.0.0/16 trust")
 	hba.Close()
+	srv := srvCommand(t, e, i, preload, nil, postgres, "-D", data, "-k", dir, "-c", "listen_addresses="+addr, "-c", fmt.Sprintf("port=%d", port))
+	asUser(t, srv, "postgres")
+	return srv
+}
+
+var pgbenchDone = regexp.MustCompile(`number of transactions actually processed: (\d+)/(\d+)`)
+
+// TestServerPostgres: Debian's PostgreSQL, run as user postgres (a
+// cluster made by its initdb, listening on guest 2's address, clients
+// trusted from the rig's addresses), with pgbench in guest 1: -i loads
+// the tables, -c 8 runs eight connections on the rings, and 20 short runs
+// of -C (a connection per transaction) each finish within their deadline;
+// every transaction is counted, and the balances add up (the accounts'
+// sum equals the history's, which holds all 1800).
+func TestServerPostgres(t *testing.T) {
+	s := newSrvEnv(t, "pgbench", "psql")
 	g2 := s.rig.Guests[1].Addr.String()
-	srvCmd := s.command(2, true, nil, postgres, "-D", data, "-k", dir, "-c", "listen_addresses="+g2, "-c", "port=5432")
-	asUser(t, srvCmd, "postgres")
-	srv := s.start(2, srvCmd)
+	srv := s.start(2, postgresCmd(t, s.env, 2, true, servedDir(t), g2, 5432))
 	s.waitListening(2, 5432)
 	pg := []string{"-h", g2, "-p", "5432", "-U", "postgres", "postgres"}
 	bench := func(timeout time.Duration, args ...string) string {
