@@ -36,7 +36,8 @@ const reasonPending = "pending"
 // shared-memory rings, per direction, as hostd decides (docs/DESIGN.md,
 // "Flow lifecycle: path switching"). It starts on TCP the moment it is
 // connected or accepted. It implements net.Conn (and CloseWrite/CloseRead
-// like *net.TCPConn); as net.Conn requires it is safe for concurrent use,
+// like *net.TCPConn, and io.WriterTo and io.ReaderFrom for io.Copy:
+// conn_copy.go); as net.Conn requires it is safe for concurrent use,
 // with one Read and one Write at a time each.
 //
 // Each direction keeps its stream offset: the writer moves to a ring at
