@@ -3,6 +3,7 @@ package integration
 import (
 	"strings"
 	"testing"
+	"time"
 
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/testenv"
@@ -43,5 +44,32 @@ func TestMPIBTLDefaults(t *testing.T) {
 				t.Logf("%d ranks: %d flows on rings", np, flows)
 			}
 		})
+	}
+}
+
+// TestMPIBTLFirewallRejectNoTCP: as TestMPIBTLFirewallReject, with tcp
+// not in the job's BTL list: the BTL says that no BTL of the job reaches
+// the peer (it said "left to the next BTL (tcp)" before), and the job
+// fails as Open MPI fails an unreachable peer, within its deadline.
+func TestMPIBTLFirewallRejectNoTCP(t *testing.T) {
+	e := newEnv(t, 2, "")
+	if err := e.rig.Firewall("tcp dport " + btlPorts + " reject with tcp reset"); err != nil {
+		t.Fatal(err)
+	}
+	r := e.startMPI(t, mpiJob{btl: "self,vader,shunt", prog: "btlcheck", args: []string{"-m", "1024"}, timeout: time.Minute})
+	select {
+	case err := <-r.done:
+		if err == nil {
+			t.Fatalf("the job succeeded with its only cross-guest BTL rejected\n%s", r.out.String())
+		}
+	case <-time.After(r.job.timeout):
+		r.cmd.Process.Kill()
+		<-r.done
+		t.Fatalf("the job did not end in %s\n%s", r.job.timeout, r.out.String())
+	}
+	out := r.out.String()
+	if !strings.Contains(out, "the lease connect was refused (a firewall REJECT?): no BTL of the job reaches it (tcp is not in the btl list)") ||
+		strings.Contains(out, "left to the next BTL (tcp)") {
+		t.Fatalf("the BTL did not say that no BTL of the job reaches the peer\n%s", out)
 	}
 }
