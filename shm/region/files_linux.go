@@ -122,14 +122,25 @@ func (fl *Files) Create(path, name string, m Meta, g Geometry, a Access, sig wai
 	if err := f.Truncate(g.Size); err != nil {
 		return nil, nil, fmt.Errorf("size region %s: %w", path, err)
 	}
+	p, err := fl.format(f, name, m, g, sig)
+	if err != nil {
+		return nil, nil, err
+	}
+	return p, f, nil
+}
+
+// format records the identity of the new region file f (sized to g) in
+// m, formats and maps it, names it (a pair region), and makes its shadow
+// name: the pool it returns persists to it.
+func (fl *Files) format(f *os.File, name string, m Meta, g Geometry, sig wait.Signal) (*Pool, error) {
 	var st unix.Stat_t
-	if err := unix.Fstat(fd, &st); err != nil {
-		return nil, nil, fmt.Errorf("stat region %s: %w", path, err)
+	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
+		return nil, fmt.Errorf("stat region %s: %w", f.Name(), err)
 	}
 	m.Dev, m.Ino, m.Generation = st.Dev, st.Ino, 1
 	r, err := mapAnd(f, g.Size, func(mem []byte) (*Region, error) { return Format(mem, g) })
 	if err != nil {
-		return nil, nil, err
+		return nil, err
 	}
 	if m.Kind == KindPair {
 		r.SetName(m.ID, m.GuestA, m.GuestB)
@@ -137,9 +148,9 @@ func (fl *Files) Create(path, name string, m Meta, g Geometry, a Access, sig wai
 	p, err := fl.record(name, m, g, r, sig)
 	if err != nil {
 		r.Close()
-		return nil, nil, err
+		return nil, err
 	}
-	return p, f, nil
+	return p, nil
 }
 
 // record makes the fresh shadow of region r, named name, and returns its

@@ -46,21 +46,8 @@ func (fl *Files) CreateSealed(name string, m Meta, g Geometry, sig wait.Signal) 
 			f.Close()
 		}
 	}()
-	var st unix.Stat_t
-	if err := unix.Fstat(int(f.Fd()), &st); err != nil {
-		return nil, nil, fmt.Errorf("stat region %s: %w", name, err)
-	}
-	m.Dev, m.Ino, m.Generation = st.Dev, st.Ino, 1
-	r, err := mapAnd(f, g.Size, func(mem []byte) (*Region, error) { return Format(mem, g) })
+	p, err := fl.format(f, name, m, g, sig)
 	if err != nil {
-		return nil, nil, err
-	}
-	if m.Kind == KindPair {
-		r.SetName(m.ID, m.GuestA, m.GuestB)
-	}
-	p, err := fl.record(name, m, g, r, sig)
-	if err != nil {
-		r.Close()
 		return nil, nil, err
 	}
 	return p, f, nil
