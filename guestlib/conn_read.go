@@ -124,7 +124,10 @@ func (c *Conn) toRingLocked() {
 }
 
 // readerTryLeaveLocked leaves the read ring if nothing more can come from
-// it, without blocking (for DOWN, the leaver and Close).
+// it, without blocking (for DOWN, the leaver and Close). Bytes the ring
+// still holds once its writer left are copied out first (drainLocked):
+// hostd may take the ring's memory away soon after a DOWN (a revocation),
+// and a reader that does not read for a while must lose nothing.
 func (c *Conn) readerTryLeaveLocked() {
 	c.readerFlowLocked()
 	f := c.rf
@@ -145,12 +148,37 @@ func (c *Conn) readerTryLeaveLocked() {
 		c.toRingLocked()
 	}
 	gone := f.peerGone.Load()
-	if b, err := f.rd.Buffered(); err != nil || b > 0 {
+	b, err := f.rd.Buffered()
+	if err != nil {
+		return
+	}
+	if b > 0 && !((gone || f.rd.WriterLeft()) && c.drainLocked(f)) {
 		return
 	}
 	if _, err := f.rd.TryRead(nil); gone || errors.Is(err, ring.ErrLeft) {
 		c.leaveReadLocked()
 	}
+}
+
+// drainLocked copies what rf's ring holds, its writer gone or left, to
+// the front of the stash, where the reader finds it before any later TCP
+// byte: the stretch's last bytes now live in the library's memory. It
+// reports whether the ring is empty now.
+func (c *Conn) drainLocked(f *flow) bool {
+	var got []byte
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := f.rd.TryRead(buf)
+		got = append(got, buf[:n]...)
+		if n == 0 || err != nil {
+			break
+		}
+	}
+	if len(got) > 0 { // counted as TCP bytes when read (Stats)
+		c.stash = append(got, c.stash...)
+	}
+	b, err := f.rd.Buffered()
+	return err == nil && b == 0
 }
 
 // leaveReadForCloseLocked leaves the read ring at Close, so that the

@@ -236,8 +236,12 @@ static void ready(struct flow *f, const struct shunt_msg *m)
  * attached (READY came while it was asleep in the kernel's recv, so the
  * peer's writer cannot have started; it would mark it only once a byte
  * came, and an idle peer sends none), or the ring's writer left (or is
- * gone) and the ring holds nothing more for it. Else it leaves when it
- * reads the writer's mark (path.c). */
+ * gone): what the ring still holds is copied to the front of the stash
+ * first (drain), so that a program that does not read for a while loses
+ * nothing when hostd takes the ring's memory away after a revocation.
+ * Else it leaves when it reads the writer's mark (path.c). */
+static int drain(struct flow *f, struct shunt_ring *r);
+
 static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 {
 	if (rg->rleft)
@@ -251,9 +255,45 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 	/* The mark is read first: a writer's start and bytes come before it. */
 	if (!shunt_ring_writer_left(r) && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST))
 		return NULL;
-	if (!shunt_ring_started(r, &start) || ((f->rring || f->roff == start) && shunt_ring_buffered(r) == 0))
+	if (!shunt_ring_started(r, &start))
 		return reader_leave(f, rg);
-	return NULL;
+	if (!f->rring && f->roff != start)
+		return NULL; /* TCP bytes before the ring's start are still due */
+	if (shunt_ring_buffered(r) != 0 && drain(f, r))
+		return NULL; /* no memory: it leaves when it reads the mark */
+	return reader_leave(f, rg);
+}
+
+/* drain moves what r holds, its writer left or gone, to the front of f's
+ * stash (rmu held), where the reader finds it before any later TCP byte.
+ * 0, or -1 without memory (nothing moved then). */
+static int drain(struct flow *f, struct shunt_ring *r)
+{
+	ssize_t b = shunt_ring_buffered(r);
+	if (b <= 0)
+		return 0;
+	size_t need = (size_t)b + f->slen;
+	uint8_t *s = malloc(need);
+	if (!s)
+		return -1;
+	size_t got = 0;
+	while (got < (size_t)b) {
+		ssize_t k = shunt_ring_read(r, s + got, (size_t)b - got);
+		if (k <= 0)
+			break; /* a reset or corrupt ring: the reader sees it no more */
+		got += (size_t)k;
+	}
+	if (f->slen)
+		memcpy(s + got, f->stash + f->shead, f->slen);
+	free(f->stash);
+	f->stash = s;
+	f->scap = need;
+	f->shead = 0;
+	f->slen += got;
+	f->stashed++;
+	if (verbose > 1)
+		plog("shunt: fd %d: %zu bytes left in the ring kept for the reader", f->fd, got);
+	return 0;
 }
 
 /* The leaver: a reader that DOWN could not make leave (the ring's writer
