@@ -17,6 +17,12 @@ import (
 	"github.com/shuntnet/shunt/internal/testenv"
 )
 
+// fixedDelay keeps the open delay at SHUNT_OPEN_DELAY_MS in the edge
+// suites: their servers serve one short connection per test, and an
+// adapting delay would climb past the 150 ms each test gives hostd's READY
+// (SHUNT_EDGE_SETTLE_MS), so later tests would find no ring.
+const fixedDelay = "SHUNT_OPEN_DELAY_ADAPT=0"
+
 // TestPreloadEdgeServers runs the edge suite's cases taken from packaged
 // servers (issue 21) under shunt-run: Apache's event MPM (a worker adds a
 // connection to the listener thread's sleeping epoll set), and raw system
@@ -39,7 +45,7 @@ func TestPreloadEdgeServers(t *testing.T) {
 	}
 	g2 := e.rig.Guests[1].Addr.String()
 	env := func(guest int) []string {
-		return append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[guest]), "SHUNT_PRELOAD="+lib)
+		return append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[guest]), "SHUNT_PRELOAD="+lib, fixedDelay)
 	}
 	srv := exec.Command(shuntRun, "-v", edge, "server", g2, "7720")
 	srv.Env = env(1)

@@ -510,13 +510,13 @@ func TestPreloadEdgeCases(t *testing.T) {
 	g2 := e.rig.Guests[1].Addr.String()
 	clientAt := func(port, test string) *exec.Cmd {
 		cmd := exec.Command(shuntRun, "-v", edge, "client", g2, port, test)
-		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+lib)
+		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[0]), "SHUNT_PRELOAD="+lib, fixedDelay)
 		return cmd
 	}
 	client := func(test string) *exec.Cmd { return clientAt("7700", test) }
 	server := func(port string) *outLog {
 		srv := exec.Command(shuntRun, "-v", edge, "server", g2, port)
-		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib)
+		srv.Env = append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib, fixedDelay)
 		return e.startLog(2, srv)
 	}
 	srvOut := server("7700")
@@ -647,7 +647,7 @@ func TestPreloadEdgeCases(t *testing.T) {
 	// fork while a connection streams on the rings leaves it there.
 	serveMode := func(args []string, env ...string) *outLog {
 		srv := exec.Command(shuntRun, append([]string{"-v", edge, args[0], g2}, args[1:]...)...)
-		srv.Env = append(append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib), env...)
+		srv.Env = append(append(os.Environ(), "SHUNT_CONTROL="+e.control(e.rig.Guests[1]), "SHUNT_PRELOAD="+lib, fixedDelay), env...)
 		return e.startLog(2, srv)
 	}
 	forkOut := serveMode([]string{"forkserver", "7702"})

@@ -70,7 +70,7 @@ func edgeServer(t *testing.T, lib, edge string, h *guesttest.Hostd) (port string
 	}
 	port = strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
 	ln.Close()
-	env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1", "SHUNT_STATS=1")
+	env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1", "SHUNT_STATS=1")
 	out = &syncBuffer{}
 	srv := exec.Command(edge, "server", "127.0.0.1", port)
 	srv.Env, srv.Stdout, srv.Stderr = env, out, out
@@ -277,7 +277,7 @@ func TestVersionFallback(t *testing.T) {
 			ctx, cancel := context.WithTimeout(context.Background(), 30*time.Second)
 			defer cancel()
 			cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "plain")
-			cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1",
+			cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1",
 				"SHUNT_EDGE_SETTLE_MS=0")
 			var out syncBuffer
 			cmd.Stdout, cmd.Stderr = &out, &out
@@ -314,7 +314,7 @@ func TestShortConnsDeafHostd(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "shortconns")
-	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1",
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1",
 		fmt.Sprintf("SHUNT_EDGE_CONNS=%d", conns))
 	var out syncBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -377,7 +377,7 @@ func TestLateMessagesReusedFd(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "shortconns")
-	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1",
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1",
 		"SHUNT_EDGE_CONNS=2")
 	var out syncBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -435,7 +435,7 @@ func TestStash(t *testing.T) {
 	ln.Close()
 	var srvOut syncBuffer
 	srv := exec.Command(edge, "server", "127.0.0.1", port)
-	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=2",
+	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=2",
 		"SHUNT_STATS=1", "SHUNT_TEST_STASH_DELAY_US=150000")
 	srv.Stdout, srv.Stderr = &srvOut, &srvOut
 	if err := srv.Start(); err != nil {
@@ -576,7 +576,7 @@ func TestLeaveAfterEarlyDown(t *testing.T) {
 	ln.Close()
 	var srvOut syncBuffer
 	srv := exec.Command(edge, "server", "127.0.0.1", port)
-	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1")
+	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1")
 	srv.Stdout, srv.Stderr = &srvOut, &srvOut
 	if err := srv.Start(); err != nil {
 		t.Fatal(err)
@@ -792,7 +792,7 @@ func TestCloseLeavesNoEpollWatch(t *testing.T) {
 	ctx, cancel := context.WithTimeout(context.Background(), 20*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, edge, "client", "127.0.0.1", port, "closeunwatched")
-	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_VERBOSE=1")
+	cmd.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1")
 	var out syncBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	if err := cmd.Start(); err != nil {

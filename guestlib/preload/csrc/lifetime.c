@@ -163,6 +163,7 @@ void forget(int fd)
 		pthread_mutex_lock(&tab_mu);
 		f = fds[fd];
 		__atomic_store_n(&fds[fd], NULL, __ATOMIC_RELEASE);
+		__atomic_store_n(&fd_gen[fd], fd_gen[fd] + 1, __ATOMIC_RELEASE); /* settle: conn_open */
 		last = f && --f->refs == 0;
 		shared = f && f->share; /* its socket may be another process's too (share.c): epoll.c */
 		listener = kind[fd] == FD_LISTENER && !linherited[fd]; /* a fork child's copy was never its session's */

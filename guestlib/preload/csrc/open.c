@@ -24,6 +24,7 @@
 #include <sys/mman.h>
 
 int64_t open_delay_ns = 5000000;
+int open_delay_adapt = 1;
 
 /* The open delay adapts to what this process's connections do, so that a
  * server or client of short connections under load (ab -c 16, pgbench -C,
@@ -49,7 +50,10 @@ int64_t open_delay_ns = 5000000;
  * MAP_SHARED page made at the process's first connection, which the
  * children it forks after share, so that a server that forks a process
  * per connection (PostgreSQL's backends) learns in its children for the
- * next ones. SHUNT_OPEN_DELAY_MS=0 (at once) turns it off. The Go library
+ * next ones. SHUNT_OPEN_DELAY_MS=0 (at once) turns it off, and so does
+ * SHUNT_OPEN_DELAY_ADAPT=0 (the delay stays SHUNT_OPEN_DELAY_MS: tests
+ * whose steps are timed against it, such as the edge suite's servers,
+ * which serve one short connection per test). The Go library
  * does the same (guestlib, openDelay). */
 #define OPEN_DELAY_MAX_NS 200000000LL
 #define OPEN_PAYS_NS 200000000LL
@@ -79,7 +83,7 @@ static int64_t open_delay(void)
 
 void open_lived(struct flow *f)
 {
-	if (!f->told_at || open_delay_ns <= 0)
+	if (!f->told_at || open_delay_ns <= 0 || !open_delay_adapt)
 		return;
 	int64_t life = now_ns() - f->told_at, d = open_delay(), nd = d;
 	if (life < (OPEN_PAYS_NS > 4 * d ? OPEN_PAYS_NS : 4 * d))
@@ -296,7 +300,7 @@ static void send_open(struct flow *f)
 	     !r ? "" : shunt_session_connected(session) ? "; not sent, hostd is not reading: tcp" : ", hostd away: told when it is back");
 }
 
-void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote)
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote, long fdg)
 {
 	struct flow *f = flow_new();
 	if (!f) {
@@ -315,7 +319,9 @@ void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct
 	 * no thread can keep it (the OPEN then goes now, as before). */
 	int delayed = open_delay_ns > 0 && leaver_start() == 0, kick = 0;
 	pthread_mutex_lock(&tab_mu);
-	int known = fds[fd] != NULL; /* one connection, one flow, whatever calls come twice */
+	/* one connection, one flow, whatever calls come twice; and none for a
+	 * number closed since the caller saw its socket (settle) */
+	int known = fds[fd] != NULL || (fdg >= 0 && fd_gen[fd] != (uint32_t)fdg);
 	/* A fork since the kernel made the connection (another thread's), or
 	 * one that found its connect under way: the child has a copy the
 	 * library does not know, so it is the kernel's here too (fork.c). */

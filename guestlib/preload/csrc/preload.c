@@ -136,6 +136,7 @@ int64_t now_ns(void)
 struct flow *fds[FD_MAX];
 uint8_t kind[FD_MAX];
 uint8_t nonblk[FD_MAX];
+uint32_t fd_gen[FD_MAX];
 pthread_mutex_t tab_mu = PTHREAD_MUTEX_INITIALIZER; /* after settle_mu, before a flow's locks (preload.h, Locks) */
 
 /* ---- the session: the core calls these back from its reader thread ---- */
@@ -176,6 +177,8 @@ __attribute__((constructor)) static void init(void)
 		else
 			open_delay_ns = ms * 1000000;
 	}
+	if ((s = getenv("SHUNT_OPEN_DELAY_ADAPT")) && *s == '0')
+		open_delay_adapt = 0;
 	if ((s = getenv("SHUNT_SPIN_NS")) && *s)
 		spin_ns = atoll(s);
 	if ((s = getenv("SHUNT_WAIT")) && !strcmp(s, "block"))

@@ -111,6 +111,7 @@ extern int disabled;     /* SHUNT_DISABLE=1 */
 extern int64_t spin_ns;  /* SHUNT_SPIN_NS, SHUNT_WAIT: how long a blocking call spins before it sleeps */
 extern pid_t my_pid;     /* getpid(), kept current across fork (a flow's owner is compared on every call) */
 extern int64_t open_delay_ns; /* SHUNT_OPEN_DELAY_MS (default 5, 0: at once): how long a connection lives before OPEN */
+extern int open_delay_adapt;  /* SHUNT_OPEN_DELAY_ADAPT=0: the delay stays open_delay_ns (open.c, open_lived) */
 
 extern int loopback;     /* SHUNT_TEST_LOOPBACK=1: loopback connections are candidates (tests with a fake hostd) */
 extern int stats;        /* SHUNT_STATS=1: each connection's bytes per path at its close */
@@ -245,6 +246,10 @@ extern uint8_t kind[FD_MAX];      /* under tab_mu, or by the thread that just go
 extern uint8_t nonblk[FD_MAX];    /* O_NONBLOCK of candidate sockets, before they are connections */
 extern uint8_t linherited[FD_MAX]; /* a listener a fork child inherited: not yet in its own session (socket.c) */
 extern pthread_mutex_t tab_mu;
+/* fd_gen counts the closes of each fd number (forget, under tab_mu): a
+ * settle that found a socket pending makes it a connection only if the
+ * number was not closed and reused meanwhile (conn_open's fdg). */
+extern uint32_t fd_gen[FD_MAX];
 
 static inline struct flow *flow_of(int fd)
 {
@@ -287,12 +292,16 @@ static inline int pending(int fd)
  * the caller knows it, else NULL); gen is fork_gen from before
  * the kernel call that made the connection (connect, accept): if a fork
  * came in between, the child holds a copy the library never saw, so the
- * connection is the kernel's (FD_KERNEL) in this process too; by_req finds a connection
+ * connection is the kernel's (FD_KERNEL) in this process too; fdg, if not
+ * -1, is fd_gen[fd] from when the caller saw the socket (settle): if fd
+ * was closed since, it is another socket now, and nothing is made of it
+ * (a stale settle once gave a blocking socket a non-blocking flow: its
+ * reads said EAGAIN); by_req finds a connection
  * by request id with a reference (flow_put), or NULL; open_forget takes f
  * out of the open queue and the index (at release, and when a fork lets
  * it go). open_due sends the OPENs that are due and returns when the next
  * one is (ns, monotonic; 0: none): the leaver thread calls it. */
-void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote);
+void conn_open(int fd, uint8_t role, const char *who, unsigned gen, const struct shunt_addr *remote, long fdg);
 struct flow *by_req(uint32_t req);
 void open_forget(struct flow *f);
 int64_t open_due(void);

@@ -102,7 +102,7 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 	int forked = !__atomic_compare_exchange_n(&kind[fd], &k, r == 0 ? FD_TCP : e == EINPROGRESS ? FD_PENDING : FD_TCP, 0,
 						  __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
 	if (r == 0 && !forked)
-		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen, &remote);
+		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen, &remote, -1);
 	errno = e;
 	return r;
 }
@@ -126,6 +126,10 @@ void settle(int fd)
 {
 	if (!pending(fd) || settling)
 		return;
+	/* The number's generation before anything is asked of the socket:
+	 * another thread may close it and a new socket take the number
+	 * meanwhile (conn_open and the kind's change below check it). */
+	uint32_t fdg = __atomic_load_n(&fd_gen[fd], __ATOMIC_ACQUIRE);
 	struct pollfd p = {.fd = fd, .events = POLLOUT};
 	if (real_poll(&p, 1, 0) != 1)
 		return; /* still connecting */
@@ -140,13 +144,16 @@ void settle(int fd)
 	if (p.revents & (POLLERR | POLLHUP))
 		plog("shunt: fd %d connect: tcp (the connect failed; its error stays in SO_ERROR)", fd);
 	else
-		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen, NULL);
+		conn_open(fd, SHUNT_ROLE_ACTIVE, "connect", gen, NULL, fdg);
 	if (test_settle_delay_ns) { /* widen the window in which the leaver may OPEN it (tests) */
 		struct timespec ts = {test_settle_delay_ns / 1000000000, test_settle_delay_ns % 1000000000};
 		nanosleep(&ts, NULL);
 	}
 	uint8_t k = FD_PENDING; /* a fork meanwhile made it FD_KERNEL: it stays so */
-	__atomic_compare_exchange_n(&kind[fd], &k, FD_TCP, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+	pthread_mutex_lock(&tab_mu); /* a close meanwhile: the number is another socket's now */
+	if (fd_gen[fd] == fdg)
+		__atomic_compare_exchange_n(&kind[fd], &k, FD_TCP, 0, __ATOMIC_ACQ_REL, __ATOMIC_ACQUIRE);
+	pthread_mutex_unlock(&tab_mu);
 	settling = 0;
 	pthread_mutex_unlock(&settle_mu);
 	errno = e;
@@ -240,7 +247,7 @@ INTERPOSE int accept4(int fd, struct sockaddr *addr, socklen_t *len, int flags)
 		else if (shunt_session_ensure(session))
 			plog("shunt: fd %d accept: tcp (%s)", c, shunt_reason_name(shunt_session_reason(session)));
 		else if (remote_of(c, &r) == 0 && (!is_loopback(&r) || loopback))
-			conn_open(c, SHUNT_ROLE_PASSIVE, "accept", gen, &r);
+			conn_open(c, SHUNT_ROLE_PASSIVE, "accept", gen, &r, -1);
 	}
 	return c;
 }
