@@ -23,8 +23,10 @@ import (
 
 // DefaultRevokeGrace is Options.RevokeGrace's default: how long the ends
 // of a retired region's flows have to leave its rings before hostd takes
-// the memory away. Honest ends leave within milliseconds of DOWN.
-const DefaultRevokeGrace = 3 * time.Second
+// the memory away. The Go and preload libraries leave within milliseconds
+// of DOWN (a reader keeps what its ring held); an Open MPI rank leaves at
+// its next call into MPI, so the default leaves room for a compute phase.
+const DefaultRevokeGrace = 30 * time.Second
 
 // reasonRetired marks a connection moved to TCP because its pair region
 // was retired (another flow in it lost its permission, or a guest

@@ -137,7 +137,7 @@ func (s *Stack) WriteConfig(policy string) error {
 	var b strings.Builder
 	// Ownership as by default: hostd marks each guest's connections by
 	// its interface (hostd/mark); the rig's firewall stamps no marks.
-	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\n",
+	fmt.Fprintf(&b, "log_level = \"debug\"\nadmin_socket = %q\nmetrics_address = %q\nconntrack_netns = %q\npairing_timeout = \"1s\"\nreattach_grace = \"3s\"\nrevoke_grace = \"3s\"\n",
 		s.Admin, s.metrics, s.Rig.HostNSPath())
 	fmt.Fprintf(&b, "state_dir = %q\nregion_dir = %q\n", s.StateDir(), s.RegionDir())
 	// Roomy pair regions and quotas: tests hold many flows between two
