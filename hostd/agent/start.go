@@ -83,6 +83,12 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	a.m.NewFlowBytes(a.b.FlowStats)
 	ctx, cancel := context.WithCancel(context.Background())
 	a.cancel = cancel
+	if cfg.WatchRuleset {
+		// Watching before the first epoch begins: a change from here on
+		// is seen, however long adoption and the servers take.
+		a.wg.Add(1)
+		go a.watchRuleset(ctx)
+	}
 	// Learn the running VMs before adopting flows, so flows between
 	// libvirt guests survive a hostd restart like any others.
 	a.startLibvirt(ctx)
@@ -101,10 +107,6 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	go a.reapRuntime(ctx)
 	a.wg.Add(1)
 	go a.watchConntrack(ctx)
-	if cfg.WatchRuleset {
-		a.wg.Add(1)
-		go a.watchRuleset(ctx)
-	}
 	log.Info("hostd running", "guests", len(a.guests), "groups", len(a.groups), "admin", cfg.AdminSocket, "metrics", cfg.MetricsAddress)
 	return a, nil
 }

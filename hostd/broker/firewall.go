@@ -161,8 +161,9 @@ func (b *Broker) FirewallEpoch() (epoch uint64, cleared bool) {
 // so that no OPEN races with it (a connection made meanwhile would lose
 // its handshake's bits and wait for more packets).
 func (b *Broker) Start() {
+	began := time.Now() // the epoch's start: before its clear, so that no bit it spares predates it
 	if b.proofOn() {
-		if _, err := b.ct.ClearMarks(b.opts.ProofOrig|b.opts.ProofReply, time.Now()); err != nil {
+		if _, err := b.ct.ClearMarks(b.opts.ProofOrig|b.opts.ProofReply, began); err != nil {
 			b.log.Warn("cannot clear the conntrack proof bits at start; retrying in the background", "error", err)
 		} else {
 			b.mu.Lock()
@@ -186,6 +187,7 @@ func (b *Broker) Start() {
 		b.log.Info("adopted flows moved to TCP until their leases show packets past the firewall (it may have changed while no hostd watched)", "moved", n)
 	}
 	b.newEpochLocked()
+	b.fw.since = began
 }
 
 // RulesetChanged is the firewall's ruleset watch (hostd/ruleset): any
