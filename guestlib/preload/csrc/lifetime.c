@@ -58,6 +58,7 @@ struct flow *flow_new(void)
 	f->seof = 0;
 	f->rbytes[0] = f->rbytes[1] = f->wbytes[0] = f->wbytes[1] = 0;
 	f->rswitch = f->wswitch = f->stashed = 0;
+	f->stats_said = 0;
 	__atomic_store_n(&f->rg, NULL, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->closed, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->rd_shut, 0, __ATOMIC_RELAXED);
@@ -124,18 +125,27 @@ struct flow *flow_get(int fd)
 	}
 }
 
+/* say_stats prints f's counters (SHUNT_STATS), once: at the program's
+ * last close of it, so that the line is out before the program can exit
+ * (the last reference may be the leaver thread's), or at its release. */
+static void say_stats(struct flow *f)
+{
+	if (!stats || f->owner != my_pid || __atomic_exchange_n(&f->stats_said, 1, __ATOMIC_ACQ_REL))
+		return;
+	pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
+	      "to the rings: %u reading, %u writing; stashed %u",
+	      f->fd, (unsigned long long)f->rbytes[0], (unsigned long long)f->rbytes[1], (unsigned long long)f->roff,
+	      (unsigned long long)f->wbytes[0], (unsigned long long)f->wbytes[1], (unsigned long long)f->sent, f->rswitch,
+	      f->wswitch, f->stashed);
+}
+
 /* release ends a connection nobody uses any more: both directions leave
  * their rings and hostd hears CLOSE (conn.c); a fork child's copy is only
  * forgotten. */
 static void release(struct flow *f)
 {
 	open_forget(f); /* out of the open queue and the index before it can be reused */
-	if (stats && f->owner == my_pid)
-		pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
-		      "to the rings: %u reading, %u writing; stashed %u",
-		      f->fd, (unsigned long long)f->rbytes[0], (unsigned long long)f->rbytes[1], (unsigned long long)f->roff,
-		      (unsigned long long)f->wbytes[0], (unsigned long long)f->wbytes[1], (unsigned long long)f->sent, f->rswitch,
-		      f->wswitch, f->stashed);
+	say_stats(f);
 	conn_end(f);
 	flow_discard(f);
 }
@@ -194,6 +204,7 @@ void forget(int fd)
 		}
 		rings_done(f, done);
 		flow_wake(f);
+		say_stats(f);
 	}
 	flow_put(f);
 }

@@ -229,6 +229,7 @@ struct flow {
 	/* Bytes per path, for SHUNT_STATS (0 TCP, 1 ring); under rmu / wmu. */
 	uint64_t rbytes[2], wbytes[2];
 	unsigned rswitch, wswitch, stashed; /* moves to a ring per direction; stash uses */
+	int stats_said;                     /* SHUNT_STATS line out (lifetime.c) */
 	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time (SPSC rings, stream offsets); never held while a call sleeps */
 	struct flow *next_free;   /* on the free list; under free_mu */
 };
