@@ -317,8 +317,21 @@ func (c *Conn) to() netip.AddrPort {
 // pair is freed when both left, closed or are gone. It reports whether c
 // was on the rings.
 func (b *Broker) downgradeLocked(c *Conn, reason proto.Reason) bool {
-	if c.path != PathRings {
+	f := b.leaveRingsLocked(c, reason)
+	if f == nil {
 		return false
+	}
+	if revokesMemory[reason] {
+		b.revokeMemoryLocked(f.Region, reason)
+	}
+	return true
+}
+
+// leaveRingsLocked is downgradeLocked without taking the memory away: the
+// ring pair it moves c off, or nil if c was not on the rings.
+func (b *Broker) leaveRingsLocked(c *Conn, reason proto.Reason) *Flow {
+	if c.path != PathRings {
+		return nil
 	}
 	f := c.flow
 	b.setPathLocked(c, PathLeaving, reason)
@@ -343,10 +356,7 @@ func (b *Broker) downgradeLocked(c *Conn, reason proto.Reason) bool {
 	if legacy {
 		b.revokeLocked(f, reason)
 	}
-	if revokesMemory[reason] {
-		b.revokeMemoryLocked(f.Region, reason)
-	}
-	return true
+	return f
 }
 
 // flowFreedLocked is called when c's ring pair was freed: c is on TCP now,

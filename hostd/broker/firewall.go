@@ -120,6 +120,11 @@ func (b *Broker) sawLocked(c *Conn, e ctrack.Entry, ep uint64, at time.Time) {
 // this epoch but too old has its own bits cleared first.
 type fwWait struct {
 	stale bool // its bits must be cleared before they count
+	// revokeAt, if set, is when the memory of the rings c was moved off
+	// by an epoch (a ruleset change, hostd's start) is taken away if c
+	// has not shown passage by then: the change may not concern it at
+	// all, so its region is not retired at once (revoke.go).
+	revokeAt time.Time
 	// An idle lease may wait long: its checks back off, from every
 	// FirewallPoll up to fwPollMax, so that many idle connections cost
 	// few lookups.
@@ -178,10 +183,9 @@ func (b *Broker) Start() {
 	}
 	n := 0
 	for c := range b.records {
-		if c.path == PathRings && b.downgradeLocked(c, proto.ReasonFirewall) {
+		if b.epochDowngradeLocked(c) {
 			n++
 		}
-		c.fw = &fwWait{}
 	}
 	if n > 0 {
 		b.log.Info("adopted flows moved to TCP until their leases show packets past the firewall (it may have changed while no hostd watched)", "moved", n)
@@ -204,8 +208,9 @@ func (b *Broker) RulesetChanged() {
 	n := 0
 	for c := range b.records {
 		switch {
-		case b.downgradeLocked(c, proto.ReasonFirewall):
+		case b.epochDowngradeLocked(c):
 			n++
+			continue // waits for proof (epochDowngradeLocked)
 		case c.path == PathTCP && c.reason == proto.ReasonNone:
 			c.reason = proto.ReasonFirewall
 		case c.path == PathTCP && c.reason != proto.ReasonFirewall:
@@ -223,6 +228,20 @@ func (b *Broker) RulesetChanged() {
 		b.log.Info("firewall ruleset changed: connections moved to TCP until their leases show packets past the new rules both ways", "moved", n)
 	}
 	b.newEpochLocked()
+}
+
+// epochDowngradeLocked moves c off the rings for a new epoch (DOWN
+// firewall) and makes it wait for proof; it reports whether c was on the
+// rings. Its region is retired only if c shows no passage within the
+// revoke grace (checkWait): most ruleset changes concern other traffic.
+func (b *Broker) epochDowngradeLocked(c *Conn) bool {
+	w := &fwWait{}
+	moved := b.leaveRingsLocked(c, proto.ReasonFirewall) != nil
+	if moved {
+		w.revokeAt = time.Now().Add(b.revokeGrace())
+	}
+	c.fw = w
+	return moved
 }
 
 // newEpochLocked begins an epoch and clears every entry's proof bits.
@@ -380,7 +399,17 @@ func (b *Broker) checkWait(c *Conn) {
 			b.upgradeLocked(c, now)
 		}
 	default:
+		if !w.revokeAt.IsZero() && now.After(w.revokeAt) {
+			w.revokeAt = time.Time{}
+			if f := c.flow; f != nil { // its ends have not both left: take the memory away
+				b.log.Info("no passage past the firewall within the revoke grace: the ring's memory is taken away", "conn", c.Name(), "region", f.Region.Name())
+				b.revokeMemoryLocked(f.Region, proto.ReasonFirewall)
+			}
+		}
 		w.every = min(max(2*w.every, b.opts.FirewallPoll), fwPollMax)
+		if !w.revokeAt.IsZero() {
+			w.every = min(w.every, max(time.Until(w.revokeAt), b.opts.FirewallPoll))
+		}
 		w.next = now.Add(w.every)
 	}
 }

@@ -148,3 +148,41 @@ func TestRingCountersGuestReported(t *testing.T) {
 		}
 	}
 }
+
+// TestRegionRevokedAfterEpochWithoutProof: a ruleset change moves a
+// pair's flow off the rings but does not retire its region at once (most
+// changes concern other traffic). Colluding ends that never LEFT, and
+// whose lease shows no passage within the revoke grace, lose the memory
+// then; a flow whose lease passed keeps the region and returns to the
+// rings in it.
+func TestRegionRevokedAfterEpochWithoutProof(t *testing.T) {
+	for _, proven := range []bool{false, true} {
+		w, p, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: time.Hour,
+			RevokeGrace: 150 * time.Millisecond, FirewallPoll: 5 * time.Millisecond, ProofOrig: passOrig, ProofReply: passReply})
+		connectPair(w, sa, sb, "4000", 1)
+		readyIn(t, sa)
+		readyIn(t, sb)
+		e, _ := w.ct.Lookup(ctrackTuple("4000"))
+		w.b.RulesetChanged()
+		w.cleared(t)
+		if _, dropped := p.counts(); dropped != 0 {
+			t.Fatalf("proven %v: the region was dropped at the ruleset change itself", proven)
+		}
+		if proven {
+			w.ct.Pass(e.ID, passOrig|passReply)
+		}
+		time.Sleep(400 * time.Millisecond) // the grace, and polls
+		_, dropped := p.counts()
+		if proven && dropped != 0 {
+			t.Fatalf("a flow whose lease passed lost its region (%d dropped)", dropped)
+		}
+		if !proven {
+			for start := time.Now(); dropped != 1; _, dropped = p.counts() {
+				if time.Since(start) > 5*time.Second {
+					t.Fatalf("no passage and no LEFT: region not dropped 5s after the change (grace 150ms), %d dropped", dropped)
+				}
+				time.Sleep(5 * time.Millisecond)
+			}
+		}
+	}
+}
