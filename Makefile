@@ -170,12 +170,14 @@ bench-sizes: ## read and write sizes 1 KiB-1 MiB: Go, C under shunt-run, kernel 
 	@rm -f $(BIN)/bench-sizes.txt
 	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench GuestSizes -test.benchtime 1x >> ../$(BIN)/bench-sizes.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-sizes.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-sizes' $(BIN)/bench-sizes.txt
 
 bench-http: ## net/http over guestlib vs kernel TCP, bodies 1 KiB-1 MiB, BENCHCOUNT interleaved rounds (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-http.txt
 	cd integration && for i in $$(seq $(BENCHCOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench GuestHTTP -test.benchtime 1x >> ../$(BIN)/bench-http.txt || exit 1; done
 	$(BENCHSTAT) $(BIN)/bench-http.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-http' $(BIN)/bench-http.txt
 
 bench-preload: ## sockperf, iperf3 and Open MPI with and without shunt-run, and vader (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/

@@ -89,6 +89,10 @@ var Transports = map[string]Transport{
 	"block":           {"block", orange},
 	"copy":            {"copy API (Write / Read)", blue},
 	"zerocopy":        {"zero-copy (Reserve / Peek)", vermillion},
+	"go-kernel":       {"Go, kernel TCP", blue},
+	"go-shunt":        {"Go, Shunt", vermillion},
+	"c-kernel":        {"C, kernel TCP", skyBlue},
+	"c-shunt":         {"C under shunt-run, Shunt", orange},
 }
 
 // Specs lists every chart, in the order they are written.
@@ -110,6 +114,14 @@ var Specs = []Spec{
 		XLabel: "message size", YLabel: "throughput (GB/s)", Sizes: true},
 	{File: "e2e-setup", Title: "Guest to guest connection setup",
 		YLabel: "setup time (us)"},
+
+	// make bench-sizes and make bench-http (integration)
+	{File: "sizes-read", Title: "Guest to guest streams by read size: Go, C under shunt-run, kernel TCP",
+		XLabel: "read size (copy: io.Copy)", YLabel: "throughput (GB/s)"},
+	{File: "sizes-write", Title: "Guest to guest streams by write size: Go, C under shunt-run, kernel TCP",
+		XLabel: "write size", YLabel: "throughput (GB/s)"},
+	{File: "http", Title: "net/http over guestlib vs kernel TCP: time per request",
+		XLabel: "request and body size", YLabel: "time per request (us)", LogY: true},
 
 	// make bench-preload (integration/preload_bench_test.go)
 	{File: "preload-mpi-latency", Title: "Open MPI ping-pong (pingpong.c, ob1): latency",
@@ -147,6 +159,11 @@ func rule(name, unit, chart, series, x string, scale float64) Rule {
 // integration/bench_test.go, integration/preload_bench_test.go and
 // integration/vm_test.go to charts. See the package documentation.
 var Rules = []Rule{
+	// integration: read and write sizes, net/http (make bench-sizes, bench-http)
+	rule(`^BenchmarkGuestSizes/read=(?P<x>[^/]+)/(?P<series>[^/]+)$`, `^GB/s$`, "sizes-read", "", "", 0),
+	rule(`^BenchmarkGuestSizes/write=(?P<x>[^/]+)/(?P<series>[^/]+)$`, `^GB/s$`, "sizes-write", "", "", 0),
+	rule(`^BenchmarkGuestHTTP/(?P<x>[^/]+)/(?P<series>[^/]+)$`, `^us/req$`, "http", "", "", 0),
+	rule(`^BenchmarkGuestHTTP/`, `^GB/s$`, "", "", "", 0), // the body size over the time: the time, restated
 	// shm: BenchmarkAtomicPingPong moves one 8-byte word.
 	rule(`^BenchmarkAtomicPingPong$`, `^ns/oneway$`, "shm-latency", "bare atomic word (floor)", "8B", 0),
 	rule(`^BenchmarkPingPong/(?P<series>[^/]+)/(?P<x>[^/]+)$`, `^ns/oneway$`, "shm-latency", "ring, {series}", "", 0),
