@@ -15,6 +15,25 @@ import (
 // destination's ReadFrom.
 type onlyReader struct{ io.Reader }
 
+// pacedReader pauses for a moment every 256 KiB, so that a copy spans
+// many of the flipper's path switches however fast the machine is (the
+// whole 32 MiB once fitted in one ring stretch, and the test saw only
+// one path).
+type pacedReader struct {
+	r    io.Reader
+	left int
+}
+
+func (p *pacedReader) Read(b []byte) (int, error) {
+	if p.left <= 0 {
+		time.Sleep(500 * time.Microsecond)
+		p.left = 256 << 10
+	}
+	n, err := p.r.Read(b[:min(len(b), p.left)])
+	p.left -= n
+	return n, err
+}
+
 // crcWriter checksums what it is given, in pieces of at most max bytes
 // per Write when max > 0 (a short write then, with errShort); with stopAt
 // > 0 it fails with errStop once it has had that many bytes.
@@ -55,7 +74,7 @@ func TestCopyFlipping(t *testing.T) {
 	_, _ = rand.NewChaCha8([32]byte{11}).Read(want)
 	errc := make(chan error, 1)
 	go func() {
-		n, err := io.Copy(c, onlyReader{bytes.NewReader(want)})
+		n, err := io.Copy(c, onlyReader{&pacedReader{r: bytes.NewReader(want)}})
 		if err == nil && n != total {
 			err = io.ErrShortWrite
 		}
