@@ -81,6 +81,7 @@ type Conn struct {
 	bogusCounts bool
 	fw          *fwWait    // it waits on TCP for proof of passage (firewall.go)
 	pf          leaseProof // its proof of passage past the firewall
+	fwRegion    *Region    // the pair region an epoch moved it off; it lingers while c waits (firewall.go)
 	indexed     bool       // in Broker.conns
 	noReqs      bool       // adopted after a restart: its ends' request ids are unknown until they OPEN again
 }

@@ -236,12 +236,26 @@ func (b *Broker) RulesetChanged() {
 // revoke grace (checkWait): most ruleset changes concern other traffic.
 func (b *Broker) epochDowngradeLocked(c *Conn) bool {
 	w := &fwWait{}
-	moved := b.leaveRingsLocked(c, proto.ReasonFirewall) != nil
-	if moved {
+	f := b.leaveRingsLocked(c, proto.ReasonFirewall)
+	if f != nil {
 		w.revokeAt = time.Now().Add(b.revokeGrace())
+		c.fwRegion = f.Region
 	}
 	c.fw = w
-	return moved
+	return f != nil
+}
+
+// heldByEpochLocked reports whether a connection that an epoch moved off
+// pair region r still waits to show passage (until its revoke grace): r
+// then keeps lingering, so that the connection comes back to the same
+// region (a VM pair's device stays plugged across a hostd restart).
+func (b *Broker) heldByEpochLocked(r *Region) bool {
+	for c := range b.records {
+		if c.fwRegion == r && c.fw != nil && !c.fw.revokeAt.IsZero() {
+			return true
+		}
+	}
+	return false
 }
 
 // newEpochLocked begins an epoch and clears every entry's proof bits.

@@ -315,6 +315,10 @@ func (b *Broker) idleLocked(r *Region) {
 		defer b.mu.Unlock()
 		if r.linger == t && r.flows == 0 && !b.closed {
 			r.linger = nil
+			if b.heldByEpochLocked(r) {
+				b.idleLocked(r) // linger again (firewall.go)
+				return
+			}
 			b.dropRegionLocked(r)
 		}
 	})
