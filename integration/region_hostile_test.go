@@ -105,8 +105,13 @@ func (r *fdRogue) next() proto.Msg {
 func (r *fdRogue) ready(req uint32) (proto.Msg, *os.File) {
 	r.t.Helper()
 	var f *os.File
-	for {
+	var last proto.Msg
+	for deadline := time.Now().Add(15 * time.Second); ; {
+		if time.Now().After(deadline) { // PINGs alone keep next from timing out
+			r.t.Fatalf("no READY for request %d within 15 s; last message %+v", req, last)
+		}
 		m := r.next()
+		last = m
 		switch {
 		case m.Type == proto.RegionMsg && len(r.fds) > 0:
 			fd := r.fds[len(r.fds)-1]
@@ -332,17 +337,28 @@ func TestHostileRegionTruncateC(t *testing.T) {
 	testenv.NeedTool(t, "truncate", "coreutils")
 	testenv.NeedTool(t, "socat", "socat")
 	e := rgEnv(t, 3, false, "")
-	cmd := e.toolCmd(t, true, 2, "socat", "-u", "TCP-LISTEN:7520,reuseaddr", "STDOUT")
+	// The hostile guest (3) listens; socat connects to it. (socat as the
+	// listener closes its listening socket at accept, which can reach
+	// hostd before the other side's OPEN: the pair then stays on TCP.)
+	g3 := e.rig.Guests[2]
+	dst := netip.AddrPortFrom(g3.Addr, 7520)
+	r := dialFdRogue(t, e.Control(g3))
+	r.send(proto.Msg{Type: proto.Listen, Local: dst})
+	var ln net.Listener
+	if err := nsrig.In(g3.NSPath(), func() (err error) { ln, err = net.Listen("tcp4", dst.String()); return err }); err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	cmd := e.toolCmd(t, true, 2, "socat", "-u", "TCP4:"+dst.String(), "STDOUT")
 	out := e.startLog(2, cmd)
-	dst := netip.AddrPortFrom(e.rig.Guests[1].Addr, 7520)
-	r := dialFdRogue(t, e.Control(e.rig.Guests[2]))
-	eventually(t, 10*time.Second, "socat's listener registered with hostd", func() bool {
-		gi, _ := e.ctlGuestInfo(t, 2)
-		return len(gi.Listening) > 0
-	})
-	kc := kernelDial(t, e.rig.Guests[2], netip.AddrPortFrom(e.rig.Guests[2].Addr, 41520), dst)
+	_ = ln.(*net.TCPListener).SetDeadline(time.Now().Add(10 * time.Second))
+	kc, err := ln.Accept()
+	if err != nil {
+		t.Fatalf("socat did not connect: %v\n%s", err, out)
+	}
 	defer kc.Close()
-	r.send(proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Active, Local: netip.AddrPortFrom(e.rig.Guests[2].Addr, 41520), Remote: dst})
+	src := kc.RemoteAddr().(*net.TCPAddr).AddrPort()
+	r.send(proto.Msg{Type: proto.Open, ReqID: 1, Role: proto.Passive, Local: dst, Remote: netip.AddrPortFrom(src.Addr().Unmap(), src.Port())})
 	_, f := r.ready(1)
 	if !out.waitCount(": shunt (slot", 1, 10*time.Second) {
 		t.Fatalf("socat's end did not take the rings:\n%s", out)
@@ -352,7 +368,7 @@ func TestHostileRegionTruncateC(t *testing.T) {
 	}
 	_ = kc.SetDeadline(time.Now().Add(5 * time.Second))
 	_, _ = kc.Write([]byte("after\n"))
-	r.send(proto.Msg{Type: proto.Close, ReqID: 1, Side: proto.SideA})
+	r.send(proto.Msg{Type: proto.Close, ReqID: 1, Side: proto.SideB})
 	kc.Close()
 	done := make(chan error, 1)
 	go func() { done <- cmd.Wait() }()
