@@ -260,13 +260,13 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 	if (!f->rring && f->roff != start)
 		return NULL; /* TCP bytes before the ring's start are still due */
 	if (shunt_ring_buffered(r) != 0 && drain(f, r))
-		return NULL; /* no memory: it leaves when it reads the mark */
+		return NULL; /* no memory, or reset: it leaves (or fails) when it reads the ring */
 	return reader_leave(f, rg);
 }
 
 /* drain moves what r holds, its writer left or gone, to the front of f's
  * stash (rmu held), where the reader finds it before any later TCP byte.
- * 0, or -1 without memory (nothing moved then). */
+ * 0, or -1 without memory or with the ring reset (it stays then). */
 static int drain(struct flow *f, struct shunt_ring *r)
 {
 	ssize_t b = shunt_ring_buffered(r);
@@ -279,8 +279,15 @@ static int drain(struct flow *f, struct shunt_ring *r)
 	size_t got = 0;
 	while (got < (size_t)b) {
 		ssize_t k = shunt_ring_read(r, s + got, (size_t)b - got);
+		if (k < 0 && k != SHUNT_EAGAIN && k != SHUNT_ELEFT) {
+			/* Reset or corrupt: the reader stays on the ring, where
+			 * its next read reports it (a reset flow drops what it
+			 * holds); leaving would hand it the kernel's bytes. */
+			free(s);
+			return -1;
+		}
 		if (k <= 0)
-			break; /* a reset or corrupt ring: the reader sees it no more */
+			break;
 		got += (size_t)k;
 	}
 	if (f->slen)
