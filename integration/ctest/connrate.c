@@ -32,19 +32,9 @@ int main(int argc, char **argv)
 		die("address");
 	char buf[8];
 	if (!strcmp(argv[1], "serve")) {
-		int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-		setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-		if (bind(l, (struct sockaddr *)&sa, sizeof sa) || listen(l, 128))
-			die("listen");
-		printf("ready\n");
-		fflush(stdout);
+		int l = tool_listen(&sa);
 		for (;;) {
-			int c = accept(l, NULL, NULL);
-			if (c < 0) {
-				if (errno == EINTR || errno == ECONNABORTED)
-					continue;
-				die("accept");
-			}
+			int c = tool_accept(l);
 			bounded(c, 10, 1);
 			if (full(c, buf, 8, 1) == 0 && full(c, buf, 8, 0) == 0)
 				while (read(c, buf, sizeof buf) > 0) /* until the client's close */

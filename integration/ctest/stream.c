@@ -64,19 +64,9 @@ int main(int argc, char **argv)
 		die("malloc");
 	memset(buf, 'x', MAXSIZE);
 	if (!strcmp(argv[1], "serve")) {
-		int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
-		setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
-		if (bind(l, (struct sockaddr *)&sa, sizeof sa) || listen(l, 128))
-			die("listen");
-		printf("ready\n");
-		fflush(stdout);
+		int l = tool_listen(&sa);
 		for (;;) {
-			int c = accept(l, NULL, NULL);
-			if (c < 0) {
-				if (errno == EINTR || errno == ECONNABORTED)
-					continue;
-				die("accept");
-			}
+			int c = tool_accept(l);
 			bounded(c, 30, 0);
 			sink(c, buf);
 			close(c);

@@ -60,4 +60,29 @@ static int full(int fd, char *buf, size_t n, int reading)
 	return 0;
 }
 
+/* tool_listen listens on sa and says "ready" on stdout (the Go side waits
+ * for it). */
+static int tool_listen(const struct sockaddr_in *sa)
+{
+	int l = socket(AF_INET, SOCK_STREAM, 0), one = 1;
+	setsockopt(l, SOL_SOCKET, SO_REUSEADDR, &one, sizeof one);
+	if (bind(l, (const struct sockaddr *)sa, sizeof *sa) || listen(l, 128))
+		die("listen");
+	printf("ready\n");
+	fflush(stdout);
+	return l;
+}
+
+/* tool_accept accepts the next connection, past EINTR and ECONNABORTED. */
+static int tool_accept(int l)
+{
+	for (;;) {
+		int c = accept(l, NULL, NULL);
+		if (c >= 0)
+			return c;
+		if (errno != EINTR && errno != ECONNABORTED)
+			die("accept");
+	}
+}
+
 #endif
