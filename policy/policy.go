@@ -43,7 +43,14 @@ type Verdict struct {
 	FastPath bool
 	Reason   proto.Reason // ReasonPolicy when FastPath is false
 	RingSize int
-	Rule     string // the rule that matched, or "default"
+	// Floor is the ring size a flow of this verdict takes when RingSize
+	// finds no room (the guest's quota, the region): the policy's default
+	// ring_size when the rule asks for more, else RingSize. hostd's
+	// default quotas and regions are sized for the default ring, so a
+	// rule for bulk flows never leaves a connection on TCP where the
+	// default would have given it rings (docs/config.md, "ring sizes").
+	Floor int
+	Rule  string // the rule that matched, or "default"
 }
 
 // Table is a compiled policy. It is immutable and safe for concurrent use.
@@ -221,14 +228,14 @@ func (t *Table) Decide(f Flow) Verdict {
 	for i := range t.rules {
 		r := &t.rules[i]
 		if r.matches(f) {
-			return verdict(r.fast, r.ringSize, r.name)
+			return verdict(r.fast, r.ringSize, min(r.ringSize, t.ringSize), r.name)
 		}
 	}
-	return verdict(t.defaultFast, t.ringSize, "default")
+	return verdict(t.defaultFast, t.ringSize, t.ringSize, "default")
 }
 
-func verdict(fast bool, ring int, name string) Verdict {
-	v := Verdict{FastPath: fast, RingSize: ring, Rule: name}
+func verdict(fast bool, ring, floor int, name string) Verdict {
+	v := Verdict{FastPath: fast, RingSize: ring, Floor: floor, Rule: name}
 	if !fast {
 		v.Reason = proto.ReasonPolicy
 	}

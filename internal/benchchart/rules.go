@@ -143,6 +143,26 @@ var Specs = []Spec{
 	{File: "mpi-stencil", Title: "2D stencil halo exchange: communication time per iteration",
 		XLabel: "ranks", YLabel: "communication (us per iteration)"},
 
+	// make bench-mpi-defaults (integration/mpi_bench_test.go)
+	{File: "mpi-defaults-latency", Title: "Open MPI with hostd's defaults: btl/shunt vs vader and the TCP BTL, 8 B",
+		XLabel: "kernel, ranks", YLabel: "time (us)", LogY: true},
+	{File: "mpi-defaults-bandwidth", Title: "Open MPI with hostd's defaults: btl/shunt vs vader and the TCP BTL, bandwidth",
+		XLabel: "kernel, ranks", YLabel: "bandwidth (MB/s)", LogY: true},
+
+	// make bench-cross-mpi (integration/crosshost/mpi_bench_test.go)
+	{File: "cross-mpi-latency", Title: "Open MPI across two hosts: btl/shunt through the relays vs the TCP BTL, one-way latency",
+		XLabel: "message size", YLabel: "one-way latency (us)"},
+	{File: "cross-mpi-bandwidth", Title: "Open MPI across two hosts: btl/shunt through the relays vs the TCP BTL, bandwidth",
+		XLabel: "message size", YLabel: "bandwidth (MB/s)"},
+
+	// make bench-cross (integration/crosshost/bench_test.go)
+	{File: "cross-latency", Title: "Across two hosts: kernel TCP vs Shunt through the relays, one-way latency",
+		XLabel: "benchmark", YLabel: "one-way latency (us)"},
+	{File: "cross-bandwidth", Title: "Across two hosts: kernel TCP vs Shunt through the relays, throughput",
+		XLabel: "benchmark", YLabel: "throughput (GB/s)"},
+	{File: "cross-setup", Title: "Across two hosts: connect and one 8 B round trip",
+		XLabel: "benchmark", YLabel: "time per connection (us)"},
+
 	// make bench-vm (integration/vm_test.go)
 	{File: "vm-latency", Title: "Between two QEMU (TCG) VMs: one-way latency",
 		XLabel: "program", YLabel: "one-way latency (us)", LogY: true},
@@ -193,6 +213,26 @@ var Rules = []Rule{
 	rule(`^BenchmarkMPIBTL/(?P<series>[^/]+)$`, `^MB/s@(?P<x>.+)$`, "mpi-bandwidth", "", "", 0),
 	rule(`^BenchmarkMPIApp/(?P<series>[^/]+)/ranks=(?P<x>[0-9]+)$`, `^comm-us/iter$`, "mpi-stencil", "", "", 0),
 	rule(`^BenchmarkMPIApp/`, `^total-ms$`, "", "", "", 0), // compute included: the communication time is the figure
+
+	// mpi with hostd's defaults: 8 B kernels at 2 and 4 ranks, bandwidth at 2
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^us@8B$`, "mpi-defaults-latency", "", "one-way, {x}", 0),
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^a2a-us@8B$`, "mpi-defaults-latency", "", "alltoall, {x}", 0),
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^ar-us@8B$`, "mpi-defaults-latency", "", "allreduce, {x}", 0),
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^MB/s@64KiB$`, "mpi-defaults-bandwidth", "", "64 KiB, {x}", 0),
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^MB/s@1MiB$`, "mpi-defaults-bandwidth", "", "1 MiB, {x}", 0),
+	rule(`^BenchmarkMPIDefaults/(?P<series>[^/]+)/(?P<x>ranks=[0-9]+)$`, `^bibw-MB/s@64KiB$`, "mpi-defaults-bandwidth", "", "both ways, 64 KiB, {x}", 0),
+
+	// mpi across two hosts
+	rule(`^BenchmarkMPICross/(?P<series>[^/]+)$`, `^us@(?P<x>.+)$`, "cross-mpi-latency", "", "", 0),
+	rule(`^BenchmarkMPICross/(?P<series>[^/]+)$`, `^MB/s@(?P<x>.+)$`, "cross-mpi-bandwidth", "", "", 0),
+
+	// cross: two hosts of a fabric (shunt-rig -hosts 2)
+	rule(`^BenchmarkCrossPingPong8B/(?P<series>[^/]+)$`, `^us/oneway$`, "cross-latency", "", "8 B ping-pong", 0),
+	rule(`^BenchmarkCrossStream64K/(?P<series>[^/]+)$`, `^GB/s$`, "cross-bandwidth", "", "64 KiB stream", 0),
+	rule(`^BenchmarkCrossStream64K/`, `^MB/s$`, "", "", "", 0), // written by the sender; GB/s counts what was sent, acknowledged by the sink
+	rule(`^BenchmarkCrossConcurrent16/(?P<series>[^/]+)$`, `^GB/s$`, "cross-bandwidth", "", "16 streams, aggregate", 0),
+	rule(`^BenchmarkCrossConcurrent16/`, `^min-share$`, "", "", "", 0), // fairness: in the table
+	rule(`^BenchmarkCrossSetup/(?P<series>[^/]+)$`, `^us/conn$`, "cross-setup", "", "connect + one 8 B round trip", 0),
 
 	// vm: the Go agent's ping-pong is 8 B, sockperf's 14 B; the Go and
 	// iperf3 streams move 64 MiB.

@@ -57,10 +57,11 @@ const (
 	Unregion       // hostd -> guest: RegionID: no flow of this guest uses it any more; unmap it
 	Down           // v3, hostd -> guest: ReqID, RegionID, Slot, Gen, Reason: leave the rings, go on over TCP
 	Left           // v3, guest -> hostd: ReqID, RegionID, Slot, Gen, Side: this end has left both rings
+	Resume         // v3, hostd -> guest: ReqID, RegionID, Slot, Gen, Reason, Offset: DOWN, and the writer resends on TCP from Offset (relayed flows)
 	numTypes
 )
 
-var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION", "DOWN", "LEFT"}
+var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION", "DOWN", "LEFT", "RESUME"}
 
 func (t Type) String() string {
 	if t > 0 && t < numTypes {
@@ -85,6 +86,12 @@ const (
 	SideB Side = 2
 )
 
+// sideRelayed is READY's Side bit for a relayed flow (Msg.Relayed): the
+// ring pair's other end is this host's relay, so the other guest's bytes
+// reach the ring later than the kernel's FIN or RST may reach the socket.
+// Sent only to libraries that announced CapResume, which all decode it.
+const sideRelayed = 0x80
+
 // Msg is one decoded message. Only the fields its Type lists are encoded;
 // the rest are zero after Decode.
 type Msg struct {
@@ -97,6 +104,10 @@ type Msg struct {
 	Role   Role
 	Side   Side
 	Reason Reason
+	// Relayed (READY) says the flow's other end is the relay to a peer
+	// host (docs/crosshost.md): a kernel EOF or RST seen before the read
+	// ring started or was left waits for it.
+	Relayed bool
 
 	Local, Remote netip.AddrPort
 
@@ -117,9 +128,34 @@ type Msg struct {
 	Text       string
 	// Formats (v3 HELLO) is the set of ring formats the guest reads and
 	// writes, a bit per format (1<<ring.FormatVersion); in WELCOME, the one
-	// hostd chose (a single bit), or 0 if none is common.
+	// hostd chose (a single bit), or 0 if none is common. HELLO's bit 31
+	// is CapResume, not a ring format.
 	Formats uint32
+	// Offset (RESUME) is the stream offset of the writer's next TCP byte,
+	// or ResumeAll or ResumeReset.
+	Offset uint64
 }
+
+// CapResume is HELLO's Formats bit 31: the library handles RESUME. It is
+// a capability, not a ring format: hostd masks it out before choosing
+// WELCOME's format, and offers a cross-host (relayed) connection only to
+// a guest that announced it (docs/crosshost.md). An older hostd ignores
+// it (it looks only at the bits of formats it knows).
+const CapResume uint32 = 1 << 31
+
+// RESUME's special offsets. Any other Offset is a stream offset that must
+// lie within the writer's stretch [start, W] and in bytes its ring still
+// holds (docs/protocol.md, "RESUME").
+const (
+	// ResumeAll: nothing of the writer's ring reached the other end:
+	// resend the whole stretch from its start (nothing if it never
+	// started the ring).
+	ResumeAll uint64 = ^uint64(0) - 1
+	// ResumeReset: where the other end's ring ended is unknown: the
+	// connection is reset (ECONNRESET to the application, RST to the
+	// peer). An invalid Offset is handled alike.
+	ResumeReset uint64 = ^uint64(0)
+)
 
 // field kinds, in encoding order, for each type.
 type field uint8
@@ -144,6 +180,7 @@ const (
 	fNonce
 	fText
 	fFormats
+	fOffset
 )
 
 // layouts are version 3's; layoutV2 gives version 2's.
@@ -168,6 +205,7 @@ var layouts = [numTypes][]field{
 	Unregion:  {fRegionID},
 	Down:      {fReqID, fRegionID, fSlot, fGen, fReason},
 	Left:      {fReqID, fRegionID, fSlot, fGen, fSide},
+	Resume:    {fReqID, fRegionID, fSlot, fGen, fReason, fOffset},
 }
 
 // layoutV2 returns version 2's fields for t, and whether v2 had the type.
@@ -181,7 +219,7 @@ func layoutV2(t Type) ([]field, bool) {
 		return []field{fRegionID, fSlot, fGen, fSide}, true
 	case Reattach:
 		return []field{fRegionID, fSlot, fGen, fSide, fLocal, fRemote}, true
-	case Down, Left:
+	case Down, Left, Resume:
 		return nil, false
 	}
 	return layouts[t], true
@@ -242,7 +280,11 @@ func (m *Msg) Append(b []byte) ([]byte, error) {
 		case fRole:
 			b = append(b, byte(m.Role))
 		case fSide:
-			b = append(b, byte(m.Side))
+			sb := byte(m.Side)
+			if m.Relayed {
+				sb |= sideRelayed
+			}
+			b = append(b, sb)
 		case fReason:
 			b = le.AppendUint16(b, uint16(m.Reason))
 		case fLocal:
@@ -275,6 +317,8 @@ func (m *Msg) Append(b []byte) ([]byte, error) {
 			b = appendString(b, m.Text)
 		case fFormats:
 			b = le.AppendUint32(b, m.Formats)
+		case fOffset:
+			b = le.AppendUint64(b, m.Offset)
 		}
 	}
 	n := len(b) - start - HeaderSize
@@ -409,7 +453,8 @@ func DecodePayloadVersion(v uint8, t Type, p []byte) (Msg, error) {
 				d.err = true
 			}
 		case fSide:
-			m.Side = Side(d.take(1)[0])
+			sb := d.take(1)[0]
+			m.Side, m.Relayed = Side(sb&^sideRelayed), sb&sideRelayed != 0
 			if m.Side != SideA && m.Side != SideB {
 				d.err = true
 			}
@@ -445,6 +490,8 @@ func DecodePayloadVersion(v uint8, t Type, p []byte) (Msg, error) {
 			m.Text = d.str()
 		case fFormats:
 			m.Formats = le.Uint32(d.take(4))
+		case fOffset:
+			m.Offset = le.Uint64(d.take(8))
 		}
 	}
 	if d.err || len(d.b) != 0 {

@@ -25,3 +25,14 @@ func Retire(mem []byte) error                                     { return ErrUn
 func Yield()                                                      {}
 func FutexWait(w *atomic.Uint32, v uint32, t time.Duration) error { return ErrUnsupported }
 func FutexWake(w *atomic.Uint32, n int) (int, error)              { return 0, ErrUnsupported }
+
+// FutexWaitv: see futexwaitv_unsafe.go.
+const FutexWaitvMax = 128
+
+type FutexWaitv struct{}
+
+func (v *FutexWaitv) Set(word *atomic.Uint32, val uint32) {}
+
+var ErrFutexFault = errors.New("futex_waitv: a word is not mapped")
+
+func FutexWaits(vs []FutexWaitv, deadline time.Time) error { return ErrUnsupported }

@@ -36,10 +36,18 @@ func (e *end) SetDeadline(t time.Time) {
 // interrupt wakes a blocked call. The ring's memory may be gone (its
 // region truncated): the wake is then skipped, and the call finds out at
 // its next look (wait.Policy sleeps at most a second at a time).
+//
+// The wake costs a system call only when this end sleeps: a sleeper
+// stores its waiting word (1) before it looks at intr one last time, and
+// the increment below (a locked add, a full fence) comes before the load
+// of that word in Wake, so either the sleeper sees the increment and does
+// not sleep, or Wake sees the word and wakes it. A call that spins sees
+// the increment itself. (It used to store 1 first, so every SetDeadline
+// and every Close made a futex wake with nobody asleep: a system call per
+// request for a server that sets deadlines.)
 func (e *end) interrupt() {
 	defer fault.Catch(fault.Arm(), nil)
 	e.intr.Add(1)
-	e.flag.Store(1) // make sure Wake below is not skipped as "nobody waits"
 	_ = e.policy.Wake(e.flag)
 }
 

@@ -15,7 +15,8 @@ var errDeadline = os.ErrDeadlineExceeded
 // goroutine.
 type Reader struct {
 	end
-	head   uint64 // private copy; published to r.head
+	head   uint64 // private copy; published to r.head (see consume)
+	shown  uint64 // the head last published
 	tail   uint64 // last validated tail of the writer
 	msgs   uint64
 	peeked int  // bytes handed out by the last Peek
@@ -27,6 +28,7 @@ type Reader struct {
 func NewReader(r *Ring, p *wait.Policy) (*Reader, error) {
 	rd := &Reader{end: end{r: r, policy: p, flag: r.rwait}}
 	rd.head = r.head.Load()
+	rd.shown = rd.head
 	rd.msgs = r.rmsgs.Load()
 	rd.tail = r.tail.Load()
 	if rd.head > rd.tail || rd.tail-rd.head > uint64(len(r.data)) {
@@ -69,11 +71,25 @@ func (rd *Reader) empty() (int, error) {
 	return 0, nil
 }
 
+// drained is empty for TryRead and TryPeek: a reader that finds the ring
+// empty (the writer may be waiting for its space, or has finished)
+// publishes what it consumed first.
+func (rd *Reader) drained() (int, error) {
+	a, err := rd.empty()
+	if a == 0 && err != ErrCorrupt {
+		if ferr := rd.flush(); err == nil {
+			err = ferr
+		}
+	}
+	return a, err
+}
+
 // TryRead copies up to len(p) bytes out of the ring without blocking. It
 // returns 0, nil when the ring is empty and the writer may still write,
 // io.EOF after FIN once drained, ErrReset once the flow was reset (unread
 // data is discarded, as a TCP reset does). Space is returned to the writer
-// in batches of at most Batch bytes, so it can refill while we copy.
+// in batches of at most Batch bytes, so it can refill while we copy, and
+// published lazily (see consume).
 func (rd *Reader) TryRead(p []byte) (int, error) {
 	if rd.closed.Load() {
 		return 0, ErrClosed
@@ -86,7 +102,7 @@ func (rd *Reader) TryRead(p []byte) (int, error) {
 		return 0, err
 	}
 	if a == 0 {
-		if a, err = rd.empty(); a == 0 || err != nil {
+		if a, err = rd.drained(); a == 0 || err != nil {
 			return 0, err
 		}
 	}
@@ -97,7 +113,7 @@ func (rd *Reader) TryRead(p []byte) (int, error) {
 		c := copy(p[done:done+n], rd.r.data[off:])
 		copy(p[done+c:done+n], rd.r.data)
 		done += n
-		if err := rd.consume(n); err != nil {
+		if err := rd.consume(n, true); err != nil {
 			return done, err
 		}
 		if a, err = rd.avail(len(p) - done); err != nil {
@@ -107,13 +123,48 @@ func (rd *Reader) TryRead(p []byte) (int, error) {
 	return done, nil
 }
 
-// consume returns n bytes of space to the writer and wakes it if it sleeps.
-func (rd *Reader) consume(n int) error {
+// consume returns n bytes of space to the writer. Lazily (lazy), the head
+// is published only once it moved into another stride (an eighth of the
+// ring) since it was last published, or when the writer asks for room by
+// sleeping (its waiting word is set), or when this read took all the
+// reader knows of (the head reached its cached tail: a reader that then
+// stops reading, as a program that read its request does, would otherwise
+// hold the head back for good, and hostd's byte counters with it): each
+// publication is a store to a
+// line the writer polls while it waits for space, and publishing after
+// every small read made a writer ahead of its reader take that line back
+// at every read, then write a read's worth and wait again. Every wait of this reader publishes first (flush), so a reader
+// that has drained the ring never holds back space; what a reader that
+// stops reading mid-ring holds back is less than a stride, as if the ring
+// were an eighth smaller. A writer that decides to sleep stores its word
+// before it looks at the head, and flush stores the head before it looks
+// at the word, so one of the two sees the other (no lost wake-up).
+func (rd *Reader) consume(n int, lazy bool) error {
 	rd.head += uint64(n)
 	rd.msgs++
+	if lazy && rd.head != rd.tail && !crossed(rd.r, rd.head, rd.shown) && rd.r.wwait.Load() == 0 {
+		return nil
+	}
+	return rd.showHead()
+}
+
+// showHead publishes the head and the count, and wakes the writer if it
+// sleeps. As in Writer.publish, the count's store is plain and the head's
+// is the one fence before the load of the writer's waiting word.
+func (rd *Reader) showHead() error {
+	rd.shown = rd.head
+	storeRel(rd.r.rmsgs, rd.msgs)
 	rd.r.head.Store(rd.head)
-	rd.r.rmsgs.Store(rd.msgs)
 	return rd.policy.Wake(rd.r.wwait)
+}
+
+// flush publishes what this reader consumed and has not published yet:
+// before every wait, and before it tells the writer it stops reading.
+func (rd *Reader) flush() error {
+	if rd.shown == rd.head {
+		return nil
+	}
+	return rd.showHead()
 }
 
 // Read copies at least one byte into p, blocking while the ring is empty.
@@ -153,7 +204,7 @@ func (rd *Reader) TryPeek(n int) ([]byte, error) {
 		return nil, err
 	}
 	if a == 0 {
-		if a, err = rd.empty(); a == 0 || err != nil {
+		if a, err = rd.drained(); a == 0 || err != nil {
 			return nil, err
 		}
 	}
@@ -188,7 +239,7 @@ func (rd *Reader) Release(n int) error {
 	if n == 0 {
 		return nil
 	}
-	return rd.consume(n)
+	return rd.consume(n, true)
 }
 
 // Buffered returns how many bytes are readable now (FIONREAD).
@@ -207,6 +258,9 @@ func (rd *Reader) Ready() bool {
 }
 
 func (rd *Reader) waitData() error {
+	if err := rd.flush(); err != nil {
+		return err
+	}
 	rd.intrSeen = rd.intr.Load()
 	for {
 		if err := rd.policy.Wait(rd, rd.flag, rd.deadlineTime()); err != nil {
@@ -231,6 +285,7 @@ func (rd *Reader) waitData() error {
 // CloseRead tells the writer that nobody will read: its writes fail with
 // ErrPeerClosed from now on.
 func (rd *Reader) CloseRead() error {
+	_ = rd.flush()
 	rd.r.rflags.Store(rd.r.rflags.Load() | FlagReaderClosed)
 	return rd.policy.Wake(rd.r.wwait)
 }

@@ -27,8 +27,12 @@ import (
 // the next record does not fit. So a small record is one cache line, and
 // the reader, which polls the stamp at its head instead of the tail (which
 // lives on another line), receives header and payload with one line
-// transfer. The writer still publishes the tail after each record, for
-// hostd's counters and its own room accounting. Before a record's stamp it
+// transfer. No index is published per record: the tail and the head (and
+// the counts beside them) are stored once per stride, an eighth of the
+// ring, so a one-line record is the only line either end writes. A writer
+// short of room stores recWantsRoom in the ring's "writer waiting" word
+// and looks again; a reader that sees it publishes its head at once.
+// hostd's byte counters lag by less than a stride. Before a record's stamp it
 // zeroes the stamp field of the line after the record if that line may
 // hold other bytes (a payload of an earlier lap), so the reader polling
 // there never finds the stamp it waits for in old bytes.
@@ -44,6 +48,11 @@ const (
 
 	RecKindData = 1 // a record in a ring is DATA or PAD
 	RecKindPad  = 2 // fills the ring's end; the reader skips it
+
+	// recWantsRoom in the "writer waiting" word is a record writer's
+	// request for the reader's head: not 1, which a sleeper stores, so
+	// the reader answers it without a futex wake (C: WANTS_ROOM).
+	recWantsRoom = 2
 
 	recOffLen   = 0
 	recOffKind  = 4
@@ -91,7 +100,8 @@ type RecWriter struct {
 	r     *Ring
 	epoch uint64
 	next  uint64 // number of the next record
-	tail  uint64 // private; published to r.tail after each record
+	tail  uint64 // private; published to r.tail once per stride
+	shown uint64 // the tail last published
 	head  uint64 // last validated head of the reader
 	msgs  uint64
 	off   int // data offset of the open reservation's header; -1: none
@@ -136,6 +146,7 @@ func NewRecWriter(r *Ring, epoch uint64) (*RecWriter, error) {
 		w.dirty[i] = ^uint64(0)
 	}
 	w.tail = r.tail.Load()
+	w.shown = w.tail
 	w.msgs = r.wmsgs.Load()
 	w.head = r.head.Load()
 	if w.head > w.tail || w.tail-w.head > uint64(len(r.data)) || w.tail%RecLine != 0 {
@@ -183,7 +194,7 @@ func (w *RecWriter) ReservePadded(pad, n int) ([]byte, error) {
 		w.header(off, toEnd-RecHeaderSize, 0, RecKindPad, 0)
 		w.tail += uint64(toEnd)
 		w.mark(off, RecLine) // the rest of a PAD is not written
-		w.seal(off)
+		w.seal(off, 0)
 		if err := w.publish(); err != nil {
 			return nil, err
 		}
@@ -206,7 +217,7 @@ func (w *RecWriter) Commit(n int, kind, tag uint8) error {
 	span := RecSpan(w.pad + n)
 	w.tail += uint64(span)
 	w.mark(off, span)
-	w.seal(off)
+	w.seal(off, w.pad+n)
 	return w.publish()
 }
 
@@ -231,6 +242,19 @@ func (w *RecWriter) fits(need int) error {
 	if c-(w.tail-w.head) >= uint64(need) {
 		return nil
 	}
+	if err := w.refresh(); err != nil {
+		return err
+	}
+	if c-(w.tail-w.head) >= uint64(need) {
+		return nil
+	}
+	// Ask the reader for its head (it publishes it once per stride
+	// otherwise), then look again: a head published before the request
+	// was seen is found here.
+	if w.shown != w.tail {
+		w.showTail()
+	}
+	w.r.wwait.Store(recWantsRoom)
 	if err := w.refresh(); err != nil {
 		return err
 	}
@@ -269,15 +293,18 @@ func (w *RecWriter) mark(off, span int) {
 	}
 }
 
-// seal finishes the record at off, which ends at w.tail: if the line at
+// seal finishes the record at off, whose pad and payload the caller wrote
+// (written bytes), which ends at w.tail: if the line at
 // w.tail is dirty and the reader is done with it, it zeroes the line's
 // stamp field, so the reader polling there never finds the stamp it waits
 // for in old bytes; then it stores the record's stamp, last. The reader is
 // not done with the line when it holds an unread record (the ring is
 // full), whose stamp is older than any the reader will look for there.
-// The stamp's store is sequentially consistent, which on amd64 also orders
-// the non-temporal stores of a large copy before it.
-func (w *RecWriter) seal(off int) {
+// The stamp's store is a release store for a small record (under
+// RecAlignFrom: no copy of that size uses non-temporal stores), and a
+// sequentially consistent one for a larger record, which on amd64 also
+// orders the non-temporal stores of a large copy before it.
+func (w *RecWriter) seal(off, written int) {
 	at := int(w.tail & w.r.mask)
 	i := at / RecLine
 	if w.dirty[i/64]&(1<<(i%64)) != 0 {
@@ -289,17 +316,34 @@ func (w *RecWriter) seal(off int) {
 			w.dirty[i/64] &^= 1 << (i % 64)
 		}
 	}
-	word64(w.r.data, off+recOffStamp).Store(w.epoch + w.next)
+	stamp := word64(w.r.data, off+recOffStamp)
+	if written < RecAlignFrom {
+		storeRel(stamp, w.epoch+w.next)
+	} else {
+		stamp.Store(w.epoch + w.next)
+	}
 	w.next++
 }
 
-// publish stores the tail after the records so far and wakes a reader
-// that sleeps on the ring.
+// crossed reports whether an index moved into another stride (an eighth
+// of the ring) since it was last published.
+func crossed(r *Ring, now, shown uint64) bool { return now^shown >= uint64(len(r.data))>>3 }
+
+// publish ends a record: the tail once per stride, and a wake for a reader
+// that sleeps on the ring (a load of a line no record end writes).
 func (w *RecWriter) publish() error {
 	w.msgs++
-	w.r.tail.Store(w.tail)
-	w.r.wmsgs.Store(w.msgs)
+	if crossed(w.r, w.tail, w.shown) {
+		w.showTail()
+	}
 	return spinWait.Wake(w.r.rwait)
+}
+
+// showTail stores the tail after the records so far, and the count.
+func (w *RecWriter) showTail() {
+	w.shown = w.tail
+	storeRel(w.r.tail, w.tail)
+	storeRel(w.r.wmsgs, w.msgs)
 }
 
 // Ready reports whether a Wait should end: the reader consumed since the
@@ -332,7 +376,8 @@ type RecReader struct {
 	r     *Ring
 	epoch uint64
 	next  uint64 // number of the record expected at head
-	head  uint64 // private; published to r.head
+	head  uint64 // private; published to r.head once per stride, or when asked
+	shown uint64 // the head last published
 	msgs  uint64
 	span  uint64 // of the record Poll returned; 0: none
 }
@@ -345,6 +390,7 @@ func NewRecReader(r *Ring, epoch uint64) (*RecReader, error) {
 	}
 	rd := &RecReader{r: r, epoch: epoch}
 	rd.head = r.head.Load()
+	rd.shown = rd.head
 	rd.msgs = r.rmsgs.Load()
 	t := r.tail.Load()
 	if rd.head > t || t-rd.head > uint64(len(r.data)) || rd.head%RecLine != 0 {
@@ -369,6 +415,9 @@ func (rd *RecReader) Poll() (rec Rec, ok bool, err error) {
 		if word64(rd.r.data, int(off)+recOffStamp).Load() != rd.epoch+rd.next {
 			if rd.r.reset.Load() != 0 {
 				return Rec{}, false, ErrReset
+			}
+			if rd.shown != rd.head && rd.r.wwait.Load() != 0 {
+				return Rec{}, false, rd.showHead()
 			}
 			return Rec{}, false, nil
 		}
@@ -410,8 +459,21 @@ func (rd *RecReader) Consume() error {
 	rd.span = 0
 	rd.next++
 	rd.msgs++
-	rd.r.head.Store(rd.head)
-	rd.r.rmsgs.Store(rd.msgs)
+	if crossed(rd.r, rd.head, rd.shown) || rd.r.wwait.Load() != 0 {
+		return rd.showHead()
+	}
+	return nil
+}
+
+// showHead stores the head after the records consumed, and the count, then
+// clears a writer's request for room, or wakes a writer asleep.
+func (rd *RecReader) showHead() error {
+	rd.shown = rd.head
+	storeRel(rd.r.head, rd.head)
+	storeRel(rd.r.rmsgs, rd.msgs)
+	if rd.r.wwait.CompareAndSwap(recWantsRoom, 0) {
+		return nil
+	}
 	return spinWait.Wake(rd.r.wwait)
 }
 

@@ -146,8 +146,23 @@ func TestRecLayout(t *testing.T) {
 	if h := d[64:]; ne.Uint32(h) != 2000 || h[5] != 9 || ne.Uint16(h[6:]) != 48 || ne.Uint64(h[8:]) != epoch+1 || h[64] != 0xee {
 		t.Fatalf("second record: header %x, first payload byte %x; want 2000 bytes after a 48-byte pad, stamp epoch+1", h[:16], h[64])
 	}
-	if tail := ne.Uint64(mem[ring.OffTail:]); tail != 64+2112 {
-		t.Fatalf("tail = %d, want %d", tail, 64+2112)
+	// The tail is published once per stride (an eighth of the ring: 8 KiB
+	// here), not per record.
+	if tail := ne.Uint64(mem[ring.OffTail:]); tail != 0 {
+		t.Fatalf("tail = %d after 2176 bytes of records, want 0 (unpublished within the first stride)", tail)
+	}
+	for {
+		p, _ = w.Reserve(1000)
+		w.Commit(len(p), ring.RecKindData, 0)
+		if _, bytes := w.Records(); bytes >= 8<<10 {
+			if tail := ne.Uint64(mem[ring.OffTail:]); tail != bytes {
+				t.Fatalf("tail = %d once the records crossed 8 KiB, want %d", tail, bytes)
+			}
+			return
+		}
+		if tail := ne.Uint64(mem[ring.OffTail:]); tail != 0 {
+			t.Fatalf("tail = %d within the first stride, want 0", tail)
+		}
 	}
 }
 
@@ -292,13 +307,11 @@ func TestRecCorrupt(t *testing.T) {
 			for k := uint64(0); k < c/ring.RecLine; k++ {
 				quick(w, k)
 			}
+			quick(w, 64) // no room: the writer asks for the head
 			rd.Poll()
-			rd.Consume()
-			rd.Poll()
-			rd.Consume()
-			quick(w, 64) // the writer has seen head 128
-			binary.NativeEndian.PutUint64(m[ring.OffHead:], 64)
-			quick(w, 65) // fills the ring: the next Reserve loads the head
+			rd.Consume() // the reader answers: head 64
+			quick(w, 64) // the writer has seen head 64, and filled the ring
+			binary.NativeEndian.PutUint64(m[ring.OffHead:], 0)
 		}, reserve},
 		{"head beyond tail", func(m []byte, w *ring.RecWriter, _ *ring.RecReader) {
 			for k := uint64(0); k < c/ring.RecLine; k++ {
@@ -564,4 +577,61 @@ func anyOf(err error, targets ...error) bool {
 		}
 	}
 	return false
+}
+
+// TestRecIndexPerStride: record ends publish no index per record (a small
+// record is the only line either writes): the head stays where it was
+// while the reader consumes within a stride; a writer short of room asks
+// for it (the "writer waiting" word), and the reader's next Consume, or
+// its next Poll of an empty ring, publishes it and clears the request.
+func TestRecIndexPerStride(t *testing.T) {
+	const c, e = ring.MinCapacity, 0x4200000000
+	ne := binary.NativeEndian
+	for _, answer := range []string{"consume", "empty poll"} {
+		t.Run(answer, func(t *testing.T) {
+			mem, _, w, rd := recRing(t, c, e)
+			for k := uint64(0); k < c/ring.RecLine; k++ {
+				quick(w, k)
+			}
+			if _, _, err := rd.Poll(); err != nil {
+				t.Fatal(err)
+			}
+			rd.Consume()
+			if h := ne.Uint64(mem[ring.OffHead:]); h != 0 {
+				t.Fatalf("head %d published after one record, want 0 (once per stride)", h)
+			}
+			if _, err := w.Reserve(8); !errors.Is(err, ring.ErrRingFull) {
+				t.Fatalf("reserve in a ring the writer sees full: %v, want ErrRingFull", err)
+			}
+			if ne.Uint32(mem[ring.OffWWait:]) == 0 {
+				t.Fatal("the writer short of room did not ask for the head")
+			}
+			want := uint64(2 * ring.RecLine)
+			if answer == "consume" {
+				rd.Poll()
+				rd.Consume()
+			} else {
+				// Drain without crossing a stride, then poll the empty ring.
+				mem2, _, w2, rd2 := recRing(t, c, e)
+				mem, w, rd = mem2, w2, rd2
+				quick(w, 0)
+				rd.Poll()
+				rd.Consume()
+				ne.PutUint32(mem[ring.OffWWait:], 2) // a writer's request
+				want = ring.RecLine
+				if _, ok, err := rd.Poll(); ok || err != nil {
+					t.Fatalf("poll of an empty ring: %v %v", ok, err)
+				}
+			}
+			if h := ne.Uint64(mem[ring.OffHead:]); h != want {
+				t.Fatalf("head %d published after the writer asked, want %d", h, want)
+			}
+			if ne.Uint32(mem[ring.OffWWait:]) != 0 {
+				t.Fatal("the request was not cleared")
+			}
+			if _, err := w.Reserve(8); err != nil {
+				t.Fatalf("reserve after the reader answered: %v", err)
+			}
+		})
+	}
 }

@@ -8,6 +8,7 @@ import (
 	"math/rand/v2"
 	"os"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -227,10 +228,17 @@ func waitFlagOrSpin(t *testing.T, r *ring.Ring, mode wait.Mode) {
 		return
 	}
 	rw, _ := r.Waiters()
-	deadline := time.Now().Add(5 * time.Second)
-	for rw.Load() == 0 {
+	waitSet(t, rw, "reader")
+}
+
+// waitSet waits, with a bound, until the waiting word of one end (who)
+// says that it sleeps or is about to.
+func waitSet(t *testing.T, word *atomic.Uint32, who string) {
+	t.Helper()
+	deadline := time.Now().Add(10 * time.Second)
+	for word.Load() == 0 {
 		if time.Now().After(deadline) {
-			t.Fatal("reader never published that it waits")
+			t.Fatalf("the %s never published that it waits", who)
 		}
 		time.Sleep(100 * time.Microsecond)
 	}

@@ -78,6 +78,7 @@ func (rd *Reader) Consumed() uint64 { return rd.head }
 // after the ring is drained and the writer left, or when hostd says the
 // writer's process is gone.
 func (rd *Reader) Leave() error {
+	_ = rd.flush()
 	rd.r.rflags.Or(FlagReaderLeft)
 	return rd.policy.Wake(rd.r.wwait)
 }

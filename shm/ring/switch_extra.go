@@ -29,6 +29,9 @@ func (c readerCond) Ready() bool {
 // a goroutine the owner lent it to: one waiter at a time, since the
 // wake-up word is shared.
 func (rd *Reader) Wait(stop func() bool, deadline time.Time) error {
+	if err := rd.flush(); err != nil {
+		return err
+	}
 	rd.intrSeen = rd.intr.Load()
 	if !deadline.IsZero() && !time.Now().Before(deadline) {
 		return os.ErrDeadlineExceeded
@@ -75,6 +78,9 @@ func (w *ReadWaiter) Ready() bool { return w.c.rd.Ready() || w.c.stop() }
 // Wait is Reader.Wait(stop, deadline).
 func (w *ReadWaiter) Wait(deadline time.Time) error {
 	rd := w.c.rd
+	if err := rd.flush(); err != nil {
+		return err
+	}
 	rd.intrSeen = rd.intr.Load()
 	if !deadline.IsZero() && !time.Now().Before(deadline) {
 		return os.ErrDeadlineExceeded

@@ -90,12 +90,17 @@ func (w *Writer) TryWrite(p []byte) (int, error) {
 	return done, nil
 }
 
-// publish makes n more bytes visible to the reader and wakes it if it sleeps.
+// publish makes n more bytes visible to the reader and wakes it if it
+// sleeps. The count is a plain (release) store and the tail a sequentially
+// consistent one, which drains the store buffer before the load of the
+// reader's waiting word (the reader stores that word before it looks at the
+// tail: one of the two sees the other). One fence per publication, not
+// two; the count is informational (Stats) and may run ahead of the tail.
 func (w *Writer) publish(n int) error {
 	w.tail += uint64(n)
 	w.msgs++
+	storeRel(w.r.wmsgs, w.msgs)
 	w.r.tail.Store(w.tail)
-	w.r.wmsgs.Store(w.msgs)
 	return w.policy.Wake(w.r.rwait)
 }
 

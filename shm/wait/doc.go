@@ -17,5 +17,8 @@
 //
 // How the sleep happens is a Signal: a futex on the flag word for processes
 // that share the mapping (Futex), an eventfd handed out by hostd, or a kick
-// relayed by hostd over a VM's control channel.
+// relayed by hostd over a VM's control channel. A Hub is a Signal for a
+// program with many waiting ends (the relay): their sleeps share one
+// goroutine, asleep in futex_waitv on all their words, so that they do not
+// each hold a P of the Go scheduler (docs/relay-waits.md).
 package wait

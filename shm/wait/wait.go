@@ -82,13 +82,22 @@ const checkEvery = 64
 // vCPU; a waiter that only spins there keeps its peer off the CPU for the
 // whole budget, and with a budget near the wake-up cost both ends settle
 // into paying it on every message. Yielding lets a co-located peer run at
-// once; with nothing else runnable it costs one system call. The first
-// yield of a wait also gives the goroutine's P to the program's runnable
-// goroutines (runtime.Gosched): the one that will answer (net/http's
-// handler, a Transport's loop) may be waiting for it. Once per wait: it
-// lets every goroutine runnable then go first, and each further one
-// would cost a trip through the scheduler.
+// once; with nothing else runnable it costs one system call.
 const yieldAfter = 500 * time.Nanosecond
+
+// goschedAfter is how long a waiter spins before it gives the goroutine's
+// P to the program's runnable goroutines (runtime.Gosched), once per wait:
+// the one that will answer (net/http's handler, a Transport's loop) may be
+// waiting for it. Once per wait: it lets every goroutine runnable then go
+// first, and each further one would cost a trip through the scheduler.
+// Not at the first yield (500 ns), as it was: Gosched wakes an idle P's
+// thread (runtime.wakep, a futex wake) that then spins looking for work on
+// the other CPU, and a stream's ends wait a few microseconds for each
+// other's next batch, so each of those waits cost a system call and a
+// second busy thread, taken from the peer process on a 2-vCPU guest (Go's
+// streams ran at 0.55x of C's; issue 26). A wait that lasts longer than
+// goschedAfter is not a batch's gap.
+const goschedAfter = 5 * time.Microsecond
 
 // Wait returns nil once c is ready, or os.ErrDeadlineExceeded when the
 // deadline (zero: none) passes first. flag is the waiter's "waiting" word in
@@ -121,7 +130,7 @@ func (p *Policy) Wait(c Cond, flag *atomic.Uint32, deadline time.Time) error {
 				break
 			}
 			if spun >= yieldAfter {
-				if !gave {
+				if !gave && spun >= goschedAfter {
 					runtime.Gosched()
 					gave = true
 				}

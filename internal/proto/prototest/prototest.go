@@ -19,7 +19,7 @@ var (
 // value that exercises its width.
 func Samples() []proto.Msg {
 	return []proto.Msg{
-		{Type: proto.Hello, PID: 4242, Formats: 1 << 2},
+		{Type: proto.Hello, PID: 4242, Formats: 1<<2 | proto.CapResume},
 		{Type: proto.Welcome, GuestID: 7, Gen: 3, RegionSize: 64 << 20, Region: "/dev/shm/shunt-tenant", Formats: 1 << 2},
 		{Type: proto.Listen, Local: A},
 		{Type: proto.Unlisten, Local: B},
@@ -39,6 +39,7 @@ func Samples() []proto.Msg {
 		{Type: proto.Unregion, RegionID: 5},
 		{Type: proto.Down, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Reason: proto.ReasonFirewall},
 		{Type: proto.Left, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Side: proto.SideB},
+		{Type: proto.Resume, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Reason: proto.ReasonPeerUnreachable, Offset: 1<<40 + 7},
 	}
 }
 
