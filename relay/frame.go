@@ -5,6 +5,7 @@ import (
 	"errors"
 	"fmt"
 	"io"
+	"sync"
 )
 
 // A frame is a 20-byte header, then Len bytes of payload (DATA only):
@@ -21,7 +22,7 @@ const (
 	MaxPayload = 256 << 10
 )
 
-// Frame types.
+// Frame types. The RDMA link uses the same frames (rdma.go).
 const (
 	fData   = 1
 	fCredit = 2
@@ -34,6 +35,45 @@ type frame struct {
 	flow uint32
 	arg  uint64
 	data []byte
+	pool *[]byte // data's buffer, from payloads, if it came from there
+}
+
+// payloadClasses are the sizes of the pooled buffers that carry a DATA
+// frame's bytes from Flow.Write to the transport (the sender copies them
+// out of guest memory, which a hostile guest may unmap). Smaller payloads
+// are allocated; a pooled buffer is at most 4 times its payload, so what
+// queued frames hold stays within a few windows.
+var payloadClasses = [...]int{16 << 10, 64 << 10, MaxPayload}
+
+var payloads [len(payloadClasses)]sync.Pool
+
+// payload returns a copy of p, in a pooled buffer if p is large enough.
+func payload(p []byte) ([]byte, *[]byte) {
+	for i, c := range payloadClasses {
+		if len(p) <= c && 4*len(p) >= c {
+			b, _ := payloads[i].Get().(*[]byte)
+			if b == nil {
+				nb := make([]byte, c)
+				b = &nb
+			}
+			return (*b)[:copy(*b, p)], b
+		}
+	}
+	return append([]byte(nil), p...), nil
+}
+
+// release gives a sent frame's payload buffer back (a transport calls it
+// once the bytes are written).
+func (f *frame) release() {
+	if f.pool == nil {
+		return
+	}
+	for i, c := range payloadClasses {
+		if len(*f.pool) == c {
+			payloads[i].Put(f.pool)
+		}
+	}
+	f.pool = nil
 }
 
 // ErrProtocol marks a peer relay that broke the link protocol: the link
@@ -58,17 +98,9 @@ func readFrame(r io.Reader, scratch []byte) (frame, error) {
 	if _, err := io.ReadFull(r, h[:]); err != nil {
 		return frame{}, err
 	}
-	f := frame{typ: h[0], flow: binary.LittleEndian.Uint32(h[4:]), arg: binary.LittleEndian.Uint64(h[8:])}
-	n := binary.LittleEndian.Uint32(h[16:])
-	switch {
-	case h[1] != 0 || h[2] != 0 || h[3] != 0:
-		return f, fmt.Errorf("%w: reserved header bytes set", ErrProtocol)
-	case f.typ < fData || f.typ > fLeft:
-		return f, fmt.Errorf("%w: frame type %d", ErrProtocol, f.typ)
-	case f.typ != fData && n != 0:
-		return f, fmt.Errorf("%w: a payload of %d bytes on frame type %d", ErrProtocol, n, f.typ)
-	case n > MaxPayload:
-		return f, fmt.Errorf("%w: a payload of %d bytes, at most %d", ErrProtocol, n, MaxPayload)
+	f, n, err := parseHeader(&h)
+	if err != nil {
+		return f, err
 	}
 	if n > 0 {
 		f.data = scratch[:n]
@@ -78,3 +110,25 @@ func readFrame(r io.Reader, scratch []byte) (frame, error) {
 	}
 	return f, nil
 }
+
+// parseHeader checks a header, read once into h (a peer's bytes are read
+// once, then checked: in a ring the peer can rewrite them meanwhile), and
+// returns its frame (without payload) and payload length.
+func parseHeader(h *[headerSize]byte) (frame, uint32, error) {
+	f := frame{typ: h[0], flow: binary.LittleEndian.Uint32(h[4:]), arg: binary.LittleEndian.Uint64(h[8:])}
+	n := binary.LittleEndian.Uint32(h[16:])
+	switch {
+	case h[1] != 0 || h[2] != 0 || h[3] != 0:
+		return f, 0, fmt.Errorf("%w: reserved header bytes set", ErrProtocol)
+	case f.typ < fData || f.typ > fLeft:
+		return f, 0, fmt.Errorf("%w: frame type %d", ErrProtocol, f.typ)
+	case f.typ != fData && n != 0:
+		return f, 0, fmt.Errorf("%w: a payload of %d bytes on frame type %d", ErrProtocol, n, f.typ)
+	case n > MaxPayload:
+		return f, 0, fmt.Errorf("%w: a payload of %d bytes, at most %d", ErrProtocol, n, MaxPayload)
+	}
+	return f, n, nil
+}
+
+// size is f's bytes on the wire.
+func (f *frame) size() int { return headerSize + len(f.data) }

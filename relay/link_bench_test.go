@@ -7,34 +7,58 @@ import (
 
 // The link's cost against the kernel TCP it runs on, over loopback: one
 // flow streaming 64 KiB writes, and an 8-byte ping-pong. Run as in
-// docs/crosshost.md ("The link's cost"), interleaved.
+// docs/crosshost.md ("The link's cost"), interleaved. rdma-fake is the
+// RDMA link over fake verbs whose "NIC" is a memcpy in the writer's
+// goroutine and a channel: the link's own software cost (docs/rdma.md).
 
 func BenchmarkStream64KiB(b *testing.B) {
-	b.Run("tcp", func(b *testing.B) {
-		ca, cb := conns(b, 1)
-		defer ca[0].Close()
-		defer cb[0].Close()
-		stream(b, ca[0], cb[0])
-	})
+	b.Run("tcp", onTCP(stream))
 	b.Run("link", func(b *testing.B) {
 		fa, fb, done := linkFlow(b)
+		defer done()
+		stream(b, fa, fb)
+	})
+	b.Run("rdma-fake", func(b *testing.B) {
+		fa, fb, done := rdmaFlow(b)
 		defer done()
 		stream(b, fa, fb)
 	})
 }
 
 func BenchmarkPingPong8B(b *testing.B) {
-	b.Run("tcp", func(b *testing.B) {
-		ca, cb := conns(b, 1)
-		defer ca[0].Close()
-		defer cb[0].Close()
-		pingPong(b, ca[0], cb[0])
-	})
+	b.Run("tcp", onTCP(pingPong))
 	b.Run("link", func(b *testing.B) {
 		fa, fb, done := linkFlow(b)
 		defer done()
 		pingPong(b, fa, fb)
 	})
+	b.Run("rdma-fake", func(b *testing.B) {
+		fa, fb, done := rdmaFlow(b)
+		defer done()
+		pingPong(b, fa, fb)
+	})
+}
+
+// rdmaFlow is flow 1 of two RDMA links over fake verbs (4 MiB rings).
+func rdmaFlow(b *testing.B) (*Flow, *Flow, func()) {
+	va, vb := fakePair(4<<20, 128)
+	va.PostRecv(128)
+	vb.PostRecv(128)
+	la, lb := NewRDMALink(va, RDMAOptions{}), NewRDMALink(vb, RDMAOptions{})
+	fa, _ := la.Open(1)
+	fb, _ := lb.Open(1)
+	return fa, fb, func() { la.Close(); lb.Close(); la.Wait(); lb.Wait() }
+}
+
+// onTCP runs bench over one kernel TCP connection on loopback: the
+// baseline of the link's and the bridge's benchmarks.
+func onTCP(bench func(b *testing.B, a, c io.ReadWriter)) func(*testing.B) {
+	return func(b *testing.B) {
+		ca, cb := conns(b, 1)
+		defer ca[0].Close()
+		defer cb[0].Close()
+		bench(b, ca[0], cb[0])
+	}
 }
 
 // linkFlow is flow 1 of two links over two loopback connections.
@@ -46,7 +70,7 @@ func linkFlow(b *testing.B) (*Flow, *Flow, func()) {
 	return fa, fb, func() { la.Close(); lb.Close(); la.Wait(); lb.Wait() }
 }
 
-func stream(b *testing.B, w io.Writer, r io.Reader) {
+func stream(b *testing.B, w, r io.ReadWriter) {
 	buf := make([]byte, 64<<10)
 	b.SetBytes(int64(len(buf)))
 	done := make(chan struct{})

@@ -77,11 +77,17 @@ func (f *Flow) state() string {
 // length: the receiver took it all.
 func TestLinkStreamsBothWays(t *testing.T) {
 	la, lb := links(t, 3, LinkOptions{Window: 256 << 10})
-	const flows, size = 16, 1 << 20
+	streamsBothWays(t, la, lb, 16, 1<<20)
+}
+
+// streamsBothWays carries a seeded stream of size bytes each way on each
+// of flows flows between la and lb, checksummed, and waits for every
+// sender's Acked to reach the end.
+func streamsBothWays(t *testing.T, la, lb Carrier, flows uint32, size int) {
 	var wg sync.WaitGroup
 	errs := make(chan error, 4*flows)
 	var all []*Flow
-	for id := range uint32(flows) {
+	for id := range flows {
 		fa, err := la.Open(id)
 		if err != nil {
 			t.Fatal(err)
@@ -133,7 +139,7 @@ func TestLinkStreamsBothWays(t *testing.T) {
 		t.Error(err)
 	}
 	for _, f := range all {
-		waitAcked(t, f, size)
+		waitAcked(t, f, uint64(size))
 	}
 }
 
@@ -152,6 +158,10 @@ func waitAcked(t *testing.T, f *Flow, want uint64) {
 func TestLinkNoHeadOfLineBlocking(t *testing.T) {
 	const window = 128 << 10
 	la, lb := links(t, 1, LinkOptions{Window: window})
+	noHeadOfLineBlocking(t, la, lb, window)
+}
+
+func noHeadOfLineBlocking(t *testing.T, la, lb Carrier, window uint64) {
 	slowA, _ := la.Open(1)
 	_, _ = lb.Open(1) // opened, never read
 	fastA, _ := la.Open(2)
@@ -212,6 +222,10 @@ func TestLinkAckedIsConsumed(t *testing.T) {
 // bytes written before them, with DOWN's reason.
 func TestLinkDownAndLeftInOrder(t *testing.T) {
 	la, lb := links(t, 2, LinkOptions{})
+	downAndLeftInOrder(t, la, lb)
+}
+
+func downAndLeftInOrder(t *testing.T, la, lb Carrier) {
 	fa, _ := la.Open(1)
 	fb, _ := lb.Open(1)
 	fa.Write(seeded(1, 1000))
@@ -239,6 +253,18 @@ func TestLinkCut(t *testing.T) {
 	defer func() { la.Close(); lb.Close(); la.Wait(); lb.Wait() }()
 	fa, _ := la.Open(0)
 	fb, _ := lb.Open(0)
+	cutMidStream(t, fa, fb, func() { ca[0].Close() }, func() {}) // the flow's connection
+	if la.Err() == nil || lb.Err() == nil {
+		t.Fatalf("link errors after the cut: %v, %v", la.Err(), lb.Err())
+	}
+}
+
+// cutMidStream streams from fa to fb, calls cut once fb took 1 MiB,
+// wants fa's writer to return with an error, calls after, reads what fb
+// still gives, and checks that no side claims more than happened:
+// acked <= taken <= sent.
+func cutMidStream(t *testing.T, fa, fb *Flow, cut, after func()) {
+	t.Helper()
 	werr := make(chan error, 1)
 	go func() { _, err := fa.Write(make([]byte, 64<<20)); werr <- err }()
 	var took uint64
@@ -250,7 +276,7 @@ func TestLinkCut(t *testing.T) {
 		}
 		took += uint64(n)
 	}
-	ca[0].Close() // the flow's connection
+	cut()
 	select {
 	case err := <-werr:
 		if err == nil {
@@ -259,6 +285,7 @@ func TestLinkCut(t *testing.T) {
 	case <-time.After(10 * time.Second):
 		t.Fatalf("writer still blocked 10s after the cut: %s", fa.state())
 	}
+	after()
 	for {
 		n, err := fb.Read(buf)
 		took += uint64(n)
@@ -271,9 +298,6 @@ func TestLinkCut(t *testing.T) {
 	fa.mu.Unlock()
 	if acked > took || took > sent {
 		t.Fatalf("acked %d, taken %d, sent %d: want acked <= taken <= sent", acked, took, sent)
-	}
-	if la.Err() == nil || lb.Err() == nil {
-		t.Fatalf("link errors after the cut: %v, %v", la.Err(), lb.Err())
 	}
 }
 
@@ -393,5 +417,49 @@ func TestLinkTinyFramesBounded(t *testing.T) {
 	got := make([]byte, window)
 	if _, err := io.ReadFull(f, got); err != nil || !bytes.Equal(got, want) {
 		t.Fatalf("read back: %v, equal %v", err, bytes.Equal(got, want))
+	}
+}
+
+// TestLinkChurnKeepsNoEarlyCredits: flows opened, used and closed on
+// both sides many more times than MaxEarly, with the late credits of
+// closed flows in flight, and peers' opens of flows never opened here:
+// the link stays up (before, each late credit stayed in the table of
+// early opens and the link ended at MaxEarly of them).
+func TestLinkChurnKeepsNoEarlyCredits(t *testing.T) {
+	a, b := links(t, 2, LinkOptions{MaxEarly: 64})
+	for id := uint32(1); id <= 300; id++ {
+		fa, err := a.Open(id)
+		if err != nil {
+			t.Fatalf("flow %d: %v (link: %v)", id, err, a.Err())
+		}
+		fb, err := b.Open(id)
+		if err != nil {
+			t.Fatalf("flow %d: %v (link: %v)", id, err, b.Err())
+		}
+		if _, err := fb.Write([]byte{byte(id)}); err != nil {
+			t.Fatalf("flow %d: write: %v", id, err)
+		}
+		fb.Close()
+		got := make([]byte, 1)
+		if _, err := io.ReadFull(fa, got); err != nil || got[0] != byte(id) {
+			t.Fatalf("flow %d: read %v, %v", id, got, err)
+		}
+		fa.Close()
+	}
+	// Opens the other side never matches (refused stretches) are fewer
+	// than MaxEarly at a time here; the table ages them out when full.
+	for id := uint32(1000); id < 1040; id++ {
+		f, err := b.Open(id)
+		if err != nil {
+			t.Fatal(err)
+		}
+		f.Close()
+	}
+	time.Sleep(100 * time.Millisecond)
+	if err := a.Err(); err != nil {
+		t.Fatalf("the link ended: %v", err)
+	}
+	if err := b.Err(); err != nil {
+		t.Fatalf("the link ended: %v", err)
 	}
 }
