@@ -9,6 +9,12 @@
 //	         port by name
 //	qmp      a QMP client: hot-plug and unplug of an ivshmem-plain device
 //	         (hostd plugs VM pair regions with it; the VM tests migrate)
+//	virtq    split virtqueues in guest memory a vhost-user front-end shared,
+//	         every descriptor checked as untrusted input
+//	vhostuser the vhost-user back-end protocol (QEMU's vhost-user-*-pci)
+//	vsock    a vhost-user-vsock device: the guest's AF_VSOCK streams to
+//	         the host as net.Conns, and the hybrid vsock Unix socket face
+//	         of Firecracker and Cloud Hypervisor (docs/vsock.md)
 //
 // A VM sees exactly what a process guest sees: the same region bytes (BAR2
 // of the ivshmem device is the region file) and the same control protocol
