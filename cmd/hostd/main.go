@@ -209,6 +209,9 @@ func runClient(cmd string, args []string) error {
 		fmt.Fprintln(tw, "CONN\tFLOW\tA\tB\tSRC\tDST\tPATH\tSWITCHES\tRING\tGUEST-SAID A>B\tGUEST-SAID B>A\tLEASE A>B\tLEASE B>A\tATTACHED\tRULE\tAGE")
 		for _, f := range fl {
 			path := f.Path
+			if f.Via != "" && f.Path == "rings" {
+				path = f.Via // the ring pair's other end is the relay to a peer host
+			}
 			if f.Reason != "" {
 				path += "(" + f.Reason + ")"
 			}
@@ -232,6 +235,13 @@ func runClient(cmd string, args []string) error {
 			}
 			fmt.Fprintf(tw, "libvirt\t%s\nlibvirt domains\t%s\nlibvirt syncs\t%d\n", conn, strings.Join(lv.Domains, ","), lv.Syncs)
 		}
+		for _, v := range st.Vsock {
+			qemu := "no QEMU connected"
+			if v.Connected {
+				qemu = "QEMU connected"
+			}
+			fmt.Fprintf(tw, "vsock %s\tcid %d, %s, %d connections, %s\n", v.Guest, v.CID, qemu, v.Conns, v.Socket)
+		}
 	case admin.CmdCounters:
 		var cs map[string]float64
 		if err := json.Unmarshal(out, &cs); err != nil {
@@ -250,10 +260,14 @@ func runClient(cmd string, args []string) error {
 		if err := json.Unmarshal(out, &ps); err != nil {
 			return err
 		}
-		fmt.Fprintln(tw, "PEER\tADDRESS\tSTATE\tLINK\tPREFIXES\tANNOUNCED\tREFUSED\tFLOWS\tBYTES IN\tBYTES OUT\tRTT\tCONNECTS\tERROR")
+		fmt.Fprintln(tw, "PEER\tADDRESS\tSTATE\tLINK\tPREFIXES\tANNOUNCED\tREFUSED\tFLOWS\tBYTES IN\tBYTES OUT\tRTT\tCONNECTS\tRELAY\tRELAYED IN\tRELAYED OUT\tSTALLED\tERROR")
 		for _, p := range ps {
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\n", p.Name, p.Address, p.State, or(p.Link, "-"), strings.Join(p.Prefixes, ","),
-				p.Announced, len(p.Refused), p.Flows, p.BytesIn, p.BytesOut, or(p.RTT, "-"), p.Reconnects, p.Error)
+			rl := peers.RelayInfo{Link: "-", Stalled: "-"}
+			if p.Relay != nil {
+				rl = *p.Relay
+			}
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\t%d\t%d\t%s\t%s\n", p.Name, p.Address, p.State, or(p.Link, "-"), strings.Join(p.Prefixes, ","),
+				p.Announced, len(p.Refused), p.Flows, p.BytesIn, p.BytesOut, or(p.RTT, "-"), p.Reconnects, rl.Link, rl.BytesIn, rl.BytesOut, rl.Stalled, p.Error)
 		}
 	case admin.CmdMigrateOut, admin.CmdMigrateIn:
 		var rep admin.MigrateReply

@@ -8,6 +8,7 @@ import (
 
 	"github.com/vishvananda/netlink"
 	"github.com/vishvananda/netns"
+	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/config"
@@ -63,16 +64,21 @@ func guestAddrs(nsPath string, gc config.Guest) (broker.Addrs, error) {
 	return out, nil
 }
 
+// netlinkHandle is a route netlink handle in nsPath ("" = this one). Route
+// only: a handle of every family also opens an XFRM socket, which needs
+// xfrm_user, and where modules do not load on demand (a VM host without
+// modprobe, TestRDMAHostd) hostd failed to start with "protocol not
+// supported".
 func netlinkHandle(nsPath string) (*netlink.Handle, error) {
 	if nsPath == "" {
-		return netlink.NewHandle()
+		return netlink.NewHandle(unix.NETLINK_ROUTE)
 	}
 	ns, err := netns.GetFromPath(nsPath)
 	if err != nil {
 		return nil, fmt.Errorf("open netns %s: %w", nsPath, err)
 	}
 	defer ns.Close()
-	return netlink.NewHandleAt(ns)
+	return netlink.NewHandleAt(ns, unix.NETLINK_ROUTE)
 }
 
 // attachWitness puts the eBPF witness on a guest's host-side interface (in

@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"github.com/shuntnet/shunt/hostd/across"
 	"net/http"
 	"os"
 	"sync"
@@ -21,6 +22,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ruleset"
 	"github.com/shuntnet/shunt/hostd/server"
 	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/hostd/vsockhost"
 	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/internal/nsexec"
 	"github.com/shuntnet/shunt/policy"
@@ -46,8 +48,10 @@ type Agent struct {
 	witness *witness.Witness
 	marks   *mark.Marker // hostd's nftables table; nil when hostd does not mark
 	groups  map[string]*broker.Group
-	virt    *virt.Watcher // nil without a libvirt block
-	peers   *peers.Room   // the channel to other hosts' hostds; nil without a peering block
+	virt    *virt.Watcher   // nil without a libvirt block
+	peers   *peers.Room     // the channel to other hosts' hostds; nil without a peering block
+	across  *across.Room    // pairs connections across hosts and relays them; nil without peering
+	vsock   *vsockhost.Room // the VMs' vhost-user-vsock devices; nil without vsock blocks
 
 	// libvirt guests, registered and unregistered by the watcher
 	vmu      sync.Mutex
@@ -70,6 +74,9 @@ func (a *Agent) Close() {
 	if a.virt != nil {
 		a.virt.Close()
 	}
+	if a.across != nil {
+		a.across.Close()
+	}
 	if a.peers != nil {
 		a.peers.Close()
 	}
@@ -87,6 +94,9 @@ func (a *Agent) Close() {
 	}
 	if a.http != nil {
 		a.http.Close()
+	}
+	if a.vsock != nil {
+		a.vsock.Close()
 	}
 	a.wg.Wait()
 	if a.ct != nil {

@@ -8,6 +8,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/hostd/vsockhost"
 )
 
 // Status is the `hostd status` reply.
@@ -19,6 +20,8 @@ type Status struct {
 	Conns    int          `json:"connections"` // connection records
 	Groups   []string     `json:"groups"`
 	Libvirt  *virt.Status `json:"libvirt,omitempty"`
+	// Vsock: the VMs' vhost-user-vsock devices (hostd/vsockhost).
+	Vsock []vsockhost.Stat `json:"vsock,omitempty"`
 }
 
 // handle answers an admin request; the admin server may call it from
@@ -49,7 +52,21 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 		if a.peers == nil {
 			return []peers.Info{}, nil
 		}
-		return a.peers.List(), nil
+		ps := a.peers.List()
+		if a.across != nil {
+			rs := a.across.Relays()
+			for i := range ps {
+				if rl, ok := rs[ps[i].Name]; ok {
+					link := rl.Link
+					if rl.Transport != "" { // "up (tcp)", "up (rdma)"; why it is TCP is in the log
+						link += " (" + rl.Transport + ")"
+					}
+					ps[i].Flows, ps[i].Relay = rl.Flows, &peers.RelayInfo{Link: link, Conns: rl.Conns,
+						BytesOut: rl.BytesOut, BytesIn: rl.BytesIn, Stalled: rl.Stalled, Links: rl.Reconnect}
+				}
+			}
+		}
+		return ps, nil
 	case admin.CmdGuestAdd:
 		if r.Spec == nil {
 			return nil, fmt.Errorf("guest-add: no spec")
@@ -71,6 +88,7 @@ func (a *Agent) status() Status {
 		vs := a.virt.Status()
 		st.Libvirt = &vs
 	}
+	st.Vsock = a.vsock.Stats()
 	for _, g := range a.cfg.Groups {
 		st.Groups = append(st.Groups, g.Name)
 	}

@@ -2,14 +2,25 @@ package agent
 
 import (
 	"context"
-	"net/netip"
+	"fmt"
 	"time"
 
+	"github.com/shuntnet/shunt/hostd/across"
 	"github.com/shuntnet/shunt/hostd/config"
 	"github.com/shuntnet/shunt/hostd/ctrack"
 	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/internal/nsexec"
+	"github.com/shuntnet/shunt/relay"
+	"github.com/shuntnet/shunt/relay/ibv"
 )
+
+// openRDMA opens a queue pair on the first active RDMA port for a relay
+// link. In a hostd built without -tags rdma (the default, and always
+// without cgo) it fails with ibv.ErrNoRDMA, and the links are TCP
+// (docs/rdma.md).
+func openRDMA() (relay.Verbs, error) {
+	return ibv.Open(ibv.Config{GIDIndex: -1, Size: 4 << 20, Depth: 128})
+}
 
 // startPeers starts the channel to the peer hosts' hostds if hostd.hcl has
 // a peering block (docs/crosshost.md). Its sockets live in conntrack_netns
@@ -29,12 +40,21 @@ func (a *Agent) startPeers(ctx context.Context) error {
 	if ns := a.cfg.ConntrackNetns; ns != "" {
 		o.In = func(fn func() error) error { return nsexec.In(ns, fn) }
 	}
+	x := across.New(a.b, across.Options{Log: a.log.Named("across"), In: o.In, PairingTimeout: a.cfg.PairingTimeout, Registerer: a.m.Registry,
+		RDMA: openRDMA})
+	x.Callbacks(&o)
 	r, err := peers.Start(*pc, o)
 	if err != nil {
 		return err
 	}
 	a.peers = r
-	a.b.UseRemote(remote{r})
+	if err := x.Start(r, pc.RelayListen()); err != nil {
+		r.Close()
+		a.peers = nil
+		return fmt.Errorf("relay link: %w", err)
+	}
+	a.across = x
+	a.b.UseRemote(x)
 	a.announce()
 	a.wg.Add(1)
 	go func() {
@@ -73,12 +93,4 @@ func (a *Agent) reloadPeers(c *config.Config) error {
 		return nil
 	}
 	return a.peers.Reload(*c.Peering)
-}
-
-// remote adapts the peers room to the broker's Remote.
-type remote struct{ r *peers.Room }
-
-func (r remote) Route(addr netip.Addr) (string, bool, bool) {
-	rt, ok := r.r.Route(addr)
-	return rt.Peer, rt.Up, ok
 }

@@ -97,6 +97,9 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	if err := a.startPeers(ctx); err != nil {
 		return nil, err
 	}
+	if err := a.startVsock(); err != nil {
+		return nil, err
+	}
 	if err := a.startServers(eps); err != nil {
 		return nil, err
 	}
@@ -151,7 +154,8 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 	var eps []server.Endpoint
 	for _, gc := range cfg.Guests {
 		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config", SharedRegion: gc.SharedRegion,
-			PairVM: gc.SharedRegion && gc.QMP != ""} // config.checkQMP: qmp only in vm_regions = "pair" groups
+			PairVM: gc.SharedRegion && gc.QMP != "",     // config.checkQMP: qmp only in vm_regions = "pair" groups
+			Vsock:  gc.Vsock != nil && !gc.SharedRegion} // its flows' stretches go over vsock (startVsock)
 		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
 		if err != nil {
 			return nil, err

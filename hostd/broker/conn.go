@@ -39,6 +39,14 @@ type Switcher interface {
 	Switching() bool
 }
 
+// Resumer is implemented by sessions that know whether their guest
+// library handles RESUME (it announced proto.CapResume in HELLO): only
+// such a guest may be offered a cross-host (relayed) connection on its
+// rings (docs/crosshost.md). A session without the method does not.
+type Resumer interface {
+	Resumes() bool
+}
+
 func switching(s Session) bool {
 	sw, ok := s.(Switcher)
 	return !ok || sw.Switching()
@@ -215,10 +223,7 @@ func (b *Broker) upgradeLocked(c *Conn, start time.Time) proto.Reason {
 		b.setPathLocked(c, PathTCP, reason)
 		return reason
 	}
-	slot, e, err := r.Pool.Alloc(region.Request{
-		OwnerA: ga.ID, OwnerB: gb.ID, Src: c.orig.Src, Dst: c.orig.Dst,
-		Capacity: v.RingSize, Created: time.Now().UnixNano(),
-	})
+	slot, e, err := b.allocRingsLocked(r, c, ga, gb, v)
 	if err != nil {
 		reason := proto.ReasonNoSpace
 		if !errors.Is(err, region.ErrFull) {
@@ -248,9 +253,9 @@ func (b *Broker) upgradeLocked(c *Conn, start time.Time) proto.Reason {
 	}
 	ready := proto.Msg{Type: proto.Ready, RegionID: r.ID, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
 		RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
-	ready.ReqID, ready.Side = c.a.req, proto.SideA
+	ready.ReqID, ready.Side, ready.Relayed = c.a.req, proto.SideA, isRelay(c.b.sess)
 	c.a.sess.Send(ready)
-	ready.ReqID, ready.Side = c.b.req, proto.SideB
+	ready.ReqID, ready.Side, ready.Relayed = c.b.req, proto.SideB, isRelay(c.a.sess)
 	c.b.sess.Send(ready)
 	b.m.Flows.WithLabelValues("ready", "direct").Inc()
 	b.switchedLocked(c, "rings", was)
@@ -288,18 +293,27 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 		b.waitProofLocked(c)
 		return proto.ReasonFirewall
 	}
+	if r := gated(c.a.sess, c.b.sess); r != proto.ReasonNone {
+		return r // a relay whose link is down (across.go)
+	}
 	v := b.policy.Load().Decide(policy.Flow{From: c.orig.Src, To: c.to()})
 	if !v.FastPath {
 		c.rule = v.Rule // `hostd flows` names the rule that keeps it on TCP
 		return v.Reason
 	}
 	limit := b.policy.Load().MaxFlowsPerGuest()
-	if b.flowsOfLocked(ga) >= limit || b.flowsOfLocked(gb) >= limit {
+	if !ga.Relay && b.flowsOfLocked(ga) >= limit || !gb.Relay && b.flowsOfLocked(gb) >= limit {
 		return proto.ReasonGuestLimit
 	}
 	// The quota is the connecting guest's: what it opens is what it is
 	// charged for, so no guest can use up another's by connecting to it.
-	if b.overQuotaLocked(ga, v.RingSize) {
+	// (The smallest ring the verdict allows: ringsize.go.) A connection
+	// from a peer host's guest is charged to the local one.
+	charged := ga
+	if ga.Relay {
+		charged = gb
+	}
+	if b.overQuotaLocked(charged, ringFloor(v)) {
 		return proto.ReasonGuestQuota
 	}
 	return proto.ReasonNone
@@ -351,6 +365,12 @@ func (b *Broker) leaveRingsLocked(c *Conn, reason proto.Reason) *Flow {
 			legacy = true // a flow adopted from an older hostd: reset, as then
 			continue
 		}
+		if o := c.end(otherSide(side)); o.sess != nil && isRelay(o.sess) {
+			continue // its relay sends RESUME once the peer host said where (across.go)
+		}
+		if deferPeerGoneLocked(f, reason) {
+			continue // at the vsock stretch's release (stretch.go)
+		}
 		down.ReqID = e.req
 		e.sess.Send(down)
 	}
@@ -382,7 +402,7 @@ func (b *Broker) connFlowFreedLocked(c *Conn, f *Flow) {
 // retryAfterFree are the reasons that may be over by the time a ring pair
 // is freed (a policy flipped back, the firewall's lease check passed, the
 // migrating guest arrived before its connection left the rings).
-var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true, proto.ReasonMigrating: true, reasonRetired: true}
+var retryAfterFree = map[proto.Reason]bool{proto.ReasonPolicyReload: true, proto.ReasonPeerUnreachable: true, proto.ReasonPolicy: true, proto.ReasonFirewall: true, proto.ReasonMigrating: true, reasonRetired: true}
 
 // retryOnReload are the reasons a policy reload retries a connection on
 // TCP for; the others (gone, version, conntrack-gone, ...) do not change
@@ -405,6 +425,11 @@ func (b *Broker) endDoneLocked(c *Conn, side uint32, reason proto.Reason) {
 		delete(st.conns, e.req)
 	}
 	e.sess, e.done = nil, true
+	if o := c.end(otherSide(side)); o.sess != nil && isRelay(o.sess) {
+		// The relay's end closes too, after carrying what the guest wrote
+		// before it left its ring (its DOWN follows: across.go).
+		o.sess.Send(proto.Msg{Type: proto.Close, ReqID: o.req})
+	}
 	if f := c.flow; f != nil {
 		if !b.downgradeLocked(c, reason) && c.path == PathLeaving && reason == proto.ReasonPeerGone {
 			// Already leaving: the survivor's reader waits for this end's
@@ -429,7 +454,7 @@ func (b *Broker) tellPeerGoneLocked(c *Conn, f *Flow, side uint32) {
 		other = region.SideB
 	}
 	e := c.end(other)
-	if e.sess == nil || f.released&other != 0 || !switching(e.sess) {
+	if e.sess == nil || f.released&other != 0 || !switching(e.sess) || isRelay(c.end(side).sess) || deferPeerGoneLocked(f, proto.ReasonPeerGone) {
 		return
 	}
 	e.sess.Send(proto.Msg{Type: proto.Down, ReqID: e.req, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: proto.ReasonPeerGone})

@@ -39,6 +39,7 @@ type Flow struct {
 	adopted  bool         // rebuilt from the region after a hostd restart
 	conn     *Conn        // the connection it carries
 	state    string       // for the shunt_flows gauge: ready, leaving
+	stretch  *stretchHold // a vsock stretch's bridge holds a side (stretch.go)
 }
 
 // Name is the flow's name in logs, listings and metrics: group/slot.gen in
@@ -80,7 +81,10 @@ func (b *Broker) flowLocked(g *Guest, m proto.Msg) *Flow {
 // side's session no longer holds f's region; when it holds none of its
 // flows there, it gets UNREGION.
 func (b *Broker) releaseLocked(f *Flow, side uint32) {
-	if f.released&side != 0 {
+	if f.released&side == 0 {
+		stretchEndDoneLocked(f, side)
+	}
+	if f.released&side != 0 || stretchHeldLocked(f, side) {
 		return
 	}
 	if side == region.SideA {

@@ -31,6 +31,12 @@ type Guest struct {
 	// guests live in a region of the pair's own, plugged into both VMs
 	// (Broker.UseHotplug), and it has no region 0.
 	PairVM bool
+	// Relay is the relay's guest for a trust group (AddRelay): it owns no
+	// address, and its connections are charged to their local guests.
+	Relay bool
+	// Vsock: a VM whose library carries its flows' stretches over vsock
+	// (stretch.go); `hostd flows` says so.
+	Vsock bool
 
 	addrs     atomic.Pointer[Addrs] // what it owns; swapped whole
 	migrating bool                  // between MigrateOut and MigrateIn: no READY; guarded by the broker's mutex

@@ -3,6 +3,7 @@ package broker
 import (
 	"net/netip"
 	"sort"
+	"strings"
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/ctrack"
@@ -21,8 +22,9 @@ type FlowInfo struct {
 	GuestB   string `json:"guest_b"`
 	Src      string `json:"src"`
 	Dst      string `json:"dst"`
-	Path     string `json:"path"`  // rings, leaving, tcp
-	State    string `json:"state"` // ready (on the rings), leaving, tcp
+	Path     string `json:"path"`          // rings, leaving, tcp
+	Via      string `json:"via,omitempty"` // "relay PEER": the other end is a peer host's guest, through the relay
+	State    string `json:"state"`         // ready (on the rings), leaving, tcp
 	Reason   string `json:"reason,omitempty"`
 	Switches int    `json:"switches"`
 	Rule     string `json:"rule"`
@@ -101,6 +103,7 @@ func (b *Broker) flowList(lease bool) []FlowInfo {
 		if c.path == PathRings {
 			fi.State = "ready"
 		}
+		fi.Via = via(c.guestA, c.guestB)
 		if c.reason != proto.ReasonNone {
 			fi.Reason = reasonName(c.reason)
 		}
@@ -245,4 +248,21 @@ func plausible(n uint64, since time.Time) (uint64, bool) {
 		return 0, false
 	}
 	return n, true
+}
+
+// via names the relay a connection across hosts goes through: its relay
+// end's guest is named relay/PEER/GROUP (hostd/across).
+func via(a, b *Guest) string {
+	for _, g := range []*Guest{a, b} {
+		if g != nil && g.Relay {
+			peer, _, _ := strings.Cut(strings.TrimPrefix(g.Name, "relay/"), "/")
+			return "relay " + peer
+		}
+	}
+	for _, g := range []*Guest{a, b} {
+		if g != nil && g.Vsock {
+			return "vsock"
+		}
+	}
+	return ""
 }

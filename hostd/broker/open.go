@@ -96,6 +96,15 @@ func (b *Broker) open(s Session, m proto.Msg) (waits bool) {
 		b.refuseLocked(h, other, proto.ReasonVersion)
 		return false
 	}
+	if peer, reason, ok := b.acrossLocked(s, e, m.Role); ok {
+		if reason != proto.ReasonNone {
+			b.log.Debug("a connection to a peer host's guest stays on TCP", "guest", s.Guest().Name, "peer", peer, "reason", reason)
+			b.refuseLocked(h, other, reason)
+			return false
+		}
+		b.offerLocked(h, peer, st) // across.go
+		return true
+	}
 	told, onTimeout := false, proto.ReasonTimeout
 	if m.Role == proto.Passive && other == nil {
 		og := b.guestByAddr(e.Orig.Src.Addr())

@@ -148,6 +148,9 @@ func pairKey(a, b *Guest) ([2]uint32, *Guest, *Guest) {
 // region: that flow stays on TCP.
 func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 	rg := b.rgLocked()
+	if ga.Relay != gb.Relay && (ga.SharedRegion || gb.SharedRegion) {
+		return b.relayVMRegionLocked(ga, gb)
+	}
 	vmPair := ga.SharedRegion && gb.SharedRegion && b.pairVMLocked(ga) && b.pairVMLocked(gb)
 	if rg.pairs == nil || ga.SharedRegion && gb.SharedRegion && !b.pairVMLocked(ga) && !b.pairVMLocked(gb) {
 		if ga.Group.Pool == nil {
@@ -190,12 +193,34 @@ func (b *Broker) regionForLocked(ga, gb *Guest) (*Region, proto.Reason) {
 	return r, proto.ReasonNone
 }
 
+// relayVMRegionLocked is regionForLocked for a VM's connection across
+// hosts (one of ga, gb is the relay's guest, the other a VM): the VM's
+// group region, which the VM maps as its BAR and the relay, in hostd's
+// process, through hostd's own mapping. No process guest and no other
+// group maps it; the group's other VMs do, as for their flows with each
+// other (one principal: docs/SECURITY.md). A VM with pair regions has no
+// group region, and a region of its own with the relay is not built: TCP.
+func (b *Broker) relayVMRegionLocked(ga, gb *Guest) (*Region, proto.Reason) {
+	vm := ga
+	if ga.Relay {
+		vm = gb
+	}
+	switch {
+	case !vm.SharedRegion || b.pairVMLocked(vm):
+		return nil, proto.ReasonCrossGroup
+	case vm.Group.Pool == nil:
+		return nil, proto.ReasonInternal
+	}
+	return b.zeroLocked(vm.Group), proto.ReasonNone
+}
+
 // regionOfLocked resolves the region id a guest's message names: 0 is its
-// group region (if it maps it), others a pair region it is one of.
+// group region (if it maps it; the relay's guest does: VMs' connections
+// across hosts live there), others a pair region it is one of.
 func (b *Broker) regionOfLocked(g *Guest, id uint32) *Region {
 	rg := b.rgLocked()
 	if id == 0 {
-		if (rg.pairs != nil && (!g.SharedRegion || b.pairVMLocked(g))) || g.Group.Pool == nil {
+		if (rg.pairs != nil && !g.Relay && (!g.SharedRegion || b.pairVMLocked(g))) || g.Group.Pool == nil {
 			return nil
 		}
 		return b.zeroLocked(g.Group)
@@ -380,7 +405,7 @@ func (b *Broker) useLocked(g *Guest) *quotaUse {
 // refusal of a run is logged.
 func (b *Broker) overQuotaLocked(g *Guest, capacity int) bool {
 	q, u := g.Group.Quota, b.useLocked(g)
-	over := q.Flows > 0 && u.flows+1 > q.Flows || q.RingBytes > 0 && u.ringBytes+region.PairSize(capacity) > q.RingBytes
+	over := !b.fitsQuotaLocked(g, capacity)
 	switch {
 	case over && !u.atQuota:
 		u.atQuota = true

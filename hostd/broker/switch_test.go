@@ -50,7 +50,7 @@ func (w *world) paired(t *testing.T, sa, sb *session, port string) (ra, rb proto
 // values, in the labels' alphabetical order (reason before to).
 func counter(t *testing.T, w *world, name string, labels ...string) float64 {
 	t.Helper()
-	full := map[string]string{"fallbacks": "shunt_fallbacks_total", "switches": "shunt_switches_total", "conns": "shunt_connections"}[name]
+	full := map[string]string{"fallbacks": "shunt_fallbacks_total", "switches": "shunt_switches_total", "conns": "shunt_connections", "floor": "shunt_ring_floor_total"}[name]
 	mfs, err := w.m.Registry.Gather()
 	if err != nil {
 		t.Fatal(err)

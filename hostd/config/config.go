@@ -165,6 +165,9 @@ type Guest struct {
 	// channel, whatever its uid, after a chroot too (hostd/server,
 	// Endpoint.Netns). "": only hostd's user (root) may.
 	Netns string
+	// Vsock is the VM's vhost-user-vsock device that hostd serves
+	// (vsock.go, docs/vsock.md); nil: none.
+	Vsock *Vsock
 }
 
 type file struct {
@@ -238,9 +241,10 @@ type guestBlock struct {
 	Interface string   `hcl:"interface,optional"`
 	CTMark    int      `hcl:"ct_mark,optional"`
 	// SharedRegion: see Guest.
-	SharedRegion bool   `hcl:"shared_region,optional"`
-	QMP          string `hcl:"qmp,optional"`
-	Netns        string `hcl:"netns,optional"`
+	SharedRegion bool        `hcl:"shared_region,optional"`
+	QMP          string      `hcl:"qmp,optional"`
+	Netns        string      `hcl:"netns,optional"`
+	Vsock        *vsockBlock `hcl:"vsock,block"`
 }
 
 // Load reads and validates the configuration at path.
@@ -428,6 +432,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		if err := c.checkCTMark(g.CTMark); err != nil {
 			return nil, fmt.Errorf("%s: %w", where, err)
 		}
+		if gu.Vsock, err = vsockOf(g.Vsock, gu, c.Guests); err != nil {
+			return nil, fmt.Errorf("%s: vsock: %w", where, err)
+		}
 		c.Guests = append(c.Guests, gu)
 	}
 	switch {
@@ -531,6 +538,13 @@ const (
 // spare) keeps them all on the rings.
 const DefaultConnsPerGuest = 32
 
+// DefaultFloorFlows is how many flows of the policy's default ring_size
+// the default quota leaves a guest beside one flow of the largest ring a
+// rule gives: with the 4 MiB rule docs/mpi.md shows, the four leases a
+// guest opens in a 4-rank MPI job (2 ranks a guest) all get rings, the
+// first of the rule's size.
+const DefaultFloorFlows = 3
+
 // pairAndQuota reads a trust group's pair region geometry and the quota as
 // given (0: the default, which checkQuota fills in once the policy is
 // known).
@@ -589,7 +603,10 @@ func checkQuota(g *Group, spec policy.Spec, tab *policy.Table, shared bool) erro
 	largest := slices.Max(rings)
 	pair := region.PairSize(largest)
 	if g.Quota.RingBytes == 0 {
-		g.Quota.RingBytes = max(g.Geometry.Size/4, pair, conns)
+		// One flow of the largest ring leaves room for DefaultFloorFlows
+		// of the default: a flow whose rule's ring finds no room takes
+		// the default ring (hostd/broker/ringsize.go).
+		g.Quota.RingBytes = max(g.Geometry.Size/4, pair+DefaultFloorFlows*region.PairSize(rings[0]), conns)
 	}
 	if g.Quota.RingBytes < pair {
 		return fmt.Errorf("guest_ring_bytes %d is less than one flow of ring_size %d takes (%d bytes: two rings and their headers): raise it, or lower ring_size", g.Quota.RingBytes, largest, pair)

@@ -16,6 +16,7 @@ type peeringBlock struct {
 	Key         string `hcl:"key"`
 	CA          string `hcl:"ca"`
 	Interval    string `hcl:"interval,optional"`
+	Relay       string `hcl:"relay,optional"`
 }
 
 // peerBlock is one remote hostd.
@@ -33,7 +34,7 @@ func peering(pb *peeringBlock, ps []peerBlock) (*peers.Config, error) {
 	case pb == nil:
 		return nil, errors.New("peer blocks need a peering block (certificate, key, ca)")
 	}
-	c := &peers.Config{Listen: pb.Listen, Certificate: pb.Certificate, Key: pb.Key, CA: pb.CA}
+	c := &peers.Config{Listen: pb.Listen, Certificate: pb.Certificate, Key: pb.Key, CA: pb.CA, Relay: pb.Relay}
 	var err error
 	if c.Interval, err = duration(pb.Interval, 0); err != nil {
 		return nil, fmt.Errorf("peering: interval: %w", err)

@@ -74,6 +74,13 @@ guest "vm2" {
   control   = "/run/shunt/vm2.sock"
   addresses = ["192.168.100.12"]
   shared_region = true
+  # A VM without ivshmem: hostd serves its vhost-user-vsock device
+  # (docs/vsock.md; no flow uses it yet). QEMU: -chardev socket,id=vs,path=...
+  # -device vhost-user-vsock-pci,chardev=vs, with shared guest memory.
+  # vsock {
+  #   socket = "/run/shunt/vm2.vsock"
+  #   cid    = 4
+  # }
 }
 
 policy {

@@ -23,6 +23,7 @@ type Set struct {
 	Plug      *prometheus.HistogramVec // op (plug, unplug): seconds to hot-plug a VM pair region into both VMs, or out
 	Malformed prometheus.Counter       // control channels closed for malformed input
 	Sessions  *prometheus.GaugeVec     // guest
+	RingFloor prometheus.Counter       // flows given the policy's default ring: their rule's found no room
 
 	// The control plane's defences (hostd/server, hostd/broker).
 	Limited       *prometheus.CounterVec // kind: a guest's request over a limit
@@ -77,6 +78,9 @@ func New() *Set {
 		Malformed: prometheus.NewCounter(prometheus.CounterOpts{
 			Name: "shunt_control_malformed_total", Help: "Control channels closed for malformed messages.",
 		}),
+		RingFloor: prometheus.NewCounter(prometheus.CounterOpts{
+			Name: "shunt_ring_floor_total", Help: "Flows given the policy's default ring_size because their rule's larger ring_size found no room (the opening guest's quota, or its region), instead of staying on TCP.",
+		}),
 		Sessions: prometheus.NewGaugeVec(prometheus.GaugeOpts{
 			Name: "shunt_guest_sessions", Help: "Connected control sessions per guest.",
 		}, []string{"guest"}),
@@ -99,7 +103,7 @@ func New() *Set {
 			Name: "shunt_firewall_stale_total", Help: "Connections moved from the rings to TCP because their lease showed no packets past the firewall both ways within proof_max_age (a drop that sent no ruleset event: dynamic set, link down, tc, route).",
 		}),
 	}
-	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Plug, s.Malformed, s.Sessions,
+	s.Registry.MustRegister(s.Fallbacks, s.Switches, s.Conns, s.Revokes, s.Opens, s.Flows, s.Setup, s.Plug, s.Malformed, s.Sessions, s.RingFloor,
 		s.Limited, s.AcceptErrors, s.ClosedSession, s.KicksMerged, s.ProofEpochs, s.ProofStale,
 		collectors.NewGoCollector(), collectors.NewProcessCollector(collectors.ProcessCollectorOpts{}))
 	for _, r := range proto.Reasons() {

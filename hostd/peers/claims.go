@@ -78,3 +78,40 @@ func endClaimsLocked(p *peer) {
 		delete(p.claims, id)
 	}
 }
+
+// SendAcross queues a message of the cross-host room for peer's channel
+// and never waits (its writer writes it); it fails if the peer's channel
+// is not up (the room resends what must arrive when the channel is back:
+// State). A message queued when the channel then ends is lost with it.
+func (r *Room) SendAcross(peer string, m Across) error {
+	r.mu.Lock()
+	p := r.peers[peer]
+	var s *session
+	if p != nil {
+		s = p.sess
+	}
+	r.mu.Unlock()
+	if s == nil {
+		return fmt.Errorf("%w %q", ErrNoChannel, peer)
+	}
+	return s.sendAsync(msg{Type: tAcross, Across: &m}) // never waits: the room's event loop calls it
+}
+
+// Dials reports whether this host dials peer (its name sorts first): of
+// the two, the dialer also dials the relay link and names the flows.
+func (r *Room) Dials(peer string) bool {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	p := r.peers[peer]
+	return p != nil && p.dials
+}
+
+// Address is peer's configured channel address (host:port).
+func (r *Room) Address(peer string) string {
+	r.mu.Lock()
+	defer r.mu.Unlock()
+	if p := r.peers[peer]; p != nil {
+		return p.cfg.Address
+	}
+	return ""
+}

@@ -5,6 +5,7 @@ import (
 	"crypto/x509"
 	"errors"
 	"fmt"
+	"net"
 	"net/netip"
 	"os"
 	"slices"
@@ -20,7 +21,23 @@ type Config struct {
 	// Interval is how often a quiet channel is pinged; one silent for 3
 	// intervals is down. 0 = 1s.
 	Interval time.Duration
-	Peers    []Peer
+	// Relay is host:port the relay link listens on (peers that this host
+	// does not dial make their links to it); "" = Listen's host, any port;
+	// without Listen, this host accepts no link (it dials every peer).
+	Relay string
+	Peers []Peer
+}
+
+// RelayListen is the address the relay link listens on, "" for none.
+func (c *Config) RelayListen() string {
+	if c.Relay != "" || c.Listen == "" {
+		return c.Relay
+	}
+	host, _, err := net.SplitHostPort(c.Listen)
+	if err != nil {
+		return ""
+	}
+	return net.JoinHostPort(host, "0")
 }
 
 // Peer is one remote hostd.

@@ -27,13 +27,27 @@ const (
 
 // session is one up channel. Writes are serialized and bounded by a
 // deadline, so a peer that stops reading is dropped, never waited for.
+// The cross-host room's messages go through a queue of their own and its
+// writer (sendAsync), so the room's event loop never waits on a peer's
+// socket: a peer that stops reading would stall it for every peer.
 type session struct {
 	c    net.Conn
 	link string
 	wmu  sync.Mutex
 	wait time.Duration
 	once sync.Once
+
+	amu   sync.Mutex
+	aq    []msg // the room's messages waiting for the writer
+	dead  bool  // closed: nothing is queued any more
+	awake chan struct{}
 }
+
+// maxAsync bounds the room's messages queued for one channel; a peer
+// that lets more pile up is not reading, and its channel is closed.
+const maxAsync = 4096
+
+var errSlowPeer = errors.New("peer channel: the peer does not read its messages")
 
 func (s *session) send(m msg) error {
 	s.wmu.Lock()
@@ -46,7 +60,58 @@ func (s *session) send(m msg) error {
 	return err
 }
 
-func (s *session) close() { s.once.Do(func() { s.c.Close() }) }
+func (s *session) close() {
+	s.once.Do(func() {
+		s.amu.Lock()
+		s.dead, s.aq = true, nil
+		s.amu.Unlock()
+		s.c.Close()
+	})
+}
+
+// sendAsync queues m for the channel's writer (asyncWriter); it never
+// blocks. An error says the channel is closed (or now closes: too many
+// messages wait); nil does not say m arrived.
+func (s *session) sendAsync(m msg) error {
+	s.amu.Lock()
+	switch {
+	case s.dead:
+		s.amu.Unlock()
+		return net.ErrClosed
+	case len(s.aq) >= maxAsync:
+		s.amu.Unlock()
+		s.close()
+		return errSlowPeer
+	}
+	s.aq = append(s.aq, m)
+	s.amu.Unlock()
+	select {
+	case s.awake <- struct{}{}:
+	default:
+	}
+	return nil
+}
+
+// asyncWriter writes the queued messages, in order, until the channel
+// ends (done).
+func (s *session) asyncWriter(done chan struct{}) {
+	for {
+		select {
+		case <-done:
+			return
+		case <-s.awake:
+		}
+		s.amu.Lock()
+		q := s.aq
+		s.aq = nil
+		s.amu.Unlock()
+		for _, m := range q {
+			if s.send(m) != nil {
+				return
+			}
+		}
+	}
+}
 
 // counted counts a link's bytes (TLS records included) into its peer's
 // counters and the metrics.
@@ -232,7 +297,7 @@ func (r *Room) run(p *peer, c net.Conn) {
 		return
 	}
 	iv := r.cfg.Interval
-	s := &session{c: c, wait: 3 * iv, link: fmt.Sprintf("%s -> %s", c.LocalAddr(), c.RemoteAddr())}
+	s := &session{c: c, wait: 3 * iv, link: fmt.Sprintf("%s -> %s", c.LocalAddr(), c.RemoteAddr()), awake: make(chan struct{}, 1)}
 	p.sess, p.state, p.err, p.since = s, StateUp, "", time.Now()
 	p.reconnects++
 	local := r.local
@@ -240,9 +305,13 @@ func (r *Room) run(p *peer, c net.Conn) {
 	r.m.up.WithLabelValues(p.cfg.Name).Set(1)
 	r.m.reconnects.WithLabelValues(p.cfg.Name).Inc()
 	r.log.Info("peer up", "peer", p.cfg.Name, "link", s.link)
+	if r.opts.State != nil {
+		r.opts.State(p.cfg.Name, true)
+	}
 
 	done := make(chan struct{})
 	go r.pinger(p, s, iv, done)
+	go s.asyncWriter(done)
 	err := s.send(msg{Type: tHello, Version: version})
 	if err == nil {
 		err = s.send(msg{Type: tAnnounce, Addrs: local})
@@ -265,6 +334,9 @@ func (r *Room) run(p *peer, c net.Conn) {
 	r.m.up.WithLabelValues(p.cfg.Name).Set(0)
 	r.m.announced.WithLabelValues(p.cfg.Name).Set(0)
 	r.log.Info("peer down; its addresses are withdrawn", "peer", p.cfg.Name, "error", err)
+	if r.opts.State != nil {
+		r.opts.State(p.cfg.Name, false)
+	}
 }
 
 func (r *Room) pinger(p *peer, s *session, iv time.Duration, done chan struct{}) {
@@ -295,6 +367,10 @@ func (r *Room) handle(p *peer, s *session, m msg) error {
 		return r.verify(p, s, m)
 	case tVerdict:
 		r.verdict(p, m)
+	case tAcross:
+		if r.opts.Across != nil {
+			r.opts.Across(p.cfg.Name, *m.Across)
+		}
 	case tPong:
 		if rtt := time.Since(time.Unix(0, int64(m.Nonce))); rtt >= 0 && rtt < time.Minute {
 			r.mu.Lock()
@@ -311,8 +387,9 @@ func (r *Room) handle(p *peer, s *session, m msg) error {
 		r.mu.Unlock()
 		r.log.Warn("peer refused addresses this host announced", "peer", p.cfg.Name, "refused", m.Refused)
 	case tAnnounce:
+		local := r.localOf(m.Addrs) // the broker's lock: never under r.mu
 		r.mu.Lock()
-		ok, no := r.filterLocked(p, m.Addrs)
+		ok, no := r.filterLocked(p, m.Addrs, local)
 		var withdrawn int
 		for a := range p.accepted {
 			if _, still := ok[a]; !still {

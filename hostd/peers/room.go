@@ -30,6 +30,12 @@ type Options struct {
 	// the reason's name, "none" if it holds; nil: every claim is refused
 	// with not-local.
 	Verify func(peer string, c Claim) string
+	// Across takes the cross-host room's messages from a peer (hostd/across),
+	// on that peer's channel reader, in order: it must not block for long.
+	Across func(peer string, m Across)
+	// State is told when a peer's channel comes up or goes down, after
+	// the fact (not under the room's lock).
+	State func(peer string, up bool)
 }
 
 // Room is hostd's peer channel: the links to the configured peers and
@@ -270,16 +276,32 @@ func within(ps []netip.Prefix, q netip.Prefix) bool {
 	return slices.ContainsFunc(ps, func(p netip.Prefix) bool { return p.Bits() <= q.Bits() && p.Contains(q.Addr()) })
 }
 
+// localOf is which of addrs overlap this host's own guests (Options.Local).
+// It must run without r.mu: Local takes the broker's lock, and the broker
+// calls Route (r.mu) under its lock.
+func (r *Room) localOf(addrs []Announced) map[netip.Prefix]bool {
+	local := map[netip.Prefix]bool{}
+	if r.opts.Local == nil {
+		return local
+	}
+	for _, a := range addrs {
+		if _, seen := local[a.Prefix]; !seen {
+			local[a.Prefix] = r.opts.Local(a.Prefix)
+		}
+	}
+	return local
+}
+
 // filterLocked splits what peer p announced into what this host accepts
-// and what it refuses, with reasons.
-func (r *Room) filterLocked(p *peer, addrs []Announced) (map[netip.Prefix]string, map[netip.Prefix]string) {
+// and what it refuses, with reasons; local is localOf(addrs).
+func (r *Room) filterLocked(p *peer, addrs []Announced, local map[netip.Prefix]bool) (map[netip.Prefix]string, map[netip.Prefix]string) {
 	ok, no := map[netip.Prefix]string{}, map[netip.Prefix]string{}
 	for _, a := range addrs {
 		q := a.Prefix
 		switch {
 		case !within(p.cfg.Prefixes, q):
 			no[q] = RefusedForbidden
-		case r.opts.Local != nil && r.opts.Local(q):
+		case local[q]:
 			no[q] = RefusedLocal
 		case r.takenLocked(p, q):
 			no[q] = RefusedTaken
@@ -318,11 +340,22 @@ type Info struct {
 	Announced  int               `json:"announced"`      // its addresses this host accepted
 	Refused    map[string]string `json:"refused,omitempty"`
 	TheyRefuse map[string]string `json:"they_refuse,omitempty"`
-	Flows      int               `json:"flows"` // cross-host connections: none until pairing across hosts is built
+	Flows      int               `json:"flows"` // connections on the rings through the relay to it (hostd/across)
+	Relay      *RelayInfo        `json:"relay,omitempty"`
 	BytesIn    uint64            `json:"bytes_in"`
 	BytesOut   uint64            `json:"bytes_out"`
 	Reconnects uint64            `json:"reconnects"`
 	RTT        string            `json:"rtt,omitempty"`
+}
+
+// RelayInfo is the relay's part of a peer's listing (hostd/across fills it).
+type RelayInfo struct {
+	Link     string `json:"link"`  // up or down
+	Conns    int    `json:"conns"` // connections across hosts with a record
+	BytesOut uint64 `json:"bytes_out"`
+	BytesIn  uint64 `json:"bytes_in"`
+	Stalled  string `json:"stalled"` // senders' waits for credit
+	Links    uint64 `json:"links"`   // links made (reconnects + 1)
 }
 
 // List describes every configured peer, by name.

@@ -28,6 +28,7 @@ const (
 	tPong     = "pong"
 	tClaim    = "claim"   // the sender claims a connection (Claim); answered by a verdict of the same id
 	tVerdict  = "verdict" // the receiver's verdict on a claim: Reason, "none" if it holds
+	tAcross   = "across"  // pairing and relaying across hosts (Across): the across room's own
 )
 
 // Announced is one guest prefix a hostd announces (a guest owns
@@ -64,6 +65,24 @@ type msg struct {
 	Addrs   []Announced `json:"addrs,omitempty"`   // announce: the whole set
 	Refused []Refusal   `json:"refused,omitempty"` // refused: all of the last announcement's
 	Nonce   uint64      `json:"nonce,omitempty"`
+	Across  *Across     `json:"across,omitempty"` // across
+}
+
+// Across is a message of the cross-host room (hostd/across), which the
+// channel only carries: the room gives the fields their meaning and
+// checks them. Bounded here like everything a peer sends.
+type Across struct {
+	Op     string `json:"op"`
+	ID     uint64 `json:"id,omitempty"`     // the sender's id for the connection
+	Peer   uint64 `json:"peer,omitempty"`   // the receiver's id for it, once known
+	Flow   uint32 `json:"flow,omitempty"`   // a stretch's link flow
+	At     uint64 `json:"at,omitempty"`     // a stream offset
+	Reason string `json:"reason,omitempty"` // a verdict or a downgrade's reason
+	Never  bool   `json:"never,omitempty"`  // a stop: the sender's ring never started
+	Gone   bool   `json:"gone,omitempty"`   // a stop: the sender does not know the stretch
+	Claim  *Claim `json:"claim,omitempty"`
+	Token  []byte `json:"token,omitempty"` // the relay link's
+	Port   uint16 `json:"port,omitempty"`  // the relay link's
 }
 
 var errMalformed = errors.New("peer channel: malformed message")
@@ -89,6 +108,12 @@ func readMsg(r *bufio.Reader) (msg, error) {
 	case tClaim:
 		if c := m.Claim; c == nil || !c.Src.IsValid() || !c.Dst.IsValid() || len(c.Group) > 256 {
 			return msg{}, fmt.Errorf("%w: claim %+v", errMalformed, m.Claim)
+		}
+	case tAcross:
+		x := m.Across
+		if x == nil || len(x.Op) > 32 || len(x.Reason) > 64 || len(x.Token) > 64 ||
+			x.Claim != nil && (!x.Claim.Src.IsValid() || !x.Claim.Dst.IsValid() || len(x.Claim.Group) > 256) {
+			return msg{}, fmt.Errorf("%w: across %+v", errMalformed, m.Across)
 		}
 	case tVerdict:
 		if len(m.Reason) > 64 {

@@ -200,6 +200,9 @@ func checkSockets(ctx context.Context, e *env) {
 		for i := range g.Ports {
 			socks = append(socks, sock{what: "guest " + g.Name + ": control socket", path: vserial.SocketOf(g.Control, i)})
 		}
+		if g.Vsock != nil {
+			socks = append(socks, sock{what: "guest " + g.Name + ": vsock socket", path: g.Vsock.Socket})
+		}
 	}
 	byPath := map[string]string{}
 	good := 0

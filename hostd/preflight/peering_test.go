@@ -2,9 +2,11 @@ package preflight
 
 import (
 	"fmt"
+	"net/netip"
 	"testing"
 
 	"github.com/shuntnet/shunt/hostd/peers/peertest"
+	"github.com/shuntnet/shunt/relay"
 )
 
 // TestPeering: hostd check loads the peering TLS material and verifies
@@ -33,6 +35,13 @@ func TestPeering(t *testing.T) {
 	only(t, fs, "peering")
 	want(t, fs, "peering", OK, "peering as h1 with 1 peer", "")
 	want(t, fs, "peering", Warning, "certificate expires", "renew it") // peertest's last a day
+	want(t, fs, "rdma", OK, "no RDMA device", "")
+	p := healthy()
+	p.RDMA = func() ([]relay.RDMADevice, error) {
+		return []relay.RDMADevice{{Name: "rxe0", Ports: []relay.RDMAPort{{Num: 1, State: "ACTIVE", LinkLayer: "Ethernet",
+			GIDs: []relay.RDMAGID{{Index: 1, GID: netip.MustParseAddr("::ffff:10.99.0.1"), Type: "RoCE v2"}}}}}}, nil
+	}
+	want(t, run(t, c, p), "rdma", OK, "rxe0 port 1 Ethernet ACTIVE; the RDMA link would use rxe0 port 1 gid 1", "")
 
 	c.top = block(cert, key, "h1")
 	want(t, run(t, c, healthy()), "peering", Problem, `peer "h1" is this hostd's own name`, "remove that peer block")

@@ -78,8 +78,10 @@ var checks = []check{
 	{"netns", checkNetns},
 	{"libvirt", checkLibvirt},
 	{"qmp", checkQMP},
+	{"vsock", checkVsock},
 	{"metrics", checkMetrics},
 	{"peering", checkPeering},
+	{"rdma", checkRDMA},
 }
 
 // env is what a check sees: the configuration, the probes, and the

@@ -14,6 +14,7 @@ import (
 	"syscall"
 	"testing"
 
+	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/region"
 )
 
@@ -32,6 +33,7 @@ func healthy() Probes {
 		Statfs:      func(string) (FS, error) { return FS{Dev: 1, Avail: 1 << 40, Size: 1 << 40, Tmpfs: true}, nil },
 		Writable:    func(string) error { return nil },
 		LookupGroup: func(string) error { return nil },
+		RDMA:        func() ([]relay.RDMADevice, error) { return nil, nil },
 		DialUnix:    Host().DialUnix,
 		Libvirt:     func(context.Context, string, string) error { return nil },
 		Listen:      func(string) error { return nil },

@@ -12,6 +12,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/mark"
 	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/relay"
 )
 
 // Probes are how the checks look at the host, beyond reading files: each
@@ -44,6 +45,8 @@ type Probes struct {
 	Statfs func(dir string) (FS, error)
 	// Writable reports whether this process may create files in dir.
 	Writable func(dir string) error
+	// RDMA lists the host's RDMA devices (relay.RDMADevices).
+	RDMA func() ([]relay.RDMADevice, error)
 	// LookupGroup looks a group up by name.
 	LookupGroup func(name string) error
 	// DialUnix connects to a Unix stream socket and hangs up.
@@ -78,6 +81,7 @@ func Host() Probes {
 		Statfs:      statfsProbe,
 		Writable:    func(dir string) error { return unix.Access(dir, unix.W_OK) },
 		LookupGroup: func(name string) error { _, err := user.LookupGroup(name); return err },
+		RDMA:        func() ([]relay.RDMADevice, error) { return relay.RDMADevices("") },
 		DialUnix: func(ctx context.Context, path string) error {
 			c, err := (&net.Dialer{}).DialContext(ctx, "unix", path)
 			if err == nil {

@@ -89,14 +89,14 @@ func interfaceProbe(ns, name string) error {
 	var h *netlink.Handle
 	var err error
 	if ns == "" {
-		h, err = netlink.NewHandle()
+		h, err = netlink.NewHandle(unix.NETLINK_ROUTE) // not XFRM's too (hostd/agent's netlinkHandle)
 	} else {
 		var n netns.NsHandle
 		if n, err = netns.GetFromPath(ns); err != nil {
 			return fmt.Errorf("open netns %s: %w", ns, err)
 		}
 		defer n.Close()
-		h, err = netlink.NewHandleAt(n)
+		h, err = netlink.NewHandleAt(n, unix.NETLINK_ROUTE)
 	}
 	if err != nil {
 		return err

@@ -31,7 +31,7 @@ func checkQuotas(_ context.Context, e *env) {
 	pair := region.PairSize(ring)
 	for _, g := range e.cfg.Groups {
 		n, by := quotaConns(g, pair, maxFlows)
-		what := fmt.Sprintf("trust group %s: each guest may hold %d concurrent fast-path connections of ring_size %s (bound by %s; guest_ring_bytes %s, guest_flows %d, max_flows_per_guest %d, pair_region_size %s); beyond, they stay on TCP (guest-quota, no-space)",
+		what := fmt.Sprintf("trust group %s: each guest may hold %d concurrent fast-path connections of ring_size %s (bound by %s; guest_ring_bytes %s, guest_flows %d, max_flows_per_guest %d, pair_region_size %s); beyond, they stay on TCP (guest-quota, no-space); a rule's larger ring_size is given where there is room, this one where there is not",
 			g.Name, n, size(int64(ring)), by, size(g.Quota.RingBytes), g.Quota.Flows, maxFlows, size(g.PairGeometry.Size))
 		if e.cfg.SharesRegion(g.Name) {
 			e.ok("%s; VMs share the group region, and by default each guest may take a quarter of it", what)

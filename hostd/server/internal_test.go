@@ -13,6 +13,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/metrics"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // emfileListener fails its first n Accepts with EMFILE, as a process out
@@ -153,4 +154,37 @@ func metricValue(t *testing.T, m *metrics.Set, name, label string) float64 {
 	}
 	t.Fatalf("no metric %s{%s}", name, label)
 	return 0
+}
+
+// TestLearnCapResume: HELLO's proto.CapResume is a capability, not a ring
+// format: it never reaches WELCOME's choice, it is recorded (Resumes) only
+// for a version-3 library that switches, and a HELLO of capability bits
+// only shares no format. Unknown bits are ignored, as an older hostd
+// ignores CapResume.
+func TestLearnCapResume(t *testing.T) {
+	const f = 1 << ring.FormatVersion
+	for _, tc := range []struct {
+		name    string
+		hello   proto.Msg
+		formats uint32
+		resumes bool
+	}{
+		{"format only", proto.Msg{Type: proto.Hello, Formats: f}, f, false},
+		{"format and resume", proto.Msg{Type: proto.Hello, Formats: f | proto.CapResume}, f, true},
+		{"resume only", proto.Msg{Type: proto.Hello, Formats: proto.CapResume}, 0, false},
+		{"unknown bits", proto.Msg{Type: proto.Hello, Formats: f | 1<<20 | 1<<30}, f, false},
+		{"all bits", proto.Msg{Type: proto.Hello, Formats: ^uint32(0)}, f, true},
+		{"version 2", proto.Msg{Version: 2, Type: proto.Hello}, 0, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			ss := &session{}
+			if got := ss.learn(tc.hello); got != tc.formats {
+				t.Errorf("WELCOME formats %#x, want %#x", got, tc.formats)
+			}
+			if got := ss.Resumes(); got != tc.resumes {
+				t.Errorf("Resumes() = %v, want %v", got, tc.resumes)
+			}
+		})
+	}
+	var _ broker.Resumer = (*session)(nil)
 }

@@ -66,9 +66,11 @@ type session struct {
 	ready atomic.Bool   // WELCOME queued: keepalive PINGs may go
 	// What the guest library speaks, from its HELLO: the protocol version
 	// hostd answers in (proto.Version or an older one), and whether it
-	// shares a ring format with hostd (path switching).
+	// shares a ring format with hostd (path switching), and whether it
+	// announced proto.CapResume (it handles RESUME: relayed flows).
 	version atomic.Uint32
 	formats atomic.Bool
+	resume  atomic.Bool
 	room    chan struct{} // 1: the writer drained the queue to a quarter
 
 	kicks kickLane
@@ -185,9 +187,17 @@ func (ss *session) Switching() bool {
 	return ss.version.Load() == proto.Version && ss.formats.Load()
 }
 
-// learn takes the guest library's protocol version and ring formats from
-// its HELLO, and returns the WELCOME's formats: ring.FormatVersion if the
-// library has it, else 0.
+// Resumes implements broker.Resumer: the guest library switches and
+// announced proto.CapResume in its HELLO.
+func (ss *session) Resumes() bool {
+	return ss.Switching() && ss.resume.Load()
+}
+
+// learn takes the guest library's protocol version, ring formats and
+// capabilities from its HELLO, and returns the WELCOME's formats:
+// ring.FormatVersion if the library has it, else 0. Capability bits
+// (proto.CapResume) are masked out of the choice; unknown bits are
+// ignored.
 func (ss *session) learn(hello proto.Msg) uint32 {
 	v := uint32(hello.Version)
 	if v == 0 {
@@ -195,10 +205,12 @@ func (ss *session) learn(hello proto.Msg) uint32 {
 	}
 	ss.version.Store(v)
 	var formats uint32
-	if v == proto.Version && hello.Formats&(1<<ring.FormatVersion) != 0 {
+	offered := hello.Formats &^ proto.CapResume
+	if v == proto.Version && offered&(1<<ring.FormatVersion) != 0 {
 		formats = 1 << ring.FormatVersion
 	}
 	ss.formats.Store(formats != 0)
+	ss.resume.Store(v == proto.Version && hello.Formats&proto.CapResume != 0)
 	return formats
 }
 
@@ -520,7 +532,7 @@ func (ss *session) attach(hello proto.Msg) {
 	}
 	ss.Send(ss.welcome)
 	ss.ready.Store(true)
-	ss.log.Debug("guest connected", "pid", hello.PID, "version", ss.version.Load(), "switching", ss.Switching())
+	ss.log.Debug("guest connected", "pid", hello.PID, "version", ss.version.Load(), "switching", ss.Switching(), "resume", ss.Resumes())
 }
 
 // dispatch handles one message after the handshake; an error ends the

@@ -1,0 +1,55 @@
+package agent
+
+import (
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/vsockhost"
+	"github.com/shuntnet/shunt/relay"
+)
+
+// startVsock serves the vhost-user-vsock devices of the configured VMs
+// that have a vsock block (hostd/vsockhost), takes their flows' stretches
+// (a VM without the group region: its library carries its flows over
+// vsock, the room bridges them to their rings), and exports their
+// metrics. Before the control channels: a VM's QEMU waits for its
+// device's socket at start.
+func (a *Agent) startVsock() error {
+	var specs []vsockhost.Spec
+	for _, g := range a.cfg.Guests {
+		if g.Vsock != nil {
+			specs = append(specs, vsockhost.Spec{Guest: g.Name, ID: g.ID, Socket: g.Vsock.Socket, CID: g.Vsock.CID})
+		}
+	}
+	if len(specs) == 0 {
+		return nil
+	}
+	var err error
+	if a.vsock, err = vsockhost.Start(a.log.Named("vsock"), specs); err != nil {
+		return err
+	}
+	for _, g := range a.cfg.Guests {
+		if g.Vsock != nil && !g.SharedRegion {
+			if err := a.vsock.ServeStretches(g.ID, brokerFlows{a.b}, nil); err != nil {
+				return err
+			}
+		}
+	}
+	a.m.NewVsock(func() []metrics.VsockStat {
+		var out []metrics.VsockStat
+		for _, s := range a.vsock.Stats() {
+			out = append(out, metrics.VsockStat{Guest: s.Guest, Connected: s.Connected, Sessions: s.Sessions, RefusedFrontends: s.Refused,
+				Conns: s.Conns, Accepted: s.Accepted, Dialed: s.Dialed, Refused: s.RefusedConn, Resets: s.Resets,
+				BadPackets: s.BadPackets, QueueBroken: s.QueueBroken, RxBytes: s.RxBytes, TxBytes: s.TxBytes})
+		}
+		return out
+	})
+	return nil
+}
+
+// brokerFlows is the broker as the vsock room's record of the flows.
+type brokerFlows struct{ b *broker.Broker }
+
+func (f brokerFlows) Stretch(guest uint32, h relay.Hello) (vsockhost.Held, error) {
+	held, err := f.b.Stretch(guest, h.Region, h.Slot, h.Gen)
+	return vsockhost.Held(held), err
+}

@@ -1,0 +1,53 @@
+package config_test
+
+import (
+	"strings"
+	"testing"
+
+	"github.com/shuntnet/shunt/hostd/config"
+)
+
+const vsockBase = `
+trust_group "t" {}
+guest "vm1" {
+  id        = 1
+  group     = "t"
+  control   = "/run/shunt/vm1.sock"
+  addresses = ["10.77.1.2"]
+  vsock {
+    socket = "/run/shunt/vm1.vsock"
+    cid    = 3
+  }
+}
+`
+
+func TestVsock(t *testing.T) {
+	c, err := config.Parse("hostd.hcl", []byte(vsockBase))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if v := c.Guests[0].Vsock; v == nil || v.Socket != "/run/shunt/vm1.vsock" || v.CID != 3 {
+		t.Fatalf("vsock: %+v", v)
+	}
+	second := func(body string) string {
+		return vsockBase + "guest \"vm2\" {\n id = 2\n group = \"t\"\n control = \"/run/shunt/vm2.sock\"\n addresses = [\"10.77.2.2\"]\n" + body + "}\n"
+	}
+	for _, tc := range []struct{ src, want string }{
+		{second("vsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 3\n}\n"), "cid 3 is already guest \"vm1\"'s"},
+		{second("vsock {\n socket = \"/run/shunt/vm1.vsock\"\n cid = 4\n}\n"), "is already guest \"vm1\"'s"},
+		{second("vsock {\n socket = \"/run/shunt/vm1.sock\"\n cid = 4\n}\n"), "guest \"vm1\"'s control socket"},
+		{second("vsock {\n socket = \"/run/shunt/vm2.sock\"\n cid = 4\n}\n"), "the guest's control socket"},
+		{second("vsock {\n socket = \"vm2.vsock\"\n cid = 4\n}\n"), "want an absolute path"},
+		{second("vsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 2\n}\n"), "cid 2: want 3"},
+		{second("vsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 4294967295\n}\n"), "want 3"},
+		{second("netns = \"/run/netns/x\"\nvsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 4\n}\n"), "process guest"},
+		{second("vsock {\n cid = 4\n}\n"), "socket"},
+	} {
+		if _, err := config.Parse("hostd.hcl", []byte(tc.src)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("want an error with %q, got %v", tc.want, err)
+		}
+	}
+	if _, err := config.Parse("hostd.hcl", []byte(second("vsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 4\n}\n"))); err != nil {
+		t.Fatal(err)
+	}
+}

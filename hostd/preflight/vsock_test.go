@@ -1,0 +1,31 @@
+package preflight
+
+import (
+	"context"
+	"fmt"
+	"testing"
+)
+
+// TestVsock: a VM with a vsock block is checked against QEMU's devices
+// and its socket with the others; the restart caveat is always said.
+func TestVsock(t *testing.T) {
+	c := newConfig(t)
+	c.guests = []string{fmt.Sprintf("guest \"vm1\" {\n  id = 1\n  group = \"a\"\n  control = %q\n  addresses = [\"10.0.0.1\"]\n  vsock {\n    socket = %q\n    cid = 3\n  }\n}\n",
+		c.path("run/vm1.sock"), c.path("run/vm1.vsock"))}
+	p := healthy()
+	p.Command = func(_ context.Context, name string, args ...string) ([]byte, error) {
+		if name == "qemu-system-x86_64" {
+			return []byte("name \"vhost-user-vsock-pci\", bus PCI\n"), nil
+		}
+		return []byte("ct mark set 0x00000001"), nil
+	}
+	fs := run(t, c, p)
+	want(t, fs, "vsock", Warning, "vm1 (cid 3)", "docs/vsock.md")
+	want(t, fs, "sockets", OK, "3 of 3 socket paths", "")
+	only(t, fs, "vsock")
+	p.Command = func(context.Context, string, ...string) ([]byte, error) {
+		return []byte("name \"virtio-net-pci\"\n"), nil
+	}
+	fs = run(t, c, p)
+	want(t, fs, "vsock", Problem, "no vhost-user-vsock-pci", "QEMU 7.0")
+}

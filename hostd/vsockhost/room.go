@@ -1,0 +1,242 @@
+package vsockhost
+
+import (
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"path/filepath"
+	"sort"
+	"sync"
+	"sync/atomic"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/vhost/vhostuser"
+	"github.com/shuntnet/shunt/vhost/vsock"
+)
+
+// Spec is one VM's device: whose it is, where QEMU connects, its CID.
+type Spec struct {
+	Guest  string // the guest's name, for logs and metrics
+	ID     uint32 // the guest's id: the only key the device is handed out by
+	Socket string // the vhost-user socket (QEMU -chardev socket,path=)
+	CID    uint32
+}
+
+// Room serves the devices. Its methods are safe for concurrent use.
+type Room struct {
+	log  hclog.Logger
+	devs map[uint32]*device // by guest id
+	wg   sync.WaitGroup
+}
+
+// device is one VM's vsock device and the socket its QEMU connects to.
+type device struct {
+	spec Spec
+	dev  *vsock.Device
+	l    *net.UnixListener
+	log  hclog.Logger
+
+	mu     sync.Mutex
+	sess   *net.UnixConn // the front-end being served; nil between QEMUs
+	closed bool
+
+	serving sync.WaitGroup // serve goroutines
+
+	st            stretches // the flows' stretches on this device (stretch.go)
+	stopStretches func()    // set by ServeStretches
+
+	sessions atomic.Uint64 // front-ends served
+	refused  atomic.Uint64 // front-ends refused while another was served
+}
+
+// Start makes every device and listens on its socket (mode 0600: QEMU
+// runs as root; a stale socket at the path is replaced, anything else
+// there is an error). On error nothing stays open.
+func Start(log hclog.Logger, specs []Spec) (_ *Room, err error) {
+	r := &Room{log: log, devs: map[uint32]*device{}}
+	defer func() {
+		if err != nil {
+			r.Close()
+		}
+	}()
+	for _, s := range specs {
+		if _, dup := r.devs[s.ID]; dup {
+			return nil, fmt.Errorf("guest %s: a second vsock device", s.Guest)
+		}
+		d := &device{spec: s, log: log.With("guest", s.Guest, "cid", s.CID)}
+		lf := func(format string, args ...any) { d.log.Warn(fmt.Sprintf(format, args...)) }
+		if d.dev, err = vsock.New(uint64(s.CID), lf); err != nil {
+			return nil, fmt.Errorf("guest %s: %w", s.Guest, err)
+		}
+		if d.l, err = listen(s.Socket); err != nil {
+			return nil, fmt.Errorf("guest %s: vsock socket: %w", s.Guest, err)
+		}
+		r.devs[s.ID] = d
+		r.wg.Add(1)
+		go func() {
+			defer r.wg.Done()
+			d.accept()
+		}()
+		d.log.Info("serving vhost-user-vsock", "socket", s.Socket)
+	}
+	return r, nil
+}
+
+// listen listens on path, made mode 0600, replacing a stale socket.
+func listen(path string) (*net.UnixListener, error) {
+	if err := os.MkdirAll(filepath.Dir(path), 0o755); err != nil {
+		return nil, err
+	}
+	if st, err := os.Lstat(path); err == nil {
+		if st.Mode()&os.ModeSocket == 0 {
+			return nil, fmt.Errorf("%s exists and is not a socket: remove it or choose another path", path)
+		}
+		_ = os.Remove(path)
+	}
+	l, err := net.ListenUnix("unix", &net.UnixAddr{Name: path, Net: "unix"})
+	if err != nil {
+		return nil, err
+	}
+	l.SetUnlinkOnClose(true)
+	if err := os.Chmod(path, 0o600); err != nil {
+		l.Close()
+		return nil, err
+	}
+	return l, nil
+}
+
+// accept serves QEMUs in turn: one front-end at a time (a device has one
+// set of queues), so a second connection while one is served is closed
+// at once. It returns when the listener closes.
+func (d *device) accept() {
+	for {
+		c, err := d.l.AcceptUnix()
+		if err != nil {
+			if !errors.Is(err, net.ErrClosed) {
+				d.log.Error("vsock socket failed; the VM's vsock is gone until hostd restarts", "error", err)
+			}
+			return
+		}
+		d.mu.Lock()
+		if d.closed || d.sess != nil {
+			d.mu.Unlock()
+			d.refused.Add(1)
+			d.log.Warn("a second vhost-user front-end refused: the device serves one at a time")
+			c.Close()
+			continue
+		}
+		d.sess = c
+		d.serving.Add(1)
+		d.mu.Unlock()
+		d.sessions.Add(1)
+		d.log.Info("vhost-user front-end connected")
+		go d.serve(c)
+	}
+}
+
+// serve serves one front-end until it goes (the VM stopped): its vsock
+// connections end with vsock.ErrGone, the device waits for the next.
+func (d *device) serve(c *net.UnixConn) {
+	defer d.serving.Done()
+	lf := func(format string, args ...any) { d.log.Warn(fmt.Sprintf(format, args...)) }
+	err := vhostuser.Serve(c, d.dev, lf)
+	d.mu.Lock()
+	d.sess = nil
+	d.mu.Unlock()
+	if err != nil {
+		d.log.Warn("vhost-user front-end ended", "error", err)
+		return
+	}
+	d.log.Info("vhost-user front-end gone")
+}
+
+// Device returns the vsock device of the guest with id guest, or nil:
+// the only way to a device, so a VM's connections reach only what hostd
+// binds to that VM.
+func (r *Room) Device(guest uint32) *vsock.Device {
+	if r == nil {
+		return nil
+	}
+	if d := r.devs[guest]; d != nil {
+		return d.dev
+	}
+	return nil
+}
+
+// Close stops every device: the sockets go, and each VM being served
+// loses its vsock device for good (QEMU 7.2 cannot reconnect it; see
+// docs/vsock.md, "hostd restarts").
+func (r *Room) Close() {
+	for _, d := range r.devs {
+		d.mu.Lock()
+		d.closed = true
+		s := d.sess
+		d.mu.Unlock()
+		if d.l != nil {
+			d.l.Close()
+		}
+		if s != nil {
+			s.Close()
+		}
+	}
+	r.wg.Wait()
+	for _, d := range r.devs {
+		d.st.mu.Lock()
+		d.st.closed = true
+		stop := d.stopStretches
+		d.st.mu.Unlock()
+		if stop != nil {
+			stop()
+		}
+		d.serving.Wait()
+	}
+}
+
+// Stat is one device's state and counters, for `hostd status` and the
+// metrics.
+type Stat struct {
+	Guest       string `json:"guest"`
+	CID         uint32 `json:"cid"`
+	Socket      string `json:"socket"`
+	Connected   bool   `json:"connected"` // a front-end (QEMU) is being served
+	Sessions    uint64 `json:"sessions"`  // front-ends served since hostd started
+	Refused     uint64 `json:"refused_frontends"`
+	Conns       int64  `json:"conns"`
+	Accepted    uint64 `json:"accepted"`
+	Dialed      uint64 `json:"dialed"`
+	RefusedConn uint64 `json:"refused_conns"`
+	Resets      uint64 `json:"resets"`
+	BadPackets  uint64 `json:"bad_packets"`
+	RxBytes     uint64 `json:"rx_bytes"`
+	TxBytes     uint64 `json:"tx_bytes"`
+	QueueBroken uint64 `json:"queue_broken"`
+	Stretches   int    `json:"stretches"`         // flows' stretches bridged now
+	Bridged     uint64 `json:"stretches_total"`   // stretches bridged since hostd started
+	BadHellos   uint64 `json:"stretches_refused"` // streams that named no flow of the VM's
+}
+
+// Stats returns every device's Stat, by guest name.
+func (r *Room) Stats() []Stat {
+	if r == nil {
+		return nil
+	}
+	out := make([]Stat, 0, len(r.devs))
+	for _, d := range r.devs {
+		d.mu.Lock()
+		conn := d.sess != nil
+		d.mu.Unlock()
+		d.st.mu.Lock()
+		open, served, bad := len(d.st.open), d.st.served, d.st.bad
+		d.st.mu.Unlock()
+		st := d.dev.Stats()
+		out = append(out, Stat{Guest: d.spec.Guest, CID: d.spec.CID, Socket: d.spec.Socket, Connected: conn,
+			Sessions: d.sessions.Load(), Refused: d.refused.Load(), Conns: st.Conns.Load(), Accepted: st.Accepted.Load(),
+			Dialed: st.Dialed.Load(), RefusedConn: st.Refused.Load(), Resets: st.Resets.Load(), BadPackets: st.BadPackets.Load(),
+			RxBytes: st.RxBytes.Load(), TxBytes: st.TxBytes.Load(), QueueBroken: st.QueueBroken.Load(),
+			Stretches: open, Bridged: served, BadHellos: bad})
+	}
+	sort.Slice(out, func(i, j int) bool { return out[i].Guest < out[j].Guest })
+	return out
+}

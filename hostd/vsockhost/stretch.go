@@ -1,0 +1,241 @@
+package vsockhost
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"sync"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
+	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/shm/wait"
+)
+
+// Flows is how the room finds the rings of a flow a VM names in a
+// stretch's Hello: hostd's own record of its flows (the broker), never
+// anything the guest wrote.
+type Flows interface {
+	// Stretch holds guest's side of flow h for the stretch's bridge. It
+	// fails if guest is not an end of a live flow h, or if h already has
+	// a stretch.
+	Stretch(guest uint32, h relay.Hello) (Held, error)
+}
+
+// Held is a VM's side of a flow, held by its stretch's bridge until
+// Release.
+type Held struct {
+	// Writes is the ring the VM writes, Reads the ring it reads, both in
+	// hostd's mapping.
+	Writes, Reads *ring.Ring
+	// Gone is closed once the VM's end of the flow is done (CLOSE, LEFT,
+	// its session or guest gone): the bridge carries what the VM's
+	// writer left in its ring into Writes, then stops.
+	Gone <-chan struct{}
+	// PeerGone is closed once the other end is done: the bridge carries
+	// what that end left in Reads to the VM, then stops.
+	PeerGone <-chan struct{}
+	// Release gives the side back once the bridge on it stopped: hostd
+	// then tells the surviving end, if any, DOWN(peer-gone). Until then
+	// it tells it nothing, since a reader told peer-gone leaves its ring
+	// once empty, and the bridge may still be writing into it.
+	Release func()
+}
+
+// helloWait bounds how long a new stream may take to say its Hello.
+const helloWait = 5 * time.Second
+
+// endLinger bounds how long an ended stretch waits for the VM to close
+// its stream.
+const endLinger = 10 * time.Second
+
+// goneDrain bounds how long the bridge of a flow with an end gone may go
+// without moving a byte while it carries that end's last bytes to the
+// other (the survivor's reader may not read, or a hostile VM may never
+// send its LEFT); then it stops. A survivor that reads, however slowly,
+// is never cut. A var for tests.
+var goneDrain = 10 * time.Second
+
+// stretches are one device's live stretches.
+type stretches struct {
+	mu     sync.Mutex
+	open   map[*relay.Bridge]bool
+	closed bool
+	wg     sync.WaitGroup
+	served uint64 // stretches bridged
+	bad    uint64 // streams refused: bad Hello, unknown flow
+}
+
+// ServeStretches takes the VM's stretches (guest the VM's guest id) on
+// its device's relay.VsockPort until the room closes: each stream's Hello
+// is resolved through flows for this guest only, then a Bridge joins the
+// stream to the flow's rings. p is how the bridges wait for the other
+// end's library (nil: adaptive, futex).
+func (r *Room) ServeStretches(guest uint32, flows Flows, p *wait.Policy) error {
+	d := r.devs[guest]
+	if d == nil {
+		return fmt.Errorf("guest %d has no vsock device", guest)
+	}
+	l, err := d.dev.Listen(relay.VsockPort)
+	if err != nil {
+		return err
+	}
+	st := &d.st
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		l.Close()
+		return errors.New("vsock room closed")
+	}
+	st.open = map[*relay.Bridge]bool{}
+	d.stopStretches = func() {
+		l.Close()
+		st.mu.Lock()
+		st.closed = true
+		var bs []*relay.Bridge
+		for b := range st.open {
+			bs = append(bs, b)
+		}
+		st.mu.Unlock()
+		for _, b := range bs {
+			b.Stop(proto.ReasonShutdown)
+		}
+		st.wg.Wait()
+	}
+	st.wg.Add(1)
+	st.mu.Unlock()
+	go func() {
+		defer st.wg.Done()
+		for {
+			c, err := l.AcceptContext(context.Background())
+			if err != nil {
+				return
+			}
+			st.wg.Add(1)
+			go func() {
+				defer st.wg.Done()
+				st.serve(c, guest, flows, p, d.log)
+			}()
+		}
+	}()
+	return nil
+}
+
+// serve bridges one stream to the flow its Hello names, until the bridge
+// stops; a stream that names no flow of this guest is closed.
+func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy, log hclog.Logger) {
+	_ = c.SetReadDeadline(time.Now().Add(helloWait))
+	h, err := relay.ReadHello(c)
+	var held Held
+	if err == nil {
+		held, err = flows.Stretch(guest, h)
+	}
+	if err != nil {
+		st.mu.Lock()
+		st.bad++
+		st.mu.Unlock()
+		log.Warn("vsock stretch refused", "error", err)
+		c.Close()
+		return
+	}
+	_ = c.SetReadDeadline(time.Time{})
+	link := relay.NewLink([]net.Conn{c}, relay.LinkOptions{})
+	defer func() { link.Close(); link.Wait(); held.Release() }()
+	f, err := link.Open(relay.VsockFlowID)
+	if err != nil {
+		return
+	}
+	// The bridge stands for the VM on the flow's rings: it reads the ring
+	// the other end writes (the VM's read ring) and writes the VM's write
+	// ring, from the stream.
+	b := relay.NewBridge(held.Reads, held.Writes, f, relay.BridgeOptions{Policy: p})
+	st.mu.Lock()
+	if st.closed {
+		st.mu.Unlock()
+		b.Stop(proto.ReasonShutdown)
+		return
+	}
+	st.open[b] = true
+	st.served++
+	st.mu.Unlock()
+	log.Debug("vsock stretch", "region", h.Region, "slot", h.Slot, "gen", h.Gen)
+	gone, cut := drainGone(b, held, p)
+	if errors.Is(b.Err(), relay.ErrEnded) {
+		// Both directions ended here; the VM's bridge may not have taken
+		// the last LEFT yet. It closes the stream once it has: closing
+		// first could end its bridge with the stream's EOF instead.
+		t := time.AfterFunc(endLinger, link.Close)
+		link.Wait()
+		t.Stop()
+	}
+	b.Stop(proto.ReasonShutdown) // marks the out ring left if the stream ended first
+	switch err := b.Err(); {
+	case cut:
+		log.Info("vsock stretch of a done end stopped before its last bytes were carried: nothing moved within the bound (the VM's end done: the other end's connection reset)", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "gone", gone, "bound", goneDrain, "stats", fmt.Sprintf("%+v", b.Stats()))
+	case gone != "":
+		log.Debug("vsock stretch of a gone end drained", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "gone", gone, "error", err, "stats", fmt.Sprintf("%+v", b.Stats()))
+	case err != nil && !errors.Is(err, relay.ErrEnded):
+		log.Info("vsock stretch ended", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "error", err, "stats", fmt.Sprintf("%+v", b.Stats()))
+	default:
+		log.Debug("vsock stretch done", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "stats", fmt.Sprintf("%+v", b.Stats()))
+	}
+	st.mu.Lock()
+	delete(st.open, b)
+	st.mu.Unlock()
+}
+
+// drainGone waits until b stops by itself or an end of its flow is done.
+// For a done end, the bridge first carries what that end's writer left in
+// its ring to the other end (the VM's: the out-direction into Writes; the
+// other's: the in-direction to the VM), until it has gone goneDrain
+// without moving a byte, and stops: the done end reads nothing more, and
+// hostd tells the survivor DOWN(peer-gone) only at Release, so its
+// reader, which leaves once its ring is empty, has every byte by then.
+// A drain cut short resets the process guest's ring (the VM's end done):
+// its reader fails with ECONNRESET instead of reading a clean end, or a
+// gap, where the VM's last bytes were. It says which end was done ("":
+// none) and whether the bound cut the drain.
+func drainGone(b *relay.Bridge, held Held, p *wait.Policy) (gone string, cut bool) {
+	var drained <-chan struct{}
+	select {
+	case <-b.Done():
+		return "", false
+	case <-held.Gone:
+		drained, gone = b.OutDone(), "vm"
+	case <-held.PeerGone:
+		drained, gone = b.InDone(), "peer"
+	}
+	moved := func() uint64 { st := b.Stats(); return st.BytesIn + st.BytesOut }
+	last, since := moved(), time.Now()
+	tick := time.NewTicker(min(goneDrain/10, time.Second))
+	defer tick.Stop()
+wait:
+	for {
+		select {
+		case <-drained:
+			break wait
+		case <-b.Done():
+			break wait
+		case <-tick.C:
+			if n := moved(); n != last {
+				last, since = n, time.Now()
+			}
+			if time.Since(since) >= goneDrain {
+				cut = true
+				break wait
+			}
+		}
+	}
+	if cut && gone == "vm" {
+		if p == nil {
+			p = &wait.Policy{}
+		}
+		held.Writes.Abort(uint32(proto.ReasonPeerGone), p)
+	}
+	b.Stop(proto.ReasonPeerGone)
+	return gone, cut
+}

@@ -1,0 +1,220 @@
+//go:build linux
+
+package vsockhost
+
+import (
+	"bytes"
+	"crypto/sha256"
+	"errors"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/guestlib/vstretch"
+	"github.com/shuntnet/shunt/relay"
+	"github.com/shuntnet/shunt/shm/region"
+	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/shm/shmtest"
+)
+
+// flowsFake is hostd's record of one flow between the VM (guest vm, side
+// A: it writes ring AB) and a process guest, in a real region.
+type flowsFake struct {
+	vm             uint32
+	hello          relay.Hello
+	ab, ba         *ring.Ring
+	gone, peerGone chan struct{} // the broker's word that an end is done
+	onRelease      func()        // what the broker does at the release
+	mu             sync.Mutex
+	held           bool
+	freed          chan struct{}
+}
+
+func (f *flowsFake) Stretch(guest uint32, h relay.Hello) (Held, error) {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	switch {
+	case guest != f.vm || h != f.hello:
+		return Held{}, fmt.Errorf("guest %d has no flow %+v", guest, h)
+	case f.held:
+		return Held{}, errors.New("the flow has a stretch")
+	}
+	f.held = true
+	release := func() {
+		if f.onRelease != nil {
+			f.onRelease()
+		}
+		close(f.freed)
+	}
+	return Held{Writes: f.ab, Reads: f.ba, Gone: f.gone, PeerGone: f.peerGone, Release: release}, nil
+}
+
+func newFlowsFake(t *testing.T, capacity int) *flowsFake {
+	reg, _ := shmtest.Region(t, region.Geometry{Size: int64(4*capacity + 1<<20), Slots: 4})
+	pool := region.NewPool(reg, nil)
+	slot, e, err := pool.Alloc(region.Request{OwnerA: 3, OwnerB: 4, Capacity: capacity})
+	if err != nil {
+		t.Fatal(err)
+	}
+	ab, ba, err := reg.Rings(slot, e.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return &flowsFake{vm: 3, hello: relay.Hello{Region: 9, Slot: uint32(slot), Gen: e.Gen}, ab: ab, ba: ba,
+		gone: make(chan struct{}), peerGone: make(chan struct{}), freed: make(chan struct{})}
+}
+
+// streamPair is a stream between the VM's side (vm) and the room (host),
+// over loopback TCP standing for a vsock stream.
+func streamPair(t *testing.T) (vm, host net.Conn) {
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer ln.Close()
+	vm, err = net.Dial("tcp", ln.Addr().String())
+	if err != nil {
+		t.Fatal(err)
+	}
+	host, err = ln.Accept()
+	if err != nil {
+		t.Fatal(err)
+	}
+	return vm, host
+}
+
+func seeded(seed uint64, n int64) io.Reader {
+	var b [32]byte
+	for i := range b {
+		b[i] = byte(seed >> (8 * (i % 8)))
+	}
+	return io.LimitReader(rand.NewChaCha8(b), n)
+}
+
+func sum(r io.Reader) []byte {
+	h := sha256.New()
+	io.Copy(h, r)
+	return h.Sum(nil)
+}
+
+// stretchRig is a stretch's flow with rings of capacity, the room serving
+// its stream (served closes when serve returns) and the VM's stretch.
+func stretchRig(t *testing.T, capacity int) (*flowsFake, *stretches, *vstretch.Stretch, <-chan struct{}) {
+	f := newFlowsFake(t, capacity)
+	vmc, hostc := streamPair(t)
+	st := &stretches{open: map[*relay.Bridge]bool{}}
+	served := make(chan struct{})
+	go func() { defer close(served); st.serve(hostc, 3, f, nil, hclog.NewNullLogger()) }()
+	s, err := vstretch.Open(vmc, f.hello, capacity, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	return f, st, s, served
+}
+
+// TestStretch: a VM's stretch carries 8 MiB each way at once between the
+// library's rings in the VM (vstretch) and a process guest's real ring
+// pair, through the room's bridge: every byte in order (SHA-256), each
+// writer's start offset arrives exact, each writer's leave ends the other
+// side's read, and the flow's rings are released once the bridge stopped.
+func TestStretch(t *testing.T) {
+	const capacity, n = 256 << 10, 8 << 20
+	const vmStart, procStart = 1234567, 7654321
+	f, st, s, served := stretchRig(t, capacity)
+	defer s.Close()
+	deadline := time.Now().Add(60 * time.Second) // a way out, not a speed claim
+	write := func(r *ring.Ring, start, seed uint64) chan error {
+		c := make(chan error, 1)
+		go func() { _, err := shmtest.WriteStream(r, nil, start, seeded(seed, n), deadline); c <- err }()
+		return c
+	}
+	procGot, vmGot := shmtest.ReadSum(f.ab, nil, deadline), shmtest.ReadSum(s.R, nil, deadline)
+	vmW, procW := write(s.W, vmStart, 1), write(f.ba, procStart, 2)
+	state := func() string {
+		return fmt.Sprintf("vm bridge %v %+v; AB %+v; BA %+v; local W %+v; local R %+v", s.Err(), s.Stats(), f.ab.Stats(), f.ba.Stats(), s.W.Stats(), s.R.Stats())
+	}
+	for _, c := range []chan error{vmW, procW} {
+		if err := <-c; err != nil {
+			t.Fatalf("writer: %v\n%s", err, state())
+		}
+	}
+	for _, want := range []struct {
+		c     <-chan shmtest.Sum
+		start uint64
+		seed  uint64
+		who   string
+	}{{procGot, vmStart, 1, "process guest"}, {vmGot, procStart, 2, "VM"}} {
+		r := <-want.c
+		if r.Err != nil || r.Start != want.start || r.N != n || !bytes.Equal(r.Sum, sum(seeded(want.seed, n))) {
+			t.Fatalf("%s read: start %d (want %d), %d bytes (want %d), sum ok %v, err %v\n%s", want.who, r.Start, want.start, r.N, n,
+				bytes.Equal(r.Sum, sum(seeded(want.seed, n))), r.Err, state())
+		}
+	}
+	select {
+	case <-s.Done():
+	case <-time.After(time.Until(deadline)):
+		t.Fatalf("the VM's bridge did not end after both directions left\n%s", state())
+	}
+	if !errors.Is(s.Err(), relay.ErrEnded) {
+		t.Fatalf("VM bridge ended with %v", s.Err())
+	}
+	s.Close()
+	select {
+	case <-served:
+	case <-time.After(time.Until(deadline)):
+		t.Fatalf("the room's bridge did not end\n%s", state())
+	}
+	select {
+	case <-f.freed:
+	default:
+		t.Fatal("the flow's rings were not released after the bridge stopped")
+	}
+	if st.served != 1 || st.bad != 0 || len(st.open) != 0 {
+		t.Fatalf("stretches: served %d bad %d open %d", st.served, st.bad, len(st.open))
+	}
+}
+
+// TestStretchRefused: a stream that does not open with a Hello of a flow
+// of its own VM is closed, counted, and touches no ring; a second stretch
+// of a flow is refused too.
+func TestStretchRefused(t *testing.T) {
+	f := newFlowsFake(t, 64<<10)
+	st := &stretches{open: map[*relay.Bridge]bool{}}
+	other := f.hello
+	other.Gen++
+	for i, hello := range [][]byte{
+		[]byte("GET / HTTP/1.1\r\nHost: \r\n"), // not a Hello (24 bytes)
+		other.Encode(),                         // another generation of the slot
+		relay.Hello{Region: 1}.Encode(),        // no such flow
+		f.hello.Encode(),                       // the right flow, but as guest 4 (below)
+	} {
+		vmc, hostc := streamPair(t)
+		guest := uint32(3)
+		if i == 3 {
+			guest = 4
+		}
+		done := make(chan struct{})
+		go func() { defer close(done); st.serve(hostc, guest, f, nil, hclog.NewNullLogger()) }()
+		vmc.Write(hello)
+		vmc.SetReadDeadline(time.Now().Add(30 * time.Second))
+		if k, err := vmc.Read(make([]byte, 1)); k != 0 || err == nil || errors.Is(err, errTimeout) {
+			t.Fatalf("hello %d: stream not closed: %d %v", i, k, err)
+		}
+		<-done
+		vmc.Close()
+	}
+	if st.bad != 4 || st.served != 0 || f.held {
+		t.Fatalf("bad %d served %d held %v", st.bad, st.served, f.held)
+	}
+	if st := f.ab.Stats(); st.Written != 0 || st.Read != 0 {
+		t.Fatalf("a refused stream touched the rings: %+v", st)
+	}
+}
+
+var errTimeout = errors.New("i/o timeout")
