@@ -48,6 +48,11 @@ type Options struct {
 	// the connections it offers end soon after (up to 200 ms) and halves
 	// it again as they live long (delay.go).
 	OpenDelay time.Duration
+	// Vsock carries the flows whose region this process cannot map over
+	// vsock stretches to the host (docs/vsock.md): a VM without a Shunt
+	// ivshmem device whose hostd.hcl entry has a vsock block. Also
+	// $SHUNT_VSOCK=1. Off by default: experimental (docs/vsock.md).
+	Vsock bool
 }
 
 // DefaultOpenDelay is OpenDelay's default: well under the 50 ms in which

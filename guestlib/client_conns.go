@@ -108,6 +108,9 @@ func (c *Client) left(conn *Conn, f *flow) {
 // registered).
 func (c *Client) attach(m proto.Msg) (*flow, error) {
 	out, in, reg, err := c.rings(m)
+	if err != nil && m.RegionID != 0 && c.stretches() {
+		return c.attachStretch(m) // a VM without the region: over vsock
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -115,7 +118,7 @@ func (c *Client) attach(m proto.Msg) (*flow, error) {
 	if k != nil {
 		p = k.wait
 	}
-	f := &flow{key: keyOf(m), side: m.Side, reg: reg, client: c}
+	f := &flow{key: keyOf(m), side: m.Side, relayed: m.Relayed, reg: reg, client: c}
 	if f.w, err = ring.NewWriter(out, p); err == nil {
 		f.rd, err = ring.NewReader(in, p)
 	}
@@ -204,6 +207,18 @@ func (c *Client) downed(m proto.Msg) {
 	}
 	if conn := c.flow(k); conn != nil {
 		conn.down(k, m.Reason)
+	}
+}
+
+// resumed hands a RESUME to the connection holding the flow, as downed
+// does a DOWN.
+func (c *Client) resumed(m proto.Msg) {
+	k := keyOf(m)
+	if conn := c.conn(m.ReqID); m.ReqID != 0 && conn != nil && conn.resume(k, m.Reason, m.Offset) {
+		return
+	}
+	if conn := c.flow(k); conn != nil {
+		conn.resume(k, m.Reason, m.Offset)
 	}
 }
 

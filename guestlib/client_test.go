@@ -141,8 +141,8 @@ func TestHelloRetries(t *testing.T) {
 	done := async(c.ensure)
 	s := h.Accept(t)
 	s.Expect(t, proto.Hello) // lost, as on a virtio-serial port whose host end just opened
-	if m := s.Expect(t, proto.Hello); m.Formats != 1<<ring.FormatVersion {
-		t.Fatalf("HELLO formats %#x, want %#x", m.Formats, 1<<ring.FormatVersion)
+	if m := s.Expect(t, proto.Hello); m.Formats != 1<<ring.FormatVersion|proto.CapResume {
+		t.Fatalf("HELLO formats %#x, want %#x (format 2 and CapResume)", m.Formats, 1<<ring.FormatVersion|proto.CapResume)
 	}
 	s.Welcome(t)
 	if err := await(t, done, "ensure"); err != nil {

@@ -71,10 +71,13 @@ type Conn struct {
 	rf      *flow  // the flow whose read ring this end has not left
 	rOnRing bool   // reading rf's ring (the TCP stream is at its start)
 	roff    uint64 // stream offset of the next byte for the application
-	stash   []byte // TCP bytes read past a ring's start; they follow its stretch
-	tcpErr  error  // the kernel's EOF or error, seen while a ring stretch was due
-	zcRead  []byte // TCP emulation of ReadBuffer
-	zcPeek  bool   // a ring ReadBuffer awaits ReleaseRead
+	stash   []byte // TCP bytes read past a ring's start (they follow its stretch), after a ring's drained bytes
+	// stashRing: how many of stash's first bytes a drain took from a
+	// ring (drainLocked), for Stats.
+	stashRing int
+	tcpErr    error  // the kernel's EOF or error, seen while a ring stretch was due
+	zcRead    []byte // TCP emulation of ReadBuffer
+	zcPeek    bool   // a ring ReadBuffer awaits ReleaseRead
 
 	// Writer state, guarded by writeMu (conn_write.go).
 	writeMu sync.Mutex
@@ -83,11 +86,18 @@ type Conn struct {
 	sent    uint64      // stream offset of the next byte written
 	zcWrite []byte      // TCP emulation of WriteBuffer
 	zcResv  bool        // a ring WriteBuffer awaits CommitWrite
+	wstart  uint64      // the stream offset at which the writer started wf's ring
+	wtail0  uint64      // wf's ring's byte count then (Written)
+	resend  []byte      // ring bytes RESUME gave back to send on TCP before any new byte
+	// resending: resend holds bytes (read without writeMu by the leaver).
+	resending atomic.Bool
 
 	wshut     atomic.Bool // CloseWrite or Close: no more writes
 	rshut     atomic.Bool // CloseRead: reads return EOF
 	closed    atomic.Bool
 	lost      atomic.Bool // its rings' memory faulted (fault.go)
+	rst       atomic.Bool // reset by RESUME (resume.go): reads and writes fail with ECONNRESET
+	rstOnce   sync.Once
 	closeOnce sync.Once
 
 	// dlMu guards the deadlines and the TCP read interruption: pokeRead
@@ -107,6 +117,7 @@ type connStats struct {
 	ringSent, ringRecv, tcpSent, tcpRecv atomic.Uint64
 	wToRing, wToTCP, rToRing, rToTCP     atomic.Uint64
 	readies, downs                       atomic.Uint64
+	resent                               atomic.Uint64
 	rOnRing                              atomic.Bool
 }
 
@@ -120,7 +131,8 @@ type Stats struct {
 	TCPSent, TCPReceived    uint64 // bytes through the kernel socket
 	WriteToRing, WriteToTCP uint64 // the writer's moves
 	ReadToRing, ReadToTCP   uint64 // the reader's moves
-	Readies, Downs          uint64 // READYs taken, DOWNs (and REVOKEs) obeyed
+	Readies, Downs          uint64 // READYs taken, DOWNs (and REVOKEs, RESUMEs) obeyed
+	Resent                  uint64 // ring bytes sent again on TCP after RESUME (counted in TCPSent too)
 	WriteOnRing, ReadOnRing bool   // each direction's path now
 }
 
@@ -133,7 +145,7 @@ func (c *Conn) Stats() Stats {
 		TCPSent: s.tcpSent.Load(), TCPReceived: s.tcpRecv.Load(),
 		WriteToRing: s.wToRing.Load(), WriteToTCP: s.wToTCP.Load(),
 		ReadToRing: s.rToRing.Load(), ReadToTCP: s.rToTCP.Load(),
-		Readies: s.readies.Load(), Downs: s.downs.Load(),
+		Readies: s.readies.Load(), Downs: s.downs.Load(), Resent: s.resent.Load(),
 		WriteOnRing: c.wOnRing.Load(), ReadOnRing: s.rOnRing.Load(),
 	}
 }
@@ -338,8 +350,14 @@ func (c *Conn) CloseWrite() error {
 		// the kernel's shutdown ends it, as it would without Shunt.
 		return c.tcp.CloseWrite()
 	}
+	sf := c.stretchOf()
 	c.guarded("close", c.writerSyncLocked)
+	c.drainStretch(sf)           // a vsock stretch's bytes before the FIN (stretch.go)
+	err := c.flushResendLocked() // RESUME's bytes before the FIN
 	c.writeMu.Unlock()
+	if err != nil {
+		return err
+	}
 	return c.tcp.CloseWrite()
 }
 
@@ -404,7 +422,15 @@ func (c *Conn) close() error {
 	wlocked := c.lockWriterForShut()
 	if wlocked {
 		c.zcResv = false // an uncommitted reservation is dropped
+		sf := c.stretchOf()
 		c.guarded("close", c.writerSyncLocked)
+		c.drainStretch(sf)
+		if c.resending.Load() { // RESUME's bytes before the kernel close, for a bounded time
+			_ = c.tcp.SetWriteDeadline(time.Now().Add(closeResendWait))
+			if err := c.flushResendLocked(); err != nil {
+				c.client.logf("shunt: %s -> %s: closed before a RESUME's resend went out: %v", c.local, c.remote, err)
+			}
+		}
 		c.writeMu.Unlock()
 	}
 	c.readMu.Lock()

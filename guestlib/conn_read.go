@@ -35,6 +35,9 @@ func (c *Conn) Read(p []byte) (_ int, err error) {
 		if c.closed.Load() {
 			return 0, c.opErr("read", net.ErrClosed)
 		}
+		if c.rst.Load() {
+			return 0, c.resetErr("read", errBrokenStream)
+		}
 		if c.rshut.Load() {
 			return 0, io.EOF
 		}
@@ -54,7 +57,7 @@ func (c *Conn) Read(p []byte) (_ int, err error) {
 		if err == errAgain {
 			continue
 		}
-		return n, err
+		return n, c.resetErr("read", err)
 	}
 }
 
@@ -134,6 +137,10 @@ func (c *Conn) readerTryLeaveLocked() {
 	if f == nil || c.zcPeek {
 		return
 	}
+	if c.rst.Load() {
+		c.leaveReadLocked() // reset by RESUME: nothing more is read
+		return
+	}
 	start, started := f.rd.Started()
 	if !started {
 		if f.rd.WriterLeft() || f.peerGone.Load() {
@@ -174,8 +181,9 @@ func (c *Conn) drainLocked(f *flow) bool {
 			break
 		}
 	}
-	if len(got) > 0 { // counted as TCP bytes when read (Stats)
+	if len(got) > 0 { // counted as ring bytes when read (Stats)
 		c.stash = append(got, c.stash...)
+		c.stashRing += len(got)
 	}
 	b, err := f.rd.Buffered()
 	return err == nil && b == 0
@@ -224,6 +232,12 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 		if len(c.stash) == 0 {
 			c.stash = nil
 		}
+		if r := min(n, c.stashRing); r > 0 { // drained from a ring: its bytes
+			c.stashRing -= r
+			c.roff += uint64(r)
+			c.st.ringRecv.Add(uint64(r))
+			return r + c.gotTCP(n-r), nil
+		}
 		return c.gotTCP(n), nil
 	}
 	if c.tcpErr != nil {
@@ -257,6 +271,9 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 				if n == 0 && err == nil {
 					return 0, errAgain
 				}
+			} else if err != nil && f.relayed && c.relayedEOFLocked(f) {
+				c.tcpErr = err // reported after the ring's stretch, if it started
+				return c.gotTCP(n), nil
 			}
 		}
 	}
@@ -356,4 +373,35 @@ func (c *Conn) watch(f *flow, stop *atomic.Bool, done chan<- struct{}) {
 	}) != nil {
 		c.pokeRead() // the Read finds the memory gone itself
 	}
+}
+
+// relayedEOFWait bounds how long a relayed flow's reader holds a kernel
+// EOF or error for its ring: the relays end every stretch by marking the
+// ring left (the peer host's stop), within their resume timeout.
+const relayedEOFWait = 65 * time.Second
+
+// relayedEOFLocked: the kernel reported the peer's FIN or RST while f's
+// read ring, which the relay writes, has neither started nor been left.
+// The other guest wrote its last bytes into its ring before it closed,
+// but they cross the relays, which are slower than the kernel's FIN: so
+// the reader waits (the application's deadline and relayedEOFWait
+// bound it) until the ring starts or is left. It reports whether the
+// ring started (its stretch comes before the EOF).
+func (c *Conn) relayedEOFLocked(f *flow) bool {
+	dl := time.Now().Add(relayedEOFWait)
+	if app := c.readDeadline(); !app.IsZero() && app.Before(dl) {
+		dl = app
+	}
+	ready := func() bool {
+		_, ok := f.rd.Started()
+		return ok || f.rd.WriterLeft() || f.peerGone.Load() || c.closed.Load() || c.rst.Load()
+	}
+	if fault.Do(func() {
+		for !ready() && f.rd.Wait(ready, dl) == nil {
+		}
+	}) != nil {
+		return false
+	}
+	_, ok := f.rd.Started()
+	return ok
 }

@@ -22,7 +22,14 @@ type pair struct {
 
 func newPair(t testing.TB) *pair {
 	t.Helper()
+	return newPairCapacity(t, 0)
+}
+
+// newPairCapacity is newPair with rings of capacity bytes (0: guesttest's).
+func newPairCapacity(t testing.TB, capacity int) *pair {
+	t.Helper()
 	h := guesttest.Start(t)
+	h.Capacity = capacity
 	p := &pair{auto: h.Auto(t)}
 	p.dialer, p.listener = newClient(t, h, Options{}), newClient(t, h, Options{})
 	l, err := (&ListenConfig{Client: p.listener}).Listen(context.Background(), "tcp4", "127.0.0.1:0")

@@ -4,6 +4,7 @@ import (
 	"errors"
 	"net"
 	"os"
+	"syscall"
 
 	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -28,7 +29,8 @@ func (c *Conn) Write(p []byte) (_ int, err error) {
 	defer c.caught(fault.Arm(), "write", &err)
 	c.writeMu.Lock()
 	defer c.writeMu.Unlock()
-	return c.writeLocked(p)
+	n, err := c.writeLocked(p)
+	return n, c.resetErr("write", err)
 }
 
 func (c *Conn) writeLocked(p []byte) (int, error) {
@@ -41,6 +43,12 @@ func (c *Conn) writeLocked(p []byte) (int, error) {
 			return done, err
 		}
 		c.writerSyncLocked()
+		if c.resending.Load() {
+			if err := c.flushResendLocked(); err != nil {
+				return done, err
+			}
+			continue
+		}
 		if done == len(p) {
 			return done, nil
 		}
@@ -70,6 +78,9 @@ func (c *Conn) writable() error {
 	case c.closed.Load():
 		c.writerSyncLocked()
 		return c.opErr("write", net.ErrClosed)
+	case c.rst.Load():
+		c.writerSyncLocked()
+		return c.opErr("write", os.NewSyscallError("write", syscall.ECONNRESET))
 	case c.wshut.Load():
 		c.writerSyncLocked()
 		return c.opErr("write", errShut)
@@ -89,14 +100,22 @@ func (c *Conn) writerSyncLocked() {
 	if f == nil || c.zcResv {
 		return // a reservation is committed to the ring it came from first
 	}
+	if !c.wOnRing.Load() && !f.wSync.CompareAndSwap(wsFree, wsBusy) {
+		c.wf = nil // left aside at a DOWN while this writer sent on TCP
+		return
+	}
 	if f.down.Load() || c.wshut.Load() || f.w.ReaderLeft() || f.w.IsReset() {
 		c.leaveWriteLocked()
 		return
 	}
-	if !c.wOnRing.Load() && f.w.ReaderAttached() {
+	if !c.wOnRing.Load() && f.w.ReaderAttached() && !c.resending.Load() {
+		c.wstart, c.wtail0 = c.sent, f.w.Written()
 		f.w.Start(c.sent)
 		c.wOnRing.Store(true)
 		c.st.wToRing.Add(1)
+	}
+	if !c.wOnRing.Load() {
+		f.wSync.Store(wsFree) // its kernel sends may block: the leaver may leave for it
 	}
 }
 
@@ -105,8 +124,12 @@ func (c *Conn) writerSyncLocked() {
 func (c *Conn) leaveWriteLocked() {
 	f := c.wf
 	_ = f.w.Leave()
-	if c.wOnRing.Load() {
+	started := c.wOnRing.Load()
+	if started {
 		c.st.wToTCP.Add(1)
+	}
+	if f.resumed.Load() {
+		c.resumeWriteLocked(f, started) // before LEFT: the ring's bytes are still ours
 	}
 	c.wf = nil
 	c.wOnRing.Store(false)
@@ -164,6 +187,9 @@ func (c *Conn) ReadBuffer(max int) (_ []byte, err error) {
 	for {
 		if c.closed.Load() {
 			return nil, c.opErr("read", net.ErrClosed)
+		}
+		if c.rst.Load() {
+			return nil, c.resetErr("read", errBrokenStream)
 		}
 		if expired(c.readDeadline()) {
 			return nil, c.opErr("read", os.ErrDeadlineExceeded)
@@ -226,6 +252,12 @@ func (c *Conn) WriteBuffer(max int) (_ []byte, err error) {
 			return nil, err
 		}
 		c.writerSyncLocked()
+		if c.resending.Load() {
+			if err := c.flushResendLocked(); err != nil {
+				return nil, err
+			}
+			continue
+		}
 		if !c.wOnRing.Load() || max <= 0 {
 			break
 		}

@@ -6,6 +6,7 @@ import (
 	"sync/atomic"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib/vstretch"
 	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -17,9 +18,16 @@ import (
 type flow struct {
 	key  flowKey
 	side proto.Side
-	reg  *mapping // the region of its rings (nil for region 0)
-	w    *ring.Writer
-	rd   *ring.Reader
+	// relayed: the other end of its rings is the relay to a peer host
+	// (READY's Relayed): the other guest's ring bytes can arrive after
+	// its kernel FIN or RST (conn_read.go, relayedEOFLocked).
+	relayed bool
+	reg     *mapping // the region of its rings (nil for region 0)
+	// stretch, in a VM without the flow's region: the rings are this
+	// process's own, carried over vsock (stretch.go); nil otherwise.
+	stretch *vstretch.Stretch
+	w       *ring.Writer
+	rd      *ring.Reader
 	// The data path's waits, with the Conn's stop conditions bound once.
 	rwait *ring.ReadWaiter
 	wwait *ring.WriteWaiter
@@ -28,6 +36,14 @@ type flow struct {
 	peerGone atomic.Bool // ... with reason peer-gone: the reader does not wait for the writer's leave
 	wLeft    atomic.Bool
 	rLeft    atomic.Bool
+	// wSync says who may touch w while the writer is not on the ring:
+	// the writer, in writerSyncLocked (wsBusy, kept once it started the
+	// ring), or the leaver, which leaves a ring the writer never started
+	// while the writer's Write blocks in a kernel send (leaveAside).
+	wSync atomic.Uint32
+	// RESUME (resume.go): the down is a RESUME, and its offset.
+	resumed  atomic.Bool
+	resumeAt atomic.Uint64
 
 	client   *Client
 	leftOnce sync.Once
@@ -37,7 +53,10 @@ type flow struct {
 // release lets go of the flow: the Client forgets it and the region hold
 // is given back. The Conn's directions have dropped it before.
 func (f *flow) release() {
-	f.relOnce.Do(func() { f.client.unregister(f.key, f.reg) })
+	f.relOnce.Do(func() {
+		f.client.unregister(f.key, f.reg)
+		f.endStretch()
+	})
 }
 
 // ready is hostd's READY for this connection: attach both rings and mark
@@ -102,8 +121,21 @@ func (c *Conn) down(k flowKey, r proto.Reason) bool {
 		c.fmu.Unlock()
 		return false
 	}
+	if f.relayed && f.stretch == nil && !f.resumed.Load() && !f.down.Load() {
+		// A relayed flow leaves its rings by RESUME, which says where the
+		// other host's ring ended. A DOWN means nobody knows (a restarted
+		// hostd answers the REATTACH of a flow it did not adopt with
+		// DOWN): going on over TCP from this ring's end could skip or
+		// repeat bytes, so the connection is reset instead.
+		c.fmu.Unlock()
+		return c.resume(k, r, proto.ResumeReset)
+	}
 	if r == proto.ReasonPeerGone {
-		f.peerGone.Store(true)
+		if f.stretch != nil {
+			f.peerGoneAfterStretch(c)
+		} else {
+			f.peerGone.Store(true)
+		}
 	}
 	first := !f.down.Swap(true)
 	c.reason = r.String()
@@ -123,9 +155,13 @@ func (c *Conn) down(k flowKey, r proto.Reason) bool {
 // tryLeave makes each direction of f that is not busy leave, if it can,
 // without blocking; it reports whether both have left.
 func (c *Conn) tryLeave(f *flow) bool {
-	if !f.wLeft.Load() && c.writeMu.TryLock() {
-		c.guarded("leave", c.writerSyncLocked)
-		c.writeMu.Unlock()
+	if !f.wLeft.Load() {
+		if c.writeMu.TryLock() {
+			c.guarded("leave", c.writerSyncLocked)
+			c.writeMu.Unlock()
+		} else {
+			c.guarded("leave", func() { c.leaveAside(f) })
+		}
 	}
 	if !f.rLeft.Load() && c.readMu.TryLock() {
 		c.guarded("leave", c.readerTryLeaveLocked)
@@ -134,6 +170,28 @@ func (c *Conn) tryLeave(f *flow) bool {
 	// Rings whose memory is gone cannot be left: the leaver stops, and
 	// hostd frees them at CLOSE or when its grace for the region ends.
 	return f.wLeft.Load() && f.rLeft.Load() || c.lost.Load()
+}
+
+// The writer's claims on a flow's write ring (flow.wSync).
+const (
+	wsFree  = iota // the writer is on TCP, outside writerSyncLocked
+	wsBusy         // the writer looks at the ring, or writes it
+	wsAside        // left by leaveAside: the writer drops the flow
+)
+
+// leaveAside leaves f's write ring for a writer that holds writeMu in a
+// kernel send, so never started the ring: a send that the peer's shut
+// window or a firewall stalls must not keep LEFT from hostd, which takes
+// a retired region back after its grace (a reader of it then fails). The
+// writer finds the flow left at its next step (writerSyncLocked). Not
+// for flows whose leave resends (RESUME) or that a stretch carries.
+func (c *Conn) leaveAside(f *flow) {
+	if !f.down.Load() || f.resumed.Load() || f.relayed || f.stretch != nil || !f.wSync.CompareAndSwap(wsFree, wsAside) {
+		return
+	}
+	_ = f.w.Leave()
+	f.wLeft.Store(true)
+	c.maybeLeft(f)
 }
 
 // Leaver polls: the directions it waits for are busy (their call leaves
@@ -147,7 +205,8 @@ const (
 // flow, once DOWN came, for directions the application does not use now,
 // so that LEFT reaches hostd (and the connection can come back to the
 // rings) even if the program never reads again. It polls with backoff
-// and ends when no flow is down; Close stops it and waits.
+// and ends when no flow is down and no RESUME's resend is pending (it
+// sends one itself when no Write does); Close stops it and waits.
 func (c *Conn) startLeaver() {
 	c.fmu.Lock()
 	defer c.fmu.Unlock()
@@ -169,7 +228,7 @@ func (c *Conn) startLeaver() {
 			case <-t.C:
 			}
 			f := c.cur.Load()
-			if f == nil || !f.down.Load() || c.tryLeave(f) {
+			if (f == nil || !f.down.Load() || c.tryLeave(f)) && c.flushIdle() {
 				break
 			}
 			d = min(2*d, leaverMax)

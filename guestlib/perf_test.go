@@ -36,7 +36,8 @@ func TestIdleReadOnStartedRing(t *testing.T) {
 	if !s.Stats().ReadOnRing {
 		t.Fatalf("not on the ring: %s", ends(c, s))
 	}
-	read := async(func() error { _, err := s.Read(b); return err })
+	rb := make([]byte, 8) // not b, which the writer reads meanwhile
+	read := async(func() error { _, err := s.Read(rb); return err })
 	time.Sleep(50 * time.Millisecond) // past the spin
 	const idle = 400 * time.Millisecond
 	before := cpuTime(t)

@@ -251,10 +251,10 @@ func hello(conn net.Conn) (proto.Msg, error) {
 	return proto.Msg{}, fmt.Errorf("welcome: no answer to %d HELLOs in %v", helloTries, helloTries*helloWait)
 }
 
-// helloMsg is this library's HELLO: its pid and the ring format it
-// reads and writes (format 2: switching).
+// helloMsg is this library's HELLO: its pid, the ring format it reads
+// and writes (format 2: switching), and CapResume (it handles RESUME).
 func helloMsg() *proto.Msg {
-	return &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid()), Formats: 1 << ring.FormatVersion}
+	return &proto.Msg{Type: proto.Hello, PID: uint32(os.Getpid()), Formats: 1<<ring.FormatVersion | proto.CapResume}
 }
 
 // stale reports whether m, read before WELCOME, is left over from an
@@ -313,6 +313,8 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		c.tcp(m)
 	case proto.Down, proto.Revoke:
 		c.downed(m)
+	case proto.Resume:
+		c.resumed(m)
 	case proto.Ping:
 		_ = c.send(proto.Msg{Type: proto.Pong, Nonce: m.Nonce})
 	case proto.Kick:

@@ -255,6 +255,8 @@ type scripted struct {
 	f    guesttest.Flow
 	pw   *ring.Writer
 	pr   *ring.Reader
+	// The rings themselves (AB: the peer writes; BA: the Conn writes).
+	ab, ba *ring.Ring
 }
 
 func newScripted(t *testing.T) *scripted {
@@ -272,7 +274,7 @@ func newScripted(t *testing.T) *scripted {
 	pw, _ := ring.NewWriter(ab, &wait.Policy{})
 	pr, _ := ring.NewReader(ba, &wait.Policy{})
 	waitFor(t, "the Conn's reader to attach", pw.ReaderAttached)
-	return &scripted{conn: conn, peer: peer, s: s, f: f, pw: pw, pr: pr}
+	return &scripted{conn: conn, peer: peer, s: s, f: f, pw: pw, pr: pr, ab: ab, ba: ba}
 }
 
 // TestSwitchStash forces the rare TCP over-read: the Conn's kernel read
@@ -585,6 +587,74 @@ func TestSwitchDownMidWrite(t *testing.T) {
 	}
 	if st := sc.conn.Stats(); st.RingSent != 64<<10 || st.TCPSent != uint64(len(want)-64<<10) {
 		t.Fatalf("stats %+v", st)
+	}
+}
+
+// TestSwitchDownWhileTCPSendBlocks: READY comes while a Write is blocked
+// in a kernel send (the peer reads nothing: its window is shut, or a
+// firewall drops the connection), so the writer never starts its ring.
+// DOWN must still get LEFT to hostd at once: hostd takes a retired
+// region back after its grace, and a reader of it then fails. The Write
+// then ends on TCP with every byte in order.
+func TestSwitchDownWhileTCPSendBlocks(t *testing.T) {
+	sc := newScripted(t)
+	want := make([]byte, 64<<20) // more than the kernel buffers of a loopback pair
+	_, _ = rand.NewChaCha8([32]byte{5}).Read(want)
+	wrote := async(func() error { _, err := sc.conn.Write(want); return err })
+	stuck := time.Now()
+	for last := sc.conn.Stats().TCPSent; time.Since(stuck) < 300*time.Millisecond; time.Sleep(10 * time.Millisecond) {
+		if n := sc.conn.Stats().TCPSent; n != last || n == 0 {
+			last, stuck = n, time.Now() // still moving: the kernel's buffers are not full yet
+		}
+	}
+	sc.pr.Attach() // the peer's reader attaches: a writer not blocked would start the ring now
+	sc.s.Send(t, guesttest.Down(sc.f.B, proto.ReasonFirewall))
+	_ = sc.pw.Leave() // the peer's writer leaves too (it never started)
+	m, err := sc.s.Read(guesttest.Wait)
+	if err != nil || m.Type != proto.Left || m.Slot != sc.f.B.Slot || m.Gen != sc.f.B.Gen {
+		t.Fatalf("after DOWN, with a Write blocked in a kernel send: %+v, %v; want LEFT %d.%d\n%+v", m, err, sc.f.B.Slot, sc.f.B.Gen, sc.conn.Stats())
+	}
+	got := async(func() []byte {
+		b := make([]byte, len(want))
+		_ = sc.peer.SetReadDeadline(time.Now().Add(guesttest.Wait))
+		n, _ := io.ReadFull(sc.peer, b)
+		return b[:n]
+	})
+	if b := await(t, got, "the peer's read"); crc32.ChecksumIEEE(b) != crc32.ChecksumIEEE(want) || len(b) != len(want) {
+		t.Fatalf("peer got %d bytes, want %d equal bytes", len(b), len(want))
+	}
+	if err := await(t, wrote, "Write"); err != nil {
+		t.Fatal(err)
+	}
+	if st := sc.conn.Stats(); st.RingSent != 0 || st.TCPSent != uint64(len(want)) || st.WriteToRing != 0 {
+		t.Fatalf("stats %+v, want every byte on TCP", st)
+	}
+}
+
+// TestSwitchDrainCounted: at a DOWN the leaver drains what an idle
+// reader's ring holds into the stash; those bytes came through the ring
+// and Stats counts them so when the program reads them (the writer's
+// RingSent and the reader's RingReceived must agree).
+func TestSwitchDrainCounted(t *testing.T) {
+	sc := newScripted(t)
+	sc.pw.Start(0)
+	if _, err := sc.pw.Write([]byte("ring bytes")); err != nil {
+		t.Fatal(err)
+	}
+	_ = sc.pw.Leave()
+	sc.s.Send(t, guesttest.Down(sc.f.B, proto.ReasonPolicyReload))
+	if m := sc.s.Expect(t, proto.Left); m.Slot != sc.f.B.Slot || m.Gen != sc.f.B.Gen {
+		t.Fatalf("LEFT %+v, want %d.%d", m, sc.f.B.Slot, sc.f.B.Gen)
+	}
+	if _, err := sc.peer.Write([]byte("+tcp")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 14)
+	if _, err := io.ReadFull(sc.conn, b); err != nil || string(b) != "ring bytes+tcp" {
+		t.Fatalf("read %q, %v", b, err)
+	}
+	if st := sc.conn.Stats(); st.RingReceived != 10 || st.TCPReceived != 4 {
+		t.Fatalf("stats %+v, want 10 ring bytes (drained at the DOWN) and 4 TCP bytes", st)
 	}
 }
 

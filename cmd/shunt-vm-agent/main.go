@@ -10,7 +10,8 @@
 //	shunt-vm-agent hold ADDR          connect and block in Read; report how it ended
 //	shunt-vm-agent serve-hold PORT    accept one connection and block in Read likewise
 //	shunt-vm-agent pp-server PORT     echo 8-byte messages, then sink a stream
-//	shunt-vm-agent pp-client ADDR N   N ping-pongs, then a 64 MiB stream; report both
+//	shunt-vm-agent pp-client ADDR N [fast]  N ping-pongs, then a 64 MiB stream; report
+//	                                  both (fast: once the connection is on the rings)
 //	shunt-vm-agent run LIB PROG ARGS  run an unmodified program with LD_PRELOAD=LIB
 //	                                  (LIB "none": without; the C library finds the
 //	                                  port and the BAR itself); its output comes as
@@ -231,11 +232,16 @@ func run(args []string) error {
 		fmt.Fprintf(conn, "%d\n", n)
 		say("SINK %d", n)
 		return err
-	case len(args) == 3 && args[0] == "pp-client":
+	case (len(args) == 3 || len(args) == 4 && args[3] == "fast") && args[0] == "pp-client":
 		iters, _ := strconv.Atoi(args[2])
 		conn, err := dial(c, args[1])
 		if err != nil {
 			return err
+		}
+		if len(args) == 4 { // measure the rings only (across hosts, READY can take a while)
+			if err := waitFast(conn, 30*time.Second); err != nil {
+				return err
+			}
 		}
 		msg, back := []byte("pingpong"), make([]byte, 8)
 		start := time.Now()
@@ -266,7 +272,7 @@ func run(args []string) error {
 	if len(args) > 0 && streamModes[args[0]] != nil {
 		return streamModes[args[0]](c, args[1:])
 	}
-	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N")
+	return fmt.Errorf("usage: [tcp] server PORT | client ADDR BYTES | hold ADDR | serve-hold PORT | pp-server PORT | pp-client ADDR N [fast]")
 }
 
 // runPreloaded runs programs under the preload library and reports their

@@ -145,13 +145,21 @@ static int welcome_ok(const struct shunt_msg *m)
 	return -1;
 }
 
+/* hello is this library's HELLO: its pid, the ring format it reads and
+ * writes, and the capabilities its user handles (SHUNT_CAP_RESUME). */
+static struct shunt_msg hello(const struct shunt_session *s)
+{
+	return (struct shunt_msg){.type = SHUNT_HELLO, .pid = getpid(),
+				  .formats = 1u << SHUNT_RING_FORMAT | (s->c.caps & SHUNT_CAP_RESUME)};
+}
+
 /* port_hello says HELLO on a port until WELCOME comes: the port drops what
  * is written before both ends are open, and it may still hold what hostd
  * sent to an earlier user of the port, which is skipped. */
-static int port_hello(int fd, struct shunt_msg *m)
+static int port_hello(const struct shunt_session *s, int fd, struct shunt_msg *m)
 {
 	for (int try = 0; try < SHUNT_PORT_HELLO_TRIES; try++) {
-		struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
+		struct shunt_msg h = hello(s);
 		if (channel_write(fd, 1, &h))
 			return -1;
 		int64_t until = shunt_now_ns() + SHUNT_PORT_HELLO_NS;
@@ -181,7 +189,7 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
 	int fd = open(path, O_RDWR | O_CLOEXEC | O_NONBLOCK);
 	if (fd < 0)
 		return -1;
-	if (port_hello(fd, m)) {
+	if (port_hello(s, fd, m)) {
 		int e = errno;
 		sys_close(fd);
 		errno = e;
@@ -201,11 +209,11 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
 /* connect_hello connects to the Unix socket sa (len bytes) and gets
  * WELCOME in m. ERROR(not-guest), hostd refusing a process outside the
  * guest's network namespace, is EPERM, its text in m. */
-static int connect_hello(const struct sockaddr_un *sa, socklen_t len, struct shunt_msg *m)
+static int connect_hello(const struct shunt_session *s, const struct sockaddr_un *sa, socklen_t len, struct shunt_msg *m)
 {
 	errno = 0;
 	int fd = sys_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
-	struct shunt_msg h = {.type = SHUNT_HELLO, .pid = getpid(), .formats = 1u << SHUNT_RING_FORMAT};
+	struct shunt_msg h = hello(s);
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
 	if (fd < 0 || sys_connect(fd, (const struct sockaddr *)sa, len) < 0 ||
 	    sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
@@ -230,20 +238,20 @@ static int connect_hello(const struct sockaddr_un *sa, socklen_t len, struct shu
  * namespace: it needs no path and no permission, and reaching it proves
  * the namespace. -1 with the path's errno if neither answers (m then
  * holds hostd's ERROR text, if it sent one). */
-static int open_socket(const char *path, struct shunt_msg *m)
+static int open_socket(const struct shunt_session *s, const char *path, struct shunt_msg *m)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	int fd = -1, e = ENAMETOOLONG;
 	if (strlen(path) < sizeof sa.sun_path) {
 		strcpy(sa.sun_path, path);
-		if ((fd = connect_hello(&sa, sizeof sa, m)) >= 0)
+		if ((fd = connect_hello(s, &sa, sizeof sa, m)) >= 0)
 			return fd;
 		e = errno;
 	}
 	struct sockaddr_un an = {.sun_family = AF_UNIX};
 	memcpy(an.sun_path + 1, SHUNT_NETNS_CONTROL, sizeof SHUNT_NETNS_CONTROL - 1);
 	struct shunt_msg am;
-	fd = connect_hello(&an, offsetof(struct sockaddr_un, sun_path) + sizeof SHUNT_NETNS_CONTROL, &am);
+	fd = connect_hello(s, &an, offsetof(struct sockaddr_un, sun_path) + sizeof SHUNT_NETNS_CONTROL, &am);
 	if (fd >= 0) {
 		*m = am;
 		return fd;
@@ -277,5 +285,5 @@ int channel_open(struct shunt_session *s, struct shunt_msg *m)
 			return -1;
 		}
 	}
-	return open_socket(path, m);
+	return open_socket(s, path, m);
 }

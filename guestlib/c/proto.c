@@ -8,7 +8,7 @@
 #include <string.h>
 
 enum f { F_REQ, F_ROLE, F_SIDE, F_REASON, F_LOCAL, F_REMOTE, F_SLOT, F_GEN, F_CAP, F_RAB, F_RBA,
-	 F_RID, F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_FORMATS, F_END };
+	 F_RID, F_GUEST, F_RSIZE, F_REGION, F_PID, F_NONCE, F_TEXT, F_FORMATS, F_OFFSET, F_END };
 
 static const signed char layouts[SHUNT_NUM_TYPES][9] = {
 	[SHUNT_HELLO] = {F_PID, F_FORMATS, F_END},
@@ -31,6 +31,7 @@ static const signed char layouts[SHUNT_NUM_TYPES][9] = {
 	[SHUNT_UNREGION] = {F_RID, F_END},
 	[SHUNT_DOWN] = {F_REQ, F_RID, F_SLOT, F_GEN, F_REASON, F_END},
 	[SHUNT_LEFT] = {F_REQ, F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
+	[SHUNT_RESUME] = {F_REQ, F_RID, F_SLOT, F_GEN, F_REASON, F_OFFSET, F_END},
 };
 
 struct out { uint8_t *p; size_t n, cap; int bad; };
@@ -87,6 +88,7 @@ ssize_t shunt_msg_encode(const struct shunt_msg *m, uint8_t *buf, size_t cap)
 		case F_NONCE: put_le(&o, m->nonce, 8); break;
 		case F_TEXT: put_str(&o, m->text); break;
 		case F_FORMATS: put_le(&o, m->formats, 4); break;
+		case F_OFFSET: put_le(&o, m->offset, 8); break;
 		}
 	}
 	if (o.bad || o.n - 8 > SHUNT_PROTO_MAX)
@@ -171,6 +173,8 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 			break;
 		case F_SIDE:
 			m->side = get_le(&in, 1);
+			m->relayed = (m->side & SHUNT_SIDE_RELAYED) != 0;
+			m->side &= (uint8_t)~SHUNT_SIDE_RELAYED;
 			if (m->side != 1 && m->side != 2)
 				in.bad = 1;
 			break;
@@ -190,6 +194,7 @@ int shunt_msg_decode(const uint8_t *frame, size_t len, struct shunt_msg *m)
 		case F_NONCE: m->nonce = get_le(&in, 8); break;
 		case F_TEXT: get_str(&in, m->text); break;
 		case F_FORMATS: m->formats = get_le(&in, 4); break;
+		case F_OFFSET: m->offset = get_le(&in, 8); break;
 		}
 	}
 	return in.bad || in.n ? SHUNT_ECORRUPT : 0;

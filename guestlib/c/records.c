@@ -22,9 +22,16 @@
  *     holds an older stamp, which never matches, so a stream of one-line
  *     records clears nothing after its first lap: the zeroing store would
  *     cost a second line transfer per message (Go: shm/ring/records.go,
- *     the same rule with a bit per line). The tail is still published
- *     after each record, for hostd's counters and the writer's room
- *     accounting.
+ *     the same rule with a bit per line);
+ *   - no index is published per record: the tail and the head (and the
+ *     counts beside them) are stored once per stride, an eighth of the
+ *     ring, so a one-line record is the only line either end writes. A
+ *     writer short of room sets the ring's "writer waiting" word (which no
+ *     record end sleeps on) and looks again; a reader that sees it set
+ *     publishes its head at once. hostd's byte counters lag by less than
+ *     a stride, and a ring's last stretch may stay unpublished: record
+ *     readers never read the tail (they poll stamps, and drain to the
+ *     counts the MPI transport's DOWN carries).
  *
  * Both ends validate what they read: a stamp matches only its own record
  * number, a length must fit before the ring's end, the head may only move
@@ -88,13 +95,55 @@ static int refresh(struct shunt_ring *r)
 	return 0;
 }
 
-/* publish stores the tail after records up to r->own. */
-static void publish(struct shunt_ring *r)
+/* crossed reports whether the index moved into another stride (an eighth
+ * of the ring) since it was last published. */
+static inline int crossed(const struct shunt_rec_ring *e)
 {
-	r->msgs++;
+	return (e->r->own ^ e->shown) >= (e->r->cap >> 3);
+}
+
+/* show_tail stores the tail after records up to r->own, and the count. */
+static void show_tail(struct shunt_rec_ring *w)
+{
+	struct shunt_ring *r = w->r;
+	w->shown = r->own;
 	__atomic_store_n(w64(r, SHUNT_OFF_TAIL), r->own, __ATOMIC_RELEASE);
 	__atomic_store_n(w64(r, SHUNT_OFF_WMSGS), r->msgs, __ATOMIC_RELAXED);
+}
+
+/* publish ends a record: the tail once per stride, and a wake for a
+ * reader that sleeps on the ring (a load of a line no record end writes). */
+static void publish(struct shunt_rec_ring *w)
+{
+	struct shunt_ring *r = w->r;
+	r->msgs++;
+	if (crossed(w))
+		show_tail(w);
 	poke(r, SHUNT_OFF_RWAIT);
+}
+
+/* A record writer short of room stores WANTS_ROOM in the ring's "writer
+ * waiting" word: not 1, which a sleeper stores, so that the reader
+ * answers it with its head and no futex wake. */
+#define WANTS_ROOM 2u
+
+/* show_head stores the head after the records consumed, and the count,
+ * then clears a writer's request for room, or wakes a writer asleep. */
+static void show_head(struct shunt_rec_ring *rd)
+{
+	struct shunt_ring *r = rd->r;
+	uint32_t want = WANTS_ROOM;
+	rd->shown = r->own;
+	__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, __ATOMIC_RELEASE);
+	__atomic_store_n(w64(r, SHUNT_OFF_RMSGS), r->msgs, __ATOMIC_RELAXED);
+	if (!__atomic_compare_exchange_n(w32(r, SHUNT_OFF_WWAIT), &want, 0, 0, SC, SC))
+		poke(r, SHUNT_OFF_WWAIT);
+}
+
+/* wants_room reports whether the writer asked for the head. */
+static inline int wants_room(const struct shunt_ring *r)
+{
+	return __atomic_load_n(w32(r, SHUNT_OFF_WWAIT), __ATOMIC_RELAXED) != 0;
 }
 
 /* wrote notes that the lines after the header of a record at the
@@ -160,8 +209,18 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 		if ((*err = refresh(r)))
 			return NULL;
 		if (r->cap - (r->own - r->peer) < need) {
-			*err = SHUNT_EAGAIN;
-			return NULL;
+			/* Ask the reader for its head (it publishes it once per
+			 * stride otherwise), then look again: a head published
+			 * before the flag was seen is found here. */
+			if (w->shown != r->own)
+				show_tail(w);
+			__atomic_store_n(w32(r, SHUNT_OFF_WWAIT), WANTS_ROOM, SC);
+			if ((*err = refresh(r)))
+				return NULL;
+			if (r->cap - (r->own - r->peer) < need) {
+				*err = SHUNT_EAGAIN;
+				return NULL;
+			}
 		}
 	}
 	if (span > to_end) {
@@ -175,7 +234,7 @@ struct shunt_rec *shunt_rec_reserve(struct shunt_rec_ring *w, size_t len, int *e
 		r->own += to_end;
 		clear_ahead(w, r->own);
 		put_stamp(w, pad, 0);
-		publish(r);
+		publish(w);
 		off = 0;
 	}
 	w->resv = 1;
@@ -195,7 +254,7 @@ void shunt_rec_commit(struct shunt_rec_ring *w, struct shunt_rec *h, size_t len,
 	clear_ahead(w, r->own);
 	put_stamp(w, h, len);
 	w->resv = 0;
-	publish(r);
+	publish(w);
 }
 
 void shunt_rec_cancel(struct shunt_rec_ring *w) { w->resv = 0; }
@@ -205,8 +264,11 @@ struct shunt_rec *shunt_rec_poll(struct shunt_rec_ring *rd, int *err)
 	struct shunt_ring *r = rd->r;
 	uint64_t off = r->own & r->mask;
 	struct shunt_rec *h = (struct shunt_rec *)(r->data + off);
-	if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != rd->epoch + rd->next)
+	if (__atomic_load_n(&h->stamp, __ATOMIC_ACQUIRE) != rd->epoch + rd->next) {
+		if (rd->shown != r->own && wants_room(r))
+			show_head(rd);
 		return NULL;
+	}
 	uint64_t len = (uint64_t)__atomic_load_n(&h->len, __ATOMIC_RELAXED) + h->pad;
 	uint8_t kind = h->kind;
 	if (len > r->cap || off + shunt_rec_span(len) > r->cap || (kind != SHUNT_REC_DATA && kind != SHUNT_REC_PAD)) {
@@ -226,7 +288,6 @@ void shunt_rec_consume(struct shunt_rec_ring *rd, const struct shunt_rec *h)
 	r->own += rd->span;
 	r->msgs++;
 	rd->next++;
-	__atomic_store_n(w64(r, SHUNT_OFF_HEAD), r->own, __ATOMIC_RELEASE);
-	__atomic_store_n(w64(r, SHUNT_OFF_RMSGS), r->msgs, __ATOMIC_RELAXED);
-	poke(r, SHUNT_OFF_WWAIT);
+	if (crossed(rd) || wants_room(r))
+		show_head(rd);
 }

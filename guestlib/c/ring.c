@@ -275,6 +275,22 @@ void shunt_ring_start(struct shunt_ring *w, uint64_t off)
 	wake(w, w32(w, SHUNT_OFF_RWAIT));
 }
 
+ssize_t shunt_ring_unfreed(struct shunt_ring *w, uint64_t from, void *buf, size_t n)
+{
+	uint64_t h = __atomic_load_n(w64(w, SHUNT_OFF_HEAD), SC);
+	if (h < w->peer || h > w->own)
+		return SHUNT_ECORRUPT;
+	w->peer = h;
+	if (from < h || from > w->own || w->own - from > n)
+		return SHUNT_EINVAL;
+	size_t k = w->own - from, off = from & w->mask, first = w->cap - off;
+	if (first > k)
+		first = k;
+	memcpy(buf, w->data + off, first);
+	memcpy((uint8_t *)buf + first, w->data, k - first);
+	return gone(w) ? SHUNT_ERESET : (ssize_t)k;
+}
+
 void shunt_ring_leave(struct shunt_ring *w)
 {
 	if (w->left)

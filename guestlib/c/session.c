@@ -527,7 +527,8 @@ static void *reader(void *arg)
 			pthread_mutex_unlock(&s->mu);
 			if (m.type == SHUNT_REVOKE && s->c.revoked)
 				s->c.revoked(s->c.arg, &m);
-			if ((m.type == SHUNT_READY || m.type == SHUNT_TCP || m.type == SHUNT_DOWN) && !waited && s->c.conn)
+			if ((m.type == SHUNT_READY || m.type == SHUNT_TCP || m.type == SHUNT_DOWN || m.type == SHUNT_RESUME) &&
+			    !waited && s->c.conn)
 				s->c.conn(s->c.arg, &m);
 		}
 		shunt_fdq_close(&q);

@@ -68,7 +68,8 @@ enum {
 	SHUNT_WF_FIN = 1, SHUNT_WF_STARTED = 2, SHUNT_WF_LEFT = 4,
 	SHUNT_RF_CLOSED = 1, SHUNT_RF_ATTACHED = 2, SHUNT_RF_LEFT = 4,
 };
-#define SHUNT_RING_FORMAT 2 /* HELLO and WELCOME carry 1 << SHUNT_RING_FORMAT */
+#define SHUNT_RING_FORMAT 2
+#define SHUNT_SIDE_RELAYED 0x80 /* READY's side bit: a relayed flow (docs/protocol.md) */ /* HELLO and WELCOME carry 1 << SHUNT_RING_FORMAT */
 
 /* One end of a ring. Each end keeps its own index privately and checks the
  * peer's on every load. Not safe for concurrent use (SPSC). */
@@ -166,6 +167,14 @@ void shunt_ring_attach_reader(struct shunt_ring *r);
 int shunt_ring_started(const struct shunt_ring *r, uint64_t *off);
 int shunt_ring_writer_left(const struct shunt_ring *r);
 void shunt_ring_leave_read(struct shunt_ring *r);
+/* The writer's bytes from byte index from (counted like the tail: all
+ * bytes ever written) to its tail, copied into buf (at least tail - from
+ * bytes), which the reader must not have freed yet: after RESUME a writer
+ * resends them on TCP (Go: ring.Writer.Unfreed). The reader's head is read
+ * afresh and checked. Bytes copied, SHUNT_EINVAL if from lies before the
+ * head or past the tail, SHUNT_ECORRUPT if the head does, SHUNT_ERESET if
+ * the region died meanwhile. */
+ssize_t shunt_ring_unfreed(struct shunt_ring *w, uint64_t from, void *buf, size_t n);
 
 /* Readable/writable/ended (for poll): 1 if a read or write would not return
  * SHUNT_EAGAIN. */
@@ -238,6 +247,11 @@ struct shunt_rec_ring {
 	 * first lap. 0: not yet set (the first reservation sets it). */
 	uint64_t dirty_until;
 	uint64_t span;  /* reader: the ring bytes of the record shunt_rec_poll returned, as it checked them */
+	/* The index (writer: tail; reader: head) last published in the ring
+	 * header: once per stride (an eighth of the ring), and the head when
+	 * the writer asks for room; a small record touches its own line only
+	 * (records.c). */
+	uint64_t shown;
 };
 
 /* Writer: room for a record of len bytes after its header (pad and
@@ -298,7 +312,7 @@ enum shunt_msg_type {
 	SHUNT_HELLO = 1, SHUNT_WELCOME, SHUNT_LISTEN, SHUNT_UNLISTEN, SHUNT_INTENT, SHUNT_OPEN,
 	SHUNT_READY, SHUNT_TCP, SHUNT_CLOSE, SHUNT_RELEASE, SHUNT_REVOKE, SHUNT_KICK, SHUNT_PING,
 	SHUNT_PONG, SHUNT_REATTACH, SHUNT_ERROR, SHUNT_REGION, SHUNT_UNREGION, SHUNT_DOWN, SHUNT_LEFT,
-	SHUNT_NUM_TYPES
+	SHUNT_RESUME, SHUNT_NUM_TYPES
 };
 
 /* Why a flow is on TCP or ended (proto.Reason; the same numbers). */
@@ -329,6 +343,7 @@ struct shunt_msg {
 	uint8_t type;
 	uint32_t req_id;
 	uint8_t role, side;
+	uint8_t relayed; /* READY: the ring pair's other end is the relay to a peer host (side's bit 0x80 on the wire) */
 	uint16_t reason;
 	struct shunt_addr local, remote;
 	uint32_t slot;
@@ -343,7 +358,15 @@ struct shunt_msg {
 	uint64_t nonce;
 	char text[SHUNT_PROTO_STRING_MAX + 1];
 	uint32_t formats; /* HELLO: ring formats read and written, a bit each; WELCOME: hostd's choice */
+	uint64_t offset;  /* RESUME: the writer's next TCP byte, or SHUNT_RESUME_ALL / SHUNT_RESUME_RESET */
 };
+
+/* HELLO's formats bit 31 (proto.CapResume): this library handles RESUME.
+ * A capability, not a ring format. */
+#define SHUNT_CAP_RESUME (UINT32_C(1) << 31)
+/* RESUME's special offsets (proto.ResumeAll, proto.ResumeReset). */
+#define SHUNT_RESUME_ALL   (UINT64_MAX - 1)
+#define SHUNT_RESUME_RESET UINT64_MAX
 
 /* Encodes m into buf (at least SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX bytes);
  * returns the frame length or SHUNT_EINVAL. */
@@ -407,11 +430,15 @@ struct shunt_session_config {
 	void *arg;
 	void (*log)(void *arg, const char *line);             /* one line, no newline */
 	void (*revoked)(void *arg, const struct shunt_msg *m); /* REVOKE: slot, gen, reason */
-	/* READY, TCP and DOWN for a connection opened with
-	 * shunt_session_open (any number, by req_id, for its whole life;
-	 * docs/DESIGN.md, path switching). Not called for a request that
-	 * shunt_session_request waits on. */
+	/* READY, TCP and DOWN (and RESUME, if caps has SHUNT_CAP_RESUME) for
+	 * a connection opened with shunt_session_open (any number, by req_id,
+	 * for its whole life; docs/DESIGN.md, path switching). Not called for
+	 * a request that shunt_session_request waits on. */
 	void (*conn)(void *arg, const struct shunt_msg *m);
+	/* Capabilities HELLO announces besides the ring format: SHUNT_CAP_RESUME
+	 * when conn handles RESUME (hostd then may give it relayed flows;
+	 * docs/protocol.md). Other bits are ignored. */
+	uint32_t caps;
 	/* After the channel dropped: whether this process holds listeners or
 	 * flows a new hostd must hear of (if not, it reconnects only when next
 	 * needed), and, once reconnected, tell it (LISTEN, REATTACH). */

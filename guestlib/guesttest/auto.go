@@ -164,7 +164,7 @@ func (a *Auto) upLocked(c *autoConn) {
 	if !a.fast || c.flow != nil || c.closed[0] || c.closed[1] {
 		return
 	}
-	f, err := alloc(a.h.Pool, 0, c.end[0].m, c.end[1].m)
+	f, err := alloc(a.h.Pool, 0, a.h.Capacity, c.end[0].m, c.end[1].m)
 	if err != nil {
 		for _, e := range c.end {
 			e.s.write(proto.Msg{Type: proto.TCP, ReqID: e.m.ReqID, Reason: proto.ReasonNoSpace})

@@ -38,12 +38,15 @@ type Hostd struct {
 	Control string       // the control socket path, for guestlib.Options.Control
 	Region  string       // the region file, named in WELCOME
 	Pool    *region.Pool // allocates READYs
-	ln      *net.UnixListener
-	conns   chan net.Conn
-	mu      sync.Mutex
-	open    []*Session // closed by Close
-	region  *region.Region
-	guestID uint32
+	// Capacity is the ring capacity per direction of the pairs Auto
+	// allocates (0: 64 KiB); set it before the first connection.
+	Capacity int
+	ln       *net.UnixListener
+	conns    chan net.Conn
+	mu       sync.Mutex
+	open     []*Session // closed by Close
+	region   *region.Region
+	guestID  uint32
 }
 
 // Start listens on a fresh control socket and creates a small region.
@@ -142,6 +145,10 @@ func (s *Session) Next(t testing.TB) proto.Msg {
 	}
 	return m
 }
+
+// Read returns the next message the library sends, or the error after d
+// (for tests that show their own state when it does not come).
+func (s *Session) Read(d time.Duration) (proto.Msg, error) { return s.read(d) }
 
 func (s *Session) read(d time.Duration) (proto.Msg, error) {
 	for {
@@ -289,17 +296,21 @@ func (h *Hostd) Pair(t testing.TB, active, passive proto.Msg) Flow {
 
 func pairIn(t testing.TB, pool *region.Pool, id uint32, active, passive proto.Msg) Flow {
 	t.Helper()
-	f, err := alloc(pool, id, active, passive)
+	f, err := alloc(pool, id, 0, active, passive)
 	if err != nil {
 		t.Fatalf("guesttest: allocate: %v", err)
 	}
 	return f
 }
 
-// alloc allocates a 64 KiB ring pair in pool for one connection's active
-// and passive OPEN and returns the READY each side gets.
-func alloc(pool *region.Pool, id uint32, active, passive proto.Msg) (Flow, error) {
-	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: 64 << 10})
+// alloc allocates a ring pair of capacity bytes per direction (0: 64 KiB)
+// in pool for one connection's active and passive OPEN and returns the
+// READY each side gets.
+func alloc(pool *region.Pool, id uint32, capacity int, active, passive proto.Msg) (Flow, error) {
+	if capacity == 0 {
+		capacity = 64 << 10
+	}
+	slot, e, err := pool.Alloc(region.Request{OwnerA: 1, OwnerB: 2, Src: active.Local, Dst: active.Remote, Capacity: capacity})
 	if err != nil {
 		return Flow{}, err
 	}

@@ -48,9 +48,9 @@ func addrText(a netip.AddrPort) string {
 
 // fields renders a message the way xtest prints it.
 func fields(m proto.Msg) string {
-	return fmt.Sprintf("type=%d req=%d role=%d side=%d reason=%d slot=%d gen=%d cap=%d ab=%d ba=%d rid=%d guest=%d rsize=%d pid=%d nonce=%d region=%s text=%s local=%s remote=%s",
+	return fmt.Sprintf("type=%d req=%d role=%d side=%d reason=%d slot=%d gen=%d cap=%d ab=%d ba=%d rid=%d guest=%d rsize=%d pid=%d nonce=%d formats=%d offset=%d region=%s text=%s local=%s remote=%s",
 		m.Type, m.ReqID, m.Role, m.Side, m.Reason, m.Slot, m.Gen, m.Capacity, m.RingAB, m.RingBA, m.RegionID, m.GuestID,
-		m.RegionSize, m.PID, m.Nonce, m.Region, m.Text, addrText(m.Local), addrText(m.Remote))
+		m.RegionSize, m.PID, m.Nonce, m.Formats, m.Offset, m.Region, m.Text, addrText(m.Local), addrText(m.Remote))
 }
 
 // TestProtocolVectors: every message type encoded by Go decodes in C to the

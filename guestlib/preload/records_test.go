@@ -19,7 +19,7 @@ import (
 // over plain memory, without root or hostd.
 func TestRecords(t *testing.T) {
 	bin := xtest(t)
-	for _, c := range []string{"stream", "stale", "corrupt", "drain", "half"} {
+	for _, c := range []string{"stream", "stale", "corrupt", "drain", "half", "stride"} {
 		t.Run(c, func(t *testing.T) {
 			out, err := exec.Command(bin, "records", c).CombinedOutput()
 			if err != nil {

@@ -18,6 +18,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib/guesttest"
+	"github.com/shuntnet/shunt/internal/edgegen"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/internal/testenv"
 	"github.com/shuntnet/shunt/shm/region"
@@ -64,12 +65,7 @@ func (s *syncBuffer) String() string {
 // fake hostd h, on a free loopback port.
 func edgeServer(t *testing.T, lib, edge string, h *guesttest.Hostd) (port string, env []string, out *syncBuffer) {
 	t.Helper()
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port = strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-	ln.Close()
+	port = freePort(t)
 	env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=1", "SHUNT_STATS=1")
 	out = &syncBuffer{}
 	srv := exec.Command(edge, "server", "127.0.0.1", port)
@@ -286,8 +282,8 @@ func TestVersionFallback(t *testing.T) {
 			}
 			s := h.Accept(t)
 			hello := s.Expect(t, proto.Hello)
-			if hello.Formats != 1<<ring.FormatVersion {
-				t.Errorf("HELLO offers formats %#x, want %#x", hello.Formats, 1<<ring.FormatVersion)
+			if hello.Formats != 1<<ring.FormatVersion|proto.CapResume {
+				t.Errorf("HELLO offers formats %#x, want %#x (format 2 and CapResume)", hello.Formats, 1<<ring.FormatVersion|proto.CapResume)
 			}
 			tc.answer(s)
 			err := cmd.Wait()
@@ -427,12 +423,7 @@ func TestStash(t *testing.T) {
 	lib, edge := buildPreload(t)
 	h := guesttest.Start(t)
 	auto := h.Auto(t)
-	ln, err := net.Listen("tcp", "127.0.0.1:0")
-	if err != nil {
-		t.Fatal(err)
-	}
-	port := strconv.Itoa(ln.Addr().(*net.TCPAddr).Port)
-	ln.Close()
+	port := freePort(t)
 	var srvOut syncBuffer
 	srv := exec.Command(edge, "server", "127.0.0.1", port)
 	srv.Env = append(os.Environ(), "LD_PRELOAD="+lib, "SHUNT_CONTROL="+h.Control, "SHUNT_TEST_LOOPBACK=1", "SHUNT_OPEN_DELAY_ADAPT=0", "SHUNT_VERBOSE=2",
@@ -444,6 +435,7 @@ func TestStash(t *testing.T) {
 	defer func() { srv.Process.Kill(); srv.Wait() }()
 	attempt := func(try int) (stashed int) {
 		var tcp net.Conn
+		var err error
 		for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 			if tcp, err = net.Dial("tcp", "127.0.0.1:"+port); err == nil {
 				break
@@ -507,7 +499,7 @@ func TestStash(t *testing.T) {
 		g, sent := newGen(seed, 0), 0
 		send := func(n int, out func([]byte) error) {
 			p := make([]byte, n)
-			g.fill(p)
+			g.Fill(p)
 			if err := out(p); err != nil {
 				fail("write at %d: %v", sent, err)
 			}
@@ -748,33 +740,8 @@ func TestLeaveAfterEarlyDown(t *testing.T) {
 	}
 }
 
-// gen is edge_switch.c's stream generator (integration has its own copy).
-type gen struct {
-	s    uint64
-	b    [8]byte
-	have int
-}
-
-func newGen(seed uint64, dir int) *gen {
-	return &gen{s: seed*0x9e3779b97f4a7c15 + uint64(dir)*0xbf58476d1ce4e5b9 + 1}
-}
-
-func (g *gen) fill(p []byte) {
-	for i := range p {
-		if g.have == 0 {
-			g.s ^= g.s >> 12
-			g.s ^= g.s << 25
-			g.s ^= g.s >> 27
-			v := g.s * 0x2545f4914f6cdd1d
-			for j := range g.b {
-				g.b[j] = byte(v >> (8 * j))
-			}
-			g.have = 8
-		}
-		p[i] = g.b[8-g.have]
-		g.have--
-	}
-}
+// newGen is edge_switch.c's stream generator (internal/edgegen).
+func newGen(seed uint64, dir int) *edgegen.Gen { return edgegen.New(seed, dir) }
 
 // TestCloseLeavesNoEpollWatch: a connection on the rings whose fd closes
 // is taken out of the library's own epoll sets (the safety net's watcher)

@@ -17,6 +17,13 @@
  *             the reader reads exactly to the writer's final count, then
  *             finds nothing
  *   half      a record larger than half the ring is refused (SHUNT_EINVAL)
+ *   stride    no index per record: the head stays unpublished while the
+ *             reader consumes within a stride; a writer short of room
+ *             publishes its tail and asks for the head ("writer waiting"),
+ *             and the reader's next consume publishes it and clears that
+ *   cost      SHUNT_REC_COUNT 8-byte records written, polled and consumed
+ *             by one thread: the ends' own work per message, without the
+ *             line transfers between cores; prints "ns T" for all
  *
  * and, across processes, with a Go end (shm/ring/records.go) or another C
  * one: fd 3 is a region, the flow is slot SHUNT_REC_SLOT of generation
@@ -244,10 +251,66 @@ static int half(void)
 	return 0;
 }
 
+static int stride(void)
+{
+	setup(0x20000000000ull, 0x20000000000ull);
+	uint64_t *head = (uint64_t *)(mem + SHUNT_OFF_HEAD), *tail = (uint64_t *)(mem + SHUNT_OFF_TAIL);
+	uint32_t *wwait = (uint32_t *)(mem + SHUNT_OFF_WWAIT);
+	int err = 0;
+	struct shunt_rec *h;
+	for (unsigned i = 0; i < CAP / SHUNT_REC_LINE; i++) {
+		if (!(h = shunt_rec_reserve(&w, 8, &err)))
+			fail("reserve", (unsigned long long)err, i);
+		shunt_rec_commit(&w, h, 8, 0, SHUNT_REC_DATA, 0);
+	}
+	for (int i = 0; i < 2; i++) {
+		if (!(h = shunt_rec_poll(&r, &err)))
+			fail("poll", (unsigned long long)err, i);
+		shunt_rec_consume(&r, h);
+	}
+	if (*head != 0)
+		fail("head published within a stride", *head, 0);
+	if (shunt_rec_reserve(&w, 8, &err) || err != SHUNT_EAGAIN)
+		fail("reserve in a ring the writer sees full", (unsigned long long)err, 0);
+	if (*tail != CAP || *wwait == 0)
+		fail("a writer short of room publishes its tail and asks for the head", *tail, *wwait);
+	if (!(h = shunt_rec_poll(&r, &err)))
+		fail("poll", (unsigned long long)err, 2);
+	shunt_rec_consume(&r, h);
+	if (*head != 3 * SHUNT_REC_LINE || *wwait != 0)
+		fail("the reader answers the request with its head", *head, *wwait);
+	if (!(h = shunt_rec_reserve(&w, 8, &err)))
+		fail("reserve after the reader answered", (unsigned long long)err, 0);
+	printf("stride: ok\n");
+	return 0;
+}
+
 static uint64_t env_u64(const char *name)
 {
 	const char *v = getenv(name);
 	return v ? strtoull(v, NULL, 0) : 0;
+}
+
+static int64_t now_ns(void);
+
+static int cost(void)
+{
+	setup(0x30000000000ull, 0x30000000000ull);
+	uint64_t n = env_u64("SHUNT_REC_COUNT");
+	int err = 0;
+	int64_t t0 = now_ns();
+	for (uint64_t i = 0; i < n; i++) {
+		struct shunt_rec *h = shunt_rec_reserve(&w, 8, &err);
+		if (!h)
+			fail("reserve", (unsigned long long)err, i);
+		memcpy(h + 1, &i, 8);
+		shunt_rec_commit(&w, h, 8, 0, SHUNT_REC_DATA, 0);
+		if (!(h = shunt_rec_poll(&r, &err)) || memcmp(h + 1, &i, 8))
+			fail("poll", (unsigned long long)err, i);
+		shunt_rec_consume(&r, h);
+	}
+	printf("ns %lld\n", (long long)(now_ns() - t0));
+	return 0;
 }
 
 static int64_t now_ns(void)
@@ -387,10 +450,14 @@ int records(const char *c)
 		return drain();
 	if (!strcmp(c, "half"))
 		return half();
+	if (!strcmp(c, "stride"))
+		return stride();
+	if (!strcmp(c, "cost"))
+		return cost();
 	if (!strcmp(c, "echo"))
 		return echo();
 	if (!strcmp(c, "ping"))
 		return ping();
-	fprintf(stderr, "unknown case %s: stream|stale|corrupt|drain|half|echo|ping\n", c);
+	fprintf(stderr, "unknown case %s: stream|stale|corrupt|drain|half|stride|cost|echo|ping\n", c);
 	return 2;
 }

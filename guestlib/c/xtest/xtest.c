@@ -75,9 +75,9 @@ static int vectors(void)
 			printf("%02x", out[i]);
 		printf(" type=%u req=%" PRIu32 " role=%u side=%u reason=%u slot=%" PRIu32 " gen=%" PRIu64
 		       " cap=%" PRIu32 " ab=%" PRIu64 " ba=%" PRIu64 " rid=%" PRIu32 " guest=%" PRIu32 " rsize=%" PRIu64
-		       " pid=%" PRIu32 " nonce=%" PRIu64 " region=%s text=%s local=",
+		       " pid=%" PRIu32 " nonce=%" PRIu64 " formats=%" PRIu32 " offset=%" PRIu64 " region=%s text=%s local=",
 		       m.type, m.req_id, m.role, m.side, m.reason, m.slot, m.gen, m.capacity, m.ring_ab, m.ring_ba,
-		       m.region_id, m.guest_id, m.region_size, m.pid, m.nonce, m.region, m.text);
+		       m.region_id, m.guest_id, m.region_size, m.pid, m.nonce, m.formats, m.offset, m.region, m.text);
 		print_addr(&m.local);
 		printf(" remote=");
 		print_addr(&m.remote);

@@ -15,9 +15,12 @@
  *   lease.c      lease I/O: the write queue, reading and parsing records
  *   handover.c   the path state machine of each direction (lease, ring,
  *                handover, downgrade, re-lease) and the ring's receiver
- *   hostd.c      the session with hostd: OPEN, the READY, TCP and DOWN
- *                that come for it, LEFT, CLOSE; LISTEN, REATTACH and OPEN
- *                again after a hostd restart
+ *   hostd.c      the session with hostd: OPEN, the READY, TCP, DOWN and
+ *                RESUME that come for it, LEFT, CLOSE; LISTEN, REATTACH
+ *                and OPEN again after a hostd restart
+ *   relayed.c    a ring pair whose other end is the relay to another host
+ *                (READY's Relayed): the stream in lease framing, as bytes,
+ *                and RESUME
  *
  * Records in a ring, in place, are the core's (shunt.h, records.c).
  *
@@ -109,6 +112,7 @@ struct frag {
 	uint8_t where;                       /* FRAG_HEAP: buf; FRAG_RING: reserved in the ring */
 	uint8_t internal;                    /* our own record: no callback; freed once written */
 	uint8_t large;                       /* from the large pool */
+	uint8_t raw;                         /* internal: bytes of the stream as they are, no header (relayed.c's resend) */
 	size_t cap;                          /* bytes buf holds */
 	uint8_t *buf;
 	struct shunt_rec *rh;                      /* FRAG_RING: the reserved record */
@@ -170,6 +174,14 @@ struct conn {
 	struct rec_ring ok;   /* out: the receiver's last RING_OK */
 	struct rec_ring no;   /* in: the sender's last RING_NO */
 	struct shunt_rec_ring rr;      /* out: writer of sf.w; in: reader of sf.r */
+	/* relayed.c: the pair held is relayed (READY's Relayed): the stream
+	 * goes into its ring as bytes in lease framing, not records */
+	uint8_t relayed;
+	uint64_t resume_at;   /* RESUME's offset (valid while down, relayed) */
+	uint64_t wtail0;      /* out: sf.w's tail when the stretch started */
+	uint64_t token;       /* out: the stretch's start offset, random: SWITCH names the stretch by it */
+	uint8_t *rb;          /* in: ring bytes read, not yet whole records */
+	size_t rb_len, rb_cap;
 };
 
 /* ---- endpoints: one per peer rank ---- */
@@ -285,6 +297,7 @@ void finish(struct conn *c);
 void paths_step(struct mca_btl_base_endpoint_t *ep); /* handover, downgrade, re-lease */
 
 int ring_rx_poll(struct mca_btl_base_endpoint_t *ep);
+void ring_rx_add(struct mca_btl_base_endpoint_t *ep); /* ep reads its ring from now on */
 /* Takes ep off the module's ring reader list (conn.c when its rx conn goes,
  * lease.c at BYE). */
 void ring_rx_del(struct mca_btl_base_endpoint_t *ep);
@@ -311,6 +324,31 @@ static inline void deliver(uint8_t tag, void *p, size_t len)
 	d.des_segment_count = 1;
 	reg->cbfunc(&shunt_btl.super, tag, &d, reg->cbdata);
 }
+
+/* relayed.c: a ring pair whose other end is the relay (conn.relayed). */
+int relay_put(struct mca_btl_base_endpoint_t *ep, uint8_t tag, const void *p, size_t len); /* 1 written, 0 not now */
+int relay_fits(struct mca_btl_base_endpoint_t *ep, size_t len); /* relay_put of len bytes would write now */
+int relay_rx_poll(struct mca_btl_base_endpoint_t *ep);
+/* RESUME on ep's relayed ring (its tx lease c): leaves the ring, resends
+ * its bytes from hostd's offset on the lease, LEFT: 0, or -1 when the
+ * stream cannot go on (the peer failed). */
+int relay_resume(struct mca_btl_base_endpoint_t *ep, struct conn *c);
+
+/* Whether the sender may switch to c's relayed pair: the receiver
+ * attached the ring this stretch's bytes go into on its host. */
+int relay_ready(struct conn *c);
+/* SWITCH of a relayed stretch on ep's lease c (rx_switch): 1 done (on the
+ * ring, or the stretch never reached this host: the lease carries it),
+ * 0 not yet (the ring may still start), -1 the peer failed. */
+int relay_rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, uint64_t token);
+/* The receiver's relayed pair that the relay left without starting it:
+ * let it go, so that hostd can offer the next stretch (lease_work). */
+void relay_rx_idle(struct conn *c);
+
+/* lease.c: bytes read from a relayed ring that are not a whole record
+ * come before c's lease bytes (the writer resent the rest there); parses. */
+void lease_take_back(struct conn *c, const uint8_t *p, size_t n);
+size_t max_record(void);
 
 /* Reasons of our own, after proto's (shunt_reason_name says "?" for them). */
 enum {

@@ -365,6 +365,14 @@ static int lease_work(int events)
 		for (struct conn *c = shunt_btl.conns; c; c = c->next)
 			if (!c->out && c->hello)
 				hostd_take(c);
+	for (struct conn *c = shunt_btl.conns; c; c = c->next)
+		if (!c->out && c->relayed && !c->dead) {
+			/* relayed.c: a pair the relay left unstarted goes; a SWITCH
+			 * that waits for its ring is read again. */
+			relay_rx_idle(c);
+			if (c->in_len && c->ep && c->ep->rx == c && !c->ep->rx_ring)
+				lease_take_back(c, NULL, 0);
+		}
 	for (uint32_t i = 0; i < shunt_btl.neps; i++) {
 		struct mca_btl_base_endpoint_t *ep = shunt_btl.eps[i];
 		if (!ep)

@@ -101,6 +101,7 @@ void conn_free(struct conn *c)
 		}
 	}
 	free(c->in);
+	free(c->rb);
 	free(c);
 }
 

@@ -86,7 +86,7 @@ void say_path(struct mca_btl_base_endpoint_t *ep, uint16_t reason, const char *w
 
 /* ---- the receiver's ring ---- */
 
-static void ring_rx_add(struct mca_btl_base_endpoint_t *ep)
+void ring_rx_add(struct mca_btl_base_endpoint_t *ep)
 {
 	if (ep->rx_index >= 0)
 		return;
@@ -115,11 +115,14 @@ void ring_rx_del(struct mca_btl_base_endpoint_t *ep)
 	ep->rx_index = -1;
 }
 
-/* ring_rx_poll delivers what arrived in ep's incoming ring: records. */
+/* ring_rx_poll delivers what arrived in ep's incoming ring: records, or
+ * on a relayed pair the stream's bytes (relayed.c). */
 int ring_rx_poll(struct mca_btl_base_endpoint_t *ep)
 {
 	struct conn *c = ep->rx;
 	int n = 0, err = 0;
+	if (c->relayed)
+		return relay_rx_poll(ep);
 	while (n < 32) {
 		struct shunt_rec *h = shunt_rec_poll(&c->rr, &err);
 		if (!h) {
@@ -163,13 +166,19 @@ int rx_switch(struct mca_btl_base_endpoint_t *ep, struct conn *c, const struct s
 	if (h->len < sizeof s)
 		return -1;
 	memcpy(&s, p, sizeof s);
+	if (s.frags != ep->rx_frags) {
+		peer_failed(ep, "its ring starts at another count than its lease ended");
+		return -1;
+	}
+	if (s.epoch == 0) /* relayed.c: a relayed stretch, named by its start (gen) */
+		return relay_rx_switch(ep, c, s.gen);
 	struct rec_ring pair = {.gen = s.gen, .region = s.region, .slot = s.slot};
 	if (!holds_pair(c, &pair)) {
 		peer_failed(ep, "it switched to a ring pair this end does not hold");
 		return -1;
 	}
-	if (s.frags != ep->rx_frags) {
-		peer_failed(ep, "its ring starts at another count than its lease ended");
+	if (c->relayed) {
+		peer_failed(ep, "it writes records into a ring that hostd says is relayed");
 		return -1;
 	}
 	c->rr.epoch = s.epoch;
@@ -253,12 +262,17 @@ static uint16_t ring_reason(struct conn *c)
 static void refuse(struct conn *c, uint16_t reason)
 {
 	struct rec_ring no = {.gen = c->sf.gen, .region = c->sf.region_id, .slot = c->sf.slot, .reason = reason};
-	push_control(c, REC_RING_NO, &no, sizeof no);
+	/* A relayed pair's name means nothing on the other host: its
+	 * receiver lets its own go once the relay left it unstarted. */
+	if (!c->relayed)
+		push_control(c, REC_RING_NO, &no, sizeof no);
 	shunt_ring_leave(&c->sf.w);
 	hostd_left(c, reason);
 }
 
-static int peer_ok(struct conn *c) { return holds_pair(c, &c->ok); }
+/* peer_ok: the receiver attached the ring the stream would go into: it
+ * said RING_OK for this pair, or (relayed) the relay says so. */
+static int peer_ok(struct conn *c) { return c->relayed ? relay_ready(c) : holds_pair(c, &c->ok); }
 
 /* switch_up moves ep's stream into c's ring (SWITCH on c), c the lease it
  * is on: 1, or 0 if the ring is too small (then c is done with hostd). */
@@ -274,27 +288,39 @@ static int switch_up(struct mca_btl_base_endpoint_t *ep, struct conn *c)
 	}
 	struct rec_switch s = {.epoch = new_epoch(), .frags = ep->tx_frags, .gen = c->sf.gen, .region = c->sf.region_id,
 			       .slot = c->sf.slot};
+	c->wtail0 = c->sf.w.own;
+	if (c->relayed) { /* relayed.c: epoch 0, the stretch named by its start */
+		s.epoch = 0;
+		s.gen = c->token = new_epoch() & ((1ull << 62) - 1);
+	}
 	c->rr.epoch = s.epoch;
 	c->rr.next = 0;
-	shunt_ring_start(&c->sf.w, 0);
+	shunt_ring_start(&c->sf.w, c->relayed ? c->token : 0);
 	push_control(c, REC_SWITCH, &s, sizeof s);
 	ep->tx_ring = 1;
 	ep->retry_ms = 0;
 	ep->retry_at = 0;
 	char what[80];
-	snprintf(what, sizeof what, "ring (slot %u, %llu bytes)", c->sf.slot, (unsigned long long)c->sf.w.cap);
+	snprintf(what, sizeof what, "%sring (slot %u, %llu bytes)", c->relayed ? "relayed " : "", c->sf.slot,
+		 (unsigned long long)c->sf.w.cap);
 	say_path(ep, SHUNT_REASON_NONE, what);
 	return 1;
 }
 
-/* go_down moves ep's stream from the ring back to its lease c. */
+/* go_down moves ep's stream from the ring back to its lease c: a DOWN
+ * mark, or on a relayed pair the resend from RESUME's offset (relayed.c). */
 static void go_down(struct mca_btl_base_endpoint_t *ep, struct conn *c, uint16_t reason)
 {
-	struct rec_down d = {.bytes = c->sf.w.own, .records = c->rr.next, .frags = ep->tx_frags};
-	push_control(c, REC_DOWN, &d, sizeof d);
-	ep->tx_ring = 0;
-	shunt_ring_leave(&c->sf.w);
-	hostd_left(c, reason);
+	if (c->relayed) {
+		if (relay_resume(ep, c))
+			return;
+	} else {
+		struct rec_down d = {.bytes = c->sf.w.own, .records = c->rr.next, .frags = ep->tx_frags};
+		push_control(c, REC_DOWN, &d, sizeof d);
+		ep->tx_ring = 0;
+		shunt_ring_leave(&c->sf.w);
+		hostd_left(c, reason);
+	}
 	struct frag *f;
 	while ((f = fq_pop(&ep->q))) {
 		f->hdr = (struct shunt_rec){.len = f->seg.seg_len, .kind = REC_DATA, .tag = f->hdr.tag};
@@ -333,7 +359,7 @@ void paths_step(struct mca_btl_base_endpoint_t *ep)
 			return;
 		if (c->down)
 			go_down(ep, c, c->down_reason);
-		else if (shunt_rec_broken(&c->rr))
+		else if (!c->relayed && shunt_rec_broken(&c->rr)) /* relayed: RESUME says where it ended */
 			go_down(ep, c, ring_reason(c));
 		else if (n)
 			drop_next(ep, n, SHUNT_REASON_NONE, 0);

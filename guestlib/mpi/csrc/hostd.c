@@ -45,10 +45,10 @@ static int pending;  /* atomic: some entry has events */
 /* An event: what hostd said (READY, TCP, DOWN), the fields that matter. */
 struct hword {
 	struct hword *next;
-	uint8_t type, side;
+	uint8_t type, side, relayed;
 	uint16_t reason;
 	uint32_t region_id, slot, capacity;
-	uint64_t gen, ring_ab, ring_ba;
+	uint64_t gen, ring_ab, ring_ba, offset;
 };
 
 /* held: an announced lease. c, req, role, local and remote are set once;
@@ -167,7 +167,7 @@ static void queue(const struct shunt_msg *m)
 			continue;
 		*e = (struct hword){.type = m->type == SHUNT_REVOKE ? SHUNT_DOWN : m->type, .side = m->side, .reason = m->reason,
 				    .region_id = m->region_id, .slot = m->slot, .capacity = m->capacity, .gen = m->gen,
-				    .ring_ab = m->ring_ab, .ring_ba = m->ring_ba};
+				    .ring_ab = m->ring_ab, .ring_ba = m->ring_ba, .relayed = m->relayed, .offset = m->offset};
 		if (h->tail)
 			h->tail->next = e;
 		else
@@ -272,6 +272,7 @@ int hostd_init(void)
 		.conn = on_conn,
 		.holds = on_holds,
 		.announce = on_announce,
+		.caps = SHUNT_CAP_RESUME, /* relayed pairs: relayed.c */
 	};
 	pin();
 	session = shunt_session_new(&c);
@@ -365,6 +366,7 @@ static void ready(struct conn *c, const struct hword *e)
 	}
 	c->fstate = F_READY;
 	c->down = 0;
+	c->relayed = e->relayed;
 	c->rr = (struct shunt_rec_ring){.r = c->out ? &c->sf.w : &c->sf.r};
 	reg_rings(c, 1);
 	if (!c->out) {
@@ -397,9 +399,15 @@ void hostd_take(struct conn *c)
 				}
 				break;
 			case SHUNT_DOWN:
+			case SHUNT_RESUME:
+				/* RESUME: a relayed pair's DOWN, with the offset the
+				 * writer resends from (relayed.c); hostd sends no DOWN
+				 * for one, and a DOWN would not say where to resend
+				 * from: the stream could not go on. */
 				if (c->fstate == F_READY && e->gen == c->sf.gen && e->slot == c->sf.slot && e->region_id == c->sf.region_id) {
 					c->down = 1;
 					c->down_reason = e->reason;
+					c->resume_at = e->type == SHUNT_RESUME ? e->offset : SHUNT_RESUME_RESET;
 				}
 				break;
 			}
@@ -430,6 +438,8 @@ void hostd_close(struct conn *c)
 		return;
 	}
 	struct shunt_msg m = {.type = SHUNT_CLOSE, .req_id = c->h->req, .side = c->h->role};
+	if (c->fstate == F_READY && c->relayed && c->out)
+		shunt_ring_leave(&c->sf.w); /* the relay carries its last bytes, then ends the stretch */
 	if (c->fstate == F_READY)
 		shunt_flow_close(&c->sf);
 	else

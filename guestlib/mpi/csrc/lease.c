@@ -19,7 +19,7 @@
 #include <sys/socket.h>
 #include <unistd.h>
 
-static size_t max_record(void) { return sizeof(struct shunt_rec) + shunt_btl.super.btl_max_send_size + 1024; }
+size_t max_record(void) { return sizeof(struct shunt_rec) + shunt_btl.super.btl_max_send_size + 1024; }
 
 /* ---- writing a lease ---- */
 
@@ -37,11 +37,12 @@ int lease_flush(struct conn *c)
 {
 	struct frag *f;
 	while ((f = c->lq.head)) {
-		struct iovec iov[2] = {{&f->hdr, sizeof f->hdr}, {f->seg.seg_addr.pval, f->seg.seg_len}};
-		size_t total = sizeof f->hdr + f->seg.seg_len, skip = f->done;
+		size_t hl = f->raw ? 0 : sizeof f->hdr; /* raw: a relayed ring's resent bytes */
+		struct iovec iov[2] = {{&f->hdr, hl}, {f->seg.seg_addr.pval, f->seg.seg_len}};
+		size_t total = hl + f->seg.seg_len, skip = f->done;
 		int i = 0;
-		if (skip >= sizeof f->hdr) {
-			skip -= sizeof f->hdr;
+		if (skip >= hl) {
+			skip -= hl;
 			i = 1;
 		}
 		iov[i].iov_base = (uint8_t *)iov[i].iov_base + skip;
@@ -139,6 +140,14 @@ static int handle(struct conn *c, struct shunt_rec *h, uint8_t *p)
 		return rx_refused(c, h, p);
 	if (h->kind == REC_BYE) {
 		c->bye = 1;
+		if (ep->rx == c && ep->rx_ring && c->relayed) {
+			/* Its ring's last bytes may still be on their way through
+			 * the relays (its end leaves the ring at CLOSE): BYE is
+			 * taken once the ring ended (relayed.c); an EOF meanwhile
+			 * is no error. */
+			ep->bye = 1;
+			return 0;
+		}
 		if (ep->rx == c) {
 			ep->bye = 1;
 			if (ep->rx_ring) {
@@ -155,8 +164,8 @@ static int handle(struct conn *c, struct shunt_rec *h, uint8_t *p)
 	}
 	if (ep->rx != c)
 		return 0;
-	if (ep->rx_ring) /* the stream is in the ring: only its end comes here */
-		return rx_down(ep, c, h, p);
+	if (ep->rx_ring) /* the stream is in the ring: only its end comes here (relayed: after the ring's end) */
+		return c->relayed ? 0 : rx_down(ep, c, h, p);
 	switch (h->kind) {
 	case REC_DATA:
 		if (h->stamp != ep->rx_frags) {
@@ -227,6 +236,26 @@ static void conn_parse(struct conn *c)
 		shunt_btl.reparse = NULL;
 		conn_parse(n);
 	}
+}
+
+void lease_take_back(struct conn *c, const uint8_t *p, size_t n)
+{
+	if (n) {
+		if (c->in_len + n > c->in_cap || !c->in) {
+			uint8_t *b = realloc(c->in, c->in_len + n);
+			if (!b) {
+				peer_failed(c->ep, "out of memory for a lease buffer");
+				c->dead = 1;
+				return;
+			}
+			c->in = b;
+			c->in_cap = c->in_len + n;
+		}
+		memmove(c->in + n, c->in, c->in_len);
+		memcpy(c->in, p, n);
+		c->in_len += n;
+	}
+	conn_parse(c);
 }
 
 /* lease_end_cause says why a lease ended without the peer's goodbye, by

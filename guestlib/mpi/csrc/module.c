@@ -59,6 +59,7 @@ struct frag *frag_get(size_t size)
 	f->done = 0;
 	f->where = FRAG_HEAP;
 	f->internal = 0;
+	f->raw = 0;
 	f->rh = NULL;
 	return f;
 }
@@ -121,6 +122,8 @@ static int ring_put(struct mca_btl_base_endpoint_t *ep, struct frag *f)
 {
 	struct conn *c = ep->tx;
 	int err;
+	if (c->relayed)
+		return relay_put(ep, f->hdr.tag, f->seg.seg_addr.pval, f->seg.seg_len);
 	uint16_t pad = shunt_rec_pad(0, f->seg.seg_len);
 	struct shunt_rec *h = shunt_rec_reserve(&c->rr, pad + f->seg.seg_len, &err);
 	if (!h)
@@ -324,7 +327,7 @@ static mca_btl_base_descriptor_t *shunt_prepare_src(struct mca_btl_base_module_t
 	SHUNT_LOCK();
 	struct frag *f;
 	struct conn *c = ep->tx;
-	if (ep->tx_ring && c && !ep->q.head && !c->rr.resv) {
+	if (ep->tx_ring && c && !c->relayed && !ep->q.head && !c->rr.resv) {
 		int err;
 		uint16_t pad = shunt_rec_pad(reserve, *size);
 		struct shunt_rec *h = shunt_rec_reserve(&c->rr, pad + reserve + *size, &err);
@@ -435,7 +438,18 @@ static int shunt_sendi(struct mca_btl_base_module_t *btl, struct mca_btl_base_en
 	SHUNT_LOCK();
 	struct conn *c = ep->tx;
 	int r = OPAL_ERR_OUT_OF_RESOURCE;
-	if (ep->tx_ring && c) {
+	if (ep->tx_ring && c && c->relayed) {
+		/* A relayed ring (relayed.c): the record in a buffer, then copied
+		 * into the ring, if it has room for it now. */
+		struct frag *f;
+		size_t n = psize;
+		if (!ep->q.head && relay_fits(ep, hsize + psize) && (f = frag_get(hsize + psize))) {
+			memcpy(f->buf, header, hsize);
+			if (pack(cv, f->buf + hsize, &n) == 0 && relay_put(ep, tag, f->buf, hsize + n))
+				r = OPAL_SUCCESS;
+			frag_put(f);
+		}
+	} else if (ep->tx_ring && c) {
 		/* The fast path: one record, built in the ring. */
 		int err;
 		struct shunt_rec *h;

@@ -31,13 +31,19 @@ static struct rings *rings_new(void)
 	if (rg)
 		free_rings = rg->next_free;
 	pthread_mutex_unlock(&rings_mu);
-	if (!rg)
-		return calloc(1, sizeof *rg);
+	if (!rg) {
+		if ((rg = calloc(1, sizeof *rg)))
+			rg->resume_fd = -1;
+		return rg;
+	}
 	rg->wleft = rg->rleft = 0;
 	rg->next_free = NULL;
 	__atomic_store_n(&rg->left, 0, __ATOMIC_SEQ_CST);
 	__atomic_store_n(&rg->down, 0, __ATOMIC_SEQ_CST);
 	__atomic_store_n(&rg->peer_gone, 0, __ATOMIC_SEQ_CST);
+	__atomic_store_n(&rg->resumed, 0, __ATOMIC_SEQ_CST);
+	rg->resume_fd = -1;
+	rg->relayed = 0;
 	return rg;
 }
 
@@ -88,9 +94,12 @@ struct rings *writer_leave(struct flow *f, struct rings *rg)
 {
 	if (!rg || rg->wleft)
 		return NULL;
+	int started = f->wring;
 	rg->wleft = 1;
 	f->wring = 0;
 	shunt_ring_leave(&rg->sf.w);
+	if (__atomic_load_n(&rg->resumed, __ATOMIC_SEQ_CST))
+		resume_writer(f, rg, started); /* before LEFT: the ring's bytes are still ours */
 	if (verbose > 1)
 		plog("shunt: fd %d: writer left the ring at %llu", f->fd, (unsigned long long)f->sent);
 	return left(rg, 1);
@@ -102,6 +111,7 @@ struct rings *reader_leave(struct flow *f, struct rings *rg)
 		return NULL;
 	rg->rleft = 1;
 	f->rring = 0;
+	__atomic_store_n(&f->rhold, 0, __ATOMIC_RELAXED);
 	shunt_ring_leave_read(&rg->sf.r);
 	if (verbose > 1)
 		plog("shunt: fd %d: reader left the ring at %llu", f->fd, (unsigned long long)f->roff);
@@ -209,6 +219,7 @@ static void ready(struct flow *f, const struct shunt_msg *m)
 		return;
 	}
 	rg->sf.w.owner = rg->sf.r.owner = &rg->sf;
+	rg->relayed = m->relayed;
 	/* A reader asleep in a blocking kernel recv would not see the ring
 	 * start: the peer must not move before it is back (path.c). */
 	pthread_mutex_lock(&f->rmu);
@@ -246,6 +257,16 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 {
 	if (rg->rleft)
 		return NULL;
+	if (__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST))
+		return reader_leave(f, rg); /* reset by RESUME: nothing more is read */
+	if (shunt_flow_reset(&rg->sf)) {
+		/* The peer's safety net (guard.c) or hostd's revocation reset
+		 * the rings: the connection is reset, on TCP too. Leaving
+		 * without this, a DOWN(peer-gone) from the peer's close had
+		 * the reader take the kernel's FIN as a clean end. */
+		__atomic_store_n(&f->rst, 1, __ATOMIC_SEQ_CST);
+		return reader_leave(f, rg);
+	}
 	if (f->attach_due) {
 		f->attach_due = 0;
 		return reader_leave(f, rg);
@@ -357,7 +378,7 @@ static int leave_idle(void)
 		rings_done(f, done ? done : d);
 		flow_put(f);
 	}
-	return waiting;
+	return waiting + resend_idle();
 }
 
 static void *leaver(void *arg)
@@ -434,8 +455,9 @@ void leaver_wake(void)
 	shunt_futex_wake(&leaver_tick, 1);
 }
 
-/* leaver_kick: a DOWN left a direction behind; the leaver looks again. */
-static void leaver_kick(void)
+/* leaver_kick: a DOWN left a direction behind, or a RESUME a resend;
+ * the leaver looks again. */
+void leaver_kick(void)
 {
 	__atomic_store_n(&leaver_due, 1, __ATOMIC_SEQ_CST);
 	leaver_start();
@@ -447,7 +469,7 @@ static void leaver_kick(void)
  * reader leaves at once if it can (reader_idle_leave), else it drains and
  * leaves when it reads the writer's mark (or, the peer gone, when the ring
  * is empty). Sleepers are woken to see it. */
-static void down(struct flow *f, const struct shunt_msg *m)
+void conn_down(struct flow *f, const struct shunt_msg *m)
 {
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	if (!rg || (m->slot != rg->sf.slot || m->gen != rg->sf.gen || m->region_id != rg->sf.region_id))
@@ -487,8 +509,12 @@ void conn_cb(void *arg, const struct shunt_msg *m)
 		return;
 	if (m->type == SHUNT_READY)
 		ready(f, m);
-	else if (m->type == SHUNT_DOWN)
-		down(f, m);
+	else if (m->type == SHUNT_DOWN) {
+		if (!resume_down(f, m))
+			conn_down(f, m);
+	}
+	else if (m->type == SHUNT_RESUME)
+		resume(f, m);
 	else if (m->type == SHUNT_TCP)
 		plog("shunt: fd %d: tcp (%s)", f->fd, shunt_reason_name(m->reason));
 	flow_put(f);
@@ -511,7 +537,7 @@ void conn_revoked(void *arg, const struct shunt_msg *m)
 		return;
 	struct shunt_msg d = *m;
 	d.type = SHUNT_DOWN;
-	down(f, &d);
+	conn_down(f, &d);
 	flow_put(f);
 }
 

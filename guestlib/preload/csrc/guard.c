@@ -19,6 +19,9 @@
  *     TCP (the peer wrote past its library before it moved to the ring):
  *     the reader's check (path.c).
  *
+ * Not watched: a relayed ring pair (READY's Relayed), whose other guest's
+ * FIN and TCP bytes can outrun the ring bytes the relays carry.
+ *
  * Not seen: a bypassing write while no ring is attached (plain TCP: the
  * bytes are in order anyway), or one whose bytes the reader takes from TCP
  * before any ring starts (they are then part of the stream). The watcher
@@ -69,7 +72,11 @@ static void trip(int ep, int fd)
 	char c;
 	ssize_t pk = on_ring && !f->slen ? real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : -1;
 	int gone = pk == 0 || (pk < 0 && on_ring && !f->slen && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
-	int live = !shunt_ring_writer_left(&rg->sf.r) && !__atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
+	/* Not on a relayed ring: the other guest's FIN, and at a downgrade its
+	 * TCP bytes, outrun the ring bytes the relays carry (the relay marks
+	 * the ring left in any case; resume.c). */
+	int live = !rg->relayed && !shunt_ring_writer_left(&rg->sf.r) &&
+		   !__atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
 	if (gone && live && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST)) {
 		/* The kernel's FIN or RST while the peer's writer is on the ring:
 		 * a live writer leaves the ring before its kernel close, so this

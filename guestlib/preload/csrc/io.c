@@ -274,6 +274,14 @@ INTERPOSE int shutdown(int fd, int how)
 			done = writer_leave(f, rg);
 		pthread_mutex_unlock(&f->wmu);
 		rings_done(f, done);
+		for (;;) { /* a RESUME's resend goes before the FIN (resume.c) */
+			pthread_mutex_lock(&f->wmu);
+			ssize_t k = f->rs_len ? resend_step(f, fd) : 0;
+			pthread_mutex_unlock(&f->wmu);
+			int64_t t = __atomic_load_n(&f->sndtimeo, __ATOMIC_RELAXED);
+			if (k != -EAGAIN || resend_wait(f, fd, t > 0 ? t : -1))
+				break;
+		}
 	}
 	if (how == SHUT_RD || how == SHUT_RDWR) {
 		__atomic_store_n(&f->rd_shut, 1, __ATOMIC_SEQ_CST);

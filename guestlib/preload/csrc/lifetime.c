@@ -54,6 +54,11 @@ struct flow *flow_new(void)
 	__atomic_store_n(&f->ev_armed, 0, __ATOMIC_RELAXED);
 	f->roff = f->sent = 0;
 	f->rring = f->wring = f->winflight = f->rblocked = f->attach_due = 0;
+	f->rs_head = f->rs_len = 0; /* the resend's buffer is kept, as the stash's */
+	f->rhold = 0;
+	f->resent = 0;
+	__atomic_store_n(&f->resending, 0, __ATOMIC_RELAXED);
+	__atomic_store_n(&f->rst, 0, __ATOMIC_RELAXED);
 	f->shead = f->slen = 0;
 	f->seof = 0;
 	f->rbytes[0] = f->rbytes[1] = f->wbytes[0] = f->wbytes[1] = 0;
@@ -133,10 +138,10 @@ static void say_stats(struct flow *f)
 	if (!stats || f->owner != my_pid || __atomic_exchange_n(&f->stats_said, 1, __ATOMIC_ACQ_REL))
 		return;
 	pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
-	      "to the rings: %u reading, %u writing; stashed %u",
+	      "to the rings: %u reading, %u writing; stashed %u; resent %llu",
 	      f->fd, (unsigned long long)f->rbytes[0], (unsigned long long)f->rbytes[1], (unsigned long long)f->roff,
 	      (unsigned long long)f->wbytes[0], (unsigned long long)f->wbytes[1], (unsigned long long)f->sent, f->rswitch,
-	      f->wswitch, f->stashed);
+	      f->wswitch, f->stashed, (unsigned long long)f->resent);
 }
 
 /* release ends a connection nobody uses any more: both directions leave
@@ -203,6 +208,8 @@ void forget(int fd)
 			pthread_mutex_unlock(&f->wmu);
 		}
 		rings_done(f, done);
+		if (__atomic_load_n(&f->resending, __ATOMIC_SEQ_CST))
+			resend_close(f, fd); /* a RESUME's resend before the FIN (resume.c) */
 		flow_wake(f);
 		say_stats(f);
 	}

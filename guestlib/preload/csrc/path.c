@@ -32,7 +32,7 @@
  * spin); a longer SHUNT_SPIN_NS spins the rest without it. */
 #define LOCKED_SPIN_NS 50000
 
-enum { W_NONE, W_KERNEL, W_BOTH, W_RING };
+enum { W_NONE, W_KERNEL, W_BOTH, W_RING, W_RESEND };
 
 static int inherited(struct flow *f)
 {
@@ -181,12 +181,14 @@ static int stash(struct flow *f, const uint8_t *p, size_t n)
 /* to_ring moves the reader to rg's ring (rmu held). The kernel's FIN or
  * RST already there while the ring's writer has not left means the
  * writer died (a live one leaves first): the reader then drains the ring
- * without waiting for its mark (guard.c sees the ones that come later). */
+ * without waiting for its mark (guard.c sees the ones that come later).
+ * Not on a relayed ring: the relay writes it, and the other guest's FIN
+ * outruns its ring bytes; the relay marks the ring left in any case. */
 static void to_ring(struct flow *f, int fd, struct rings *rg)
 {
 	f->rring = 1;
 	f->rswitch++;
-	if (shunt_ring_writer_left(&rg->sf.r))
+	if (shunt_ring_writer_left(&rg->sf.r) || rg->relayed)
 		return;
 	char c;
 	int e = errno;
@@ -194,6 +196,45 @@ static void to_ring(struct flow *f, int fd, struct rings *rg)
 	if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
 		__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
 	errno = e;
+}
+
+/* RELAY_HOLD_NS bounds how long a relayed ring's reader holds a kernel
+ * EOF or error (Go: relayedEOFWait): the relays end every stretch by
+ * marking the ring left, within their resume timeout (60 s). */
+#define RELAY_HOLD_NS 65000000000LL
+
+/* relay_holds: the kernel reported the peer's FIN or RST while rg's read
+ * ring, which the relay writes, has neither started nor been left (rmu
+ * held). The other guest wrote its last bytes into its ring before it
+ * closed, but they cross the relays, slower than the kernel's FIN: so
+ * the reader holds the EOF (f->seof, after the ring's stretch if it
+ * starts) and waits on the ring, for at most RELAY_HOLD_NS. */
+static int relay_holds(struct flow *f, struct rings *rg)
+{
+	uint64_t start;
+	if (!rg->relayed || shunt_ring_started(&rg->sf.r, &start) || shunt_ring_writer_left(&rg->sf.r) ||
+	    __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST))
+		return 0;
+	int64_t now = now_ns();
+	if (!f->rhold)
+		__atomic_store_n(&f->rhold, now + RELAY_HOLD_NS, __ATOMIC_RELAXED);
+	return now < f->rhold;
+}
+
+/* relay_eof: a blocking kernel recv came back with the peer's EOF or an
+ * error (k) while READY gave the connection a relayed ring meanwhile,
+ * which the reader has now marked attached: the other guest's bytes may
+ * already be on their way into it (its relay attached to its writer's
+ * ring at once), so the EOF is held for the ring as in read_step (rmu
+ * held). 1 if held. */
+static int relay_eof(struct flow *f, ssize_t k, int peek)
+{
+	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+	if (k > 0 || k == -EAGAIN || k == -EWOULDBLOCK || k == -EINTR || !rg || rg->rleft || !relay_holds(f, rg))
+		return 0;
+	if (!peek)
+		f->seof = k ? (int)k : 1;
+	return 1;
 }
 
 /* read_step moves what it can without blocking (rmu held): bytes, 0 at
@@ -204,6 +245,8 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 	int peek = (flags & MSG_PEEK) != 0;
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	*wait = W_NONE;
+	if (__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST))
+		return -ECONNRESET; /* RESUME reset the connection (resume.c) */
 	for (;;) {
 		if (f->rring && rg) {
 			struct shunt_ring *r = &rg->sf.r;
@@ -268,12 +311,18 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 			*wait = att ? W_BOTH : W_KERNEL;
 			return k;
 		}
+		if (att && k <= 0 && relay_holds(f, rg)) {
+			if (kernel && !peek)
+				f->seof = k ? (int)k : 1; /* after the ring's stretch, if it starts */
+			*wait = W_RING;
+			return -EAGAIN;
+		}
 		if (att && kernel && shunt_ring_started(&rg->sf.r, &start)) {
 			/* The writer moved to the ring meanwhile. */
 			if (k <= 0) { /* EOF or error after the ring's stretch */
 				if (!peek)
 					f->seof = k ? (int)k : 1;
-				if (!shunt_ring_writer_left(&rg->sf.r)) /* a live writer leaves first: it died (guard.c) */
+				if (!shunt_ring_writer_left(&rg->sf.r) && !rg->relayed) /* a live writer leaves first: it died (guard.c) */
 					__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
 				if (f->roff == start)
 					to_ring(f, fd, rg);
@@ -329,6 +378,10 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 {
 	if (inherited(f))
 		return -1;
+	if (__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST)) {
+		errno = ECONNRESET; /* RESUME reset the connection (resume.c) */
+		return -1;
+	}
 	share_io(f);
 	int nb = f->nonblock || (flags & MSG_DONTWAIT), peek = (flags & MSG_PEEK) != 0;
 	int all = (flags & MSG_WAITALL) && !peek && !nb;
@@ -348,6 +401,10 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 				k = kernel_recv(f, fd, buf, n, flags);
 				if (k > 0)
 					got += k;
+				if (relay_eof(f, k, peek)) {
+					k = -EAGAIN, wait = W_RING, rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+					break;
+				}
 				final = 1;
 				break;
 			}
@@ -368,6 +425,10 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 				k = kernel_recv(f, fd, (uint8_t *)buf + got, n - got, flags);
 				if (k > 0)
 					got += k;
+				if (relay_eof(f, k, peek)) {
+					k = -EAGAIN, wait = W_RING, rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+					break;
+				}
 				final = 1;
 				break;
 			}
@@ -422,12 +483,15 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 /* write_step writes what the ring takes now, or says to go to the kernel
  * (W_KERNEL), with wmu held. */
 /* writer_moves starts the ring when the writer may (wmu held): on TCP, no
- * kernel send under way, a ring whose reader attached, no DOWN. It
- * returns whether the writer is on the ring; after DOWN it leaves it. */
+ * kernel send under way, no RESUME resend waiting, a ring whose reader
+ * attached, no DOWN. It returns whether the writer is on the ring; after
+ * DOWN it leaves it. */
 static int writer_moves(struct flow *f, struct rings *rg, struct rings **done)
 {
-	if (!f->wring && rg && !rg->wleft && !f->winflight && !__atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) &&
+	if (!f->wring && rg && !rg->wleft && !f->winflight && !f->rs_len && !__atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) &&
 	    !__atomic_load_n(&f->wr_shut, __ATOMIC_SEQ_CST) && shunt_ring_reader_attached(&rg->sf.w)) {
+		f->wstart = f->sent;
+		f->wtail0 = rg->sf.w.own;
 		shunt_ring_start(&rg->sf.w, f->sent);
 		f->wring = 1;
 		f->wswitch++;
@@ -447,11 +511,14 @@ int conn_tcp_begin(struct flow *f)
 	share_io(f);
 	pthread_mutex_lock(&f->wmu);
 	int ring = writer_moves(f, __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), &done);
-	if (!ring)
+	/* A resend waiting (or a reset): the copying path, conn_send, deals
+	 * with it first. */
+	int tcp = !ring && !f->rs_len && !__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST);
+	if (tcp)
 		f->winflight++;
 	pthread_mutex_unlock(&f->wmu);
 	rings_done(f, done);
-	return !ring;
+	return tcp;
 }
 
 void conn_tcp_end(struct flow *f, ssize_t k)
@@ -465,13 +532,21 @@ void conn_tcp_end(struct flow *f, ssize_t k)
 	pthread_mutex_unlock(&f->wmu);
 }
 
-static ssize_t write_step(struct flow *f, const uint8_t *buf, size_t n, int *wait, struct rings **done)
+static ssize_t write_step(struct flow *f, int fd, const uint8_t *buf, size_t n, int *wait, struct rings **done)
 {
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	*wait = W_NONE;
+	if (__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST))
+		return -ECONNRESET; /* RESUME reset the connection (resume.c) */
 	writer_moves(f, rg, done);
 	for (;;) {
 		if (!f->wring || !rg) {
+			/* On TCP: a RESUME's resend goes before any new byte. */
+			ssize_t k = f->rs_len ? resend_step(f, fd) : 0;
+			if (k < 0) {
+				*wait = k == -EAGAIN ? W_RESEND : W_NONE;
+				return k;
+			}
 			*wait = W_KERNEL;
 			return -EAGAIN;
 		}
@@ -511,7 +586,7 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 		ssize_t k;
 		pthread_mutex_lock(&f->wmu);
 		for (;;) {
-			k = write_step(f, (const uint8_t *)buf + put, n - put, &wait, &done);
+			k = write_step(f, fd, (const uint8_t *)buf + put, n - put, &wait, &done);
 			rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 			if (k > 0) {
 				put += k;
@@ -561,7 +636,11 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 			err = put ? 0 : EAGAIN;
 			break;
 		}
-		if ((err = ring_sleep(f, &rg->sf.w, 0, deadline)))
+		if (wait == W_RESEND)
+			err = resend_wait(f, fd, left_ns(f, 0, deadline));
+		else
+			err = ring_sleep(f, &rg->sf.w, 0, deadline);
+		if (err)
 			break;
 	}
 	if (verbose > 1)

@@ -197,6 +197,7 @@ __attribute__((constructor)) static void init(void)
 		.log = verbose ? session_log : NULL,
 		.revoked = conn_revoked,
 		.conn = conn_cb,
+		.caps = SHUNT_CAP_RESUME, /* resume.c */
 		.holds = conn_holds,
 		.announce = conn_announce,
 	};

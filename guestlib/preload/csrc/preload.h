@@ -13,6 +13,7 @@
  *   lifetime.c  close, dup, fcntl, ioctl, exec, exit
  *   raw.c       what changes an fd past those: syscall(SYS_close, ...),
  *               close_range, closefrom; vfork; children sharing memory
+ *   resume.c    RESUME (relayed flows): resend ring bytes on TCP, or reset
  *   fork.c      fork: which connections each process keeps
  *   share.c     a young connection several processes hold after a fork
  *   guard.c     the safety net (bytes on a flow's kernel socket) and
@@ -46,7 +47,8 @@
  * after tab_mu when both are held (fork). idx_mu (open.c: the open queue
  * and the request-id index) comes after them; free_mu (freed flows,
  * lifetime.c), rings_mu (conn.c) and guard_mu (guard.c) are leaves but for
- * the session. The core's session lock is innermost: messages are sent
+ * the session. resume.c takes tab_mu alone (a dup of a connection's fd)
+ * and, in the leaver, tab_mu then a connection's wmu (a resend). The core's session lock is innermost: messages are sent
  * under tab_mu, a flow's wmu or idx_mu, and the session calls back without
  * its lock. fork: fork.c's atfork handlers take every lock above (ep_mu
  * and the sets, tab_mu, each connection's rmu and wmu, idx_mu, free_mu,
@@ -162,6 +164,10 @@ struct rings {
 	int left;       /* atomic: 1 writer left, 2 reader left: LEFT when both */
 	int down;       /* atomic: DOWN came */
 	int peer_gone;  /* atomic: DOWN(peer-gone): the reader drains and leaves without the writer's mark */
+	int resumed;    /* atomic: the DOWN is a RESUME (resume.c): the writer resends from resume_at */
+	uint64_t resume_at;
+	int resume_fd;  /* while RESUME is handled: a dup of the connection's socket, to reset it (or -1) */
+	int relayed;    /* READY's Relayed: the other end is the relay to a peer host (path.c, relay_holds) */
 	struct rings *next_free;
 };
 
@@ -221,11 +227,22 @@ struct flow {
 	size_t shead, slen, scap;
 	int seof;       /* a kernel EOF (1) or error (-errno) seen while a ring held a stretch */
 	int rblocked;   /* readers asleep in a blocking kernel recv (no rings then) */
+	int64_t rhold;  /* a relayed ring's reader holds a kernel EOF or error until this (ns; 0: none; path.c) */
 	int attach_due; /* READY came while rblocked: the reader marks the ring attached when back */
 	/* The writer, under wmu. */
 	uint64_t sent;  /* stream offset of the next byte written */
 	int wring;      /* writing the ring */
 	int winflight;  /* kernel sends under way without wmu: no ring starts meanwhile */
+	uint64_t wstart, wtail0; /* where the writer started its ring: stream offset, ring bytes written before */
+	/* RESUME's ring bytes to send on TCP before any new byte (resume.c);
+	 * no ring starts while they wait. resending: rs_len > 0 (atomic, for
+	 * the leaver); rst: RESUME, or rings found reset at a DOWN (conn.c),
+	 * reset the connection (atomic): reads and
+	 * writes fail with ECONNRESET. */
+	uint8_t *resend;
+	size_t rs_head, rs_len, rs_cap;
+	uint64_t resent;
+	int resending, rst;
 	/* Bytes per path, for SHUNT_STATS (0 TCP, 1 ring); under rmu / wmu. */
 	uint64_t rbytes[2], wbytes[2];
 	unsigned rswitch, wswitch, stashed; /* moves to a ring per direction; stash uses */
@@ -324,6 +341,24 @@ void flow_wake(struct flow *f);
  * the reader (rmu held). Each returns the rings to give back with
  * rings_done after the lock is let go (both directions left), or NULL. */
 struct rings *writer_leave(struct flow *f, struct rings *rg);
+/* conn_down is hostd's DOWN for f; leaver_kick has the leaver look at
+ * the connections again (a direction left behind, a resend waiting). */
+void conn_down(struct flow *f, const struct shunt_msg *m);
+void leaver_kick(void);
+/* resume.c: RESUME for f (from conn_cb); resume_writer computes the
+ * resend as the writer leaves (wmu held); resend_step sends what the
+ * kernel takes now (wmu held): 0 all sent, -EAGAIN, or -errno;
+ * resend_wait sleeps until fd is writable (0, EAGAIN, EINTR); resend_idle
+ * is the leaver's: how many resends still wait. */
+void resume(struct flow *f, const struct shunt_msg *m);
+int resume_down(struct flow *f, const struct shunt_msg *m);
+void resume_writer(struct flow *f, struct rings *rg, int started);
+ssize_t resend_step(struct flow *f, int fd);
+int resend_wait(struct flow *f, int fd, int64_t left);
+int resend_idle(void);
+/* resend_close: before the kernel close of a connection's last fd, what
+ * waits of its resend goes out (bounded; lifetime.c, forget). */
+void resend_close(struct flow *f, int fd);
 struct rings *reader_leave(struct flow *f, struct rings *rg);
 void rings_done(struct flow *f, struct rings *rg);
 void rings_free(struct rings *rg);
@@ -339,7 +374,7 @@ ssize_t conn_buffered(struct flow *f, int fd);
 /* A kernel call that writes to the connection's socket itself (sendfile,
  * splice): conn_tcp_begin returns 1 if the writer is on TCP, and then
  * conn_tcp_end(f, bytes written) must follow; 0 if it is on the ring. */
-int conn_tcp_begin(struct flow *f);
+int conn_tcp_begin(struct flow *f);  /* 0 too while a RESUME's resend waits: it goes first (conn_send) */
 void conn_tcp_end(struct flow *f, ssize_t k);
 void flow_timeouts(int fd, struct flow *f);
 

@@ -330,6 +330,16 @@ short conn_kernel_events(struct flow *f, short ev)
  * socket's revents for conn_kernel_events (-1: ask it now). The reader's
  * and writer's state is read without their locks: a stale view only makes
  * the caller look again. */
+/* held: f's reader holds a kernel EOF for rg's relayed ring, which has
+ * neither started nor been left (path.c, relay_holds): nothing to read. */
+static int held(struct flow *f, struct rings *rg)
+{
+	uint64_t start;
+	int64_t until = __atomic_load_n(&f->rhold, __ATOMIC_RELAXED);
+	return until && rg && rg->relayed && !__atomic_load_n(&f->slen, __ATOMIC_RELAXED) && !shunt_ring_started(&rg->sf.r, &start) &&
+	       !shunt_ring_writer_left(&rg->sf.r) && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST) && now_ns() < until;
+}
+
 short fast_events(struct flow *f, int fd, short ev, short kev)
 {
 	if (kev < 0) {
@@ -348,12 +358,14 @@ short fast_events(struct flow *f, int fd, short ev, short kev)
 			r |= shunt_ring_ready(&rg->sf.r, 1) || __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST) ? POLLIN : 0;
 		else if (started && __atomic_load_n(&f->roff, __ATOMIC_RELAXED) == start)
 			r |= shunt_ring_ready(&rg->sf.r, 1) ? POLLIN : 0; /* the next read moves to the ring */
+		else if (held(f, rg))
+			; /* a relayed ring's reader holds the kernel's EOF for the ring (path.c) */
 		else if (__atomic_load_n(&f->slen, __ATOMIC_RELAXED) || __atomic_load_n(&f->seof, __ATOMIC_RELAXED))
 			r |= POLLIN;
 		else
 			r |= kev & POLLIN;
 		/* The peer's FIN counts once its ring's bytes are read. */
-		if (!rring && !started)
+		if (!rring && !started && !held(f, rg))
 			r |= kev & ev & POLLRDHUP;
 	}
 	if (ev & POLLOUT) {

@@ -1,0 +1,131 @@
+package guestlib
+
+import (
+	"os"
+	"time"
+
+	"github.com/shuntnet/shunt/guestlib/vstretch"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
+	"github.com/shuntnet/shunt/shm/ring"
+)
+
+// A VM without a Shunt ivshmem device cannot map its flows' regions:
+// hostd hands it a pair region it has no descriptor for (REGION without
+// one), then READY. The library then carries the flow's stretch over
+// vsock (docs/vsock.md, "The data path over vsock"): rings of its own,
+// and a bridge between them and an AF_VSOCK stream to hostd, which
+// bridges the stream to the flow's real rings. The Conn reads and writes
+// those rings exactly as a region's, so the switching (offsets, DOWN,
+// LEFT, TCP whenever anything is missing) is the same code.
+
+// stretchDrain bounds how long a Close or CloseWrite waits for the host
+// to take the write ring's last bytes (see drainStretch).
+const stretchDrain = 10 * time.Second
+
+// stretchEnd bounds how long a released flow's bridge may take to carry
+// the last bytes of its rings to the host before the stretch is closed.
+const stretchEnd = time.Minute
+
+// stretches reports whether flows of regions this client cannot map go
+// over vsock: Options.Vsock or $SHUNT_VSOCK=1 (docs/vsock.md, "Wiring").
+func (c *Client) stretches() bool {
+	return c.opts.Vsock || os.Getenv("SHUNT_VSOCK") == "1"
+}
+
+// attachStretch is attach for a flow over vsock: it opens the stretch
+// (a stream to the host, whose device answers at once: this blocks the
+// control reader for a connect, no longer) and attaches the Conn's ends
+// to its rings. An error gives the READY back (Client.ready: LEFT), and
+// the connection stays on TCP.
+func (c *Client) attachStretch(m proto.Msg) (*flow, error) {
+	conn, err := vstretch.Dial(relay.VsockPort)
+	if err != nil {
+		return nil, err
+	}
+	p := c.opts.Wait // the bridge is in this process: futexes, not KICKs
+	s, err := vstretch.Open(conn, relay.Hello{Region: m.RegionID, Slot: m.Slot, Gen: m.Gen}, int(m.Capacity), p)
+	if err != nil {
+		return nil, err
+	}
+	f := &flow{key: keyOf(m), side: m.Side, relayed: m.Relayed, stretch: s, client: c}
+	if f.w, err = ring.NewWriter(s.W, p); err == nil {
+		f.rd, err = ring.NewReader(s.R, p)
+	}
+	if err != nil {
+		s.Close()
+		return nil, err
+	}
+	c.logf("shunt: rings %d/%d.%d over vsock", m.RegionID, m.Slot, m.Gen)
+	return f, nil
+}
+
+// endStretch closes a released flow's stretch once its bridge carried
+// the rings' last bytes and marks to the host (both directions left), or
+// after stretchEnd.
+func (f *flow) endStretch() {
+	s := f.stretch
+	if s == nil {
+		return
+	}
+	go func() {
+		select {
+		case <-s.Done():
+		case <-time.After(stretchEnd):
+		}
+		s.Close()
+	}()
+}
+
+// peerGoneAfterStretch is DOWN(peer-gone) for stretch flow f: the reader
+// may leave its ring once empty, without the writer's leave, only after
+// the bridge, the ring's writer here, stopped: until then the other end's
+// last bytes may still be on their way from the host (hostd stops its
+// bridge once they are in, and sends this DOWN after, but a DOWN that
+// came before the stretch was bridged cannot know). At most stretchEnd.
+func (f *flow) peerGoneAfterStretch(c *Conn) {
+	go func() {
+		select {
+		case <-f.stretch.Done():
+		case <-time.After(stretchEnd):
+		}
+		f.peerGone.Store(true)
+		if f.rLeft.Load() {
+			return // left already (then the rings may be unmapped)
+		}
+		f.rd.Interrupt()
+		if !c.tryLeave(f) {
+			c.startLeaver()
+		}
+	}()
+}
+
+// stretchOf is the flow whose write ring a Close or CloseWrite is about
+// to leave, if it is a stretch's (for drainStretch). For writeMu's holder.
+func (c *Conn) stretchOf() *flow {
+	f := c.wf
+	if f == nil {
+		f = c.cur.Load()
+	}
+	if f == nil || f.stretch == nil {
+		return nil
+	}
+	return f
+}
+
+// drainStretch waits, once the writer left stretch flow f's write ring
+// (a Close or CloseWrite), until the bridge carried the ring's last bytes
+// to the host, at most stretchDrain: in a region the bytes would outlive
+// this process, here they are in its memory, and the kernel's FIN must
+// not overtake them.
+func (c *Conn) drainStretch(f *flow) {
+	if f == nil || !f.wLeft.Load() {
+		return
+	}
+	select {
+	case <-f.stretch.InDone():
+		c.client.logf("shunt: %s -> %s: the host took the write ring's last bytes (%+v, %v)", c.local, c.remote, f.stretch.Stats(), f.stretch.Err())
+	case <-time.After(stretchDrain):
+		c.client.logf("shunt: %s -> %s: the host took no more of the write ring's bytes for %v; closing anyway (%+v, %v)", c.local, c.remote, stretchDrain, f.stretch.Stats(), f.stretch.Err())
+	}
+}
