@@ -341,6 +341,21 @@ func staleStops(t *testing.T, e *env, port int, cut, heal func()) {
 	backOnRings(t, c, s, ab, ba)
 }
 
+// epochsSettled waits until hostd has taken in the ruleset events of the
+// test's own setup (its epoch counter still for a second), so that
+// staleStops' "no epoch from the cut" is not about them.
+func (e *env) epochsSettled(t *testing.T) {
+	t.Helper()
+	last, still := e.counter("shunt_firewall_epochs_total"), time.Now()
+	eventually(t, 15*time.Second, "hostd's firewall epochs settled after the test's nft setup", func() bool {
+		time.Sleep(100 * time.Millisecond)
+		if n := e.counter("shunt_firewall_epochs_total"); n != last {
+			last, still = n, time.Now()
+		}
+		return time.Since(still) >= time.Second
+	})
+}
+
 // TestFirewallLinkDown: the guest's host-side interface goes down (no
 // nftables event): its connection leaves the rings within the sweep's
 // bound, moves nothing while the link is down, and returns once it is up.
@@ -364,7 +379,11 @@ func TestFirewallDynamicSet(t *testing.T) {
 	e.hostCmd("nft", "add set inet shunt_test_ban banned { type ipv4_addr; flags dynamic; }")
 	e.hostCmd("nft", "add chain inet shunt_test_ban fw { type filter hook forward priority -5 ; }")
 	e.hostCmd("nft", "add rule inet shunt_test_ban fw tcp dport 9 add @banned { ip saddr } drop")
+	// Both ways: with only its source banned, g1 still takes in what g2
+	// sends (a window's worth, unacknowledged), so bytes would cross.
 	e.hostCmd("nft", "add rule inet shunt_test_ban fw ip saddr @banned drop")
+	e.hostCmd("nft", "add rule inet shunt_test_ban fw ip daddr @banned drop")
+	e.epochsSettled(t)
 	staleStops(t, e, 5255,
 		func() {
 			// A packet to the trap port: its SYN adds g1 to the set.

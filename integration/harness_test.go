@@ -168,11 +168,7 @@ func (e *env) flows() []broker.FlowInfo {
 
 func (e *env) counter(key string) float64 {
 	e.t.Helper()
-	var cs map[string]float64
-	if err := admin.Call(e.Admin, admin.Request{Cmd: "counters"}, &cs); err != nil {
-		e.t.Fatalf("hostd counters: %v", err)
-	}
-	return cs[key]
+	return hostdCounter(e.t, e, key)
 }
 
 // eventually polls cond every 10 ms until it holds or the bound passes.

@@ -3,6 +3,7 @@ package integration
 import (
 	"encoding/binary"
 	"fmt"
+	"github.com/shuntnet/shunt/hostd/config"
 	"hash/crc32"
 	"io"
 	"net"
@@ -341,8 +342,10 @@ func TestHostilePairRegionUnreachable(t *testing.T) {
 // as guest-quota; the honest guests keep the fast path for old and new
 // connections. Once it closes its flows, it gets the fast path again.
 func TestHostileQuota(t *testing.T) {
-	// A 32 MiB region holds 15 flows of 1 MiB rings; the default quota,
-	// 8 MiB per guest, is 3 of them.
+	// A 32 MiB region holds 15 flows of 1 MiB rings; the default quota
+	// (room for one flow of the largest rule's ring and DefaultFloorFlows
+	// more of the default: 4 flows here, a little over a quarter of the
+	// region) is 4 of them.
 	e := rgEnv(t, 3, true, "  pair_slots = 64\n")
 	_, stop := e.rgSteady(t, 3, 2, 7500)
 	var fast, quota int
@@ -359,14 +362,14 @@ func TestHostileQuota(t *testing.T) {
 			t.Fatalf("attacker's connection %d: %s", i, p)
 		}
 	}
-	if fast != 3 || quota != 17 {
-		t.Fatalf("attacker got %d fast and %d guest-quota connections, want 3 and 17", fast, quota)
+	if fast != 1+config.DefaultFloorFlows || quota != 20-fast {
+		t.Fatalf("attacker got %d fast and %d guest-quota connections, want %d and %d", fast, quota, 1+config.DefaultFloorFlows, 19-config.DefaultFloorFlows)
 	}
 	for i := range 4 {
 		e.rgRoundTrip(t, 3, 2, 7502+i)
 	}
-	if got := e.counter("shunt_fallbacks_total{reason=guest-quota}"); got != 17 {
-		t.Fatalf("guest-quota fallbacks: %v, want 17 (once per connection)", got)
+	if got := e.counter("shunt_fallbacks_total{reason=guest-quota}"); got != float64(quota) {
+		t.Fatalf("guest-quota fallbacks: %v, want %d (once per connection)", got, quota)
 	}
 	if got := e.counter("shunt_fallbacks_total{reason=no-space}"); got != 0 {
 		t.Fatalf("no-space fallbacks: %v, want 0", got)

@@ -8,7 +8,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"regexp"
 	"sort"
 	"strconv"
 	"strings"
@@ -18,6 +17,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/integration/mpirig"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/integration/vm"
 	"github.com/shuntnet/shunt/internal/testenv"
@@ -50,19 +50,9 @@ func needBTL(t testing.TB) string {
 	testenv.NeedTool(t, "mpirun", "openmpi-bin")
 	btlBuild.Do(func() {
 		dir := filepath.Join(filepath.Dir(hostdBin), "btl")
-		if btlBuild.err = os.MkdirAll(dir, 0o755); btlBuild.err != nil {
-			return
+		if btlBuild.err = mpirig.Build("..", dir, "btlcheck", "mpibench", "stencil"); btlBuild.err == nil {
+			btlBuild.dir = dir
 		}
-		if btlBuild.err = makeC(dir, "mpi"); btlBuild.err != nil {
-			return
-		}
-		for _, p := range []string{"btlcheck", "mpibench", "stencil"} {
-			if out, err := exec.Command("mpicc", "-O2", "-o", filepath.Join(dir, p), "mpi/"+p+".c").CombinedOutput(); err != nil {
-				btlBuild.err = fmt.Errorf("mpicc %s: %w\n%s", p, err, out)
-				return
-			}
-		}
-		btlBuild.dir = dir
 	})
 	if btlBuild.err != nil {
 		testenv.Missing(t, "cannot build btl/shunt: "+btlBuild.err.Error(), "apt-get install make gcc libopenmpi-dev openmpi-bin")
@@ -107,17 +97,6 @@ func (l *lockedBuffer) String() string {
 	return l.b.String()
 }
 
-// sysComponents is Open MPI's own component directory, which stays first in
-// mca_component_path.
-func sysComponents() string {
-	out, _ := exec.Command("ompi_info", "--parsable", "--level", "9", "--param", "mca", "base").Output()
-	m := regexp.MustCompile(`(?m)^mca:mca:base:param:mca_base_component_path:value:"?([^":\n]+)`).FindSubmatch(out)
-	if m == nil {
-		return "/usr/lib/x86_64-linux-gnu/openmpi/lib/openmpi3"
-	}
-	return string(m[1])
-}
-
 // startMPI starts j with mpirun in the rig's host namespace; orted runs in
 // each guest's namespace with that guest's SHUNT_CONTROL.
 func (e *env) startMPI(t testing.TB, j mpiJob) *mpiRun {
@@ -132,29 +111,17 @@ func (e *env) startMPI(t testing.TB, j mpiJob) *mpiRun {
 	if j.timeout == 0 {
 		j.timeout = 2 * time.Minute
 	}
-	tmp := t.TempDir()
-	rsh := filepath.Join(tmp, "rsh")
-	var cases strings.Builder
+	var guests []mpirig.Guest
 	for _, g := range e.rig.Guests {
-		// The guests share the machine's name, /tmp and /dev/shm: vader's
-		// segment files (named by host and local rank) and ORTE's session
-		// directory (two orteds creating it at once race) need a
-		// directory per guest, as separate machines would have.
-		shm, sess := filepath.Join(tmp, "shm-"+g.Name), filepath.Join(tmp, "session-"+g.Name)
-		for _, d := range []string{shm, sess} {
-			if err := os.MkdirAll(d, 0o755); err != nil {
-				t.Fatal(err)
-			}
-		}
-		fmt.Fprintf(&cases, "%s) ns=%s; ctl=%s; shm=%s; sess=%s ;;\n", g.Addr, g.NS, e.control(g), shm, sess)
+		guests = append(guests, mpirig.Guest{Addr: g.Addr.String(), NS: g.NS, Control: e.control(g)})
 	}
 	preload := ""
 	if j.preload {
 		needPreload(t)
 		preload = "LD_PRELOAD=" + preloadLib + " SHUNT_VERBOSE=1"
 	}
-	script := fmt.Sprintf("#!/bin/sh\n# plm_rsh_agent: rsh HOST CMD -> CMD in that guest's namespace\nhost=$1; shift\ncase $host in\n%s*) echo \"unknown host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec $ns env SHUNT_CONTROL=$ctl OMPI_MCA_btl_vader_backing_directory=$shm OMPI_MCA_orte_tmpdir_base=$sess %s sh -c \"$*\"\n", cases.String(), preload)
-	if err := os.WriteFile(rsh, []byte(script), 0o755); err != nil {
+	rsh, err := mpirig.WriteAgent(t.TempDir(), guests, preload)
+	if err != nil {
 		t.Fatal(err)
 	}
 	g1, g2 := e.rig.Guests[0].Addr, e.rig.Guests[1].Addr
@@ -168,7 +135,7 @@ func (e *env) startMPI(t testing.TB, j mpiJob) *mpiRun {
 		// Two orteds on one machine: no hwloc shared-memory topology
 		// (it crashes when both map it), no binding.
 		{"rtc", "^hwloc"},
-		{"mca_component_path", sysComponents() + ":" + dir},
+		{"mca_component_path", mpirig.SysComponents() + ":" + dir},
 		{"btl_shunt_if_include", "10.77.0.0/16"}, {"btl_shunt_port_min", "7800"}, {"btl_shunt_port_max", "7899"},
 		{"btl_shunt_verbose", "1"}}
 	for i := 0; i+1 < len(j.mca); i += 2 {
@@ -720,7 +687,7 @@ func TestVMMPIBTL(t *testing.T) {
 	args := []string{"--allow-run-as-root", "-np", "2", "--host", a1.String() + ":1," + a2.String() + ":1",
 		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", rsh, "--mca", "pml", "ob1", "--mca", "btl", "self,vader,shunt",
 		"--mca", "oob_tcp_if_include", "10.77.0.0/16", "--mca", "rtc", "^hwloc", "--bind-to", "none",
-		"--mca", "mca_component_path", sysComponents() + ":" + dir,
+		"--mca", "mca_component_path", mpirig.SysComponents() + ":" + dir,
 		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
 		prog, "-m", "262144"}
 	var out string

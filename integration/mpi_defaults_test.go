@@ -12,8 +12,9 @@ import (
 // TestMPIBTLDefaults: jobs with hostd's defaults, as a user who follows
 // docs/mpi.md has them (no pair_region_size, guest_ring_bytes or
 // guest_flows in the trust group; the rig's roomy ones are not set),
-// with no policy rule (1 MiB rings) and with the 4 MiB rule docs/mpi.md
-// gives: at 2 and at 4 ranks every direction between the guests takes a
+// with no policy rule (1 MiB rings), with the 4 MiB rule docs/mpi.md
+// gives, and with a 32 MiB rule (larger than the defaults hold for every
+// lease: the rest get the default ring): at 2 and at 4 ranks every direction between the guests takes a
 // ring (none says no-space, and hostd counts one first switch to the rings per direction), and a job
 // that ends well prints nothing at btl_shunt_verbose 0 (no "ring ended
 // ... (peer-gone)" as the first rank leaves).
@@ -24,6 +25,9 @@ func TestMPIBTLDefaults(t *testing.T) {
 	for _, c := range []struct{ name, policy string }{
 		{"default-ring", ""},
 		{"mpi-rule-4MiB", mpiRingPolicy},
+		// Rings larger than the defaults hold: the first leases get them,
+		// the rest the default ring (hostd/broker/ringsize.go).
+		{"mpi-rule-32MiB", strings.Replace(mpiRingPolicy, `"4MiB"`, `"32MiB"`, 1)},
 	} {
 		t.Run(c.name, func(t *testing.T) {
 			e := startEnv(t, "d", stack.Options{Guests: 2, HostdBin: hostdBin, Policy: c.policy, Group: "  # hostd's defaults\n"})
@@ -44,7 +48,10 @@ func TestMPIBTLDefaults(t *testing.T) {
 						t.Fatalf("%d ranks: a job that ended well printed %q at verbosity 0\n%s", np, bad, out)
 					}
 				}
-				t.Logf("%d ranks: %d flows on rings", np, flows)
+				t.Logf("%d ranks: %d flows on rings; %v given the default ring so far", np, flows, e.counter("shunt_ring_floor_total"))
+			}
+			if floor := e.counter("shunt_ring_floor_total"); (c.name == "mpi-rule-32MiB") != (floor > 0) {
+				t.Fatalf("hostd gave %v flows the default ring instead of the rule's: want some only with 32 MiB rings, which the defaults cannot hold for every lease", floor)
 			}
 		})
 	}

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"encoding/json"
 	"fmt"
+	"github.com/shuntnet/shunt/internal/edgegen"
 	"os"
 	"os/exec"
 	"path/filepath"
@@ -32,34 +33,6 @@ func buildEdgeSwitch(t *testing.T) string {
 		testenv.Missing(t, "cannot build the edge suite: "+err.Error(), "apt-get install make gcc libc6-dev")
 	}
 	return edge
-}
-
-// streamGen is edge_switch.c's stream: byte i of direction dir of seed.
-type streamGen struct {
-	s    uint64
-	b    [8]byte
-	have int
-}
-
-func newStreamGen(seed uint64, dir int) *streamGen {
-	return &streamGen{s: seed*0x9e3779b97f4a7c15 + uint64(dir)*0xbf58476d1ce4e5b9 + 1}
-}
-
-func (g *streamGen) fill(p []byte) {
-	for i := range p {
-		if g.have == 0 {
-			g.s ^= g.s >> 12
-			g.s ^= g.s << 25
-			g.s ^= g.s >> 27
-			v := g.s * 0x2545f4914f6cdd1d
-			for j := range g.b {
-				g.b[j] = byte(v >> (8 * j))
-			}
-			g.have = 8
-		}
-		p[i] = g.b[8-g.have]
-		g.have--
-	}
 }
 
 var switchStats = regexp.MustCompile(`stats: read (\d+) tcp \+ (\d+) ring = (\d+), wrote (\d+) tcp \+ (\d+) ring = (\d+)`)
@@ -217,10 +190,10 @@ func TestPreloadSwitch(t *testing.T) {
 		fmt.Fprintf(c, "stream %d %d\n", seed, n)
 		werr := make(chan error, 1)
 		go func() {
-			g, buf, left := newStreamGen(seed, 0), make([]byte, 300000), n
+			g, buf, left := edgegen.New(seed, 0), make([]byte, 300000), n
 			for k := 1; left > 0; k = k*7%300000 + 1 {
 				m := min(k, left)
-				g.fill(buf[:m])
+				g.Fill(buf[:m])
 				if _, err := c.Write(buf[:m]); err != nil {
 					werr <- err
 					return
@@ -230,10 +203,10 @@ func TestPreloadSwitch(t *testing.T) {
 			werr <- c.CloseWrite()
 		}()
 		c.SetReadDeadline(time.Now().Add(2 * time.Minute))
-		g, buf, want, got := newStreamGen(seed, 1), make([]byte, 65536), make([]byte, 65536), 0
+		g, buf, want, got := edgegen.New(seed, 1), make([]byte, 65536), make([]byte, 65536), 0
 		for {
 			k, err := c.Read(buf)
-			g.fill(want[:k])
+			g.Fill(want[:k])
 			if !bytes.Equal(buf[:k], want[:k]) {
 				failf(t, "the Go end read wrong bytes at %d", got)
 			}

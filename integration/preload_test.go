@@ -16,6 +16,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/admin"
 	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/integration/mpirig"
 	"github.com/shuntnet/shunt/integration/nsrig"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
@@ -399,17 +400,19 @@ func TestPreloadMPI(t *testing.T) {
 // mpirun runs prog on two ranks, one per guest; preload puts the ranks
 // under the Shunt library.
 func (e *env) mpirun(t testing.TB, dir, prog string, preload bool, args ...string) string {
-	rsh := filepath.Join(dir, "rsh")
-	var cases strings.Builder
+	var guests []mpirig.Guest
 	for _, g := range e.rig.Guests {
-		fmt.Fprintf(&cases, "%s) ns=%s; ctl=%s ;;\n", g.Addr, g.NS, e.control(g))
+		guests = append(guests, mpirig.Guest{Addr: g.Addr.String(), NS: g.NS, Control: e.control(g)})
 	}
-	lib := ""
+	env := "SHUNT_VERBOSE=1"
 	if preload {
-		lib = preloadLib
+		env += " LD_PRELOAD=" + preloadLib
 	}
-	script := fmt.Sprintf("#!/bin/sh\n# plm_rsh_agent: rsh HOST CMD -> CMD in that guest's namespace\nhost=$1; shift\ncase $host in\n%s*) echo \"unknown host $host\" >&2; exit 1 ;;\nesac\nexec ip netns exec $ns env SHUNT_CONTROL=$ctl LD_PRELOAD=%s SHUNT_VERBOSE=1 sh -c \"$*\"\n", cases.String(), lib)
-	if err := os.WriteFile(rsh, []byte(script), 0o755); err != nil {
+	// Each orted gets a session directory of its own: two that share the
+	// machine's name and /tmp raced to make the same one ("A call to
+	// mkdir was unable to create the desired directory ... File exists").
+	rsh, err := mpirig.WriteAgent(dir, guests, env)
+	if err != nil {
 		t.Fatal(err)
 	}
 	hosts := fmt.Sprintf("%s:1,%s:1", e.rig.Guests[0].Addr, e.rig.Guests[1].Addr)

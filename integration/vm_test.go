@@ -82,18 +82,8 @@ func vmImages(t testing.TB) (dir string, kernel vm.Kernel, agent, initrd string)
 		testenv.Missing(t, "no guest kernel in /boot", "apt-get install linux-image-amd64")
 	}
 	dir = t.TempDir()
-	kernel, err := vm.FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
+	kernel, agent, initrd, err := vm.Images(dir, "../cmd/shunt-vm-agent")
 	if err != nil {
-		t.Fatal(err)
-	}
-	agent = filepath.Join(dir, "agent")
-	build := exec.Command("go", "build", "-o", agent, "../cmd/shunt-vm-agent")
-	build.Env = append(os.Environ(), "CGO_ENABLED=0")
-	if out, err := build.CombinedOutput(); err != nil {
-		t.Fatalf("build the guest agent: %v\n%s", err, out)
-	}
-	initrd = filepath.Join(dir, "initramfs")
-	if err := vm.BuildInitramfs(initrd, kernel, agent); err != nil {
 		t.Fatal(err)
 	}
 	return dir, kernel, agent, initrd

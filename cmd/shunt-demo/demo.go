@@ -67,22 +67,10 @@ func run(hostd string, sz sizes) error {
 		setup: map[string][]time.Duration{}}
 
 	say("starting a peer process in guest 2 for each stack (kernel, kernel busy-polling, Shunt) ...")
-	for i, st := range stacks {
-		addr, cmd, err := startPeer(s, st, 7001+i)
-		if err != nil {
-			return err
-		}
-		defer func() { cmd.Process.Kill(); cmd.Wait() }()
-		d.peers[st] = addr
-		c, err := d.dial(st, true)
-		if err != nil {
-			return err
-		}
-		defer c.Close()
-		if err := perf.StartEcho(c); err != nil {
-			return err
-		}
-		d.echo[st] = c
+	stop, err := d.startPeers(s, s.Rig.Guests[1], stacks, 7001)
+	defer stop()
+	if err != nil {
+		return err
 	}
 
 	for r := range sz.rounds {
@@ -105,6 +93,36 @@ func run(hostd string, sz sizes) error {
 	fmt.Printf("\nhostd flows at the end of the run:\n%s", out)
 	say("removing the demo host")
 	return nil
+}
+
+// startPeers starts a peer process in guest g of host s for each of
+// stacks (on ports from base), and an echo connection to each from guest
+// 1 of the demo's host (d.s). stop ends them all.
+func (d *demo) startPeers(s *stack.Stack, g *nsrig.Guest, stacks []string, base int) (stop func(), err error) {
+	var undo []func()
+	stop = func() {
+		for i := len(undo) - 1; i >= 0; i-- {
+			undo[i]()
+		}
+	}
+	for i, st := range stacks {
+		addr, cmd, err := startPeerIn(s, g, st, base+i)
+		if err != nil {
+			return stop, err
+		}
+		undo = append(undo, func() { cmd.Process.Kill(); cmd.Wait() })
+		d.peers[st] = addr
+		c, err := d.dial(st, true)
+		if err != nil {
+			return stop, err
+		}
+		undo = append(undo, func() { c.Close() })
+		if err := perf.StartEcho(c); err != nil {
+			return stop, err
+		}
+		d.echo[st] = c
+	}
+	return stop, nil
 }
 
 func say(line string) { fmt.Println("shunt-demo:", line) }
@@ -238,13 +256,18 @@ type row struct {
 
 func (d *demo) print(sz sizes, hostdCPU, guestCPU time.Duration) {
 	var rows []row
-	latency := func(what, k string) {
+	latency := func(what, k, why string) {
 		km, sm := perf.Median(d.lat[k]), perf.Median(d.lat[shunt])
 		rows = append(rows, row{what: what, kernel: medP99(d.lat[k]), shunt: medP99(d.lat[shunt]),
-			ratio: ratio(us(km), us(sm), false)})
+			ratio: ratio(us(km), us(sm), false), why: why})
 	}
-	latency("8 B one-way latency: kernel blocking vs Shunt adaptive", kernel)
-	latency("8 B one-way latency: kernel busy-polling vs Shunt adaptive", busypoll)
+	latency("8 B one-way latency: kernel blocking vs Shunt adaptive", kernel,
+		"not expected: a ring's reader polls before it sleeps, so it sees a message without a wake-up unless "+
+			"other work holds the cores (check the load with uptime and run the demo again)")
+	latency("8 B one-way latency: kernel busy-polling vs Shunt adaptive", busypoll,
+		"the kernel's busy-polling reader spins for as long as it waits and keeps its core; Shunt's adaptive "+
+			"reader spins a bounded while, then sleeps in a futex, and a message that finds it asleep pays the "+
+			"wake-up: a futex call and a pass of the scheduler")
 	stream := func(what string, m map[string][]float64) {
 		ks, ss := medianF(m[kernel]), medianF(m[shunt])
 		rows = append(rows, row{what: what, kernel: fmt.Sprintf("%.2f GB/s", ks),

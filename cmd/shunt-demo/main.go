@@ -49,6 +49,9 @@ func main() {
 	if err := run(*hostd, sz); err != nil {
 		fail(err)
 	}
+	if err := runCross(*hostd, sz); err != nil {
+		fail(err)
+	}
 }
 
 // runPeer is the demo's guest-2 process: it listens with the given stack and
@@ -62,10 +65,9 @@ func runPeer(stack, addr string) error {
 	return perf.Serve(l, 8, stack == "busypoll")
 }
 
-// startPeer runs this binary as the peer process inside guest 2 and waits
-// until it listens.
-func startPeer(s *stack.Stack, stack string, port int) (string, *exec.Cmd, error) {
-	g2 := s.Rig.Guests[1]
+// startPeerIn runs this binary as the peer process inside guest g2 of
+// s's host and waits until it listens.
+func startPeerIn(s *stack.Stack, g2 *nsrig.Guest, stack string, port int) (string, *exec.Cmd, error) {
 	addr := netip.AddrPortFrom(g2.Addr, uint16(port)).String()
 	exe, err := os.Executable()
 	if err != nil {

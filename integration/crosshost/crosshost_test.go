@@ -47,7 +47,7 @@ func TestMain(m *testing.M) {
 
 // pairEnv is a fabric of two hosts, each with its own hostd, peered.
 type pairEnv struct {
-	t         *testing.T
+	t         testing.TB
 	f         *nsrig.Fabric
 	hosts     [2]*stack.Stack // nil: no hostd on that host
 	extras    [2]string
@@ -78,7 +78,22 @@ peer "h%d" {
 // run[k]; allow[k] is what host k's config allows the other host to
 // announce. Everything is removed when the test ends; on failure the
 // hostds' logs are shown.
-func newPair(t *testing.T, guests int, allow [2][]string, run [2]bool) *pairEnv {
+func newPair(t testing.TB, guests int, allow [2][]string, run [2]bool) *pairEnv {
+	return newPairNetns(t, guests, allow, run, false)
+}
+
+// newPairNetns is newPair; with netns, each guest's network namespace is
+// in hostd.hcl (netns), so that servers whose workers drop privileges
+// reach hostd (docs/preload.md), while the test process's own guest
+// clients do not (they are outside the namespaces).
+func newPairNetns(t testing.TB, guests int, allow [2][]string, run [2]bool, netns bool) *pairEnv {
+	t.Helper()
+	return newPairWith(t, guests, allow, run, netns, [2]string{})
+}
+
+// newPairWith is newPairNetns with more configuration for each host's
+// hostd.hcl (guest blocks for VMs).
+func newPairWith(t testing.TB, guests int, allow [2][]string, run [2]bool, netns bool, extra [2]string) *pairEnv {
 	t.Helper()
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
@@ -117,11 +132,11 @@ func newPair(t *testing.T, guests int, allow [2][]string, run [2]bool) *pairEnv 
 	}
 	e.ca, e.cert, e.key = ca, cert, key
 	for k := range 2 {
-		e.extras[k] = peering(f, ca, cert, key, k, allow[k])
+		e.extras[k] = peering(f, ca, cert, key, k, allow[k]) + extra[k]
 		if !run[k] {
 			continue
 		}
-		s, err := stack.Start(stack.Options{Rig: f.Hosts[k], HostdBin: hostdBin, Dir: t.TempDir(), Extra: e.extras[k], Logf: t.Logf})
+		s, err := stack.Start(stack.Options{Rig: f.Hosts[k], HostdBin: hostdBin, Dir: t.TempDir(), Extra: e.extras[k], Logf: t.Logf, Netns: netns})
 		if err != nil {
 			t.Fatalf("start h%d: %v", k+1, err)
 		}

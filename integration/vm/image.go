@@ -57,11 +57,24 @@ func FindKernel(cache string) (Kernel, error) {
 	if !bytes.HasPrefix(out.Bytes(), []byte("\x7fELF")) {
 		return Kernel{}, fmt.Errorf("decompressing %s gave no ELF image (is xz-utils installed?)", img)
 	}
-	tmp := k.Vmlinux + ".tmp"
-	if err := os.WriteFile(tmp, out.Bytes(), 0o644); err != nil {
+	// A temporary file of its own: test packages run in parallel, and two
+	// writers of one ".tmp" could rename a half-written kernel.
+	f, err := os.CreateTemp(cache, "vmlinux-*.tmp")
+	if err != nil {
 		return Kernel{}, err
 	}
-	return k, os.Rename(tmp, k.Vmlinux)
+	_, err = f.Write(out.Bytes())
+	if cerr := f.Close(); err == nil {
+		err = cerr
+	}
+	if err == nil {
+		err = os.Chmod(f.Name(), 0o644)
+	}
+	if err != nil {
+		os.Remove(f.Name())
+		return Kernel{}, err
+	}
+	return k, os.Rename(f.Name(), k.Vmlinux)
 }
 
 // modules the guest loads, in dependency order.
@@ -261,4 +274,26 @@ func (c *cpio) file(name, src string, perm uint32) error {
 	}
 	c.data(name, b, perm)
 	return nil
+}
+
+// Images builds what a VM test boots, in dir: the guest kernel (FindKernel,
+// cached under the system's temporary directory), the guest agent built
+// from agentPkg (a go build path, e.g. "../cmd/shunt-vm-agent"; static) and
+// an initramfs holding it.
+func Images(dir, agentPkg string) (k Kernel, agent, initrd string, err error) {
+	k, err = FindKernel(filepath.Join(os.TempDir(), "shunt-vm-cache"))
+	if err != nil {
+		return k, "", "", err
+	}
+	agent = filepath.Join(dir, "agent")
+	build := exec.Command("go", "build", "-o", agent, agentPkg)
+	build.Env = append(os.Environ(), "CGO_ENABLED=0")
+	if out, err := build.CombinedOutput(); err != nil {
+		return k, "", "", fmt.Errorf("build the guest agent: %v\n%s", err, out)
+	}
+	initrd = filepath.Join(dir, "initramfs")
+	if err := BuildInitramfs(initrd, k, agent); err != nil {
+		return k, "", "", err
+	}
+	return k, agent, initrd, nil
 }

@@ -56,6 +56,14 @@ type Options struct {
 	QMP string
 	// Accel is QEMU's -accel ("": tcg), e.g. "tcg,thread=single".
 	Accel string
+	// Net, if set, are QEMU arguments that give the guest its eth0 in
+	// place of the tap (e.g. a -netdev stream over a Unix socket to
+	// another VM, and its -device with a MAC of its own): Tap, HostNS
+	// and Host are then unused and Boot configures no host side.
+	Net []string
+	// CPU is QEMU's -cpu ("": its default), e.g. "max" (which lets the
+	// guest's crc32 use PCLMUL: SoftRoCE computes one per packet).
+	CPU string
 }
 
 func (o Options) cmdline() string {
@@ -160,7 +168,11 @@ type VM struct {
 // Boot starts the VM and configures the host side of its tap. The caller
 // must Stop it.
 func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
-	att, err := o.Attach.QEMUArgs()
+	var att []string
+	var err error
+	if o.Attach != (vhost.Attachment{}) { // none: a VM without Shunt's devices (Net's)
+		att, err = o.Attach.QEMUArgs()
+	}
 	if o.Migratable {
 		att, err = migratableArgs(o)
 	}
@@ -175,6 +187,9 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		o.Accel = "tcg"
 	}
 	args := []string{"-machine", "pc", "-accel", o.Accel, "-m", fmt.Sprint(o.MemMB), "-nodefaults"}
+	if o.CPU != "" {
+		args = append(args, "-cpu", o.CPU)
+	}
 	var monitor string
 	if o.Resettable {
 		f, err := os.CreateTemp("", "shunt-mon-*.sock")
@@ -203,8 +218,12 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 	if o.ShareUsr {
 		args = append(args, "-virtfs", "local,path=/usr,mount_tag=hostusr,security_model=none,readonly=on")
 	}
-	args = append(append(args, "-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline,
-		"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"), att...)
+	netArgs := []string{"-netdev", fmt.Sprintf("tap,id=n0,ifname=%s,script=no,downscript=no", o.Tap), "-device", "virtio-net-pci,netdev=n0"}
+	if o.Net != nil {
+		netArgs = o.Net
+	}
+	args = append(append(append(args, "-display", "none", "-serial", "stdio", "-kernel", o.Kernel.Vmlinux, "-initrd", o.Initramfs, "-append", cmdline),
+		netArgs...), att...)
 	v := &VM{Name: o.Name, cmd: exec.Command("qemu-system-x86_64", args...), monitor: monitor, qmpPath: qmpPath}
 	v.cond = sync.NewCond(&v.mu)
 	out, err := v.cmd.StdoutPipe()
@@ -216,7 +235,7 @@ func Boot(o Options, start func(*exec.Cmd) error) (*VM, error) {
 		return nil, fmt.Errorf("start qemu: %w", err)
 	}
 	go v.read(out)
-	if o.Incoming != "" {
+	if o.Incoming != "" || o.Net != nil {
 		return v, nil
 	}
 	if err := HostSide(o); err != nil {

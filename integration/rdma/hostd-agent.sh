@@ -1,0 +1,135 @@
+#!/bin/sh
+# The guest side of TestRDMAHostd: this VM is a host. SoftRoCE on eth0
+# (rxe.sh), conntrack and nftables, one namespace guest g1 behind a veth,
+# forwarding to the other VM host, and hostd (built with -tags rdma) with
+# a peering block. The server VM is h1 (guest 10.77.1.2: an echo), the
+# client VM h2 (guest 10.78.1.2: the seeded stream, in parts). Between the
+# parts the client's agent flips h2's policy to TCP and back twice, then
+# drops the RoCE packets coming into h2 (udp 4791, by tc at eth0's
+# ingress, as a fabric fault would: the queue pairs' retries run out and
+# both hosts' RDMA links end; not on output, where rxe retries a refused
+# send at once, for ever, and starves the vCPU), and checks that the link
+# comes back as TCP with the connection on it. Each
+# step says HOSTD-AGENT <STEP>; a failure says HOSTD-AGENT FAIL and stops.
+role=$1 peer=$2 rxe=$3 hostd=$4 guest=$5 cfg=$6 bytes=$7
+say() { echo "HOSTD-AGENT $*"; }
+stage() { read -r up _ </proc/uptime; say STAGE "$1" at="$up"; }
+show() { "$hostd" "$1" -admin /tmp/admin.sock 2>&1 | sed "s/^/HOSTD-AGENT $1: /"; }
+fail() {
+	counters
+	show peers
+	show flows
+	[ -f /tmp/guest.out ] && sed 's/^/HOSTD-AGENT guest: /' /tmp/guest.out
+	[ -f /tmp/hostd.log ] && tail -n 60 /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+	say FAIL "$@"
+	exit 1
+}
+# until SECONDS CMD...: run CMD every 0.2 s until it succeeds; false
+# after SECONDS of the guest's clock (generous: TCG guests on a loaded
+# machine, where one run of a Go program takes a second) or once hostd
+# has exited.
+now() { read -r up _ </proc/uptime; echo "${up%.*}"; }
+until_ok() {
+	end=$(($(now) + $1))
+	shift
+	while ! "$@" >/dev/null 2>&1; do
+		[ "$(now)" -ge $end ] && return 1
+		[ -n "$hp" ] && ! kill -0 "$hp" 2>/dev/null && return 1
+		sleep 0.2
+	done
+}
+has() { "$hostd" "$1" -admin /tmp/admin.sock 2>/dev/null | grep -q -- "$2"; }
+hasnt() { "$hostd" "$1" -admin /tmp/admin.sock >/tmp/out 2>&1 && ! grep -q -- "$2" /tmp/out; }
+reload() { cp "$cfg/$me-$1.hcl" /tmp/hostd.hcl && "$hostd" reload -admin /tmp/admin.sock >/dev/null || fail reload "$1"; }
+
+stage rxe
+. "$rxe"
+if [ "$role" = server ]; then me=h1 net=77 other=78; else me=h2 net=78 other=77; fi
+stage net
+for m in crypto/crc32c_generic lib/libcrc32c net/netfilter/nfnetlink net/ipv4/netfilter/nf_defrag_ipv4 \
+	net/ipv6/netfilter/nf_defrag_ipv6 net/netfilter/nf_conntrack net/netfilter/nf_conntrack_netlink \
+	net/netfilter/nf_tables net/netfilter/nft_ct drivers/net/veth net/sched/sch_ingress net/sched/cls_u32 \
+	net/sched/act_gact; do
+	insmod "$mods/$m.ko" || fail insmod "$m"
+done
+ip=/usr/bin/ip # busybox's ip knows no netns
+mkdir -p /run/netns /tmp/shunt /tmp/marks
+$ip netns add g1 || fail netns
+$ip link add vg1 type veth peer name eth0 netns g1 || fail veth
+$ip addr add 10.$net.1.1/24 dev vg1 && $ip link set vg1 up || fail vg1
+$ip -n g1 link set lo up && $ip -n g1 addr add 10.$net.1.2/24 dev eth0 && $ip -n g1 link set eth0 up &&
+	$ip -n g1 route add default via 10.$net.1.1 || fail g1
+$ip route add 10.$other.0.0/16 via "$peer" || fail route
+echo 1 >/proc/sys/net/ipv4/ip_forward
+# The operator's firewall: conntrack on (a ct rule); an ingress qdisc on
+# eth0 for the fault's filter.
+nft -f - <<EOF || fail nft
+table inet fw {
+	chain forward { type filter hook forward priority 0; policy accept; ct state established,related accept; }
+}
+EOF
+/usr/sbin/tc qdisc add dev eth0 ingress || fail tc qdisc
+stage hostd
+cp "$cfg/$me-rings.hcl" /tmp/hostd.hcl
+"$hostd" check -config /tmp/hostd.hcl 2>&1 | grep -v "^ok" | sed 's/^/HOSTD-AGENT check: /'
+"$hostd" agent -config /tmp/hostd.hcl >/tmp/hostd.log 2>&1 &
+hp=$!
+until_ok 60 "$hostd" status -admin /tmp/admin.sock || fail hostd not up
+stage link
+until_ok 120 has peers "up (rdma)" || fail the relay link is not up on RDMA
+show peers
+say LINK rdma
+run() { $ip netns exec g1 env SHUNT_CONTROL=/tmp/shunt/g1.sock "$guest" "$@"; }
+if [ "$role" = server ]; then
+	stage echo
+	run serve 10.77.1.2:5201 >/tmp/guest.out 2>&1 || fail the echo
+	cat /tmp/guest.out
+else
+	stage part1
+	run dial 10.77.1.2:5201 "$bytes" 4 /tmp/marks >/tmp/guest.out 2>&1 &
+	gp=$!
+	until_ok 240 test -e /tmp/marks/at1 || fail part 1 not echoed
+	until_ok 60 has flows "relay h1" || fail the connection is not on the relay
+	show flows
+	say RELAYED
+	# The policy flip loop: to TCP while part 2 streams, back to the rings.
+	stage flips
+	touch /tmp/marks/go1
+	for f in 1 2; do
+		reload tcp
+		until_ok 60 hasnt flows "relay h1" || fail flip $f: still on the relay
+		reload rings
+		until_ok 60 has flows "relay h1" || fail flip $f: not back on the relay
+		say FLIP $f
+	done
+	until_ok 240 test -e /tmp/marks/at2 || fail part 2 not echoed
+	has peers "up (rdma)" || fail the link is no longer RDMA before the fault
+	until_ok 60 has flows "relay h1" || fail not on the relay before the fault
+	# The fault: RoCE to this host dropped (by tc, at eth0's ingress: an
+	# nftables rule would be a ruleset change, which moves connections to
+	# TCP by itself), then part 3 streams: its bytes are on the rings
+	# when the queue pairs' retries run out.
+	stage fault
+	/usr/sbin/tc filter add dev eth0 ingress protocol ip prio 1 u32 match ip protocol 17 0xff \
+		match ip dport 4791 0xffff action drop || fail tc drop
+	touch /tmp/marks/go2
+	until_ok 120 hasnt peers "up (rdma)" || fail the RDMA link did not end
+	show peers
+	say RDMA-ENDED
+	until_ok 120 has peers "up (tcp)" || fail the link did not come back as TCP
+	until_ok 120 has flows "relay h1" || fail the connection is not back on the relay
+	show peers
+	show flows
+	say DOWNGRADED
+	/usr/sbin/tc filter del dev eth0 ingress prio 1
+	until_ok 240 test -e /tmp/marks/at3 || fail part 3 not echoed
+	stage part4
+	touch /tmp/marks/go3
+	wait $gp || fail the stream
+	cat /tmp/guest.out
+fi
+stage end
+counters
+grep -E "relay link|switch to|bridge stopped|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+show counters
+say DONE
