@@ -5,7 +5,7 @@ BENCHSTAT   ?= $(GO) run golang.org/x/perf/cmd/benchstat@v0.0.0-20260908200009-2
 BENCHCOUNT  ?= 8
 BIN         := bin
 
-.PHONY: core-syms help build preload ctest deps-demo deps-test demo test test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-sizes bench-http bench-preload bench-vm fuzz clean deb mpi bench-mpi
+.PHONY: core-syms help build preload ctest deps-demo deps-test demo test test-rdma test-short check fmt vet staticcheck bench bench-shm bench-e2e bench-sizes bench-http bench-preload bench-vm bench-cross bench-cross-mpi fuzz clean deb mpi bench-mpi bench-mpi-defaults
 
 help: ## list the targets
 	@grep -E '^[a-z0-9-]+:.*## ' $(MAKEFILE_LIST) | awk -F':.*## ' '{printf "  %-12s %s\n", $$1, $$2}'
@@ -111,8 +111,15 @@ deps-test: ## install what the tests need (as deps-demo)
 demo: deps-demo build ## quick start: two guests on this host, kernel TCP vs Shunt, a table (root)
 	$(BIN)/shunt-demo $(DEMOFLAGS)
 
+# One package's tests at a time (-p 1): the integration packages boot VMs,
+# run MPI jobs and time-sensitive switches, and two of them side by side
+# on two cores made each other's deadlines flaky. Serial, make test takes
+# about 25 minutes.
 test: deps-test ## run all tests (privileged ones need root; under CI=true they fail instead of skipping)
-	$(GO) test -timeout 30m ./...
+	$(GO) test -p 1 -timeout 30m ./...
+
+test-rdma: deps-test ## the RDMA tests alone, with 5 rounds of figures (make test runs one): SoftRoCE between two TCG VMs (root; 3-6 min)
+	SHUNT_RDMA_ROUNDS=5 $(GO) test -timeout 20m -count=1 -run 'TestRDMA(SoftRoCE|Hostd)' -v ./integration/rdma
 
 test-short: ## quick unprivileged tests
 	$(GO) test -short ./...
@@ -197,6 +204,25 @@ bench-mpi: ## Open MPI latency, bandwidth and a stencil kernel: vader, the TCP B
 	$(BENCHSTAT) $(BIN)/bench-mpi.txt
 	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-mpi' $(BIN)/bench-mpi.txt
 
+bench-mpi-defaults: ## btl/shunt with hostd's defaults against vader and the TCP BTL, 8 B latency and alltoall at 2 and 4 ranks, bandwidth at 64 KiB and 1 MiB, MPICOUNT interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/integration.test ./integration/
+	@rm -f $(BIN)/bench-mpi-defaults.txt
+	cd integration && for i in $$(seq $(MPICOUNT)); do ../$(BIN)/integration.test -test.run '^$$' -test.bench '^BenchmarkMPIDefaults$$' -test.benchtime 1x >> ../$(BIN)/bench-mpi-defaults.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-mpi-defaults.txt
+
+bench-cross: ## across two hosts of a fabric: kernel TCP vs Shunt through the relays, BENCHCOUNT interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/crosshost.test ./integration/crosshost/
+	@rm -f $(BIN)/bench-cross.txt
+	cd integration/crosshost && for i in $$(seq $(BENCHCOUNT)); do ../../$(BIN)/crosshost.test -test.run '^$$' -test.bench '^BenchmarkCross' -test.benchtime 2s >> ../../$(BIN)/bench-cross.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-cross.txt
+	$(GO) run ./cmd/shunt-charts -o docs/charts -cmd 'make bench-cross' $(BIN)/bench-cross.txt
+
+bench-cross-mpi: ## Open MPI across two hosts of a fabric: btl/tcp vs btl/shunt through the relays, 8 B latency and 1 MiB bandwidth, MPICOUNT interleaved rounds (root)
+	$(GO) test -c -o $(BIN)/crosshost.test ./integration/crosshost/
+	@rm -f $(BIN)/bench-cross-mpi.txt
+	cd integration/crosshost && for i in $$(seq $(MPICOUNT)); do ../../$(BIN)/crosshost.test -test.run '^$$' -test.bench '^BenchmarkMPICross$$' -test.benchtime 1x >> ../../$(BIN)/bench-cross-mpi.txt || exit 1; done
+	$(BENCHSTAT) $(BIN)/bench-cross-mpi.txt
+
 bench-vm: ## two QEMU (TCG) VMs: ping-pong and stream, the Go library and unmodified programs, virtio-net TCP vs Shunt (root)
 	$(GO) test -c -o $(BIN)/integration.test ./integration/
 	@rm -f $(BIN)/bench-vm.txt
@@ -211,6 +237,10 @@ fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $${FUZZTIME:-30s} ./internal/proto
 	$(GO) test -run '^$$' -fuzz '^FuzzParseMessages$$' -fuzztime $${FUZZTIME:-30s} ./hostd/ctrack
 	$(GO) test -run '^$$' -fuzz '^FuzzParseDomain$$' -fuzztime $${FUZZTIME:-30s} ./hostd/virt
+	$(GO) test -run '^$$' -fuzz '^FuzzWalk$$' -fuzztime $${FUZZTIME:-30s} ./vhost/virtq
+	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $${FUZZTIME:-30s} ./vhost/vhostuser
+	@for t in FuzzPackets FuzzHdr; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./vhost/vsock || exit 1; done
+	@for t in FuzzReadFrame FuzzRDMABatch; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./relay || exit 1; done
 
 clean: ## remove build outputs
 	rm -rf $(BIN)

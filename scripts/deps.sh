@@ -22,14 +22,18 @@ demo_pkgs=(gcc libc6-dev make iproute2 nftables procps kmod)
 # the VM tests, libvirt for the libvirt test, ruby for the Vagrantfile
 # check, systemd for checking the unit; podman with its CNI plugins and
 # runc for the container tests (integration/containers: crun refuses the
-# hybrid cgroup hierarchies some CI hosts have).
+# hybrid cgroup hierarchies some CI hosts have); rdma-core's libibverbs
+# (headers for the relay's verbs shim, built with -tags rdma), its rxe
+# provider, ibv_rc_pingpong and perftest for the RDMA link's test
+# (integration/rdma: SoftRoCE inside two VMs).
 test_pkgs=("${demo_pkgs[@]}" iptables conntrack
 	sockperf iperf3 redis-server redis-tools openmpi-bin libopenmpi-dev
 	nginx openssh-server openssh-client socat apache2-utils curl
 	apache2 memcached libmemcached-tools python3 haproxy postgresql postgresql-contrib nodejs
 	qemu-system-x86 linux-image-amd64 busybox-static xz-utils
 	libvirt-daemon-system libvirt-clients ruby systemd
-	podman containernetworking-plugins runc)
+	podman containernetworking-plugins runc
+	libibverbs-dev ibverbs-providers ibverbs-utils perftest)
 
 usage() { echo "usage: $0 demo|test [--check]" >&2; exit 2; }
 
