@@ -54,6 +54,8 @@ type xconn struct {
 
 	checking  bool      // a check of the peer's claim is in flight
 	checkedAt time.Time // when the last one started
+
+	orphan *orphan // adopted from a killed hostd's relay (adopt.go); nil: made by this run
 }
 
 func (x *xconn) String() string {

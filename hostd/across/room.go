@@ -264,6 +264,8 @@ func (r *Room) sweep() {
 			r.retryLater(x, now)
 		case !x.paired && now.Sub(x.at) > 2*r.opts.PairingTimeout:
 			r.forget(x)
+		case x.st != nil && x.st.orphan && x.st.theirs != nil:
+			r.finish(x) // its guest had not reattached (adopt.go)
 		case x.st != nil && x.st.stoppedAt != (time.Time{}) && x.st.theirs == nil && now.Sub(x.st.stoppedAt) > r.opts.ResumeTimeout:
 			r.log.Warn("the peer host never said where its ring ended: the connection is reset", "conn", x, "peer", x.peer)
 			x.st.theirs = &peerEnd{reset: true}
@@ -334,8 +336,8 @@ func (r *Room) peerState(peer string, up bool) {
 	if !up {
 		l.close()
 		for _, x := range r.conns {
-			if x.peer != peer {
-				continue
+			if x.peer != peer || x.st != nil && x.st.orphan {
+				continue // an adopted stretch waits for the peer's stop through its channel's ups and downs
 			}
 			if !x.paired {
 				r.b.RefuseAcross(x.key, proto.ReasonPeerUnreachable)
@@ -347,7 +349,7 @@ func (r *Room) peerState(peer string, up bool) {
 		return
 	}
 	for _, x := range r.conns {
-		if x.peer == peer && x.st != nil && x.st.stoppedAt != (time.Time{}) && x.st.theirs == nil {
+		if x.peer == peer && x.st != nil && !x.st.orphan && x.st.stoppedAt != (time.Time{}) && x.st.theirs == nil {
 			r.sendStop(x)
 		}
 	}

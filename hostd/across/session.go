@@ -30,10 +30,6 @@ type session struct {
 
 type sessKey struct{ peer, group string }
 
-// relayIDBase is where the relay guests' ids start: above every
-// configured (at most 2^31) and runtime guest's.
-const relayIDBase = 0xfff00000
-
 // session returns the relay session for peer and g's trust group, making
 // and registering it with the broker the first time.
 func (r *Room) session(peer string, g *broker.Guest) (*session, error) {
@@ -46,7 +42,7 @@ func (r *Room) session(peer string, g *broker.Guest) (*session, error) {
 	}
 	r.nextGID++
 	s := &session{r: r, peer: peer, conns: map[uint32]*xconn{}, regions: map[uint32][]byte{}, gate: &r.link(peer).up,
-		g: &broker.Guest{Name: "relay/" + peer + "/" + g.Group.Name, ID: relayIDBase + r.nextGID, Group: g.Group}}
+		g: &broker.Guest{Name: "relay/" + peer + "/" + g.Group.Name, ID: broker.RelayIDBase + r.nextGID, Group: g.Group}}
 	if err := r.b.AddRelay(s.g, s); err != nil {
 		return nil, err
 	}

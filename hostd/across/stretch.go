@@ -30,6 +30,7 @@ type stretch struct {
 	drained      bool         // ... and that wait is over: the stretch stops
 	peerAttached bool         // the other host's guest attached its read ring (the bridge may attach ours)
 	readyAt      time.Time    // the relay end's READY: a stretch not named within readyWait is given up
+	orphan       bool         // adopted from a killed hostd's relay (adopt.go): finishes once its guest reattached
 }
 
 // peerEnd is the peer's "stop": where the ring its bridge wrote ended.
@@ -277,7 +278,14 @@ func stopped(br *relay.Bridge) bool {
 // sendStop tells the peer where this host's ring of the stretch ended.
 func (r *Room) sendStop(x *xconn) {
 	st := x.st
-	m := peers.Across{Op: opStop, ID: x.id, Peer: x.peerID, Flow: st.flow, Reason: st.down.String()}
+	grp := ""
+	if x.guest != nil && x.guest.Group != nil {
+		grp = x.guest.Group.Name
+	}
+	// The tuple lets a peer whose hostd was killed match the stop to the
+	// stretch its relay left (adopt.go); older peers ignore it.
+	m := peers.Across{Op: opStop, ID: x.id, Peer: x.peerID, Flow: st.flow, Reason: st.down.String(),
+		Claim: &peers.Claim{Src: x.wire.Src, Dst: x.wire.Dst, Active: x.active, Group: grp}}
 	if st.never || !st.ours.Started {
 		m.Never = true
 	} else {
@@ -288,6 +296,9 @@ func (r *Room) sendStop(x *xconn) {
 
 // stopped: the peer's bridge of a stretch stopped.
 func (r *Room) stopped(peer string, m peers.Across) {
+	if r.orphanStop(peer, m) {
+		return
+	}
 	x := r.mine(peer, m)
 	if x == nil || x.st == nil || x.st.flow != m.Flow {
 		if !m.Gone && !m.Never && m.ID != 0 {
@@ -298,6 +309,9 @@ func (r *Room) stopped(peer string, m peers.Across) {
 		return
 	}
 	st := x.st
+	if m.ID != 0 {
+		x.peerID = m.ID // a restarted peer's new id (adopt.go)
+	}
 	st.theirs = &peerEnd{at: m.At, never: m.Never, reset: m.Gone}
 	if st.stoppedAt == (time.Time{}) {
 		reason := reasonNamed(m.Reason)
@@ -318,6 +332,9 @@ func (r *Room) stopped(peer string, m peers.Across) {
 // leaves the ring pair.
 func (r *Room) finish(x *xconn) {
 	st := x.st
+	if st.orphan && !r.orphanReady(x) {
+		return // its guest has not reattached: RESUME would not reach it
+	}
 	at := st.theirs.at
 	how := "at"
 	switch {

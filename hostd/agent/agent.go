@@ -51,6 +51,7 @@ type Agent struct {
 	virt    *virt.Watcher   // nil without a libvirt block
 	peers   *peers.Room     // the channel to other hosts' hostds; nil without a peering block
 	across  *across.Room    // pairs connections across hosts and relays them; nil without peering
+	orphans []orphanRegion  // relay pair regions of a killed hostd, until the cross-host room adopts them (Start)
 	vsock   *vsockhost.Room // the VMs' vhost-user-vsock devices; nil without vsock blocks
 
 	// libvirt guests, registered and unregistered by the watcher

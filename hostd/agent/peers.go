@@ -30,6 +30,7 @@ func openRDMA() (relay.Verbs, error) {
 // no local guest owns, and checks the peers' claims (VerifyClaim).
 func (a *Agent) startPeers(ctx context.Context) error {
 	pc := a.cfg.Peering
+	defer a.dropOrphans()
 	if pc == nil {
 		return nil
 	}
@@ -43,6 +44,7 @@ func (a *Agent) startPeers(ctx context.Context) error {
 	x := across.New(a.b, across.Options{Log: a.log.Named("across"), In: o.In, PairingTimeout: a.cfg.PairingTimeout, Registerer: a.m.Registry,
 		RDMA: openRDMA})
 	x.Callbacks(&o)
+	a.adoptOrphans(x, pc) // before the channel: a peer's first stop may be for one of them
 	r, err := peers.Start(*pc, o)
 	if err != nil {
 		return err

@@ -313,12 +313,21 @@ func (a *Agent) adoptPairs() {
 		for _, p := range problems {
 			a.log.Warn("region slot dropped", "path", path, "problem", p)
 		}
-		n, ok := a.b.AdoptPair(m, pool, f)
-		if !ok {
+		drop := func() {
 			a.unplugStale(m, path)
 			pool.Close()
 			f.Close()
 			_ = a.files.Remove(path, name)
+		}
+		if a.orphaned(m) {
+			// A killed hostd's relay was its other guest: the cross-host
+			// room adopts it once it exists (orphans.go).
+			a.orphans = append(a.orphans, orphanRegion{m: m, pool: pool, f: f, keep: func() { a.pairs.keep(pool, f) }, drop: drop})
+			continue
+		}
+		n, ok := a.b.AdoptPair(m, pool, f)
+		if !ok {
+			drop()
 			continue
 		}
 		a.pairs.keep(pool, f)
@@ -357,12 +366,19 @@ func (a *Agent) adoptSealed() {
 		for _, p := range problems {
 			a.log.Warn("region slot dropped", "region", name, "problem", p)
 		}
-		n, ok := a.b.AdoptPair(m, pool, f)
-		if !ok {
+		drop := func() {
 			pool.Close()
 			_ = f.Truncate(0)
 			f.Close()
 			_ = a.files.RemoveState(name)
+		}
+		if a.orphaned(m) {
+			a.orphans = append(a.orphans, orphanRegion{m: m, pool: pool, f: f, keep: func() { a.pairs.keepSealed(pool, f, name) }, drop: drop})
+			continue
+		}
+		n, ok := a.b.AdoptPair(m, pool, f)
+		if !ok {
+			drop()
 			continue
 		}
 		a.pairs.keepSealed(pool, f, name)

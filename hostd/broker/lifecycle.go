@@ -182,7 +182,7 @@ func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if g.Pool != nil {
-		b.adoptLocked(b.zeroLocked(g))
+		b.adoptLocked(b.zeroLocked(g), b.guestByID)
 	}
 	n := 0
 	for _, f := range b.flows {
@@ -209,10 +209,10 @@ func (b *Broker) Adopt(g *Group, grace time.Duration) int {
 // adoptLocked rebuilds the flows of region r from its pool: a slot whose
 // owners are not guests of r (its group's, or its pair) is revoked and
 // freed. It returns how many flows it adopted.
-func (b *Broker) adoptLocked(r *Region) int {
+func (b *Broker) adoptLocked(r *Region, byID func(uint32) *Guest) int {
 	n := 0
 	for _, s := range r.Pool.Live() {
-		ga, gb := b.guestByID(s.OwnerA), b.guestByID(s.OwnerB)
+		ga, gb := byID(s.OwnerA), byID(s.OwnerB)
 		ok := ga != nil && gb != nil && ga.Group == r.Group && gb.Group == r.Group
 		if r.ID != 0 {
 			ok = ok && (ga == r.A || ga == r.B) && (gb == r.A || gb == r.B)
@@ -257,8 +257,14 @@ func (b *Broker) graceOver(g *Group) {
 	if b.closed {
 		return
 	}
+	b.adoptGraceOverLocked(func(f *Flow) bool { return f.Group == g })
+}
+
+// adoptGraceOverLocked treats the adopted sides of the flows that match and
+// did not reattach as gone.
+func (b *Broker) adoptGraceOverLocked(match func(*Flow) bool) {
 	for _, f := range b.flows {
-		if f.Group != g || !f.adopted {
+		if !f.adopted || !match(f) {
 			continue
 		}
 		f.adopted = false

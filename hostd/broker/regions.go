@@ -434,21 +434,31 @@ type Quota struct {
 func (b *Broker) AdoptPair(m region.Meta, pool *region.Pool, f *os.File) (n int, ok bool) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
+	r := b.adoptPairLocked(m, pool, f, b.guestByID)
+	if r == nil {
+		return 0, false
+	}
+	return r.flows, true
+}
+
+// adoptPairLocked is AdoptPair with byID naming the region's guests: the
+// region, or nil if it keeps nothing.
+func (b *Broker) adoptPairLocked(m region.Meta, pool *region.Pool, f *os.File, byID func(uint32) *Guest) *Region {
 	rg := b.rgLocked()
-	ga, gb := b.guestByID(m.GuestA), b.guestByID(m.GuestB)
+	ga, gb := byID(m.GuestA), byID(m.GuestB)
 	switch {
 	case rg.pairs == nil || m.ID == 0 || rg.byID[m.ID] != nil:
 		b.log.Warn("pair region not adopted: pair regions are off, or its id is taken", "region", m.ID)
-		return 0, false
+		return nil
 	case ga == nil || gb == nil || ga.Group != gb.Group || ga.SharedRegion != gb.SharedRegion ||
 		ga.SharedRegion && (!b.pairVMLocked(ga) || !b.pairVMLocked(gb)):
 		b.log.Warn("pair region not adopted: its guests are gone, in two groups, or use the group region now", "region", m.ID, "guest_a", m.GuestA, "guest_b", m.GuestB)
-		return 0, false
+		return nil
 	}
 	key, lo, hi := pairKey(ga, gb)
 	if rg.byPair[key] != nil {
 		b.log.Warn("pair region not adopted: the pair has another", "region", m.ID)
-		return 0, false
+		return nil
 	}
 	r := &Region{ID: m.ID, Pool: pool, Group: ga.Group, File: f, A: lo, B: hi}
 	if ga.SharedRegion {
@@ -456,11 +466,10 @@ func (b *Broker) AdoptPair(m region.Meta, pool *region.Pool, f *os.File) (n int,
 		// where it still is.
 		r.vm = &vmPlug{plugged: true, waiting: map[*Conn]bool{}, epoch: "adopted"}
 	}
-	n = b.adoptLocked(r)
-	if n == 0 {
-		return 0, false
+	if b.adoptLocked(r, byID) == 0 {
+		return nil
 	}
 	rg.byPair[key], rg.byID[m.ID] = r, r
 	rg.nextID = max(rg.nextID, m.ID)
-	return n, true
+	return r
 }
