@@ -14,7 +14,7 @@ import (
 )
 
 // Resuming the stretches of a SIGKILLed hostd (docs/crosshost.md,
-// "Making it lossless"). The dead hostd's relay left, in each pair region
+// "A SIGKILLed hostd"). The dead hostd's relay left, in each pair region
 // it shared with a local guest, ring pairs that guest still uses: the
 // ring the relay wrote says where this host's side ended (orphan.go). The
 // new hostd's room adopts such a region with its own relay session for

@@ -32,5 +32,6 @@
 // Files: room.go (the room, its event loop, the peers' callbacks),
 // pairing.go (claims), session.go (the relay sessions the broker sees),
 // stretch.go (bridges, stops, RESUME), link.go (the relay link to each
-// peer).
+// peer), orphan.go and adopt.go (the stretches of a SIGKILLed hostd's
+// relay: adopted, matched to the peer's stop, resumed).
 package across

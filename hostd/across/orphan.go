@@ -21,8 +21,8 @@ import (
 // and capacity, never the guest-writable directory), bounded, and read
 // under the fault guard (a guest that truncated its region).
 //
-// Not wired yet (docs/crosshost.md, "Restarts"): the restarted hostd does
-// not adopt relay pair regions, nor match a peer's stop to an orphan.
+// adopt.go adopts such stretches and resumes them (docs/crosshost.md,
+// "A SIGKILLed hostd").
 
 // orphanEnd is what an orphaned stretch's rings say of its two directions.
 type orphanEnd struct {

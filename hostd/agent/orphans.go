@@ -14,7 +14,7 @@ import (
 // orphanRegion is a pair region an earlier hostd left whose other guest
 // was its relay session: a killed hostd's relayed connections, which the
 // cross-host room adopts (hostd/across, adopt.go; docs/crosshost.md,
-// "Making it lossless"). keep hands it to the pair regions' owner, drop
+// "A SIGKILLed hostd"). keep hands it to the pair regions' owner, drop
 // removes it as a region not adopted.
 type orphanRegion struct {
 	m          region.Meta

@@ -9,7 +9,7 @@ import (
 )
 
 // Relayed connections after a SIGKILLed hostd (docs/crosshost.md,
-// "Making it lossless"). The relay ran in the dead hostd: its session
+// "A SIGKILLed hostd"). The relay ran in the dead hostd: its session
 // guests (relay/PEER/GROUP) were numbered by that run, and the pair
 // regions they shared with local guests hold the relayed connections'
 // ring pairs, which those guests still use. The cross-host room of the

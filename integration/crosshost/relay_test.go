@@ -276,7 +276,7 @@ func TestAcrossHostsRelay(t *testing.T) {
 // with it that host's relay) mid-stream, then a new hostd. The new hostd
 // adopts the relay pair region the dead one left, the surviving host's
 // stop names the connection by its tuple, and both guests resume on TCP
-// at exact offsets (docs/crosshost.md, "Making it lossless"): the seeded
+// at exact offsets (docs/crosshost.md, "A SIGKILLed hostd"): the seeded
 // stream echoed both ways comes through whole, with no error at either
 // end, and the connection returns to the relay.
 func TestAcrossHostsHostdKilled(t *testing.T) {
