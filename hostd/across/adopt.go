@@ -49,6 +49,10 @@ type orphan struct {
 // Call it before Start; the guests' REATTACHes have grace, as in
 // broker.Adopt.
 func (r *Room) AdoptOrphans(m region.Meta, pool *region.Pool, f *os.File, peerOf func(netip.Addr) (string, bool), grace time.Duration) (int, bool) {
+	live := pool.Live()
+	if len(live) == 0 {
+		return 0, false // a graceful stop's: every connection left it
+	}
 	local := m.GuestA
 	if broker.IsRelayID(local) {
 		local = m.GuestB
@@ -57,10 +61,6 @@ func (r *Room) AdoptOrphans(m region.Meta, pool *region.Pool, f *os.File, peerOf
 	if g == nil || g.Group == nil || g.Relay || broker.IsRelayID(local) {
 		r.log.Warn("relay pair region not adopted: its guest is gone or not a guest", "region", m.ID, "guest", local)
 		return 0, false
-	}
-	live := pool.Live()
-	if len(live) == 0 {
-		return 0, false // a graceful stop's: every connection left it
 	}
 	peer, err := orphanPeer(live, g, peerOf)
 	if err != nil {
