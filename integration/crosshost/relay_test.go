@@ -299,7 +299,12 @@ func TestAcrossHostsHostdKilled(t *testing.T) {
 			for got.Load() < 8<<20 && time.Now().Before(deadline) {
 				time.Sleep(10 * time.Millisecond)
 			}
+			at := got.Load()
 			e.hosts[k].KillHostd()
+			if at >= 128<<20 {
+				t.Errorf("the stream had ended before h%d's hostd was killed", k+1)
+			}
+			t.Logf("h%d's hostd killed %d MiB into the stream", k+1, at>>20)
 			time.Sleep(500 * time.Millisecond)
 			if err := e.hosts[k].StartHostd(); err != nil {
 				t.Error(err)
