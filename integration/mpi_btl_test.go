@@ -228,28 +228,17 @@ func onRings(fl []broker.FlowInfo) []string {
 	return names
 }
 
-// maxRings runs fn and returns the most records hostd listed on their
-// rings meanwhile (it asks every 50 ms): the fast path seen from hostd.
-func (e *env) maxRings(fn func()) int {
-	stop, done := make(chan struct{}), make(chan int)
-	go func() {
-		most := 0
-		for {
-			select {
-			case <-stop:
-				done <- most
-				return
-			case <-time.After(50 * time.Millisecond):
-				if n := e.nflows(); n > most {
-					most = n
-				}
-			}
-		}
-	}()
+// ringsMoved runs fn and returns how many directions hostd moved onto
+// the rings meanwhile, by its counter of first switches: a short job can
+// be on and off the rings between two polls of hostd's flow list.
+func (e *env) ringsMoved(fn func()) int {
+	before := e.counter(firstSwitches)
 	fn()
-	close(stop)
-	return <-done
+	return int(e.counter(firstSwitches) - before)
 }
+
+// firstSwitches is hostd's counter of flows' first moves onto the rings.
+const firstSwitches = "shunt_switches_total{reason=none,to=rings}"
 
 // vethBytes is what crossed guest 1's link to the host, both ways.
 func (e *env) vethBytes(t testing.TB) uint64 {
@@ -297,18 +286,18 @@ func mustContain(t *testing.T, out string, e *env, want ...string) {
 // TestMPIBTLPointToPoint: two ranks, one per guest. Every size from 0 B to
 // 4 MiB (powers of two, their neighbours, odd sizes), non-blocking and
 // wildcard receives, collectives; data checked. Both directions move to a
-// ring (hostd lists both flows while the job runs; the BTL says so), and
+// ring (hostd counts both moves; the BTL says so), and
 // the guest's link carries a small fraction of the data (the leases'
 // setup, mpirun's own traffic): the bytes went through shared memory.
 func TestMPIBTLPointToPoint(t *testing.T) {
 	e := newEnv(t, 2, "")
 	before := e.vethBytes(t)
 	var out string
-	flows := e.maxRings(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck"}) })
+	flows := e.ringsMoved(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck"}) })
 	moved := e.vethBytes(t) - before
 	mustContain(t, out, e, "data ok")
 	if ringLines(out) != 2 || flows != 2 {
-		t.Fatalf("%d directions moved to a ring and hostd listed %d flows; want 2 and 2\n%s", ringLines(out), flows, out)
+		t.Fatalf("%d directions moved to a ring and hostd counted %d moves to rings; want 2 and 2\n%s", ringLines(out), flows, out)
 	}
 	const data = 2 * 50 << 20 // p2p alone sends more than 50 MiB each way
 	if moved > data/10 {
@@ -324,12 +313,12 @@ func TestMPIBTLPointToPoint(t *testing.T) {
 func TestMPIBTLFourRanks(t *testing.T) {
 	e := newEnv(t, 2, "")
 	var out string
-	flows := e.maxRings(func() {
+	flows := e.ringsMoved(func() {
 		out = e.runMPI(t, mpiJob{np: 4, prog: "btlcheck", args: []string{"-m", "1048576"}, mca: []string{"--mca", "btl_shunt_verbose", "2"}})
 	})
 	mustContain(t, out, e, "data ok")
 	if got := ringLines(out); got != 8 || flows != 8 {
-		t.Fatalf("%d directions moved to a ring, hostd listed %d flows; want 8 and 8 (2 ranks x 2 peers in the other guest x 2 directions)\n%s", got, flows, out)
+		t.Fatalf("%d directions moved to a ring, hostd counted %d moves to rings; want 8 and 8 (2 ranks x 2 peers in the other guest x 2 directions)\n%s", got, flows, out)
 	}
 	for _, pair := range [][2]int{{0, 1}, {1, 0}, {2, 3}, {3, 2}} {
 		if w := fmt.Sprintf("rank %d: rank %d is in this guest: left to vader", pair[0], pair[1]); !strings.Contains(out, w) {
@@ -348,12 +337,12 @@ func TestMPIBTLFirewallReject(t *testing.T) {
 		t.Fatal(err)
 	}
 	var out string
-	flows := e.maxRings(func() {
+	flows := e.ringsMoved(func() {
 		out = e.runMPI(t, mpiJob{btl: "self,vader,shunt,tcp", prog: "btlcheck", args: []string{"-m", "1048576"}})
 	})
 	mustContain(t, out, e, "data ok", "the lease connect was refused (a firewall REJECT?): left to the next BTL (tcp)")
 	if flows != 0 || ringLines(out) != 0 {
-		t.Fatalf("hostd listed %d flows and %d directions took a ring through a rejecting firewall\n%s", flows, ringLines(out), out)
+		t.Fatalf("hostd counted %d moves to rings and %d directions took a ring through a rejecting firewall\n%s", flows, ringLines(out), out)
 	}
 }
 
@@ -539,10 +528,10 @@ func TestMPIBTLPolicyFlip(t *testing.T) {
 func TestMPIBTLBarrierFirst(t *testing.T) {
 	e := newEnv(t, 2, "")
 	var out string
-	flows := e.maxRings(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck", args: []string{"-b", "-t", "2", "-m", "262144"}}) })
+	flows := e.ringsMoved(func() { out = e.runMPI(t, mpiJob{prog: "btlcheck", args: []string{"-b", "-t", "2", "-m", "262144"}}) })
 	mustContain(t, out, e, "data ok")
 	if ringLines(out) != 2 || flows != 2 {
-		t.Fatalf("after a barrier first, %d directions moved to a ring and hostd listed %d records on rings; want 2 and 2\n%s", ringLines(out), flows, out)
+		t.Fatalf("after a barrier first, %d directions moved to a ring and hostd counted %d moves to rings; want 2 and 2\n%s", ringLines(out), flows, out)
 	}
 	if strings.Contains(out, ": tcp (") {
 		t.Fatalf("a direction went to tcp\n%s", out)
@@ -691,11 +680,11 @@ func TestVMMPIBTL(t *testing.T) {
 		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
 		prog, "-m", "262144"}
 	var out string
-	flows := v.env.maxRings(func() {
+	flows := v.env.ringsMoved(func() {
 		out = runIn(t, v.rig.HostNSPath(), exec.Command("mpirun", args...), 4*time.Minute)
 	})
 	if !strings.Contains(out, "data ok") || ringLines(out) != 2 || flows != 2 {
-		t.Fatalf("MPI between the VMs with btl/shunt: %d directions on rings, hostd listed %d flows, want 2 and 2:\n%s", ringLines(out), flows, out)
+		t.Fatalf("MPI between the VMs with btl/shunt: %d directions on rings, hostd counted %d moves to rings, want 2 and 2:\n%s", ringLines(out), flows, out)
 	}
 	logBTL(t, out)
 }

@@ -46,13 +46,12 @@ func BenchmarkMPIDefaults(b *testing.B) {
 				vals := map[string][]float64{}
 				var keys []string
 				for b.Loop() {
-					const firsts = "shunt_switches_total{reason=none,to=rings}"
-					before := hostdCounter(b, e, firsts)
+					before := hostdCounter(b, e, firstSwitches)
 					out := e.runMPI(b, tr.job(np, "mpibench", args...))
 					if !strings.Contains(out, "data ok") {
 						b.Fatalf("mpibench over %s:\n%s", tr.name, out)
 					}
-					if n := int(hostdCounter(b, e, firsts) - before); tr.name == "shunt" && n != np*np/2 {
+					if n := int(hostdCounter(b, e, firstSwitches) - before); tr.name == "shunt" && n != np*np/2 {
 						b.Fatalf("%d ranks: hostd counted %d directions onto the rings, want %d\n%s\nhostd's flows: %s", np, n, np*np/2, out, e.flowsJSON())
 					}
 					for _, m := range line.FindAllStringSubmatch(out, -1) {

@@ -35,10 +35,9 @@ func TestMPIBTLDefaults(t *testing.T) {
 				// Directions that took a ring: hostd's counter of first
 				// switches (a 2-rank job can be on and off the rings
 				// between two polls of hostd's flows).
-				const firsts = "shunt_switches_total{reason=none,to=rings}"
-				before := e.counter(firsts)
+				before := e.counter(firstSwitches)
 				out := e.runMPI(t, mpiJob{np: np, prog: "btlcheck", args: []string{"-m", "1048576"}, mca: []string{"--mca", "btl_shunt_verbose", "0"}})
-				flows := int(e.counter(firsts) - before)
+				flows := int(e.counter(firstSwitches) - before)
 				want := np * np / 2 // np/2 ranks per guest, each to np/2 in the other, both ways
 				if !strings.Contains(out, "data ok") || strings.Contains(out, "no-space") || strings.Contains(out, "tcp (") || flows != want {
 					t.Fatalf("%d ranks: hostd counted %d directions onto the rings, want %d, and no direction on tcp\n%s\nhostd's flows: %s", np, flows, want, out, e.flowsJSON())
