@@ -24,6 +24,14 @@ type fakeVerbs struct {
 	broken bool
 	closed atomic.Bool
 	hold   atomic.Bool // WriteCredit never completes (a release stays in flight)
+	gone   atomic.Bool // the device's removal has begun (Gone)
+}
+
+func (f *fakeVerbs) Gone() error {
+	if f.gone.Load() {
+		return errors.New("fake: device removed")
+	}
+	return nil
 }
 
 var fakeQPN atomic.Uint32

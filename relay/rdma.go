@@ -275,11 +275,20 @@ func (l *RDMALink) poller() {
 	defer l.wg.Done()
 	cs := make([]Completion, 64)
 	last := time.Now()
+	watch, _ := l.v.(DeviceWatch)
+	check := last.Add(DeviceCheck)
 	for {
 		select {
 		case <-l.done:
 			return
 		default:
+		}
+		if watch != nil && time.Now().After(check) {
+			if err := watch.Gone(); err != nil {
+				l.fail(fmt.Errorf("%w: %w", ErrDeviceGone, err))
+				return
+			}
+			check = time.Now().Add(DeviceCheck)
 		}
 		n, err := l.v.Poll(cs)
 		if err == nil {

@@ -114,6 +114,29 @@ func TestRDMAQueuePairError(t *testing.T) {
 	}
 }
 
+// TestRDMADeviceGone: the device's removal beginning mid-stream (Gone,
+// as `rdma link delete` makes the ibv layer's say) ends the link with
+// ErrDeviceGone within a few checks, while its queue pair still works (a
+// removal that waits for the device's users), and the link releases the
+// device (Close); no side claims more than happened.
+func TestRDMADeviceGone(t *testing.T) {
+	la, lb, va, _ := rdmaLinks(t, MinRing, 16, RDMAOptions{Window: 64 << 10})
+	fa, _ := la.Open(0)
+	fb, _ := lb.Open(0)
+	cut := time.Time{}
+	cutMidStream(t, fa, fb, func() { cut = time.Now(); va.gone.Store(true) }, lb.Close)
+	if err := la.Err(); !errors.Is(err, ErrDeviceGone) {
+		t.Fatalf("link error %v, want ErrDeviceGone", err)
+	}
+	t.Logf("ended %s after the removal began: %v", time.Since(cut).Round(time.Millisecond), la.Err())
+	la.Wait()
+	for end := time.Now().Add(5 * time.Second); !va.closed.Load(); time.Sleep(time.Millisecond) {
+		if time.Now().After(end) {
+			t.Fatal("the link still holds the device 5 s after it ended")
+		}
+	}
+}
+
 // hostileRDMA is a link whose peer is the test: it writes the link's ring
 // and credit area by hand and delivers completions with any immediate.
 type hostileRDMA struct {

@@ -2,6 +2,7 @@ package relay
 
 import (
 	"encoding/binary"
+	"errors"
 	"fmt"
 	"time"
 )
@@ -47,6 +48,24 @@ type Verbs interface {
 	// Close frees the queue pair and memory; no call may be running.
 	Close() error
 }
+
+// DeviceWatch is implemented by Verbs whose device can be removed under
+// the link: `rdma link delete`, a driver unbound, a NIC unplugged. Gone
+// says why once the removal has begun (nil before). The link asks every
+// DeviceCheck and then ends with ErrDeviceGone, which also releases the
+// device: a driver without disassociate_ucontext (rxe in Linux 6.1)
+// makes the removal wait until every process holding the device closes
+// it, while the device keeps working, so a link that did not look would
+// hold it, and the removal, until its peer went.
+type DeviceWatch interface {
+	Gone() error
+}
+
+// DeviceCheck is how often an RDMA link asks its DeviceWatch.
+const DeviceCheck = 250 * time.Millisecond
+
+// ErrDeviceGone ends an RDMA link whose device is being removed.
+var ErrDeviceGone = errors.New("relay rdma: the RDMA device is being removed")
 
 // Op is what a completion completes.
 type Op uint8

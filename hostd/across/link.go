@@ -3,6 +3,7 @@ package across
 import (
 	"crypto/rand"
 	"errors"
+	"fmt"
 	"net"
 	"strconv"
 	"sync/atomic"
@@ -35,6 +36,7 @@ type plink struct {
 	// peer until then (an RDMA setup failed, or an RDMA link ended).
 	transport, why string
 	noRDMA         time.Time
+	noRDMAWhy      string // why: the RDMA setup's error or the last RDMA link's end
 }
 
 // rdmaBackoff is how long a peer's links stay TCP after an RDMA setup
@@ -140,8 +142,12 @@ func (r *Room) linkPort(peer string, m peers.Across) {
 // rdmaOpen is what this host offers a new link to l's peer: its RDMA
 // opener, unless RDMA to it is backing off.
 func (r *Room) rdmaOpen(l *plink) func() (relay.Verbs, error) {
-	if r.opts.RDMA == nil || time.Now().Before(l.noRDMA) {
+	if r.opts.RDMA == nil {
 		return nil
+	}
+	if left := time.Until(l.noRDMA); left > 0 {
+		err := fmt.Errorf("RDMA to this peer is off for %s more: %s", left.Round(time.Second), l.noRDMAWhy)
+		return func() (relay.Verbs, error) { return nil, err }
 	}
 	return r.opts.RDMA
 }
@@ -191,7 +197,7 @@ func (r *Room) linked(l *plink, gen uint64, c carried) {
 	l.dialing = false
 	if err := c.err; err != nil {
 		if c.rdmaFailed {
-			l.noRDMA = time.Now().Add(rdmaBackoff)
+			l.noRDMA, l.noRDMAWhy = time.Now().Add(rdmaBackoff), "its setup failed: "+err.Error()
 			r.log.Warn("the relay link's RDMA setup failed: TCP for a while", "peer", l.peer, "error", err, "for", rdmaBackoff)
 		}
 		r.log.Warn("no relay link to a peer host; its connections stay on TCP", "peer", l.peer, "error", err)
@@ -223,6 +229,13 @@ func (r *Room) linked(l *plink, gen uint64, c carried) {
 	}
 }
 
+func errString(err error) string {
+	if err == nil {
+		return "closed"
+	}
+	return err.Error()
+}
+
 func (r *Room) retryLink(l *plink, gen uint64) {
 	if gen == l.gen && l.l == nil {
 		r.dialLink(l)
@@ -237,7 +250,7 @@ func (r *Room) linkDown(l *plink, lk relay.Carrier) {
 	}
 	r.log.Warn("relay link down; its connections leave the rings", "peer", l.peer, "transport", l.transport, "error", lk.Err())
 	if l.transport == "rdma" {
-		l.noRDMA = time.Now().Add(rdmaBackoff)
+		l.noRDMA, l.noRDMAWhy = time.Now().Add(rdmaBackoff), "the last RDMA link ended: "+errString(lk.Err())
 	}
 	l.close()
 	for _, x := range l.flows {

@@ -10,7 +10,7 @@ import (
 type Relay struct {
 	Link      string `json:"link"`       // up, or down
 	Transport string `json:"transport"`  // the link's, while up: tcp or rdma
-	Why       string `json:"why"`        // why it is TCP (docs/rdma.md); hostd peers shows the transport, the log says why
+	Why       string `json:"why"`        // why it is TCP (docs/rdma.md); hostd peers and the log say it
 	Flows     int    `json:"flows"`      // connections on the rings through the relay now
 	Conns     int    `json:"conns"`      // connections across hosts hostd keeps a record of
 	BytesOut  uint64 `json:"bytes_out"`  // flow bytes sent on the link (this link's life)

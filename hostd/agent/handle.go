@@ -58,11 +58,11 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 			for i := range ps {
 				if rl, ok := rs[ps[i].Name]; ok {
 					link := rl.Link
-					if rl.Transport != "" { // "up (tcp)", "up (rdma)"; why it is TCP is in the log
+					if rl.Transport != "" { // "up (tcp)", "up (rdma)"; Why says why it is TCP
 						link += " (" + rl.Transport + ")"
 					}
 					ps[i].Flows, ps[i].Relay = rl.Flows, &peers.RelayInfo{Link: link, Conns: rl.Conns,
-						BytesOut: rl.BytesOut, BytesIn: rl.BytesIn, Stalled: rl.Stalled, Links: rl.Reconnect}
+						BytesOut: rl.BytesOut, BytesIn: rl.BytesIn, Stalled: rl.Stalled, Links: rl.Reconnect, Why: rl.Why}
 				}
 			}
 		}

@@ -354,8 +354,9 @@ type RelayInfo struct {
 	Conns    int    `json:"conns"` // connections across hosts with a record
 	BytesOut uint64 `json:"bytes_out"`
 	BytesIn  uint64 `json:"bytes_in"`
-	Stalled  string `json:"stalled"` // senders' waits for credit
-	Links    uint64 `json:"links"`   // links made (reconnects + 1)
+	Stalled  string `json:"stalled"`       // senders' waits for credit
+	Links    uint64 `json:"links"`         // links made (reconnects + 1)
+	Why      string `json:"why,omitempty"` // why the link is TCP, not RDMA (docs/rdma.md)
 }
 
 // List describes every configured peer, by name.

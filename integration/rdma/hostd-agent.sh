@@ -9,18 +9,34 @@
 # ingress, as a fabric fault would: the queue pairs' retries run out and
 # both hosts' RDMA links end; not on output, where rxe retries a refused
 # send at once, for ever, and starves the vCPU), and checks that the link
-# comes back as TCP with the connection on it. Each
-# step says HOSTD-AGENT <STEP>; a failure says HOSTD-AGENT FAIL and stops.
-role=$1 peer=$2 rxe=$3 hostd=$4 guest=$5 cfg=$6 bytes=$7
+# comes back as TCP with the connection on it.
+#
+# Scenario "remove" (TestRDMARxeRemoved) instead of the flips and the
+# fault: while part 3 streams, h2 deletes its rxe device (`rdma link
+# delete rxe0`); hostd's RDMA link sees the device's removal begin, ends,
+# and so lets the removal finish (rxe in Linux 6.1 waits for every
+# process holding the device); the link comes back as TCP, `hostd peers`
+# says why, and the connection is back on the relay over it.
+#
+# Each step says HOSTD-AGENT <STEP>; a failure says HOSTD-AGENT FAIL and
+# stops, after both hosts printed their state (the other's on a word
+# over TCP port 7999); so does the watchdog after limit seconds.
+role=$1 peer=$2 rxe=$3 hostd=$4 guest=$5 cfg=$6 bytes=$7 scenario=${8:-full} limit=${9:-330}
 say() { echo "HOSTD-AGENT $*"; }
 stage() { read -r up _ </proc/uptime; say STAGE "$1" at="$up"; }
 show() { "$hostd" "$1" -admin /tmp/admin.sock 2>&1 | sed "s/^/HOSTD-AGENT $1: /"; }
-fail() {
+dump() {
+	say STATE of "$me" "$*"
 	counters
 	show peers
 	show flows
 	[ -f /tmp/guest.out ] && sed 's/^/HOSTD-AGENT guest: /' /tmp/guest.out
 	[ -f /tmp/hostd.log ] && tail -n 60 /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+}
+fail() {
+	echo dump | nc -w 2 "$peer" 7999 >/dev/null 2>&1
+	dump
+	sleep 3 # the other host's state reaches its console
 	say FAIL "$@"
 	exit 1
 }
@@ -38,6 +54,8 @@ until_ok() {
 		sleep 0.2
 	done
 }
+# exited PID: PID is gone or a zombie (kill -0 succeeds on a zombie)
+exited() { st=$(cut -d' ' -f3 "/proc/$1/stat" 2>/dev/null); [ -z "$st" ] || [ "$st" = Z ]; }
 has() { "$hostd" "$1" -admin /tmp/admin.sock 2>/dev/null | grep -q -- "$2"; }
 hasnt() { "$hostd" "$1" -admin /tmp/admin.sock >/tmp/out 2>&1 && ! grep -q -- "$2" /tmp/out; }
 reload() { cp "$cfg/$me-$1.hcl" /tmp/hostd.hcl && "$hostd" reload -admin /tmp/admin.sock >/dev/null || fail reload "$1"; }
@@ -69,6 +87,10 @@ table inet fw {
 }
 EOF
 /usr/sbin/tc qdisc add dev eth0 ingress || fail tc qdisc
+# The other host's failure asks for this host's state; the watchdog
+# prints it before the test's own deadline.
+(while :; do nc -l -p 7999 >/dev/null 2>&1 </dev/null && dump asked by the other host; done) &
+(sleep "$limit" && dump watchdog && say FAIL watchdog after "$limit" s) &
 stage hostd
 cp "$cfg/$me-rings.hcl" /tmp/hostd.hcl
 "$hostd" check -config /tmp/hostd.hcl 2>&1 | grep -v "^ok" | sed 's/^/HOSTD-AGENT check: /'
@@ -79,6 +101,44 @@ stage link
 until_ok 120 has peers "up (rdma)" || fail the relay link is not up on RDMA
 show peers
 say LINK rdma
+# remove: the rxe device deleted while part 3 streams (scenario remove,
+# client only, after part 1 is on the relay).
+remove() {
+	touch /tmp/marks/go1
+	until_ok 240 test -e /tmp/marks/at2 || fail part 2 not echoed
+	has peers "up (rdma)" || fail the link is no longer RDMA before the removal
+	until_ok 60 has flows "relay h1" || fail not on the relay before the removal
+	stage remove
+	touch /tmp/marks/go2
+	read -r t0 _ </proc/uptime
+	rdma link delete rxe0 >/tmp/rdma.out 2>&1 &
+	rp=$!
+	until_ok 60 hasnt peers "up (rdma)" || fail the RDMA link did not end
+	show peers
+	say RDMA-ENDED
+	# rxe's removal waits for hostd to let go of the device: bounded
+	until_ok 60 exited $rp || fail "rdma link delete still waits: $(cat /proc/$rp/stack 2>/dev/null | tr '\n' ' ')"
+	wait $rp || fail "rdma link delete: $(cat /tmp/rdma.out)"
+	read -r t1 _ </proc/uptime
+	[ -e /sys/class/infiniband/rxe0 ] && fail rxe0 still there
+	say REMOVED in $(echo "$t0 $t1" | awk '{printf "%.1f", $2-$1}') s
+	until_ok 120 has peers "up (tcp)" || fail the link did not come back as TCP
+	until_ok 120 has flows "relay h1" || fail the connection is not back on the relay
+	show peers
+	show flows
+	"$hostd" peers -admin /tmp/admin.sock | grep -q "device rxe0 removed" || fail hostd peers does not say why
+	grep -q "device rxe0 removed" /tmp/hostd.log || fail the log does not say why
+	say DOWNGRADED
+	until_ok 240 test -e /tmp/marks/at3 || fail part 3 not echoed
+	stage part4
+	touch /tmp/marks/go3
+	wait $gp || fail the stream
+	cat /tmp/guest.out
+	stage end
+	grep -E "relay link|switch to|bridge stopped|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+	show counters
+	say DONE
+}
 run() { $ip netns exec g1 env SHUNT_CONTROL=/tmp/shunt/g1.sock "$guest" "$@"; }
 if [ "$role" = server ]; then
 	stage echo
@@ -92,6 +152,10 @@ else
 	until_ok 60 has flows "relay h1" || fail the connection is not on the relay
 	show flows
 	say RELAYED
+	if [ "$scenario" = remove ]; then
+		remove
+		exit
+	fi
 	# The policy flip loop: to TCP while part 2 streams, back to the rings.
 	stage flips
 	touch /tmp/marks/go1

@@ -36,10 +36,59 @@ import (
 // intact. Bytes: SHUNT_RDMA_HOSTD_BYTES (4
 // MiB, small for TCG's sake).
 func TestRDMAHostd(t *testing.T) {
+	n := envInt("SHUNT_RDMA_HOSTD_BYTES", 4<<20)
+	client, server := hostdRig(t, "full", n, 6*time.Minute)
+	for _, want := range []string{"HOSTD-AGENT LINK rdma", "HOSTD-AGENT RELAYED", "HOSTD-AGENT FLIP 1", "HOSTD-AGENT FLIP 2",
+		"HOSTD-AGENT RDMA-ENDED", "HOSTD-AGENT DOWNGRADED", fmt.Sprintf("GUEST OK dial sent=%d echoed=%d ", n, n)} {
+		if !client.Has(0, want) {
+			t.Errorf("h2 (client) never said %q", want)
+		}
+	}
+	for _, want := range []string{"HOSTD-AGENT LINK rdma", fmt.Sprintf("GUEST OK serve echoed=%d", n)} {
+		if !server.Has(0, want) {
+			t.Errorf("h1 (server) never said %q", want)
+		}
+	}
+}
+
+// TestRDMARxeRemoved: the RDMA device removed under hostd's relay
+// mid-stream. The rig of TestRDMAHostd; the Go guest on h2 streams
+// seeded bytes to h1's echo in four parts; once part 1 is on the relay
+// over RDMA, and while part 3 streams, h2 deletes its rxe device (`rdma
+// link delete rxe0`). Asserted: h2's RDMA link ends (hostd sees the
+// device's removal begin: its uverbs node goes first), the removal
+// completes within a minute (rxe in Linux 6.1 waits until hostd lets
+// go of the device: without the watch it waited for ever), the link
+// comes back as TCP with the connection on the relay over it, `hostd
+// peers` and the log give the reason (device rxe0 removed), and the
+// whole stream arrives intact both ways. Bytes:
+// SHUNT_RDMA_REMOVED_BYTES (2 MiB).
+func TestRDMARxeRemoved(t *testing.T) {
+	n := envInt("SHUNT_RDMA_REMOVED_BYTES", 2<<20)
+	client, server := hostdRig(t, "remove", n, 4*time.Minute)
+	for _, want := range []string{"HOSTD-AGENT LINK rdma", "HOSTD-AGENT RELAYED", "HOSTD-AGENT RDMA-ENDED", "HOSTD-AGENT REMOVED",
+		"HOSTD-AGENT DOWNGRADED", fmt.Sprintf("GUEST OK dial sent=%d echoed=%d ", n, n)} {
+		if !client.Has(0, want) {
+			t.Errorf("h2 (client) never said %q", want)
+		}
+	}
+	for _, want := range []string{"HOSTD-AGENT LINK rdma", fmt.Sprintf("GUEST OK serve echoed=%d", n)} {
+		if !server.Has(0, want) {
+			t.Errorf("h1 (server) never said %q", want)
+		}
+	}
+}
+
+// hostdRig boots the two VM hosts of TestRDMAHostd with hostd-agent.sh's
+// scenario for a stream of n bytes, waits (at most limit) until both
+// agents are done, logs their steps and returns the VMs. A failing agent
+// has printed both hosts' state (hostd peers, flows, log) first; the
+// agents' watchdog prints it 30 s before limit.
+func hostdRig(t *testing.T, scenario string, n int, limit time.Duration) (client, server *vm.VM) {
+	t.Helper()
 	kernel := needRig(t)
 	testenv.NeedTool(t, "nft", "nftables") // the VMs run the host's /usr
 	testenv.NeedTool(t, "tc", "iproute2")
-	n := envInt("SHUNT_RDMA_HOSTD_BYTES", 4<<20)
 	dir := t.TempDir()
 	hostd := goBuild(t, dir, "../../cmd/hostd")
 	guest := goBuild(t, dir, "./guest")
@@ -56,12 +105,13 @@ func TestRDMAHostd(t *testing.T) {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	server, client := bootPair(t, kernel, initrd, rxe, hostd, guest, cfg, strconv.Itoa(n))
-	defer logStages(t, "HOSTD-AGENT", server, client)
+	server, client = bootPair(t, kernel, initrd, rxe, hostd, guest, cfg, strconv.Itoa(n), scenario,
+		strconv.Itoa(int((limit - 30*time.Second).Seconds())))
+	t.Cleanup(func() { logStages(t, "HOSTD-AGENT", server, client) })
 	// Generous, bounded: the stream stalls for the queue pairs' retries
 	// (about 8 s) at the fault, and TCG guests slow down several times on
 	// a loaded machine.
-	ctx, cancel := context.WithTimeout(context.Background(), 6*time.Minute)
+	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
 	for _, m := range []*vm.VM{client, server} {
 		line, err := m.WaitAny(ctx, 0, "HOSTD-AGENT DONE", "HOSTD-AGENT FAIL", "SHUNT-VM AGENT-EXIT")
@@ -72,23 +122,13 @@ func TestRDMAHostd(t *testing.T) {
 	for _, m := range []*vm.VM{server, client} {
 		for _, l := range strings.Split(m.Console(), "\n") {
 			if strings.HasPrefix(l, "HOSTD-AGENT peers:") || strings.HasPrefix(l, "HOSTD-AGENT flows:") ||
-				strings.HasPrefix(l, "HOSTD-AGENT log:") || strings.HasPrefix(l, "GUEST ") {
+				strings.HasPrefix(l, "HOSTD-AGENT log:") || strings.HasPrefix(l, "HOSTD-AGENT REMOVED") || strings.HasPrefix(l, "GUEST ") {
 				t.Logf("%s: %s", m.Name, l)
 			}
 		}
 	}
-	for _, want := range []string{"HOSTD-AGENT LINK rdma", "HOSTD-AGENT RELAYED", "HOSTD-AGENT FLIP 1", "HOSTD-AGENT FLIP 2",
-		"HOSTD-AGENT RDMA-ENDED", "HOSTD-AGENT DOWNGRADED", fmt.Sprintf("GUEST OK dial sent=%d echoed=%d ", n, n)} {
-		if !client.Has(0, want) {
-			t.Errorf("h2 (client) never said %q", want)
-		}
-	}
-	for _, want := range []string{"HOSTD-AGENT LINK rdma", fmt.Sprintf("GUEST OK serve echoed=%d", n)} {
-		if !server.Has(0, want) {
-			t.Errorf("h1 (server) never said %q", want)
-		}
-	}
 	t.Logf("took %s", time.Since(start).Round(time.Second))
+	return client, server
 }
 
 // hostdConfigs writes into dir each host's hostd.hcl, with its policy on

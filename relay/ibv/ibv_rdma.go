@@ -15,6 +15,8 @@ import (
 	"encoding/binary"
 	"errors"
 	"fmt"
+	"io/fs"
+	"os"
 	"syscall"
 	"time"
 	"unsafe"
@@ -31,7 +33,12 @@ type qp struct {
 	send, recv []byte
 	credit     *[2]uint64
 	wcs        []C.struct_shim_wc
+	// dev is the device's name, node its uverbs node in sysfs, which
+	// the kernel deletes first when the device's removal begins (Gone).
+	dev, node string
 }
+
+var _ relay.DeviceWatch = (*qp)(nil)
 
 // Open makes a queue pair on a device, in state INIT, with its buffers
 // registered.
@@ -79,6 +86,7 @@ func Open(c Config) (relay.Verbs, error) {
 	q.recv = unsafe.Slice((*byte)(rb), c.Size)
 	q.credit = (*[2]uint64)(unsafe.Add(rb, c.Size))
 	q.wcs = make([]C.struct_shim_wc, 64)
+	q.dev, q.node = C.GoString(C.shim_dev_name(q.s)), C.GoString(C.shim_dev_path(q.s))
 	return q, nil
 }
 
@@ -133,6 +141,19 @@ func (q *qp) Poll(cs []relay.Completion) (int, error) {
 		cs[i] = c
 	}
 	return int(got), nil
+}
+
+// Gone says whether the device's removal has begun: its uverbs node in
+// sysfs is gone (the kernel deletes it before it waits for the processes
+// that hold the device). A relay.DeviceWatch.
+func (q *qp) Gone() error {
+	if q.node == "" {
+		return nil
+	}
+	if _, err := os.Stat(q.node); errors.Is(err, fs.ErrNotExist) {
+		return fmt.Errorf("device %s removed (%s is gone)", q.dev, q.node)
+	}
+	return nil
 }
 
 func (q *qp) Sleep(d time.Duration) error {

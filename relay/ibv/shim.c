@@ -30,6 +30,8 @@ struct shim {
 	uint32_t psn;
 	uint64_t peer_ring;
 	uint32_t peer_rkey;
+	char dev_path[256]; /* the device's uverbs node in sysfs: gone once its removal begins */
+	char dev_name[64];
 	struct shim_wc stash[SHIM_STASH];
 	int nstash;
 };
@@ -57,6 +59,8 @@ int shim_open(const char *dev, int port, int gid_index, uint32_t size, int depth
 	for (int i = 0; i < n; i++) {
 		if (dev[0] == 0 || strcmp(ibv_get_device_name(list[i]), dev) == 0) {
 			s->ctx = ibv_open_device(list[i]);
+			snprintf(s->dev_path, sizeof s->dev_path, "%s", list[i]->dev_path);
+			snprintf(s->dev_name, sizeof s->dev_name, "%s", ibv_get_device_name(list[i]));
 			break;
 		}
 	}
@@ -312,6 +316,9 @@ int shim_break(struct shim *s)
 	a.qp_state = IBV_QPS_ERR;
 	return -ibv_modify_qp(s->qp, &a, IBV_QP_STATE);
 }
+
+const char *shim_dev_path(struct shim *s) { return s->dev_path; }
+const char *shim_dev_name(struct shim *s) { return s->dev_name; }
 
 void shim_close(struct shim *s)
 {

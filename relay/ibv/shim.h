@@ -41,5 +41,10 @@ int shim_post_recv(struct shim *s, int k);
 int shim_poll(struct shim *s, struct shim_wc *wcs, int n);
 int shim_sleep(struct shim *s, int timeout_ms);
 int shim_break(struct shim *s);
+/* The device's uverbs node in sysfs (/sys/class/infiniband_verbs/uverbsN)
+ * and name: the kernel deletes the node first when the device's removal
+ * begins, then waits for every process that holds it to close it. */
+const char *shim_dev_path(struct shim *s);
+const char *shim_dev_name(struct shim *s);
 void shim_close(struct shim *s);
 #endif
