@@ -171,6 +171,18 @@ func (e *env) counter(key string) float64 {
 	return hostdCounter(e.t, e, key)
 }
 
+// ringsMoved runs fn and returns how many directions hostd moved onto
+// the rings meanwhile, by its counter of first switches: a short job can
+// be on and off the rings between two polls of hostd's flow list.
+func (e *env) ringsMoved(fn func()) int {
+	before := e.counter(firstSwitches)
+	fn()
+	return int(e.counter(firstSwitches) - before)
+}
+
+// firstSwitches is hostd's counter of flows' first moves onto the rings.
+const firstSwitches = "shunt_switches_total{reason=none,to=rings}"
+
 // eventually polls cond every 10 ms until it holds or the bound passes.
 func eventually(t *testing.T, bound time.Duration, what string, cond func() bool) {
 	t.Helper()

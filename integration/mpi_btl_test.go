@@ -228,18 +228,6 @@ func onRings(fl []broker.FlowInfo) []string {
 	return names
 }
 
-// ringsMoved runs fn and returns how many directions hostd moved onto
-// the rings meanwhile, by its counter of first switches: a short job can
-// be on and off the rings between two polls of hostd's flow list.
-func (e *env) ringsMoved(fn func()) int {
-	before := e.counter(firstSwitches)
-	fn()
-	return int(e.counter(firstSwitches) - before)
-}
-
-// firstSwitches is hostd's counter of flows' first moves onto the rings.
-const firstSwitches = "shunt_switches_total{reason=none,to=rings}"
-
 // vethBytes is what crossed guest 1's link to the host, both ways.
 func (e *env) vethBytes(t testing.TB) uint64 {
 	t.Helper()

@@ -196,30 +196,6 @@ func waitListening(t testing.TB, e *env, i, port int) {
 	}
 }
 
-// maxFlows runs fn and returns the most flows hostd listed meanwhile (it
-// asks every 50 ms): the fast path seen from hostd's side.
-func (e *env) maxFlows(fn func()) int {
-	stop, done := make(chan struct{}), make(chan int)
-	go func() {
-		most := 0
-		for {
-			select {
-			case <-stop:
-				done <- most
-				return
-			case <-time.After(50 * time.Millisecond):
-				var fl []broker.FlowInfo
-				if admin.Call(e.Admin, admin.Request{Cmd: "flows"}, &fl) == nil && len(fl) > most {
-					most = len(fl)
-				}
-			}
-		}
-	}()
-	fn()
-	close(stop)
-	return <-done
-}
-
 // fastLines counts the library's "shunt (slot" lines: READYs that a
 // connection attached (one per connection unless hostd moved it to TCP
 // and back).
@@ -233,12 +209,12 @@ func TestPreloadSockperf(t *testing.T) {
 	// --mps sizes sockperf's table of replies: its default ("max") assumes
 	// at most ~600K messages a second, which the fast path exceeds.
 	var pp string
-	flows := e.maxFlows(func() {
+	flows := e.ringsMoved(func() {
 		pp = e.run(1, e.guestCmd(1, "sockperf", "ping-pong", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "14", "--mps", "5000000"))
 	})
 	p50 := regexp.MustCompile(`percentile 50\.000 =\s+([0-9.]+)`).FindStringSubmatch(pp)
 	if fastLines(pp) != 1 || p50 == nil || flows != 1 {
-		t.Fatalf("sockperf ping-pong did not run on the fast path (hostd listed %d flows):\n%s", flows, pp)
+		t.Fatalf("sockperf ping-pong did not run on the fast path (hostd moved %d flows onto the rings):\n%s", flows, pp)
 	}
 	t.Logf("sockperf ping-pong 14 B one-way p50: %s us", p50[1])
 	tp := e.run(1, e.guestCmd(1, "sockperf", "throughput", "--tcp", "-i", g2, "-p", "11111", "-t", "2", "-m", "64000", "--mps", "max"))
@@ -258,13 +234,13 @@ func TestPreloadIperf3(t *testing.T) {
 	e.start(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5301"))
 	e.waitListening(2, 5301)
 	var out string
-	flows := e.maxFlows(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5301", "-t", "2", "-J")) })
+	flows := e.ringsMoved(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5301", "-t", "2", "-J")) })
 	res, err := parseIperf3(out)
 	if err != nil || res.Bytes == 0 {
 		t.Fatalf("iperf3 result: %v\n%s", err, out)
 	}
 	if flows < 2 {
-		t.Fatalf("hostd listed %d flows during iperf3, want its control and data connections", flows)
+		t.Fatalf("hostd moved %d flows onto the rings during iperf3, want its control and data connections", flows)
 	}
 	t.Logf("iperf3: %.1f Gbit/s over the fast path", res.BitsPerSecond/1e9)
 }
@@ -340,9 +316,9 @@ func TestPreloadHostdRestart(t *testing.T) {
 		t.Fatalf("the stream across the restart did not end\n%s", live.String())
 	}
 	var out string
-	flows := e.maxFlows(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5302", "-t", "1")) })
+	flows := e.ringsMoved(func() { out = e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5302", "-t", "1")) })
 	if flows < 2 || fastLines(out) != 2 {
-		t.Fatalf("after the restart: hostd listed %d flows, the client took the fast path %d times; want 2 and 2\n%s", flows, fastLines(out), out)
+		t.Fatalf("after the restart: hostd moved %d flows onto the rings, the client took the fast path %d times; want 2 and 2\n%s", flows, fastLines(out), out)
 	}
 	if !strings.Contains(srv.String(), "shunt: reconnected to hostd") {
 		t.Fatalf("the server's library did not reconnect:\n%s", srv.String())
