@@ -187,6 +187,14 @@ func TestAdoptOrphanRefuses(t *testing.T) {
 			t.Fatal("g1's read ring is not marked left")
 		}
 	})
+	t.Run("no-reattach", func(t *testing.T) {
+		// The guest never reattaches: gone after its grace, and once the
+		// peer's stop did not come either, h1 keeps nothing of it.
+		w := newWorld(t)
+		w.loop(func() { w.r.opts.ResumeTimeout = 1500 * time.Millisecond })
+		w.adoptRelayPair(9004, 200*time.Millisecond)
+		w.settledWithin(10 * time.Second)
+	})
 	t.Run("broken-rings", func(t *testing.T) {
 		w := newWorld(t)
 		reg, f := shmtest.Region(t, region.Geometry{Size: 4 << 20, Slots: 8})
@@ -227,4 +235,73 @@ func TestAdoptOrphanRefuses(t *testing.T) {
 			t.Fatalf("RESUME at %d for a broken stretch, want ResumeReset", m.Offset)
 		}
 	})
+}
+
+// TestAdoptOrphanNotAdopted: a relay pair region is adopted only with one
+// guest a relay and the other a live guest, live slots whose tuples join
+// that guest to one peer's prefixes; otherwise AdoptOrphans keeps nothing
+// (the caller drops the region, its connections reset as before).
+func TestAdoptOrphanNotAdopted(t *testing.T) {
+	w := newWorld(t)
+	peerOf := func(addr netip.Addr) (string, bool) {
+		switch {
+		case netip.MustParsePrefix("10.9.0.0/16").Contains(addr):
+			return "h0", true
+		case netip.MustParsePrefix("10.10.0.0/16").Contains(addr):
+			return "a0", true
+		}
+		return "", false
+	}
+	relay := uint32(broker.RelayIDBase + 9)
+	for _, tc := range []struct {
+		name   string
+		a, b   uint32
+		tuples [][2]string // live slots: src, dst
+	}{
+		{"no-live-flow", w.g1.ID, relay, nil},
+		{"two-relays", relay, relay + 1, [][2]string{{"10.0.0.1:1", peerGuest + ":80"}}},
+		{"unknown-guest", 77, relay, [][2]string{{"10.0.0.1:1", peerGuest + ":80"}}},
+		{"not-the-guests-tuple", w.g1.ID, relay, [][2]string{{"10.0.0.9:1", peerGuest + ":80"}}},
+		{"no-peers-prefix", w.g1.ID, relay, [][2]string{{"10.0.0.1:1", "10.200.0.1:80"}}},
+		{"two-peers", w.g1.ID, relay, [][2]string{{"10.0.0.1:1", peerGuest + ":80"}, {"10.0.0.1:2", "10.10.1.2:80"}}},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			reg, f := shmtest.Region(t, region.Geometry{Size: 4 << 20, Slots: 8})
+			pool := region.NewPool(reg, nil)
+			for _, tu := range tc.tuples {
+				if _, _, err := pool.Alloc(region.Request{OwnerA: tc.a, OwnerB: tc.b, Capacity: orphanCap,
+					Src: netip.MustParseAddrPort(tu[0]), Dst: netip.MustParseAddrPort(tu[1])}); err != nil {
+					t.Fatal(err)
+				}
+			}
+			var n int
+			var ok bool
+			w.loop(func() {
+				n, ok = w.r.AdoptOrphans(region.Meta{Kind: region.KindPair, ID: 50, GuestA: tc.a, GuestB: tc.b}, pool, f, peerOf, time.Minute)
+			})
+			if ok || n != 0 {
+				t.Fatalf("AdoptOrphans = %d, %v; want 0, false", n, ok)
+			}
+			if c := w.b.Counts(); c.Flows != 0 || c.Conns != 0 {
+				t.Fatalf("the broker keeps %d flows, %d records of a region not adopted", c.Flows, c.Conns)
+			}
+		})
+	}
+}
+
+// settledWithin waits until h1 keeps no record, ring pair or cross-host
+// connection.
+func (w *world) settledWithin(d time.Duration) {
+	w.t.Helper()
+	for deadline := time.Now().Add(d); ; time.Sleep(20 * time.Millisecond) {
+		var conns int
+		w.loop(func() { conns = len(w.r.conns) })
+		c := w.b.Counts()
+		if c.Conns == 0 && c.Flows == 0 && conns == 0 {
+			return
+		}
+		if time.Now().After(deadline) {
+			w.t.Fatalf("h1 still keeps %d records, %d ring pairs, %d cross-host connections %s on", c.Conns, c.Flows, conns, d)
+		}
+	}
 }
