@@ -45,6 +45,14 @@ func (c *Client) regionOnBar(m proto.Msg) {
 	c.mu.Unlock()
 	start := time.Now()
 	rescanned := false
+	wait := barWait
+	if c.stretches() {
+		// A VM that carries flows over vsock (docs/vsock.md) has no
+		// device plugged for a pair region: hostd hot-plugs only for
+		// VMs of a group with pair regions, which have no stretches.
+		// Waiting would hold the READY behind it for barWait.
+		wait, rescanned = 0, true
+	}
 	for {
 		r, bar, st := findBar(c.vm.sysfs, m, gid, taken)
 		if r != nil {
@@ -64,8 +72,12 @@ func (c *Client) regionOnBar(m proto.Msg) {
 				c.logf("shunt: region %d: %v", m.RegionID, err)
 			}
 		}
-		if time.Since(start) > barWait {
-			c.logf("shunt: REGION %d: no ivshmem device names it after %v; its flows stay on TCP", m.RegionID, barWait)
+		if wait == 0 {
+			c.logf("shunt: REGION %d: no ivshmem device names it; its flows go over vsock", m.RegionID)
+			return
+		}
+		if time.Since(start) > wait {
+			c.logf("shunt: REGION %d: no ivshmem device names it after %v; its flows stay on TCP", m.RegionID, wait)
 			return
 		}
 		time.Sleep(barPoll)

@@ -495,7 +495,7 @@ func (c *Client) send(m proto.Msg) error {
 
 func (c *Client) sendLocked(m proto.Msg) error {
 	s := c.sess
-	keep := m.Type == proto.Close || m.Type == proto.Left
+	keep := m.Type == proto.Close || m.Type == proto.Left || m.Type == proto.Ended
 	if s == nil {
 		if keep {
 			c.closes = append(c.closes, m)

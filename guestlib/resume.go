@@ -36,6 +36,9 @@ func (c *Conn) resume(k flowKey, r proto.Reason, off uint64) bool {
 	if !ok {
 		return false
 	}
+	if f.stretch != nil {
+		c.stretchEnded(f, r)
+	}
 	if off == proto.ResumeReset {
 		c.client.logf("shunt: %s -> %s: RESUME %d/%d.%d(%s): where the other host's ring ended is unknown: connection reset", c.local, c.remote, k.region, k.slot, k.gen, r)
 		c.abort()

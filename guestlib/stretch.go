@@ -129,3 +129,21 @@ func (c *Conn) drainStretch(f *flow) {
 		c.client.logf("shunt: %s -> %s: the host took no more of the write ring's bytes for %v; closing anyway (%+v, %v)", c.local, c.remote, stretchDrain, f.stretch.Stats(), f.stretch.Err())
 	}
 }
+
+// stretchEnded is the VM's part of a RESUME for stretch flow f (docs/
+// vsock.md, "Switching back"): hostd stopped its bridge, and the RESUME's
+// offset is where the ring that bridge wrote ended. This end stops its
+// own bridge, which marks the read ring left where the bytes it wrote
+// end, and tells hostd that offset (ENDED), which the other end's writer
+// resends from. The bridge frees a byte of the write ring only once the
+// host's ring holds it, so the writer's resend is still in the ring.
+func (c *Conn) stretchEnded(f *flow, r proto.Reason) {
+	e := f.stretch.Stop(r)
+	off := proto.ResumeAll
+	if e.Started {
+		off = e.X
+	}
+	k := f.key
+	c.client.logf("shunt: %s -> %s: stretch %d/%d.%d stopped (%s): read ring ended at %d (started %v), %+v", c.local, c.remote, k.region, k.slot, k.gen, r, e.X, e.Started, f.stretch.Stats())
+	_ = c.client.send(proto.Msg{Type: proto.Ended, ReqID: c.req, RegionID: k.region, Slot: k.slot, Gen: k.gen, Side: f.side, Offset: off})
+}

@@ -47,6 +47,7 @@ type Bridge struct {
 	poll   time.Duration
 
 	stopping atomic.Bool   // halt was called: every loop ends
+	outLeft  atomic.Bool   // the out-direction ended normally: the peer's LEFT marked the ring left after its last byte
 	halted   chan struct{} // closed by halt
 	events   atomic.Uint64 // bumped by the Flow's notify when the in-direction must look
 	ackedTo  atomic.Uint64 // the Flow's Acked, as notify last saw it
@@ -217,6 +218,7 @@ func NewBridge(in, out *ring.Ring, f *Flow, o BridgeOptions) *Bridge {
 		if err := b.runOut(); err != nil {
 			b.fail(err)
 		} else {
+			b.outLeft.Store(true)
 			end()
 		}
 	}()
@@ -245,6 +247,12 @@ func (b *Bridge) InDone() <-chan struct{} { return b.inDone }
 // vsock room, whose VM's end is gone, waits for it before Stop, so the
 // VM's last bytes reach the other guest's ring.
 func (b *Bridge) OutDone() <-chan struct{} { return b.outDone }
+
+// OutLeft reports whether the out-direction ended normally: the peer's
+// writer left its ring and the guest's read ring holds its whole stretch,
+// marked left (or the guest's reader closed it). False while it runs, and
+// after a stop or an error that came first.
+func (b *Bridge) OutLeft() bool { return b.outLeft.Load() }
 
 // Err is why the bridge stopped by itself: the link's error, the peer's
 // DOWN (ErrDown), a LEFT-less end of the link, ErrGuest (the guest broke

@@ -354,6 +354,9 @@ func (b *Broker) leaveRingsLocked(c *Conn, reason proto.Reason) *Flow {
 	b.m.Flows.WithLabelValues(f.state, "direct").Dec()
 	f.state = "leaving"
 	b.m.Flows.WithLabelValues(f.state, "direct").Inc()
+	if b.stretchResumeLocked(c, f, reason) {
+		return f // RESUME to both ends, once the bridges stopped (stretch.go)
+	}
 	down := proto.Msg{Type: proto.Down, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: reason}
 	legacy := false
 	for _, side := range []uint32{region.SideA, region.SideB} {
@@ -431,7 +434,10 @@ func (b *Broker) endDoneLocked(c *Conn, side uint32, reason proto.Reason) {
 		o.sess.Send(proto.Msg{Type: proto.Close, ReqID: o.req})
 	}
 	if f := c.flow; f != nil {
-		if !b.downgradeLocked(c, reason) && c.path == PathLeaving && reason == proto.ReasonPeerGone {
+		if b.stretchResumeVMDoneLocked(f, side) {
+			// Leaving by RESUME: the other end learns at the VM's ENDED,
+			// or now, where the VM's stream ended (stretch.go).
+		} else if !b.downgradeLocked(c, reason) && c.path == PathLeaving && reason == proto.ReasonPeerGone {
 			// Already leaving: the survivor's reader waits for this end's
 			// leave mark, which a gone end never writes. DOWN(peer-gone)
 			// tells it to drain what the ring holds and go on over TCP.

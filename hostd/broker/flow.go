@@ -40,6 +40,11 @@ type Flow struct {
 	conn     *Conn        // the connection it carries
 	state    string       // for the shunt_flows gauge: ready, leaving
 	stretch  *stretchHold // a vsock stretch's bridge holds a side (stretch.go)
+	// stretched: a stretch's bridge held it (stretch.go); stretchEnd is
+	// where that bridge stopped, resume its leave by RESUME.
+	stretched  bool
+	stretchEnd *stretchEnd
+	resume     *stretchResume
 }
 
 // Name is the flow's name in logs, listings and metrics: group/slot.gen in
@@ -83,6 +88,7 @@ func (b *Broker) flowLocked(g *Guest, m proto.Msg) *Flow {
 func (b *Broker) releaseLocked(f *Flow, side uint32) {
 	if f.released&side == 0 {
 		stretchEndDoneLocked(f, side)
+		b.stretchResumeVMDoneLocked(f, side)
 	}
 	if f.released&side != 0 || stretchHeldLocked(f, side) {
 		return

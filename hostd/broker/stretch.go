@@ -2,6 +2,7 @@ package broker
 
 import (
 	"fmt"
+	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/region"
@@ -39,6 +40,15 @@ type Held struct {
 	Gone, PeerGone <-chan struct{}
 	// Release gives the side back once the bridge stopped.
 	Release func()
+	// Stop delivers a downgrade's reason when the connection leaves the
+	// rings by RESUME (stretchResumeLocked): the room stops the bridge at
+	// once.
+	Stop <-chan proto.Reason
+	// Stopped tells the broker where the bridge's stretch ended, once it
+	// stopped, whatever the reason (before Release): started and x are
+	// the ring the VM writes (Writes) as the bridge wrote it, outLeft
+	// whether the VM's writer's LEFT reached it (its stretch is whole).
+	Stopped func(started bool, x uint64, outLeft bool)
 }
 
 // stretchHold is a flow side held by a stretch's bridge.
@@ -47,7 +57,9 @@ type stretchHold struct {
 	pending  bool   // the side was released meanwhile: release it at the end
 	gone     chan struct{}
 	peerGone chan struct{}
-	down     bool // a DOWN(peer-gone) waits for the release (downAtRelease)
+	down     bool              // a DOWN(peer-gone) waits for the release (downAtRelease)
+	stop     chan proto.Reason // Held.Stop: the downgrade's reason, once (stretchResumeLocked)
+	stopSent bool
 }
 
 // Stretch holds the side of flow (regionID, slot, gen) that guest id is,
@@ -75,6 +87,10 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 		return Held{}, fmt.Errorf("guest %s: no flow %d/%d.%d", g.Name, regionID, slot, gen)
 	case f.stretch != nil:
 		return Held{}, fmt.Errorf("flow %s has a stretch already", f.Name())
+	case f.resume != nil:
+		// A RESUME told (or will tell) the VM that no bridge wrote its
+		// rings beyond what hostd knows: a late stream must not start one.
+		return Held{}, fmt.Errorf("flow %s is leaving its rings by RESUME", f.Name())
 	}
 	side := uint32(region.SideA)
 	if f.GuestB == g && f.GuestA != g {
@@ -91,11 +107,22 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	if side == region.SideB {
 		writes, reads = ba, ab
 	}
-	h := &stretchHold{side: side, gone: make(chan struct{}), peerGone: make(chan struct{})}
+	h := &stretchHold{side: side, gone: make(chan struct{}), peerGone: make(chan struct{}), stop: make(chan proto.Reason, 1)}
 	if f.released&otherSide(side) != 0 {
 		close(h.peerGone) // the other end was done before the stretch came
 	}
-	f.stretch = h
+	f.stretch, f.stretched = h, true
+	stopped := func(started bool, x uint64, outLeft bool) {
+		b.mu.Lock()
+		defer b.mu.Unlock()
+		if f.stretch != h || f.stretchEnd != nil {
+			return
+		}
+		f.stretchEnd = &stretchEnd{started: started, x: x, outLeft: outLeft}
+		if c := f.conn; c != nil && c.flow == f && f.resume != nil {
+			b.resumeVMLocked(c, f)
+		}
+	}
 	release := func() {
 		b.mu.Lock()
 		defer b.mu.Unlock()
@@ -110,7 +137,7 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 			b.releaseLocked(f, side)
 		}
 	}
-	return Held{Writes: writes, Reads: reads, Gone: h.gone, PeerGone: h.peerGone, Release: release}, nil
+	return Held{Writes: writes, Reads: reads, Gone: h.gone, PeerGone: h.peerGone, Release: release, Stop: h.stop, Stopped: stopped}, nil
 }
 
 // stretchHeldLocked reports whether side of f is held by a stretch's
@@ -170,5 +197,221 @@ func (b *Broker) downAtReleaseLocked(f *Flow) {
 		}
 		down.ReqID = e.req
 		e.sess.Send(down)
+	}
+}
+
+// Switching back by RESUME (docs/vsock.md, "Switching back"). A VM's
+// stretch carries bytes outside the region (the VM's own rings, the
+// stream, the bridges), so a downgrade cannot leave it as a region's
+// rings are left, where every written byte is in the ring its reader
+// drains: the bridges would have to run on, past the permission's end,
+// until the readers drained. Instead, as across hosts (hostd/across),
+// the downgrade stops both bridges, and each receiving side says where
+// the ring it wrote ended:
+//
+//	downgrade ──Stop──▶ room: bridge stopped, Writes left at Xv
+//	          ◀─Stopped(Xv)──
+//	RESUME(Xv) ─────────────▶ VM: stops its bridge, R left at Xp
+//	          ◀────────ENDED(Xp)
+//	RESUME(Xp) ─────────────▶ other end
+//
+// Each writer then resends on TCP what the other's ring does not hold,
+// from its own ring (a bridge frees a byte only once the other bridge put
+// it into its ring). The VM's ENDED is untrusted: an offset its peer's
+// ring does not hold resets that connection only (the peer's library
+// checks it), and a VM that does not answer within stretchResumeWait, or
+// goes before it answers while its own stream was cut short, resets its
+// connection. Used when both ends' libraries handle RESUME; others leave
+// as before (DOWN, the bridges draining).
+
+// stretchResumeWait bounds how long the other end waits for the VM's
+// ENDED before its connection is reset. A var for tests.
+var stretchResumeWait = 30 * time.Second
+
+// stretchEnd is where a flow's stretch bridge stopped (Held.Stopped).
+type stretchEnd struct {
+	started bool
+	x       uint64
+	outLeft bool
+}
+
+// stretchResume is a flow leaving its rings by RESUME across its stretch.
+type stretchResume struct {
+	vm     uint32 // the VM's side
+	reason proto.Reason
+	vmTold bool // the VM got its RESUME (or is gone)
+	vmGone bool // the VM's end went before its ENDED
+	done   bool // the other end got its RESUME (or DOWN)
+	timer  *time.Timer
+}
+
+// vsockSide returns the side of f whose guest carries its flows over
+// vsock stretches (a VM with a vsock block and no group region), or 0,
+// also when both are (a flow between two such VMs has no RESUME yet).
+func vsockSide(f *Flow) uint32 {
+	a := f.GuestA.Vsock && !f.GuestA.SharedRegion
+	b := f.GuestB.Vsock && !f.GuestB.SharedRegion
+	switch {
+	case a && !b:
+		return region.SideA
+	case b && !a:
+		return region.SideB
+	}
+	return 0
+}
+
+func resumes(s Session) bool {
+	r, ok := s.(Resumer)
+	return ok && r.Resumes()
+}
+
+// stretchResumeLocked starts moving c off f by RESUME (see above) and
+// reports whether it did; otherwise the caller sends DOWN as for any
+// flow. Not for peer-gone (an end is done: the drain above), nor when an
+// end's library does not handle RESUME.
+func (b *Broker) stretchResumeLocked(c *Conn, f *Flow, reason proto.Reason) bool {
+	if reason == proto.ReasonPeerGone || f.resume != nil || f.released != 0 {
+		return false
+	}
+	vm := vsockSide(f)
+	if vm == 0 {
+		return false
+	}
+	ev, eo := c.end(vm), c.end(otherSide(vm))
+	if ev.sess == nil || eo.sess == nil || !resumes(ev.sess) || !resumes(eo.sess) {
+		return false
+	}
+	f.resume = &stretchResume{vm: vm, reason: reason}
+	if h := f.stretch; h != nil {
+		if !h.stopSent {
+			h.stopSent = true
+			h.stop <- reason
+		}
+		return true // the VM's RESUME at Stopped
+	}
+	b.resumeVMLocked(c, f)
+	return true
+}
+
+// resumeVMLocked sends the VM's end its RESUME, once the bridge's end is
+// known (or no bridge holds the flow): its writer resends from where the
+// bridge stopped writing Writes, everything if no bridge wrote it.
+func (b *Broker) resumeVMLocked(c *Conn, f *Flow) {
+	r := f.resume
+	if r.vmTold {
+		return
+	}
+	r.vmTold = true
+	if !f.stretched {
+		// No bridge ever held the flow (a late Hello is refused now):
+		// nothing crossed either way, and neither ring started.
+		b.sendResumeLocked(c, f, r.vm, proto.ResumeAll)
+		b.resumeOtherLocked(c, f, proto.ResumeAll)
+		return
+	}
+	off := proto.ResumeAll
+	if e := f.stretchEnd; e != nil && e.started {
+		off = e.x
+	}
+	if r.vmGone || c.end(r.vm).sess == nil || f.released&r.vm != 0 {
+		b.vmGoneResumeLocked(c, f)
+		return
+	}
+	b.sendResumeLocked(c, f, r.vm, off)
+	r.timer = time.AfterFunc(stretchResumeWait, func() { b.stretchResumeTimeout(f, r) })
+}
+
+// sendResumeLocked sends RESUME(off) to the end of c on side, if it is
+// still on f.
+func (b *Broker) sendResumeLocked(c *Conn, f *Flow, side uint32, off uint64) {
+	e := c.end(side)
+	if e.sess == nil || f.released&side != 0 {
+		return
+	}
+	e.sess.Send(proto.Msg{Type: proto.Resume, ReqID: e.req, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: f.resume.reason, Offset: off})
+}
+
+// resumeOtherLocked sends the other end (not the VM) its RESUME, once.
+func (b *Broker) resumeOtherLocked(c *Conn, f *Flow, off uint64) {
+	r := f.resume
+	if r.done {
+		return
+	}
+	r.done = true
+	if r.timer != nil {
+		r.timer.Stop()
+	}
+	b.sendResumeLocked(c, f, otherSide(r.vm), off)
+}
+
+// vmGoneResumeLocked answers the other end when the VM's end went (CLOSE,
+// LEFT, its session) before its ENDED, once the bridge's end is known. If
+// the VM's writer's stretch reached the ring whole (its LEFT came through
+// the bridge), the other end goes on as after any peer's going:
+// DOWN(peer-gone), its reader reads the ring to the VM's leave and then
+// the kernel's FIN. Otherwise where the VM's stream ended is unknown, and
+// the connection is reset rather than read short with a clean EOF.
+func (b *Broker) vmGoneResumeLocked(c *Conn, f *Flow) {
+	r := f.resume
+	if r.done {
+		return
+	}
+	if e := f.stretchEnd; e != nil && e.outLeft || !f.stretched {
+		r.done = true
+		if r.timer != nil {
+			r.timer.Stop()
+		}
+		other := otherSide(r.vm)
+		if e := c.end(other); e.sess != nil && f.released&other == 0 {
+			e.sess.Send(proto.Msg{Type: proto.Down, ReqID: e.req, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: proto.ReasonPeerGone})
+		}
+		return
+	}
+	b.log.Info("a vsock VM's end went before saying where its stretch ended: its connection is reset", "flow", f.Name())
+	b.resumeOtherLocked(c, f, proto.ResumeReset)
+}
+
+// stretchResumeVMDoneLocked: the VM's end of f is done (released, closed
+// or gone) while f leaves by RESUME. It reports whether that is so (the
+// caller then tells the other end nothing itself).
+func (b *Broker) stretchResumeVMDoneLocked(f *Flow, side uint32) bool {
+	r := f.resume
+	if r == nil || r.done || side != r.vm {
+		return r != nil && side == r.vm
+	}
+	r.vmGone = true
+	if c := f.conn; c != nil && c.flow == f && r.vmTold {
+		b.vmGoneResumeLocked(c, f)
+	}
+	return true
+}
+
+// StretchEnded handles the VM's ENDED: the ring its stretch's bridge
+// wrote (the ring it reads) ended at m.Offset. The other end gets
+// RESUME(m.Offset), which its library checks against its own ring.
+func (b *Broker) StretchEnded(s Session, m proto.Msg) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	f := b.flowLocked(s.Guest(), m)
+	side := b.flowSideLocked(f, s, m)
+	if side == 0 || f.resume == nil || f.resume.vm != side || !f.resume.vmTold {
+		return
+	}
+	if c := f.conn; c != nil && c.flow == f {
+		b.resumeOtherLocked(c, f, m.Offset)
+	}
+}
+
+// stretchResumeTimeout resets the connection whose VM did not say where
+// its stretch ended within stretchResumeWait.
+func (b *Broker) stretchResumeTimeout(f *Flow, r *stretchResume) {
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if f.resume != r || r.done {
+		return
+	}
+	if c := f.conn; c != nil && c.flow == f {
+		b.log.Info("a vsock VM did not say where its stretch ended: its connection is reset", "flow", f.Name(), "waited", stretchResumeWait)
+		b.resumeOtherLocked(c, f, proto.ResumeReset)
 	}
 }

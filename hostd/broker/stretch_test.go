@@ -3,6 +3,7 @@ package broker_test
 import (
 	"testing"
 
+	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/policy"
 )
@@ -148,6 +149,161 @@ func TestStretchAfterPeerGone(t *testing.T) {
 	case <-h.PeerGone:
 	default:
 		t.Fatal("the stretch was not told that the other end is done")
+	}
+	h.Release()
+}
+
+// rsession is a test session whose library handles RESUME.
+type rsession struct{ *fileSession }
+
+func (rsession) Resumes() bool { return true }
+
+// resumePair is stretchPair with libraries that handle RESUME and g1 a
+// VM that carries its flows over vsock stretches (A's end).
+func resumePair(t *testing.T) (w *world, sa, sb rsession, ra, rb proto.Msg) {
+	t.Helper()
+	w = newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
+	w.g1.SharedRegion, w.g2.SharedRegion = false, false
+	w.g1.Vsock = true
+	w.b.UsePairRegions(&fakePairs{t: t})
+	sa, sb = rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa.next(t)
+	ra = sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.next(t)
+	rb = sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	return w, sa, sb, ra, rb
+}
+
+func ended(r proto.Msg, side proto.Side, off uint64) proto.Msg {
+	return proto.Msg{Type: proto.Ended, ReqID: r.ReqID, RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Side: side, Offset: off}
+}
+
+// TestStretchResume: a downgrade of a flow whose VM end carries it over a
+// vsock stretch stops the room's bridge (Held.Stop) and sends no DOWN;
+// the VM gets RESUME at the offset where the bridge stopped writing the
+// ring the VM writes, and the other end RESUME at the offset the VM's
+// ENDED says its read ring ended. Before, both got DOWN while the
+// bridges went on carrying bytes past the downgrade.
+func TestStretchResume(t *testing.T) {
+	w, sa, sb, ra, rb := resumePair(t)
+	h, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !w.b.Downgrade(w.record(t).Name) {
+		t.Fatal("no connection downgraded")
+	}
+	select {
+	case r := <-h.Stop:
+		if r != proto.ReasonAdmin {
+			t.Fatalf("stop reason %s, want admin", r)
+		}
+	default:
+		t.Fatal("the room was not asked to stop the bridge")
+	}
+	sa.none(t)
+	sb.none(t)
+	h.Stopped(true, 1<<20+5, false)
+	sa.expect(t, proto.Resume, proto.ReasonAdmin, 1)
+	sb.none(t)
+	// ENDED from the wrong guest, or for the other side: ignored.
+	w.b.StretchEnded(sb, ended(rb, proto.SideB, 9))
+	w.b.StretchEnded(sa, ended(ra, proto.SideB, 9))
+	sb.none(t)
+	w.b.StretchEnded(sa, ended(ra, proto.SideA, 3<<20+1))
+	if m := sb.expect(t, proto.Resume, proto.ReasonAdmin, 2); m.Offset != 3<<20+1 {
+		t.Fatalf("other end's RESUME at %d, want the VM's ENDED %d", m.Offset, 3<<20+1)
+	}
+	w.b.StretchEnded(sa, ended(ra, proto.SideA, 7)) // a second ENDED does nothing
+	sb.none(t)
+	w.b.Left(sa, proto.Msg{Type: proto.Left, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA})
+	w.b.Left(sb, proto.Msg{Type: proto.Left, ReqID: 2, RegionID: rb.RegionID, Slot: rb.Slot, Gen: rb.Gen, Side: proto.SideB})
+	h.Release()
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" {
+		t.Fatalf("records %+v, want one on tcp", fl)
+	}
+}
+
+// TestStretchResumeNoBridge: a downgrade before the VM's stretch was
+// bridged: nothing crossed, both get RESUME(all), and a Hello that comes
+// after is refused (a bridge must not write rings both ends left).
+func TestStretchResumeNoBridge(t *testing.T) {
+	w, sa, sb, ra, _ := resumePair(t)
+	w.b.Downgrade(w.record(t).Name)
+	if m := sa.expect(t, proto.Resume, proto.ReasonAdmin, 1); m.Offset != proto.ResumeAll {
+		t.Fatalf("VM's RESUME at %d, want all", m.Offset)
+	}
+	if m := sb.expect(t, proto.Resume, proto.ReasonAdmin, 2); m.Offset != proto.ResumeAll {
+		t.Fatalf("other end's RESUME at %d, want all", m.Offset)
+	}
+	if _, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen); err == nil {
+		t.Fatal("a stretch was bridged after the downgrade's RESUME")
+	}
+}
+
+// TestStretchResumeVMGone: the VM's end goes before its ENDED. If its
+// writer's stretch reached the ring whole (its LEFT came through the
+// bridge), the other end leaves as after any peer's going; otherwise
+// where its stream ended is unknown, and the other end's connection is
+// reset, not read short with a clean EOF.
+func TestStretchResumeVMGone(t *testing.T) {
+	for _, tc := range []struct {
+		name    string
+		outLeft bool
+		before  bool // the VM goes before the bridge stopped
+	}{
+		{"cut", false, false}, {"whole", true, false}, {"cut-before-stop", false, true}, {"whole-before-stop", true, true},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, ra, _ := resumePair(t)
+			h, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen)
+			if err != nil {
+				t.Fatal(err)
+			}
+			w.b.Downgrade(w.record(t).Name)
+			<-h.Stop
+			if !tc.before {
+				h.Stopped(true, 100, tc.outLeft)
+				sa.expect(t, proto.Resume, proto.ReasonAdmin, 1)
+			}
+			w.b.Detach(sa)
+			if tc.before {
+				sb.none(t)
+				h.Stopped(true, 100, tc.outLeft)
+			}
+			if tc.outLeft {
+				sb.expect(t, proto.Down, proto.ReasonPeerGone, 2)
+			} else if m := sb.expect(t, proto.Resume, proto.ReasonAdmin, 2); m.Offset != proto.ResumeReset {
+				t.Fatalf("other end's RESUME at %d, want reset", m.Offset)
+			}
+			h.Release()
+			sb.none(t)
+		})
+	}
+}
+
+// TestStretchResumeOldLibrary: an end whose library does not handle
+// RESUME keeps the drain of before: DOWN to both, the bridge runs on.
+func TestStretchResumeOldLibrary(t *testing.T) {
+	w, sa, sb, ra, rb := stretchPair(t)
+	w.g1.Vsock = true
+	h, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.b.Downgrade(w.record(t).Name)
+	sa.expect(t, proto.Down, proto.ReasonAdmin, ra.ReqID)
+	sb.expect(t, proto.Down, proto.ReasonAdmin, rb.ReqID)
+	select {
+	case <-h.Stop:
+		t.Fatal("the bridge was stopped for ends that cannot resume")
+	default:
 	}
 	h.Release()
 }

@@ -560,6 +560,8 @@ func (ss *session) dispatch(m proto.Msg) error {
 		b.CloseConn(ss, m)
 	case proto.Left:
 		b.Left(ss, m)
+	case proto.Ended:
+		b.StretchEnded(ss, m)
 	case proto.Reattach:
 		b.Reattach(ss, m)
 	case proto.Kick:
@@ -595,7 +597,7 @@ func (ss *session) helloAgain(m proto.Msg) {
 var fromGuest = map[proto.Type]bool{
 	proto.Hello: true, proto.Listen: true, proto.Unlisten: true, proto.Intent: true, proto.Open: true,
 	proto.Close: true, proto.Reattach: true, proto.Ping: true, proto.Pong: true, proto.Kick: true,
-	proto.Left: true,
+	proto.Left: true, proto.Ended: true,
 }
 
 // fail ends the session for err. A guest that went away (EOF, reset) is

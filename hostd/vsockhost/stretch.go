@@ -44,6 +44,15 @@ type Held struct {
 	// it tells it nothing, since a reader told peer-gone leaves its ring
 	// once empty, and the bridge may still be writing into it.
 	Release func()
+	// Stop delivers a downgrade's reason when the flow leaves its rings by
+	// RESUME (docs/vsock.md, "Switching back"): the bridge stops at once,
+	// and Stopped says where.
+	Stop <-chan proto.Reason
+	// Stopped is called once the bridge stopped, whatever the reason,
+	// before Release: started and x are where the ring the VM writes
+	// (Writes) ended as the bridge wrote it (its RESUME offset), outLeft
+	// whether the VM's writer's LEFT reached that ring.
+	Stopped func(started bool, x uint64, outLeft bool)
 }
 
 // helloWait bounds how long a new stream may take to say its Hello.
@@ -163,7 +172,7 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 	st.served++
 	st.mu.Unlock()
 	log.Debug("vsock stretch", "region", h.Region, "slot", h.Slot, "gen", h.Gen)
-	gone, cut := drainGone(b, held, p)
+	gone, cut, stopped := drainGone(b, held, p)
 	if errors.Is(b.Err(), relay.ErrEnded) {
 		// Both directions ended here; the VM's bridge may not have taken
 		// the last LEFT yet. It closes the stream once it has: closing
@@ -172,8 +181,13 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 		link.Wait()
 		t.Stop()
 	}
-	b.Stop(proto.ReasonShutdown) // marks the out ring left if the stream ended first
+	end := b.Stop(proto.ReasonShutdown) // marks the out ring left if the stream ended first
+	if held.Stopped != nil {
+		held.Stopped(end.Started, end.X, b.OutLeft())
+	}
 	switch err := b.Err(); {
+	case stopped != proto.ReasonNone:
+		log.Debug("vsock stretch stopped for a downgrade", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "reason", stopped, "end", fmt.Sprintf("%+v", end), "stats", fmt.Sprintf("%+v", b.Stats()))
 	case cut:
 		log.Info("vsock stretch of a done end stopped before its last bytes were carried: nothing moved within the bound (the VM's end done: the other end's connection reset)", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "gone", gone, "bound", goneDrain, "stats", fmt.Sprintf("%+v", b.Stats()))
 	case gone != "":
@@ -197,13 +211,18 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 // reader, which leaves once its ring is empty, has every byte by then.
 // A drain cut short resets the process guest's ring (the VM's end done):
 // its reader fails with ECONNRESET instead of reading a clean end, or a
-// gap, where the VM's last bytes were. It says which end was done ("":
-// none) and whether the bound cut the drain.
-func drainGone(b *relay.Bridge, held Held, p *wait.Policy) (gone string, cut bool) {
+// gap, where the VM's last bytes were. A downgrade by RESUME (held.Stop)
+// stops the bridge at once, draining or not. It says which end was done
+// ("": none), whether the bound cut the drain, and the downgrade's reason
+// if one stopped it.
+func drainGone(b *relay.Bridge, held Held, p *wait.Policy) (gone string, cut bool, stopped proto.Reason) {
 	var drained <-chan struct{}
 	select {
 	case <-b.Done():
-		return "", false
+		return "", false, proto.ReasonNone
+	case r := <-held.Stop:
+		b.Stop(r)
+		return "", false, r
 	case <-held.Gone:
 		drained, gone = b.OutDone(), "vm"
 	case <-held.PeerGone:
@@ -220,6 +239,9 @@ wait:
 			break wait
 		case <-b.Done():
 			break wait
+		case r := <-held.Stop:
+			b.Stop(r)
+			return gone, false, r
 		case <-tick.C:
 			if n := moved(); n != last {
 				last, since = n, time.Now()
@@ -237,5 +259,5 @@ wait:
 		held.Writes.Abort(uint32(proto.ReasonPeerGone), p)
 	}
 	b.Stop(proto.ReasonPeerGone)
-	return gone, cut
+	return gone, cut, proto.ReasonNone
 }

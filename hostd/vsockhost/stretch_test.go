@@ -17,6 +17,7 @@ import (
 	"github.com/hashicorp/go-hclog"
 
 	"github.com/shuntnet/shunt/guestlib/vstretch"
+	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -30,7 +31,9 @@ type flowsFake struct {
 	hello          relay.Hello
 	ab, ba         *ring.Ring
 	gone, peerGone chan struct{} // the broker's word that an end is done
-	onRelease      func()        // what the broker does at the release
+	stop           chan proto.Reason
+	stopped        chan relay.End // Held.Stopped's report (Start unset)
+	onRelease      func()         // what the broker does at the release
 	mu             sync.Mutex
 	held           bool
 	freed          chan struct{}
@@ -52,7 +55,8 @@ func (f *flowsFake) Stretch(guest uint32, h relay.Hello) (Held, error) {
 		}
 		close(f.freed)
 	}
-	return Held{Writes: f.ab, Reads: f.ba, Gone: f.gone, PeerGone: f.peerGone, Release: release}, nil
+	stopped := func(started bool, x uint64, outLeft bool) { f.stopped <- relay.End{Started: started, X: x} }
+	return Held{Writes: f.ab, Reads: f.ba, Gone: f.gone, PeerGone: f.peerGone, Release: release, Stop: f.stop, Stopped: stopped}, nil
 }
 
 func newFlowsFake(t *testing.T, capacity int) *flowsFake {
@@ -67,7 +71,8 @@ func newFlowsFake(t *testing.T, capacity int) *flowsFake {
 		t.Fatal(err)
 	}
 	return &flowsFake{vm: 3, hello: relay.Hello{Region: 9, Slot: uint32(slot), Gen: e.Gen}, ab: ab, ba: ba,
-		gone: make(chan struct{}), peerGone: make(chan struct{}), freed: make(chan struct{})}
+		gone: make(chan struct{}), peerGone: make(chan struct{}), freed: make(chan struct{}),
+		stop: make(chan proto.Reason, 1), stopped: make(chan relay.End, 1)}
 }
 
 // streamPair is a stream between the VM's side (vm) and the room (host),
@@ -218,3 +223,67 @@ func TestStretchRefused(t *testing.T) {
 }
 
 var errTimeout = errors.New("i/o timeout")
+
+// TestStretchStop: a downgrade by RESUME (Held.Stop) stops the room's
+// bridge mid-stream, with both directions' rings full, and the room says
+// where the ring the VM writes ended (Held.Stopped); the VM's side, told
+// by its RESUME, stops its own bridge the same way. Each receiving ring
+// is left at its X, and each writer's ring still holds every byte from
+// the other side's X to its end W, which it resends on TCP: nothing is
+// freed that the other ring does not hold.
+func TestStretchStop(t *testing.T) {
+	const capacity = 64 << 10
+	const vmStart, procStart = 1000, 5000
+	f, _, s, served := stretchRig(t, capacity)
+	defer s.Close()
+	for _, r := range []*ring.Ring{f.ab, s.R} { // readers that attach and never read
+		rd, err := ring.NewReader(r, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		rd.Attach()
+	}
+	full := time.Now().Add(time.Second) // long enough to fill rings and link
+	write := func(r *ring.Ring, start, seed uint64) chan error {
+		c := make(chan error, 1)
+		go func() { _, err := shmtest.WriteStream(r, nil, start, seeded(seed, 1<<30), full); c <- err }()
+		return c
+	}
+	vmW, procW := write(s.W, vmStart, 1), write(f.ba, procStart, 2)
+	<-vmW
+	<-procW
+	f.stop <- proto.ReasonPolicyReload
+	var hostEnd relay.End
+	select {
+	case hostEnd = <-f.stopped:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the room did not report where the bridge stopped")
+	}
+	select {
+	case <-served:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the room's bridge did not end after the stop")
+	}
+	vmEnd := s.Stop(proto.ReasonPolicyReload)
+	ab, ba, w, r := f.ab.Stats(), f.ba.Stats(), s.W.Stats(), s.R.Stats()
+	state := fmt.Sprintf("host end %+v, VM end %+v; AB %+v; BA %+v; VM W %+v; VM R %+v", hostEnd, vmEnd, ab, ba, w, r)
+	if !hostEnd.Started || hostEnd.X != vmStart+ab.Written || !ab.Left || ab.Written == 0 {
+		t.Fatalf("the room's end is not the ring it wrote: %s", state)
+	}
+	if !vmEnd.Started || vmEnd.X != procStart+r.Written || !r.Left || r.Written == 0 {
+		t.Fatalf("the VM's end is not the ring its bridge wrote: %s", state)
+	}
+	// Each writer's ring still holds [X, W): its freed bytes are at most
+	// what the other ring holds, and its stretch reaches past X.
+	if w.Read > ab.Written || w.Written < ab.Written {
+		t.Fatalf("the VM's write ring freed bytes the host's ring does not hold: %s", state)
+	}
+	if ba.Read > r.Written || ba.Written < r.Written {
+		t.Fatalf("the process guest's write ring freed bytes the VM's ring does not hold: %s", state)
+	}
+	select {
+	case <-f.freed:
+	default:
+		t.Fatal("the flow's rings were not released after the stop")
+	}
+}

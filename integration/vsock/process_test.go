@@ -53,78 +53,14 @@ const (
 // them (hostd/vsockhost TestStretchGoneDrains, hostd/broker
 // TestStretchPeerGoneAtRelease).
 func TestVsockProcessGuest(t *testing.T) {
-	testenv.NeedRoot(t)
-	testenv.NeedTool(t, "nft", "nftables")
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
 	defer cancel()
-	dir := t.TempDir()
-	hostd := filepath.Join(dir, "hostd")
-	if out, err := exec.Command("go", "build", "-o", hostd, "../../cmd/hostd").CombinedOutput(); err != nil {
-		t.Fatalf("build hostd: %v\n%s", err, out)
-	}
-	control, vsockSock := filepath.Join(dir, "vm.sock"), filepath.Join(dir, "vm.vsock")
-	extra := fmt.Sprintf("guest \"vm\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n  vsock {\n    socket = %q\n    cid = %d\n  }\n}\n",
-		vsockVMID, control, vsockVMAddr, vsockSock, guestCID)
-	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("vk%d", os.Getpid()%100000), Guests: 1, HostdBin: hostd, Dir: dir, Extra: extra, Logf: t.Logf})
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer s.Close()
-	defer func() {
-		if t.Failed() {
-			t.Logf("hostd log:\n%s", s.Log())
-		}
-	}()
-	g1 := s.Rig.Guests[0]
-	state := func() string {
-		flows, _ := s.Conns()
-		js, _ := json.MarshalIndent(flows, "", "  ")
-		return fmt.Sprintf("hostd's connections: %s\nhostd counters:\n%s\nhostd log:\n%s", js, counters(hostd, s.Admin), s.Log())
-	}
-	l, err := s.Listen(1, procPort)
-	if err != nil {
-		t.Fatal(err)
-	}
-	defer l.Close()
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		if c, err := l.Accept(); err == nil {
-			accepted <- c
-		}
-	}()
-	ports, err := vserial.Port{ID: "shunt0", Socket: control, Ports: 1}.QEMUArgs()
-	if err != nil {
-		t.Fatal(err)
-	}
-	r := bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock, qemu: ports},
-		fmt.Sprintf("target:%s:0:0", g1.Addr), fmt.Sprintf("gdial:%d:%d:7", procPort, procLen))
-	booted := time.Since(start)
+	v := startVsockVM(t, ctx, fmt.Sprintf("gdial:%d:%d:7", procPort, procLen))
+	s, hostd, r, c, fail := v.s, v.hostd, v.r, v.c, v.fail
+	booted := v.booted
 	ctx = r.ctx
-	fail := func(format string, args ...any) {
-		t.Helper()
-		t.Fatalf("%s\n%s\n%s", fmt.Sprintf(format, args...), state(), r.state())
-	}
-	var c net.Conn
-	select {
-	case c = <-accepted:
-	case <-ctx.Done():
-		fail("the process guest accepted no connection")
-	}
-	if line, err := r.v.WaitAny(ctx, 0, "SHUNT-VSOCK ONRINGS", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK ONRINGS") {
-		fail("the VM's connection did not reach the fast path: %q %v", line, err)
-	}
-	for {
-		fi, ok, err := s.ConnOn(procPort)
-		if err == nil && ok && fi.Path == "rings" && fi.Via == "vsock" {
-			t.Logf("hostd flows: %s %s -> %s path %s via %s", fi.Name, fi.Src, fi.Dst, fi.Path, fi.Via)
-			break
-		}
-		if ctx.Err() != nil {
-			fail("hostd flows never showed the connection on the rings via vsock: %+v %v %v", fi, ok, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	v.onRings(ctx)
 	host := exchange(ctx, c, 107, procLen)
 	if gc, ok := c.(interface{ Stats() guestlib.Stats }); ok {
 		t.Logf("process guest's connection: %+v", gc.Stats())
@@ -141,6 +77,109 @@ func TestVsockProcessGuest(t *testing.T) {
 		fail("the honest guest's driver was refused %v times", v)
 	}
 	t.Logf("boot %v, whole test %v", booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// vsockVM is a rig host with hostd, one process guest listening on
+// procPort, and a TCG VM (vhost-user-vsock served by hostd, virtio-serial
+// control, no ivshmem) that dialed it with guestlib.
+type vsockVM struct {
+	t      *testing.T
+	s      *stack.Stack
+	hostd  string
+	r      *rig
+	c      net.Conn // the process guest's accepted connection
+	booted time.Duration
+	// fail fails the test with both ends' state: hostd's connections,
+	// counters and debug log, QEMU's output and the VM's console (the
+	// guest library's log lines among it).
+	fail func(format string, args ...any)
+}
+
+// startVsockVM starts hostd on a rig with one process guest and the VM,
+// whose program runs phase after learning the process guest's address,
+// and returns once the process guest accepted the VM's connection.
+func startVsockVM(t *testing.T, ctx context.Context, phase string) *vsockVM {
+	testenv.NeedRoot(t)
+	testenv.NeedTool(t, "nft", "nftables")
+	start := time.Now()
+	dir := t.TempDir()
+	hostd := filepath.Join(dir, "hostd")
+	if out, err := exec.Command("go", "build", "-o", hostd, "../../cmd/hostd").CombinedOutput(); err != nil {
+		t.Fatalf("build hostd: %v\n%s", err, out)
+	}
+	control, vsockSock := filepath.Join(dir, "vm.sock"), filepath.Join(dir, "vm.vsock")
+	extra := fmt.Sprintf("guest \"vm\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n  vsock {\n    socket = %q\n    cid = %d\n  }\n}\n",
+		vsockVMID, control, vsockVMAddr, vsockSock, guestCID)
+	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("vk%d", os.Getpid()%100000), Guests: 1, HostdBin: hostd, Dir: dir, Extra: extra, Logf: t.Logf})
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { s.Close() })
+	v := &vsockVM{t: t, s: s, hostd: hostd}
+	state := func() string {
+		flows, _ := s.Conns()
+		js, _ := json.MarshalIndent(flows, "", "  ")
+		return fmt.Sprintf("hostd's connections: %s\nhostd counters:\n%s\nhostd log:\n%s", js, counters(hostd, s.Admin), s.Log())
+	}
+	v.fail = func(format string, args ...any) {
+		t.Helper()
+		rs := ""
+		if v.r != nil {
+			rs = v.r.state()
+		}
+		t.Fatalf("%s\n%s\n%s", fmt.Sprintf(format, args...), state(), rs)
+	}
+	l, err := s.Listen(1, procPort)
+	if err != nil {
+		t.Fatal(err)
+	}
+	t.Cleanup(func() { l.Close() })
+	accepted := make(chan net.Conn, 1)
+	go func() {
+		if c, err := l.Accept(); err == nil {
+			accepted <- c
+		}
+	}()
+	ports, err := vserial.Port{ID: "shunt0", Socket: control, Ports: 1}.QEMUArgs()
+	if err != nil {
+		t.Fatal(err)
+	}
+	v.r = bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock, qemu: ports},
+		fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr), phase)
+	v.booted = time.Since(start)
+	select {
+	case v.c = <-accepted:
+	case <-v.r.ctx.Done():
+		v.fail("the process guest accepted no connection")
+	}
+	return v
+}
+
+// onRings waits until the VM's program says its connection is on the
+// fast path and hostd's flows show it on the rings via vsock.
+func (v *vsockVM) onRings(ctx context.Context) {
+	v.t.Helper()
+	if line, err := v.r.v.WaitAny(ctx, 0, "SHUNT-VSOCK ONRINGS", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK ONRINGS") {
+		v.fail("the VM's connection did not reach the fast path: %q %v", line, err)
+	}
+	v.waitPath(ctx, "rings")
+}
+
+// waitPath waits until hostd's flows show the connection on path ("rings":
+// via vsock).
+func (v *vsockVM) waitPath(ctx context.Context, path string) {
+	v.t.Helper()
+	for {
+		fi, ok, err := v.s.ConnOn(procPort)
+		if err == nil && ok && fi.Path == path && (path != "rings" || fi.Via == "vsock") {
+			v.t.Logf("hostd flows: %s %s -> %s path %s via %s (switches %d)", fi.Name, fi.Src, fi.Dst, fi.Path, fi.Via, fi.Switches)
+			return
+		}
+		if ctx.Err() != nil {
+			v.fail("hostd flows never showed the connection on %s: %+v %v %v", path, fi, ok, err)
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
 }
 
 // counters is `hostd counters` (one "name value" a line).

@@ -58,10 +58,11 @@ const (
 	Down           // v3, hostd -> guest: ReqID, RegionID, Slot, Gen, Reason: leave the rings, go on over TCP
 	Left           // v3, guest -> hostd: ReqID, RegionID, Slot, Gen, Side: this end has left both rings
 	Resume         // v3, hostd -> guest: ReqID, RegionID, Slot, Gen, Reason, Offset: DOWN, and the writer resends on TCP from Offset (relayed flows)
+	Ended          // v3, guest -> hostd: ReqID, RegionID, Slot, Gen, Side, Offset: the ring this end reads over a vsock stretch ended at Offset (after RESUME)
 	numTypes
 )
 
-var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION", "DOWN", "LEFT", "RESUME"}
+var typeNames = [...]string{"", "HELLO", "WELCOME", "LISTEN", "UNLISTEN", "INTENT", "OPEN", "READY", "TCP", "CLOSE", "RELEASE", "REVOKE", "KICK", "PING", "PONG", "REATTACH", "ERROR", "REGION", "UNREGION", "DOWN", "LEFT", "RESUME", "ENDED"}
 
 func (t Type) String() string {
 	if t > 0 && t < numTypes {
@@ -132,7 +133,8 @@ type Msg struct {
 	// is CapResume, not a ring format.
 	Formats uint32
 	// Offset (RESUME) is the stream offset of the writer's next TCP byte,
-	// or ResumeAll or ResumeReset.
+	// or ResumeAll or ResumeReset; (ENDED) where the ring a vsock
+	// stretch's bridge wrote ended, or ResumeAll if it never started.
 	Offset uint64
 }
 
@@ -206,6 +208,7 @@ var layouts = [numTypes][]field{
 	Down:      {fReqID, fRegionID, fSlot, fGen, fReason},
 	Left:      {fReqID, fRegionID, fSlot, fGen, fSide},
 	Resume:    {fReqID, fRegionID, fSlot, fGen, fReason, fOffset},
+	Ended:     {fReqID, fRegionID, fSlot, fGen, fSide, fOffset},
 }
 
 // layoutV2 returns version 2's fields for t, and whether v2 had the type.
@@ -219,7 +222,7 @@ func layoutV2(t Type) ([]field, bool) {
 		return []field{fRegionID, fSlot, fGen, fSide}, true
 	case Reattach:
 		return []field{fRegionID, fSlot, fGen, fSide, fLocal, fRemote}, true
-	case Down, Left, Resume:
+	case Down, Left, Resume, Ended:
 		return nil, false
 	}
 	return layouts[t], true

@@ -43,7 +43,7 @@ func TestWireSizes(t *testing.T) {
 		proto.Hello: 8, proto.Listen: 18, proto.Intent: 36, proto.Open: 41,
 		proto.Ready: 4 + 4 + 4 + 8 + 4 + 8 + 8 + 1, proto.TCP: 6, proto.Close: 21, proto.Revoke: 18,
 		proto.Kick: 17, proto.Ping: 8, proto.Reattach: 57, proto.RegionMsg: 12, proto.Unregion: 4,
-		proto.Down: 22, proto.Left: 21, proto.Resume: 30,
+		proto.Down: 22, proto.Left: 21, proto.Resume: 30, proto.Ended: 29,
 	}
 	for _, m := range samples() {
 		n, ok := want[m.Type]
@@ -100,7 +100,7 @@ func TestVersion2(t *testing.T) {
 	if len(hello) != proto.HeaderSize+4 {
 		t.Fatalf("v2 HELLO is %d bytes, want %d", len(hello), proto.HeaderSize+4)
 	}
-	for _, typ := range []proto.Type{proto.Down, proto.Left, proto.Resume} {
+	for _, typ := range []proto.Type{proto.Down, proto.Left, proto.Resume, proto.Ended} {
 		if _, err := (&proto.Msg{Version: 2, Type: typ}).Append(nil); !errors.Is(err, proto.ErrMalformed) {
 			t.Errorf("v2 %s encoded: %v", typ, err)
 		}

@@ -55,3 +55,75 @@ func gdial(port uint32, n int64, seed uint64) error {
 	fmt.Printf("SHUNT-VSOCK gdial port=%d sent=%x recv=%x bytes=%d path=%v ms=%d stats=%+v\n", port, <-sent, h.Sum(nil), got, c.Path(), time.Since(start).Milliseconds(), c.Stats())
 	return nil
 }
+
+// gflip is the VM's end of TestVsockPolicyFlips: a guestlib connection to
+// target:port that must reach the fast path, then a duplex stream: the VM
+// sends seeded bytes (64 KiB every 10 ms) until the other end's stream
+// ends (EOF), then half-closes; the line gives both directions' length
+// and SHA-256, and the connection's per-path counts.
+func gflip(port uint32, seed uint64) error {
+	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
+	if err != nil {
+		return err
+	}
+	d := guestlib.Dialer{Client: cl}
+	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
+	start := time.Now()
+	type got struct {
+		n   int64
+		sum []byte
+		err error
+	}
+	recv := make(chan got, 1)
+	eof := make(chan struct{})
+	go func() {
+		h := sha256.New()
+		n, err := io.Copy(h, c)
+		close(eof)
+		recv <- got{n, h.Sum(nil), err}
+	}()
+	h := sha256.New()
+	src := rand.NewChaCha8(seedBytes(seed))
+	buf := make([]byte, 64<<10)
+	var sent int64
+	var werr error
+	tick := time.NewTicker(10 * time.Millisecond)
+	defer tick.Stop()
+send:
+	for {
+		select {
+		case <-eof:
+			break send
+		case <-tick.C:
+		}
+		src.Read(buf)
+		k, err := c.Write(buf)
+		h.Write(buf[:k])
+		sent += int64(k)
+		if err != nil {
+			werr = err
+			break
+		}
+	}
+	if werr == nil {
+		werr = c.CloseWrite()
+	}
+	r := <-recv
+	if r.err != nil || werr != nil {
+		return fmt.Errorf("read %d bytes: %v; wrote %d: %v; stats %+v", r.n, r.err, sent, werr, c.Stats())
+	}
+	st := c.Stats()
+	fmt.Printf("SHUNT-VSOCK gflip port=%d sent=%x sentbytes=%d recv=%x bytes=%d ring=%d/%d tcp=%d/%d readies=%d downs=%d resent=%d ms=%d\n", port, h.Sum(nil), sent, r.sum, r.n,
+		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, st.Readies, st.Downs, st.Resent, time.Since(start).Milliseconds())
+	return nil
+}

@@ -17,6 +17,9 @@
 //	                          with guestlib (the VM's control port, no
 //	                          ivshmem: the flow goes over vsock), wait for
 //	                          the fast path, then as connect
+//	gflip:PORT:0:SEED         TestVsockPolicyFlips: as gdial, then send
+//	                          seeded bytes (paced) until the host's
+//	                          stream ends, and give per-path counts
 //	stretch:R.S.G:BYTES:SEED  TestVsockStretch: open the vsock stretch of
 //	                          flow region R slot S gen G (guestlib/vstretch),
 //	                          write BYTES seeded bytes into its write ring
@@ -64,6 +67,8 @@ func main() {
 			target = f[1]
 		case "gdial":
 			err = gdial(uint32(port), n, seed)
+		case "gflip":
+			err = gflip(uint32(port), seed)
 		case "stretch":
 			err = stretch(f[1], n, seed)
 		default:

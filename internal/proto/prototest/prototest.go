@@ -40,6 +40,7 @@ func Samples() []proto.Msg {
 		{Type: proto.Down, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Reason: proto.ReasonFirewall},
 		{Type: proto.Left, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Side: proto.SideB},
 		{Type: proto.Resume, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Reason: proto.ReasonPeerUnreachable, Offset: 1<<40 + 7},
+		{Type: proto.Ended, ReqID: 9, RegionID: 3, Slot: 4, Gen: 11, Side: proto.SideB, Offset: 1<<40 + 9},
 	}
 }
 
