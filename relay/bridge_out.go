@@ -43,7 +43,7 @@ func (b *Bridge) runOut() (err error) {
 	}
 	var sb [8]byte
 	if _, err := io.ReadFull(b.flow, sb[:]); err != nil {
-		if errors.Is(err, io.EOF) { // LEFT before a start: never started
+		if errors.Is(err, io.EOF) && b.flow.peerLeft() { // LEFT before a start: never started
 			return w.Leave()
 		}
 		return b.flowErr(err)
@@ -78,8 +78,12 @@ func (b *Bridge) pump() error {
 		err := f.waitBytesLocked()
 		f.parked = false
 		if err != nil {
+			left := f.left
 			f.mu.Unlock()
-			if errors.Is(err, io.EOF) { // the peer's guest left its ring
+			// The peer's guest left its ring: its LEFT, not a link that
+			// ended (its error may wrap io.EOF too), which leaves the
+			// ring unmarked for Stop (or the caller's reset).
+			if errors.Is(err, io.EOF) && left {
 				return w.Leave()
 			}
 			return b.flowErr(err)

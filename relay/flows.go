@@ -384,6 +384,14 @@ func (f *Flow) readLocked(p []byte) (int, error) {
 	return n, nil
 }
 
+// peerLeft reports whether the peer's LEFT came: an io.EOF from Read is
+// then the peer's writer leaving, not the link's end.
+func (f *Flow) peerLeft() bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	return f.left
+}
+
 // waitBytesLocked waits until bytes are buffered (nil), or returns why
 // none will come: the flow's close, the peer's DOWN or LEFT (io.EOF), the
 // link's end.

@@ -6,10 +6,15 @@ import (
 	"bytes"
 	"errors"
 	"fmt"
+	"io"
 	"testing"
 	"time"
 
+	"github.com/hashicorp/go-hclog"
+
+	"github.com/shuntnet/shunt/guestlib/vstretch"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/shmtest"
 	"github.com/shuntnet/shunt/shm/wait"
@@ -176,4 +181,72 @@ func TestStretchGoneDrainCut(t *testing.T) {
 	if len(st.open) != 0 || st.served != 1 {
 		t.Fatalf("stretches: served %d open %d", st.served, len(st.open))
 	}
+}
+
+// TestStretchBrokenResets: the VM's stream dies while its writer is on
+// its ring (the VM's program killed: no LEFT crosses). The room's bridge
+// must reset the process guest's read ring, so that its reader fails
+// with ECONNRESET after the bytes that did cross, instead of marking it
+// left, which read as a clean end of a stream cut short.
+func TestStretchBrokenResets(t *testing.T) {
+	const capacity = 64 << 10
+	f := newFlowsFake(t, capacity)
+	vmc, hostc := streamPair(t)
+	st := &stretches{open: map[*relay.Bridge]bool{}}
+	served := make(chan struct{})
+	go func() { defer close(served); st.serve(hostc, 3, f, nil, hclog.NewNullLogger()) }()
+	s, err := vstretch.Open(vmc, f.hello, capacity, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	deadline := time.Now().Add(30 * time.Second)
+	got := make(chan error, 1)
+	var n int64
+	go func() {
+		var b bytes.Buffer
+		_, k, err := shmtest.ReadStream(f.ab, nil, &b, deadline)
+		n = k
+		got <- err
+	}()
+	// The VM's writer writes 256 KiB, does not leave; then its stream dies.
+	w, err := ring.NewWriter(s.W, &wait.Policy{})
+	if err != nil {
+		t.Fatal(err)
+	}
+	for !w.ReaderAttached() && time.Now().Before(deadline) {
+		time.Sleep(100 * time.Microsecond)
+	}
+	w.Start(77)
+	ww := w.NewWaiter(func() bool { return false })
+	buf, _ := io.ReadAll(seeded(5, 256<<10))
+	for len(buf) > 0 {
+		k, err := w.TryWrite(buf)
+		if err != nil {
+			t.Fatal(err)
+		}
+		buf = buf[k:]
+		if k == 0 {
+			if err := ww.Wait(deadline); err != nil {
+				t.Fatal(err)
+			}
+		}
+	}
+	for f.ab.Stats().Written < 128<<10 && time.Now().Before(deadline) {
+		time.Sleep(time.Millisecond)
+	}
+	vmc.Close()
+	select {
+	case <-served:
+	case <-time.After(10 * time.Second):
+		t.Fatal("the room's bridge did not end when the stream died")
+	}
+	select {
+	case err := <-got:
+		if !errors.Is(err, ring.ErrReset) {
+			t.Fatalf("the process guest's reader ended with %v after %d bytes, want a reset (ring %+v)", err, n, f.ab.Stats())
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatalf("the process guest's reader did not end (ring %+v)", f.ab.Stats())
+	}
+	s.Close()
 }

@@ -10,6 +10,7 @@ import (
 
 	"github.com/hashicorp/go-hclog"
 
+	"github.com/shuntnet/shunt/internal/fault"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/ring"
@@ -181,6 +182,19 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 		link.Wait()
 		t.Stop()
 	}
+	broken := stopped == proto.ReasonNone && !cut && !b.OutLeft()
+	if broken {
+		// The VM's writer's stretch did not end by its LEFT: the stream
+		// died under it (the VM's program killed, the VM gone, the
+		// stream broken), and what it wrote last may never have crossed.
+		// The other end's reader gets ECONNRESET where it stops, not a
+		// clean end of a stream cut short (marking the ring left would
+		// read as EOF). A downgrade's stop is no break: RESUME resends.
+		if p == nil {
+			p = &wait.Policy{}
+		}
+		_ = fault.Do(func() { held.Writes.Abort(uint32(proto.ReasonPeerGone), p) })
+	}
 	end := b.Stop(proto.ReasonShutdown) // marks the out ring left if the stream ended first
 	if held.Stopped != nil {
 		held.Stopped(end.Started, end.X, b.OutLeft())
@@ -188,6 +202,8 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 	switch err := b.Err(); {
 	case stopped != proto.ReasonNone:
 		log.Debug("vsock stretch stopped for a downgrade", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "reason", stopped, "end", fmt.Sprintf("%+v", end), "stats", fmt.Sprintf("%+v", b.Stats()))
+	case broken:
+		log.Info("vsock stretch broken before the VM's writer left its ring: the other end's connection reset", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "gone", gone, "error", err, "stats", fmt.Sprintf("%+v", b.Stats()))
 	case cut:
 		log.Info("vsock stretch of a done end stopped before its last bytes were carried: nothing moved within the bound (the VM's end done: the other end's connection reset)", "region", h.Region, "slot", h.Slot, "gen", h.Gen, "gone", gone, "bound", goneDrain, "stats", fmt.Sprintf("%+v", b.Stats()))
 	case gone != "":
