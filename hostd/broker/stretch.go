@@ -245,6 +245,15 @@ type stretchResume struct {
 	timer  *time.Timer
 }
 
+// vsockPair reports whether a and b both carry their flows over vsock
+// stretches. Such a flow stays on TCP (vsock-pair): the broker holds one
+// stretch per flow, so the second VM's would be refused and its
+// connection would wait on rings no bridge serves (a hold per side, and
+// RESUME across two stretches, are not built: docs/vsock.md).
+func vsockPair(a, b *Guest) bool {
+	return a.Vsock && !a.SharedRegion && b.Vsock && !b.SharedRegion
+}
+
 // vsockSide returns the side of f whose guest carries its flows over
 // vsock stretches (a VM with a vsock block and no group region), or 0,
 // also when both are (a flow between two such VMs has no RESUME yet).

@@ -307,3 +307,20 @@ func TestStretchResumeOldLibrary(t *testing.T) {
 	}
 	h.Release()
 }
+
+// TestStretchVsockPairStaysTCP: a connection between two VMs that both
+// carry their flows over vsock stays on TCP (vsock-pair): the broker
+// holds one stretch per flow, so the second VM's stretch was refused and
+// its connection waited on rings no bridge served.
+func TestStretchVsockPairStaysTCP(t *testing.T) {
+	w, _, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"})
+	w.g1.Vsock, w.g2.Vsock = true, true
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa.expect(t, proto.TCP, proto.ReasonVsockPair, 1)
+	sb.expect(t, proto.TCP, proto.ReasonVsockPair, 2)
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" || fl[0].Reason != "vsock-pair" {
+		t.Fatalf("records %+v, want one on tcp(vsock-pair)", fl)
+	}
+}

@@ -36,6 +36,7 @@ const (
 	ReasonMigrating              // v3: the guest (a VM) is migrating; back on the rings once it arrived
 	ReasonNotGuest               // ERROR: the connecting process is not in the guest's network namespace
 	ReasonPeerUnreachable        // v3: the other end is a guest of a peer host whose hostd is down or refuses (docs/crosshost.md)
+	ReasonVsockPair              // v3: both ends are VMs that carry their flows over vsock stretches: not built (docs/vsock.md)
 	numReasons
 )
 
@@ -44,7 +45,7 @@ var reasonNames = [...]string{
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
 	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
-	"migrating", "not-guest", "peer-unreachable",
+	"migrating", "not-guest", "peer-unreachable", "vsock-pair",
 }
 
 func (r Reason) String() string {
