@@ -156,6 +156,15 @@ func (b *Broker) revokeLocked(f *Flow, reason proto.Reason) {
 	b.log.Info("flow of a version-2 library revoked", "flow", f.Name(), "reason", reason)
 }
 
+// sessionOf is the session that holds side of f (nil: none, as for an
+// adopted side not yet reattached).
+func (f *Flow) sessionOf(side uint32) Session {
+	if side == region.SideA {
+		return f.sessA
+	}
+	return f.sessB
+}
+
 // goneLocked handles one side of f disappearing without a CLOSE: its
 // connection moves to TCP (DOWN(peer-gone) to the survivor) and the gone
 // side counts as left.

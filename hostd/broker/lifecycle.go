@@ -325,6 +325,7 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 				s.Send(proto.Msg{Type: proto.Revoke, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: f.Revoked})
 			}
 		}
+		b.rejoinWaitingLocked(c, side)
 	}
 	b.log.Info("flow reattached", "flow", f.Name(), "guest", g.Name, "side", m.Side)
 }

@@ -126,22 +126,36 @@ func (b *Broker) MigrateIn(g *Guest) int {
 // rejoinLocked handles an OPEN of session s (request req, its end side)
 // for the connection of record c, whose end on that side has no session
 // any more (its session ended: a VM's control port reconnected after a
-// migration, say) while the other end still has one: the record takes the
-// new session, and the connection moves to the rings if it may (else
-// s is told TCP(reason)). It reports whether the OPEN was handled so;
-// otherwise it pairs as usual.
+// migration, say; or hostd restarted and adopted the flow, and this end
+// OPENs instead of REATTACHing it) while the other end still has one: the
+// record takes the new session, and the connection moves to the rings if
+// it may (else s is told TCP(reason)). It reports whether the OPEN was
+// handled so; otherwise it pairs as usual.
 func (b *Broker) rejoinLocked(c *Conn, s Session, req uint32, side uint32) bool {
-	e, o := c.end(side), c.end(otherSide(side))
-	if e.g != s.Guest() || e.sess != nil || o.sess == nil || c.noReqs {
+	if !b.mayRejoinLocked(c, s, side) {
 		return false
 	}
-	st := b.sessions[s]
-	if st == nil {
-		return false
+	e, st, f := c.end(side), b.sessions[s], c.flow
+	adoptedUnheld := f != nil && f.adopted && f.released&side == 0 && f.sessionOf(side) == nil
+	if adoptedUnheld {
+		// After a restart this end OPENs its connection instead of
+		// REATTACHing the adopted ring pair: it no longer holds it
+		// (it left it while no hostd ran). The other end leaves it
+		// too, before this end has a session (no DOWN for a ring pair
+		// it does not hold).
+		b.downgradeLocked(c, proto.ReasonPeerGone)
 	}
 	e.sess, e.req, e.done = s, req, false
 	st.conns[req] = c
+	c.noReqs = false // both ends named their requests now
 	b.log.Debug("connection rejoined by a new session", "conn", c.Name(), "guest", e.g.Name)
+	if adoptedUnheld {
+		b.releaseLocked(f, side) // may free the rings: connFlowFreedLocked retries them
+		if c.flow == nil && c.path == PathTCP {
+			b.tellTCP(s, req, c.reason, false)
+		}
+		return true
+	}
 	if c.flow != nil {
 		return true // its old rings are not freed yet: READY comes after both LEFTs
 	}
@@ -149,6 +163,35 @@ func (b *Broker) rejoinLocked(c *Conn, s Session, req uint32, side uint32) bool 
 		b.tellTCP(s, req, reason, false)
 	}
 	return true
+}
+
+// mayRejoinLocked reports whether session s may take the end of c on
+// side (rejoinLocked).
+func (b *Broker) mayRejoinLocked(c *Conn, s Session, side uint32) bool {
+	e, o := c.end(side), c.end(otherSide(side))
+	if e.g != s.Guest() || e.sess != nil || o.sess == nil || c.noReqs && o.req == 0 {
+		return false
+	}
+	return b.sessions[s] != nil
+}
+
+// rejoinWaitingLocked lets the other end's OPEN, if it waits for its peer,
+// take its end of c: after a restart it may have come before this end's
+// REATTACH of the adopted ring pair, and the peer it waits for never OPENs.
+func (b *Broker) rejoinWaitingLocked(c *Conn, side uint32) {
+	h := b.waiting[c.key]
+	if h == nil || c.ctid == 0 || h.entry.ID != c.ctid {
+		return
+	}
+	hs := uint32(region.SideB)
+	if h.role == proto.Active {
+		hs = region.SideA
+	}
+	if hs == side || !b.mayRejoinLocked(c, h.sess, hs) {
+		return
+	}
+	b.unwaitLocked(h)
+	b.rejoinLocked(c, h.sess, h.req, hs)
 }
 
 func otherSide(side uint32) uint32 {

@@ -494,6 +494,81 @@ func TestRestartAdoptsThenReannounced(t *testing.T) {
 	}
 }
 
+// TestRestartOneEndReopens: after a hostd restart one end REATTACHes its
+// adopted ring pair while the other, which left it while no hostd ran,
+// OPENs the connection again on TCP: the record takes that OPEN (no
+// pairing that waits for an OPEN the first end never sends), the adopted
+// pair is freed once the first end left it, and the connection returns to
+// the rings. (CI saw btl/shunt's lease stay on TCP after a restart: the
+// reader had seen the writer leave before it reconnected.)
+func TestRestartOneEndReopens(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	w.b.Close()
+
+	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
+		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
+	t.Cleanup(b2.Close)
+	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
+		t.Fatalf("adopted %d flows, want 1", n)
+	}
+	b2.Resync()
+	na, nb := newSession(w.g1), newSession(w.g2)
+	b2.Attach(na)
+	b2.Attach(nb)
+	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
+	b2.SetPolicy(mustCompile(t, policy.Spec{Default: "tcp"})) // as hostd's start moves adopted flows off until proven
+	da := na.expect(t, proto.Down, proto.ReasonPolicyReload, 1)
+	b2.Open(nb, open(proto.Passive, ta.Reverse(), 2))
+	time.Sleep(200 * time.Millisecond) // past the pairing timeout
+	nb.none(t)
+	b2.SetPolicy(mustCompile(t, policy.Spec{}))
+	b2.Left(na, proto.Msg{Type: proto.Left, RegionID: da.RegionID, Slot: da.Slot, Gen: da.Gen, Side: proto.SideA})
+	na.expect(t, proto.Ready, proto.ReasonNone, 1)
+	nb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	if fl := b2.Flows(); len(fl) != 1 || fl[0].Path != "rings" {
+		t.Fatalf("records %+v, want the one connection on the rings", fl)
+	}
+}
+
+// TestRestartOneEndReopensFirst: as TestRestartOneEndReopens, but the
+// end that left the adopted rings OPENs before the other REATTACHes: its
+// waiting OPEN takes its end of the record at the REATTACH.
+func TestRestartOneEndReopensFirst(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	w.b.Close()
+
+	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
+		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
+	t.Cleanup(b2.Close)
+	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
+		t.Fatalf("adopted %d flows, want 1", n)
+	}
+	b2.Resync()
+	b2.SetPolicy(mustCompile(t, policy.Spec{Default: "tcp"})) // as hostd's start moves adopted flows off until proven
+	na, nb := newSession(w.g1), newSession(w.g2)
+	b2.Attach(na)
+	b2.Attach(nb)
+	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	b2.Open(nb, open(proto.Passive, ta.Reverse(), 2))
+	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
+	da := na.expect(t, proto.Down, proto.ReasonPolicyReload, 1)
+	time.Sleep(200 * time.Millisecond) // past the pairing timeout
+	nb.none(t)
+	b2.SetPolicy(mustCompile(t, policy.Spec{}))
+	b2.Left(na, proto.Msg{Type: proto.Left, RegionID: da.RegionID, Slot: da.Slot, Gen: da.Gen, Side: proto.SideA})
+	na.expect(t, proto.Ready, proto.ReasonNone, 1)
+	nb.expect(t, proto.Ready, proto.ReasonNone, 2)
+}
+
 // TestPassiveBeforeClientSession: the client guest has no session yet (a
 // fresh process's session may still be on its way): the passive OPEN gets
 // TCP(no-intent) at once, but still waits for its peer, and pairs if the
