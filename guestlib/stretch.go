@@ -122,10 +122,15 @@ func (c *Conn) drainStretch(f *flow) {
 	if f == nil || !f.wLeft.Load() {
 		return
 	}
+	deadline := time.Now().Add(stretchDrain)
 	select {
 	case <-f.stretch.InDone():
-		c.client.logf("shunt: %s -> %s: the host took the write ring's last bytes (%+v, %v)", c.local, c.remote, f.stretch.Stats(), f.stretch.Err())
-	case <-time.After(stretchDrain):
+		// Its LEFT is queued after the last byte: the program may exit
+		// once this returns, so it must be in the kernel first, or the
+		// host takes the stream's end for a break (a reset).
+		flushed := f.stretch.Flushed(deadline)
+		c.client.logf("shunt: %s -> %s: the host took the write ring's last bytes (%+v, %v; end flushed %v)", c.local, c.remote, f.stretch.Stats(), f.stretch.Err(), flushed)
+	case <-time.After(time.Until(deadline)):
 		c.client.logf("shunt: %s -> %s: the host took no more of the write ring's bytes for %v; closing anyway (%+v, %v)", c.local, c.remote, stretchDrain, f.stretch.Stats(), f.stretch.Err())
 	}
 }

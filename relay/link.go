@@ -7,6 +7,7 @@ import (
 	"net"
 	"sync"
 	"syscall"
+	"time"
 
 	"golang.org/x/sys/unix"
 )
@@ -91,6 +92,37 @@ func NewLink(conns []net.Conn, o LinkOptions) *Link {
 		go l.reader(lc)
 	}
 	return l
+}
+
+// Flushed waits until every frame queued so far on the link's
+// connections was handed to the kernel (or the link ended), at most until
+// deadline; it reports whether it was. A vsock stretch's end calls it
+// before its program may exit: the LEFT after the last byte is queued,
+// and a process that exits with it unwritten ends its stream without it,
+// which the host must take as a break (a reset), not as the writer's end.
+func (l *Link) Flushed(deadline time.Time) bool {
+	for {
+		idle := true
+		for _, c := range l.conns {
+			c.mu.Lock()
+			if c.writing || len(c.q) > 0 || len(c.pend) > 0 {
+				idle = false
+			}
+			c.mu.Unlock()
+		}
+		select {
+		case <-l.done:
+			return idle
+		default:
+		}
+		if idle {
+			return true
+		}
+		if time.Now().After(deadline) {
+			return false
+		}
+		time.Sleep(time.Millisecond)
+	}
 }
 
 // queue adds f to the connection's queue; it never blocks. Unless a

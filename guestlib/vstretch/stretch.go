@@ -4,6 +4,7 @@ import (
 	"fmt"
 	"net"
 	"sync"
+	"time"
 
 	"golang.org/x/sys/unix"
 
@@ -76,6 +77,12 @@ func (s *Stretch) Done() <-chan struct{} { return s.b.Done() }
 // program closing its connection waits for it, since its ring's bytes
 // die with the process.
 func (s *Stretch) InDone() <-chan struct{} { return s.b.InDone() }
+
+// Flushed waits, at most until deadline, until every frame the bridge
+// queued (its LEFT after the last byte among them) was handed to the
+// kernel: a program may exit once it returns without its stream losing
+// its end (see relay.Link.Flushed). It reports whether they were.
+func (s *Stretch) Flushed(deadline time.Time) bool { return s.link.Flushed(deadline) }
 
 // Err is why the bridge stopped by itself (nil while it runs).
 func (s *Stretch) Err() error { return s.b.Err() }

@@ -250,3 +250,47 @@ func TestStretchBrokenResets(t *testing.T) {
 	}
 	s.Close()
 }
+
+// TestStretchEndThenExit: the VM's writer leaves its ring and its program
+// exits as soon as its Close returned (the bridge carried the last bytes,
+// InDone, and its LEFT is in the kernel, Flushed): the stream dies right
+// after, and the process guest must read the whole stream and a clean
+// end, not a reset. Without Flushed the LEFT could still be queued in
+// the VM's process when it exits, and the room takes a stream that ends
+// without it for a break.
+func TestStretchEndThenExit(t *testing.T) {
+	const capacity, n = 64 << 10, 1 << 20
+	f := newFlowsFake(t, capacity)
+	vmc, hostc := streamPair(t)
+	st := &stretches{open: map[*relay.Bridge]bool{}}
+	served := make(chan struct{})
+	go func() { defer close(served); st.serve(hostc, 3, f, nil, hclog.NewNullLogger()) }()
+	s, err := vstretch.Open(vmc, f.hello, capacity, nil)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer s.Close()
+	deadline := time.Now().Add(30 * time.Second)
+	got := shmtest.ReadSum(f.ab, nil, deadline)
+	if _, err := shmtest.WriteStream(s.W, nil, 99, seeded(8, n), deadline); err != nil {
+		t.Fatal(err)
+	}
+	select {
+	case <-s.InDone():
+	case <-time.After(time.Until(deadline)):
+		t.Fatal("the bridge did not carry the last bytes")
+	}
+	if !s.Flushed(deadline) {
+		t.Fatal("the stretch's frames were not flushed")
+	}
+	vmc.Close() // the program exits
+	select {
+	case r := <-got:
+		if r.Err != nil || r.N != n || r.Start != 99 || !bytes.Equal(r.Sum, sum(seeded(8, n))) {
+			t.Fatalf("the process guest read %d bytes from %d, err %v (sum ok %v), want %d and a clean end", r.N, r.Start, r.Err, bytes.Equal(r.Sum, sum(seeded(8, n))), n)
+		}
+	case <-time.After(10 * time.Second):
+		t.Fatal("the process guest's read did not end")
+	}
+	<-served
+}
