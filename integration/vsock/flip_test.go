@@ -36,7 +36,7 @@ func TestVsockPolicyFlips(t *testing.T) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Second)
 	defer cancel()
-	v := startVsockVM(t, ctx, fmt.Sprintf("gflip:%d:0:11", procPort))
+	v := startVsockVM(t, ctx, fmt.Sprintf("gflip:%d:0:11", procPort), "pause:5000:0:0")
 	r, c := v.r, v.c
 	ctx = r.ctx
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })

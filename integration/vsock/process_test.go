@@ -96,9 +96,9 @@ type vsockVM struct {
 }
 
 // startVsockVM starts hostd on a rig with one process guest and the VM,
-// whose program runs phase after learning the process guest's address,
+// whose program runs phases after learning the process guest's address,
 // and returns once the process guest accepted the VM's connection.
-func startVsockVM(t *testing.T, ctx context.Context, phase string) *vsockVM {
+func startVsockVM(t *testing.T, ctx context.Context, phases ...string) *vsockVM {
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
 	start := time.Now()
@@ -145,7 +145,7 @@ func startVsockVM(t *testing.T, ctx context.Context, phase string) *vsockVM {
 		t.Fatal(err)
 	}
 	v.r = bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock, qemu: ports},
-		fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr), phase)
+		append([]string{fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr)}, phases...)...)
 	v.booted = time.Since(start)
 	select {
 	case v.c = <-accepted:

@@ -3,10 +3,14 @@
 package main
 
 import (
+	"bufio"
 	"crypto/sha256"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"os"
+	"os/exec"
+	"strings"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
@@ -126,4 +130,65 @@ send:
 	fmt.Printf("SHUNT-VSOCK gflip port=%d sent=%x sentbytes=%d recv=%x bytes=%d ring=%d/%d tcp=%d/%d readies=%d downs=%d resent=%d ms=%d\n", port, h.Sum(nil), sent, r.sum, r.n,
 		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, st.Readies, st.Downs, st.Resent, time.Since(start).Milliseconds())
 	return nil
+}
+
+// gchild is the child gkill runs: as gflip's start (a guestlib connection
+// to target:port on the fast path), then seeded bytes (64 KiB every
+// 10 ms) for ever, saying how many it wrote every 16 writes; it never
+// reads, so the VM's kernel holds no unread byte of the connection when
+// the child is killed.
+func gchild(port uint32, seed uint64) error {
+	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
+	if err != nil {
+		return err
+	}
+	d := guestlib.Dialer{Client: cl}
+	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	if err != nil {
+		return err
+	}
+	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
+	src := rand.NewChaCha8(seedBytes(seed))
+	buf := make([]byte, 64<<10)
+	for i := 1; ; i++ {
+		src.Read(buf)
+		if _, err := c.Write(buf); err != nil {
+			return err
+		}
+		if i%16 == 0 {
+			fmt.Printf("SHUNT-VSOCK CHILD wrote=%d stats=%+v\n", i*len(buf), c.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+}
+
+// gkill is the VM's end of TestVsockKilled: it runs gchild in a process
+// of its own, and SIGKILLs it once it wrote 2 MiB on the fast path.
+func gkill(port uint32, seed uint64) error {
+	cmd := exec.Command("/proc/self/exe", "target:"+target+":0:0", fmt.Sprintf("gchild:%d:0:%d", port, seed))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	sc := bufio.NewScanner(out)
+	for sc.Scan() {
+		line := sc.Text()
+		fmt.Println(line)
+		if strings.HasPrefix(line, "SHUNT-VSOCK CHILD wrote=") && !strings.HasPrefix(line, "SHUNT-VSOCK CHILD wrote=1048576 ") {
+			cmd.Process.Kill()
+			fmt.Printf("SHUNT-VSOCK KILLED port=%d after %s\n", port, strings.Fields(line)[2])
+			go io.Copy(os.Stdout, out)
+			cmd.Wait() // killed
+			return nil
+		}
+	}
+	return fmt.Errorf("the child ended: %v", cmd.Wait())
 }

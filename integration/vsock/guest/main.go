@@ -13,6 +13,9 @@
 //	vpong:PORT:COUNT:0        echo COUNT 8-byte messages over vsock
 //	tstream, tpong            the same over TCP to 10.0.0.1 (virtio-net)
 //	target:ADDR:0:0           the address gdial connects to
+//	pause:MS:0:0              sleep MS milliseconds (the VM reboots when
+//	                          the program ends: its kernel's last packets
+//	                          would be lost with it)
 //	gdial:PORT:BYTES:SEED     TestVsockProcessGuest: connect to ADDR:PORT
 //	                          with guestlib (the VM's control port, no
 //	                          ivshmem: the flow goes over vsock), wait for
@@ -20,6 +23,10 @@
 //	gflip:PORT:0:SEED         TestVsockPolicyFlips: as gdial, then send
 //	                          seeded bytes (paced) until the host's
 //	                          stream ends, and give per-path counts
+//	gkill:PORT:0:SEED         TestVsockKilled: run gchild (as gflip's
+//	                          start, then write seeded bytes for ever)
+//	                          in a process of its own, SIGKILL it after
+//	                          2 MiB
 //	stretch:R.S.G:BYTES:SEED  TestVsockStretch: open the vsock stretch of
 //	                          flow region R slot S gen G (guestlib/vstretch),
 //	                          write BYTES seeded bytes into its write ring
@@ -65,10 +72,16 @@ func main() {
 		switch f[0] {
 		case "target":
 			target = f[1]
+		case "pause":
+			time.Sleep(time.Duration(port) * time.Millisecond) // the VM lives on a while (it reboots once the program ends)
 		case "gdial":
 			err = gdial(uint32(port), n, seed)
 		case "gflip":
 			err = gflip(uint32(port), seed)
+		case "gkill":
+			err = gkill(uint32(port), seed)
+		case "gchild":
+			err = gchild(uint32(port), seed)
 		case "stretch":
 			err = stretch(f[1], n, seed)
 		default:
