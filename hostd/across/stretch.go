@@ -203,6 +203,15 @@ func (r *Room) bridgeDone(x *xconn, st *stretch) {
 	if x.st != st || st.stoppedAt != (time.Time{}) {
 		return
 	}
+	// Stopped by its link's end: take the link down first (linkDown
+	// moves this connection to TCP with the link's others). Else the
+	// broker, seeing the relay still up, would pair the connection again
+	// on the dead link before the link's watcher says it ended, and it
+	// would leave the rings a second time once the next link is up.
+	if l := st.l; l != nil && l.l != nil && l.l.Err() != nil && l.flows[st.flow] == x {
+		r.linkDown(l, l.l)
+		return
+	}
 	reason := proto.ReasonPeerUnreachable
 	if err := st.br.Err(); err != nil {
 		r.log.Debug("a relay bridge stopped", "conn", x, "error", err)
