@@ -94,11 +94,20 @@ func (s *Stretch) Stats() relay.BridgeStats { return s.b.Stats() }
 // listens), marks R left, and returns where R's stretch ended.
 func (s *Stretch) Stop(reason proto.Reason) relay.End { return s.b.Stop(reason) }
 
+// closeFlush bounds how long Close waits for the bridge's last frames
+// to reach the kernel.
+const closeFlush = 5 * time.Second
+
 // Close stops the stretch and frees its rings: the caller no longer
 // touches W or R.
 func (s *Stretch) Close() {
 	s.once.Do(func() {
 		s.b.Stop(proto.ReasonShutdown)
+		// The bridge's last frames (its LEFT after the last byte, when
+		// both directions ended) may still be queued: closing the link
+		// drops them, and the host takes a stream that ends without its
+		// LEFT for a break (a reset at the other end).
+		s.link.Flushed(time.Now().Add(closeFlush))
 		s.link.Close()
 		s.link.Wait()
 		unix.Munmap(s.mem)
