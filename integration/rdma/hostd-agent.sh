@@ -18,10 +18,17 @@
 # process holding the device); the link comes back as TCP, `hostd peers`
 # says why, and the connection is back on the relay over it.
 #
+# Scenario "mpi" (TestRDMAMPI): an Open MPI job of 4 ranks with
+# btl/shunt, 2 in each host's guest g1 (btlcheck, every byte checked).
+# h1's g1 runs mpirun; orted starts in h2's g1 through the guest
+# program's exec server (rsh agent). h1 checks that the relay link to h2
+# stayed the one RDMA link made (shunt_relay_links_total 1, still `up
+# (rdma)`) and carried the relayed directions' bytes both ways.
+#
 # Each step says HOSTD-AGENT <STEP>; a failure says HOSTD-AGENT FAIL and
 # stops, after both hosts printed their state (the other's on a word
 # over TCP port 7999); so does the watchdog after limit seconds.
-role=$1 peer=$2 rxe=$3 hostd=$4 guest=$5 cfg=$6 bytes=$7 scenario=${8:-full} limit=${9:-330}
+role=$1 peer=$2 rxe=$3 hostd=$4 guest=$5 cfg=$6 bytes=$7 scenario=${8:-full} limit=${9:-330} mpidir=${10} mpisys=${11}
 say() { echo "HOSTD-AGENT $*"; }
 stage() { read -r up _ </proc/uptime; say STAGE "$1" at="$up"; }
 show() { "$hostd" "$1" -admin /tmp/admin.sock 2>&1 | sed "s/^/HOSTD-AGENT $1: /"; }
@@ -139,8 +146,53 @@ remove() {
 	show counters
 	say DONE
 }
+# counter NAME: hostd's counter (hostd counters' NAME line), 0 if none
+counter() { "$hostd" counters -admin /tmp/admin.sock 2>/dev/null | awk -v k="$1" '$1 == k { print $2; f = 1 } END { if (!f) print 0 }'; }
+# mpi: the MPI job (scenario mpi): mpirun on h1, orted on h2 by rsh.
+mpi() {
+	# the rsh agent: mpirun runs it, and orted checks that it exists
+	printf '#!/bin/sh\nexec %s rsh 7777 "$@"\n' "$guest" >/tmp/rsh && chmod +x /tmp/rsh
+	if [ "$role" != server ]; then
+		stage exec-server
+		run exec-server 7777 >/tmp/exec.out 2>&1 &
+		until_ok 240 test -e /tmp/mpi.done || fail h1 never said the job was over
+		show peers
+		"$hostd" counters -admin /tmp/admin.sock | grep relay | sed 's/^/HOSTD-AGENT counters: /'
+		say DONE
+		return
+	fi
+	stage wait-h2
+	until_ok 120 run rsh 7777 10.78.1.2 true || fail h2 exec server not reachable
+	nets=10.77.0.0/16,10.78.0.0/16
+	stage mpirun
+	# mpirun.openmpi: mpirun is a link through /etc/alternatives, which
+	# the VM (the host's /usr only) lacks.
+	run_mpi() {
+		$ip netns exec g1 env SHUNT_CONTROL=/tmp/shunt/g1.sock timeout 150 /usr/bin/mpirun.openmpi --allow-run-as-root -np 4 \
+			--host 10.77.1.2:2,10.78.1.2:2 --bind-to none --mca routed direct --mca plm_rsh_agent /tmp/rsh \
+			--mca pml ob1 --mca btl self,vader,shunt --mca oob_tcp_if_include $nets --mca rtc ^hwloc \
+			--mca mpi_yield_when_idle 1 --mca mca_component_path "$mpisys:$mpidir" --mca btl_shunt_if_include $nets \
+			--mca btl_shunt_port_min 7800 --mca btl_shunt_port_max 7899 --mca btl_shunt_verbose 2 "$mpidir/btlcheck" -m "$bytes"
+	}
+	run_mpi >/tmp/mpi.out 2>&1
+	rc=$?
+	sed 's/^/HOSTD-AGENT mpi: /' /tmp/mpi.out
+	[ $rc = 0 ] && grep -q "data ok" /tmp/mpi.out || fail "the MPI job: exit $rc"
+	stage check
+	sleep 1.5 # hostd refreshes its relay counters each second
+	links=$(counter 'shunt_relay_links_total{peer=h2}')
+	out=$(counter 'shunt_relay_bytes_total{dir=out,peer=h2}')
+	in=$(counter 'shunt_relay_bytes_total{dir=in,peer=h2}')
+	show peers
+	has peers "up (rdma)" || fail the link is no longer RDMA after the job
+	say MPI-RDMA links="$links" out="$out" in="$in"
+	run rsh 7777 10.78.1.2 touch /tmp/mpi.done
+	say DONE
+}
 run() { $ip netns exec g1 env SHUNT_CONTROL=/tmp/shunt/g1.sock "$guest" "$@"; }
-if [ "$role" = server ]; then
+if [ "$scenario" = mpi ]; then
+	mpi
+elif [ "$role" = server ]; then
 	stage echo
 	run serve 10.77.1.2:5201 >/tmp/guest.out 2>&1 || fail the echo
 	cat /tmp/guest.out

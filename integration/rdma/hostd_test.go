@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/peers/peertest"
+	"github.com/shuntnet/shunt/integration/mpirig"
 	"github.com/shuntnet/shunt/integration/vm"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
@@ -37,7 +38,7 @@ import (
 // MiB, small for TCG's sake).
 func TestRDMAHostd(t *testing.T) {
 	n := envInt("SHUNT_RDMA_HOSTD_BYTES", 4<<20)
-	client, server := hostdRig(t, "full", n, 6*time.Minute)
+	client, server := hostdRig(t, "full", n, 6*time.Minute, nil)
 	for _, want := range []string{"HOSTD-AGENT LINK rdma", "HOSTD-AGENT RELAYED", "HOSTD-AGENT FLIP 1", "HOSTD-AGENT FLIP 2",
 		"HOSTD-AGENT RDMA-ENDED", "HOSTD-AGENT DOWNGRADED", fmt.Sprintf("GUEST OK dial sent=%d echoed=%d ", n, n)} {
 		if !client.Has(0, want) {
@@ -65,7 +66,7 @@ func TestRDMAHostd(t *testing.T) {
 // SHUNT_RDMA_REMOVED_BYTES (2 MiB).
 func TestRDMARxeRemoved(t *testing.T) {
 	n := envInt("SHUNT_RDMA_REMOVED_BYTES", 2<<20)
-	client, server := hostdRig(t, "remove", n, 4*time.Minute)
+	client, server := hostdRig(t, "remove", n, 4*time.Minute, nil)
 	for _, want := range []string{"HOSTD-AGENT LINK rdma", "HOSTD-AGENT RELAYED", "HOSTD-AGENT RDMA-ENDED", "HOSTD-AGENT REMOVED",
 		"HOSTD-AGENT DOWNGRADED", fmt.Sprintf("GUEST OK dial sent=%d echoed=%d ", n, n)} {
 		if !client.Has(0, want) {
@@ -79,12 +80,82 @@ func TestRDMARxeRemoved(t *testing.T) {
 	}
 }
 
+// TestRDMAMPI: an Open MPI job with 2 ranks per host across the RDMA
+// link. The rig of TestRDMAHostd (hostd on each VM host, relay link `up
+// (rdma)`); btl/shunt (built here, make mpi) and btlcheck go into the
+// images, Open MPI comes from the host's /usr. mpirun runs in h1's
+// guest g1 and starts orted in h2's g1 through the guest program's exec
+// server; 2 ranks in each g1 (btlcheck -m SHUNT_RDMA_MPI_BYTES, 64 KiB:
+// point-to-point of every size with a partner on the other host,
+// non-blocking, wildcard, collectives; every byte checked). Asserted:
+// "data ok"; the BTL moved the job's directions across the hosts onto
+// relayed rings (8: 4 pairs across, 2 directions each; fewer only where
+// the BTL says a lease's pairing timed out) and left the pairs within a
+// guest to vader; h1's relay to h2 stayed the one link made (hostd's
+// shunt_relay_links_total 1, still `up (rdma)`) and carried bytes both
+// ways (shunt_relay_bytes_total): the relayed directions went over the
+// RDMA link.
+func TestRDMAMPI(t *testing.T) {
+	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
+	testenv.NeedTool(t, "mpirun", "openmpi-bin")
+	testenv.NeedTool(t, "make", "make")
+	needRig(t)
+	n := envInt("SHUNT_RDMA_MPI_BYTES", 64<<10)
+	dir := filepath.Join(t.TempDir(), "mpi")
+	if err := mpirig.Build("../..", dir, "btlcheck"); err != nil {
+		testenv.Missing(t, "cannot build btl/shunt: "+err.Error(), "apt-get install make gcc libopenmpi-dev openmpi-bin")
+	}
+	client, server := hostdRig(t, "mpi", n, 4*time.Minute,
+		[]string{filepath.Join(dir, "mca_btl_shunt.so"), filepath.Join(dir, "btlcheck")}, dir, mpirig.SysComponents())
+	out := server.Console()
+	var mpi strings.Builder
+	for _, l := range strings.Split(out, "\n") {
+		if l, ok := strings.CutPrefix(strings.TrimSpace(l), "HOSTD-AGENT mpi: "); ok {
+			mpi.WriteString(l + "\n")
+		}
+	}
+	job := mpi.String()
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Logf("the job's output:\n%s", job)
+		t.Fatalf(format, args...)
+	}
+	if !strings.Contains(job, "data ok") || strings.Contains(job, "ERROR") {
+		fail("the job did not end with \"data ok\", or the BTL reported an error")
+	}
+	rel := strings.Count(job, ": relayed ring (slot ")
+	if rel != 8 && (rel < 1 || !strings.Contains(job, ": tcp (timeout)")) {
+		fail("the BTL moved %d directions to relayed rings; want 8 (4 pairs across the hosts)", rel)
+	}
+	for _, pair := range [][2]int{{0, 1}, {1, 0}, {2, 3}, {3, 2}} {
+		if w := fmt.Sprintf("rank %d: rank %d is in this guest: left to vader", pair[0], pair[1]); !strings.Contains(job, w) {
+			fail("no %q: a pair within a guest did not stay on vader", w)
+		}
+	}
+	var links, bout, bin float64
+	found := false
+	for _, l := range strings.Split(out, "\n") {
+		if _, rest, ok := strings.Cut(l, "HOSTD-AGENT MPI-RDMA "); ok {
+			_, err := fmt.Sscanf(rest, "links=%g out=%g in=%g", &links, &bout, &bin)
+			found = err == nil
+		}
+	}
+	if !found || links != 1 || bout < float64(n) || bin < float64(n) {
+		fail("h1's relay to h2: %v links made, %v bytes out, %v in; want the one RDMA link, at least %d bytes each way", links, bout, bin, n)
+	}
+	if !client.Has(0, "HOSTD-AGENT DONE") {
+		fail("h2 never said DONE")
+	}
+	t.Logf("%d directions on relayed rings; h1's RDMA link to h2 carried %v bytes out, %v in", rel, bout, bin)
+}
+
 // hostdRig boots the two VM hosts of TestRDMAHostd with hostd-agent.sh's
-// scenario for a stream of n bytes, waits (at most limit) until both
+// scenario for a stream of n bytes (extra: more files for the images,
+// more arguments for the agents), waits (at most limit) until both
 // agents are done, logs their steps and returns the VMs. A failing agent
 // has printed both hosts' state (hostd peers, flows, log) first; the
 // agents' watchdog prints it 30 s before limit.
-func hostdRig(t *testing.T, scenario string, n int, limit time.Duration) (client, server *vm.VM) {
+func hostdRig(t *testing.T, scenario string, n int, limit time.Duration, extra []string, args ...string) (client, server *vm.VM) {
 	t.Helper()
 	kernel := needRig(t)
 	testenv.NeedTool(t, "nft", "nftables") // the VMs run the host's /usr
@@ -101,28 +172,41 @@ func hostdRig(t *testing.T, scenario string, n int, limit time.Duration) (client
 	rxe, _ := filepath.Abs("rxe.sh")
 	initrd := filepath.Join(dir, "initramfs")
 	files = append(files, rxe, hostd, guest, "/etc/libibverbs.d/rxe.driver")
+	files = append(files, extra...)
 	if err := vm.BuildInitramfsFiles(initrd, kernel, agent, files...); err != nil {
 		t.Fatal(err)
 	}
 	start := time.Now()
-	server, client = bootPair(t, kernel, initrd, rxe, hostd, guest, cfg, strconv.Itoa(n), scenario,
-		strconv.Itoa(int((limit - 30*time.Second).Seconds())))
+	server, client = bootPair(t, kernel, initrd, append([]string{rxe, hostd, guest, cfg, strconv.Itoa(n), scenario,
+		strconv.Itoa(int((limit - 30*time.Second).Seconds()))}, args...)...)
 	t.Cleanup(func() { logStages(t, "HOSTD-AGENT", server, client) })
 	// Generous, bounded: the stream stalls for the queue pairs' retries
 	// (about 8 s) at the fault, and TCG guests slow down several times on
 	// a loaded machine.
 	ctx, cancel := context.WithTimeout(context.Background(), limit)
 	defer cancel()
+	// Either host's failure ends the wait (it printed both hosts' state).
+	type end struct {
+		m    *vm.VM
+		line string
+		err  error
+	}
+	ends := make(chan end, 2)
 	for _, m := range []*vm.VM{client, server} {
-		line, err := m.WaitAny(ctx, 0, "HOSTD-AGENT DONE", "HOSTD-AGENT FAIL", "SHUNT-VM AGENT-EXIT")
-		if err != nil || line != "HOSTD-AGENT DONE" {
-			t.Fatalf("%s: %q, %v", m.Name, line, err)
+		go func() {
+			line, err := m.WaitAny(ctx, 0, "HOSTD-AGENT DONE", "HOSTD-AGENT FAIL", "SHUNT-VM AGENT-EXIT")
+			ends <- end{m, line, err}
+		}()
+	}
+	for range 2 {
+		if e := <-ends; e.err != nil || e.line != "HOSTD-AGENT DONE" {
+			t.Fatalf("%s: %q, %v", e.m.Name, e.line, e.err)
 		}
 	}
 	for _, m := range []*vm.VM{server, client} {
 		for _, l := range strings.Split(m.Console(), "\n") {
 			if strings.HasPrefix(l, "HOSTD-AGENT peers:") || strings.HasPrefix(l, "HOSTD-AGENT flows:") ||
-				strings.HasPrefix(l, "HOSTD-AGENT log:") || strings.HasPrefix(l, "HOSTD-AGENT REMOVED") || strings.HasPrefix(l, "GUEST ") {
+				strings.HasPrefix(l, "HOSTD-AGENT log:") || strings.HasPrefix(l, "HOSTD-AGENT REMOVED") || strings.HasPrefix(l, "HOSTD-AGENT MPI-RDMA") || strings.HasPrefix(l, "GUEST ") {
 				t.Logf("%s: %s", m.Name, l)
 			}
 		}

@@ -12,17 +12,28 @@
 // agent's: it flips policy or breaks the RDMA link meanwhile) before it
 // sends part k+1. Every wait has a deadline; it prints GUEST OK or GUEST
 // FAIL with the byte counts.
+//
+//	guest exec-server PORT    run the shell command each connection sends
+//	                          (one line), its output back on the connection
+//	guest rsh PORT HOST CMD   run CMD at HOST's exec server, its output here
+//
+// exec-server and rsh are mpirun's rsh agent between the VM hosts'
+// guests (TestRDMAMPI), over kernel TCP: the VMs have no ssh.
 package main
 
 import (
+	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
+	"net"
 	"os"
+	"os/exec"
 	"path/filepath"
 	"strconv"
+	"strings"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
@@ -44,8 +55,16 @@ func main() {
 			break
 		}
 		err = dial(os.Args[2], n, phases, os.Args[5])
+	case len(os.Args) == 3 && os.Args[1] == "exec-server":
+		err = execServer(os.Args[2])
+	case len(os.Args) >= 5 && os.Args[1] == "rsh":
+		err = rsh(os.Args[2], os.Args[3], os.Args[4:])
+		if err != nil {
+			fmt.Fprintln(os.Stderr, "rsh:", err)
+			os.Exit(1)
+		}
 	default:
-		err = errors.New("usage: guest serve ADDR | guest dial ADDR N PHASES DIR")
+		err = errors.New("usage: guest serve ADDR | guest dial ADDR N PHASES DIR | guest exec-server PORT | guest rsh PORT HOST CMD")
 	}
 	if err != nil {
 		fmt.Println("GUEST FAIL", err)
@@ -174,4 +193,45 @@ func waitFile(path string) error {
 			return fmt.Errorf("no %s within %s", path, deadline)
 		}
 	}
+}
+
+// execServer runs the shell command each connection sends (one line),
+// with its output back on the connection, until killed.
+func execServer(port string) error {
+	l, err := net.Listen("tcp4", ":"+port)
+	if err != nil {
+		return err
+	}
+	fmt.Println("GUEST EXEC-SERVER", port)
+	for {
+		c, err := l.Accept()
+		if err != nil {
+			return err
+		}
+		go func() {
+			defer c.Close()
+			line, err := bufio.NewReader(c).ReadString('\n')
+			if err != nil {
+				return
+			}
+			cmd := exec.Command("/bin/sh", "-c", line)
+			cmd.Stdout, cmd.Stderr = c, c
+			err = cmd.Run()
+			fmt.Printf("GUEST EXEC %q: %v\n", strings.TrimSpace(line), err)
+		}()
+	}
+}
+
+// rsh runs cmd at host's exec server and copies its output to stdout.
+func rsh(port, host string, cmd []string) error {
+	c, err := net.DialTimeout("tcp4", net.JoinHostPort(host, port), 10*time.Second)
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	if _, err := fmt.Fprintln(c, strings.Join(cmd, " ")); err != nil {
+		return err
+	}
+	_, err = io.Copy(os.Stdout, c)
+	return err
 }
