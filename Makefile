@@ -119,7 +119,7 @@ test: deps-test ## run all tests (privileged ones need root; under CI=true they 
 	$(GO) test -p 1 -timeout 30m ./...
 
 test-rdma: deps-test ## the RDMA tests alone, with 5 rounds of figures (make test runs one): SoftRoCE between two TCG VMs (root; 3-6 min)
-	SHUNT_RDMA_ROUNDS=5 $(GO) test -timeout 20m -count=1 -run 'TestRDMA(SoftRoCE|Hostd|RxeRemoved)' -v ./integration/rdma
+	SHUNT_RDMA_ROUNDS=5 $(GO) test -timeout 20m -count=1 -run 'TestRDMA(SoftRoCE|Hostd|RxeRemoved|MPI)' -v ./integration/rdma
 
 test-short: ## quick unprivileged tests
 	$(GO) test -short ./...

@@ -245,7 +245,7 @@ trust_group "t" {
   region = "/dev/shm/shunt-t"
   region_size = "16MiB"
   slots = 64
-  pair_region_size = "16MiB"
+  pair_region_size = "32MiB" # 8 relayed rings of 1 MiB and more (TestRDMAMPI)
   pair_slots = 64
   guest_ring_bytes = "64MiB"
   guest_flows = 64
