@@ -69,8 +69,11 @@ func TestVsockProcessGuest(t *testing.T) {
 	cs := counters(hostd, s.Admin)
 	for _, dir := range []string{"rx", "tx"} {
 		key := fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", dir)
-		if v := counterValue(cs, key); v < procLen {
-			fail("%s = %v: the device carried less than the stream (%d bytes)", key, v, procLen)
+		// The VM's first write may go by TCP: its writer moves to its ring
+		// once it sees the ring's reader (its bridge) attached, which the
+		// bridge's goroutine does just after READY (1 run in 9 here).
+		if v := counterValue(cs, key); v < procLen-64<<10 {
+			fail("%s = %v: the device carried less than the stream (%d bytes) but one write", key, v, procLen)
 		}
 	}
 	if v := counterValue(cs, "shunt_vsock_bad_packets_total{guest=vm}"); v != 0 {
