@@ -320,8 +320,11 @@ func TestAcrossHostsHostdKilled(t *testing.T) {
 	}
 	e.stream(c, 4, 8<<20, 30*time.Second, nil)
 
-	// A new connection goes onto the relay too.
-	c2, err := e.hosts[0].Dial(ctx, 1, netip.AddrPortFrom(g2.Addr, 7200).String())
+	// A new connection goes onto the relay too (its own deadline: the
+	// first one's passed during the kills).
+	ctx2, cancel2 := context.WithTimeout(context.Background(), 10*time.Second)
+	defer cancel2()
+	c2, err := e.hosts[0].Dial(ctx2, 1, netip.AddrPortFrom(g2.Addr, 7200).String())
 	if err != nil {
 		t.Fatal(err)
 	}
