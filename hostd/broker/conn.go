@@ -92,6 +92,7 @@ type Conn struct {
 	fwRegion    *Region    // the pair region an epoch moved it off; it lingers while c waits (firewall.go)
 	indexed     bool       // in Broker.conns
 	noReqs      bool       // adopted after a restart: its ends' request ids are unknown until they OPEN again
+	retryFreed  bool       // its ring pair's free retries the rings whatever its reason (rejoinLocked)
 }
 
 // Name names the record in listings and for `hostd downgrade`.
@@ -400,7 +401,8 @@ func (b *Broker) connFlowFreedLocked(c *Conn, f *Flow) {
 		b.forgetLocked(c)
 		return
 	}
-	if retryAfterFree[c.reason] {
+	if retryAfterFree[c.reason] || c.retryFreed {
+		c.retryFreed = false
 		b.upgradeLocked(c, time.Now())
 	}
 }

@@ -142,8 +142,12 @@ func (b *Broker) rejoinLocked(c *Conn, s Session, req uint32, side uint32) bool 
 		// REATTACHing the adopted ring pair: it no longer holds it
 		// (it left it while no hostd ran). The other end leaves it
 		// too, before this end has a session (no DOWN for a ring pair
-		// it does not hold).
-		b.downgradeLocked(c, proto.ReasonPeerGone)
+		// it does not hold), and once the pair is freed the
+		// connection tries the rings again (peer-gone alone would
+		// keep it on TCP).
+		if b.downgradeLocked(c, proto.ReasonPeerGone) {
+			c.retryFreed = true
+		}
 	}
 	e.sess, e.req, e.done = s, req, false
 	st.conns[req] = c

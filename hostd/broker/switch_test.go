@@ -535,6 +535,39 @@ func TestRestartOneEndReopens(t *testing.T) {
 	}
 }
 
+// TestRestartOneEndReopensOnRings: as TestRestartOneEndReopens, with the
+// adopted pair still on the rings when the OPEN comes (a hostd whose start
+// did not move adopted flows off: no ruleset watch): the end that
+// REATTACHed is told to leave, and the freed pair returns to the rings.
+func TestRestartOneEndReopensOnRings(t *testing.T) {
+	w := newWorld(t, policy.Spec{})
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	w.b.Close()
+
+	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
+		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
+	t.Cleanup(b2.Close)
+	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
+		t.Fatalf("adopted %d flows, want 1", n)
+	}
+	b2.Resync()
+	na, nb := newSession(w.g1), newSession(w.g2)
+	b2.Attach(na)
+	b2.Attach(nb)
+	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
+	na.none(t)
+	b2.Open(nb, open(proto.Passive, ta.Reverse(), 2))
+	da := na.expect(t, proto.Down, proto.ReasonPeerGone, 1)
+	nb.none(t)
+	b2.Left(na, proto.Msg{Type: proto.Left, RegionID: da.RegionID, Slot: da.Slot, Gen: da.Gen, Side: proto.SideA})
+	na.expect(t, proto.Ready, proto.ReasonNone, 1)
+	nb.expect(t, proto.Ready, proto.ReasonNone, 2)
+}
+
 // TestRestartOneEndReopensFirst: as TestRestartOneEndReopens, but the
 // end that left the adopted rings OPENs before the other REATTACHes: its
 // waiting OPEN takes its end of the record at the REATTACH.
