@@ -90,6 +90,12 @@ func (b *Broker) acrossLocked(s Session, e ctrack.Entry, role proto.Role) (peer 
 	if r, ok := s.(Resumer); !ok || !r.Resumes() {
 		return peer, proto.ReasonVersion, true
 	}
+	if g.Vsock && !g.SharedRegion {
+		// A VM that carries its flows over vsock stretches: the relay's
+		// RESUME would stop only the VM library's bridge, not the
+		// room's, and the bytes between lost (docs/vsock.md).
+		return peer, proto.ReasonVsockPair, true
+	}
 	if g.Group == nil || g.SharedRegion && b.pairVMLocked(g) {
 		// A VM of a group with pair regions: a region of its own with the
 		// relay, plugged into it alone, is not built (docs/crosshost.md).

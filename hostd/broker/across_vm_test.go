@@ -99,3 +99,25 @@ func TestAcrossVMGroupRegion(t *testing.T) {
 	default:
 	}
 }
+
+// TestAcrossVsockVMStaysTCP: a VM that carries its flows over vsock
+// stretches, connecting to a peer host's guest, stays on TCP (vsock-pair)
+// and is not offered: the relay's RESUME would stop only the VM library's
+// bridge, not the room's, and lose the bytes between.
+func TestAcrossVsockVMStaysTCP(t *testing.T) {
+	x := &fakeAcross{fakeRemote: fakeRemote{up: true}, offers: make(chan broker.Offer, 4)}
+	w, _, _, _ := pairWorld(t, policy.Spec{}, broker.Options{PairRegionLinger: -1, Remote: x})
+	w.g1.Vsock = true
+	vm := resumer{newSession(w.g1)}
+	w.b.Attach(vm)
+	ta, _ := w.conn("10.0.0.1:4000", "10.9.1.2:80")
+	w.b.Open(vm, open(proto.Active, ta, 1))
+	if m := vm.next(t); m.Type != proto.TCP || m.Reason != proto.ReasonVsockPair {
+		t.Fatalf("a vsock VM's half across hosts: %+v, want TCP(vsock-pair)", m)
+	}
+	select {
+	case o := <-x.offers:
+		t.Fatalf("a vsock VM's half was offered: %+v", o)
+	default:
+	}
+}
