@@ -405,10 +405,10 @@ func (f *Flow) waitBytesLocked() error {
 	switch {
 	case f.closed:
 		return errClosed
+	case f.left: // before down: a LEFT queued with a DOWN is still the writer's end
+		return io.EOF
 	case f.down:
 		return ErrDown{Reason: f.reason}
-	case f.left:
-		return io.EOF
 	}
 	return f.err
 }

@@ -182,10 +182,7 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 		link.Wait()
 		t.Stop()
 	}
-	// A DOWN from the VM's bridge is its library's Close, alive: not a
-	// killed program's stream, which ends without a word.
-	var vmDown relay.ErrDown
-	broken := stopped == proto.ReasonNone && !cut && !b.OutLeft() && !errors.As(b.Err(), &vmDown)
+	broken := stopped == proto.ReasonNone && !cut && !b.OutLeft()
 	if broken {
 		// The VM's writer's stretch did not end by its LEFT: the stream
 		// died under it (the VM's program killed, the VM gone, the
