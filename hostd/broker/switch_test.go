@@ -445,30 +445,39 @@ func TestUnsolicitedLeft(t *testing.T) {
 
 var _ ctrack.Tracker = (*countingTracker)(nil)
 
-// TestRestartAdoptsThenReannounced: after a hostd restart the flows are
-// adopted from the region; the ends REATTACH, and a downgrade reaches them
-// by ring pair (request id 0: REATTACH names none). Once they left, their
-// OPENs again (same request ids, as the libraries re-announce connections
-// on TCP) bring the record its request ids, and it goes back to the rings.
-func TestRestartAdoptsThenReannounced(t *testing.T) {
+// restartedWorld pairs one connection on the rings (ta, its READY ra),
+// then stands for a hostd restart: the broker is closed and a new one
+// (b2) adopts the flow from the region and looks its entry up again;
+// both guests' new sessions (na, nb) attach, nb listening.
+func restartedWorld(t *testing.T) (b2 *broker.Broker, na, nb *session, ta ctrack.Tuple, ra proto.Msg) {
+	t.Helper()
 	w := newWorld(t, policy.Spec{})
 	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	ta = w.connect(sa, sb, "4000", 1)
+	ra = sa.expect(t, proto.Ready, proto.ReasonNone, 1)
 	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	w.b.Close() // hostd killed: nothing changes
-
-	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
+	w.b.Close() // hostd killed: nothing changes in the region
+	b2 = broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
 		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
 	t.Cleanup(b2.Close)
 	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
 		t.Fatalf("adopted %d flows, want 1", n)
 	}
 	b2.Resync()
-	na, nb := newSession(w.g1), newSession(w.g2)
+	na, nb = newSession(w.g1), newSession(w.g2)
 	b2.Attach(na)
 	b2.Attach(nb)
 	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	return b2, na, nb, ta, ra
+}
+
+// TestRestartAdoptsThenReannounced: after a hostd restart the flows are
+// adopted from the region; the ends REATTACH, and a downgrade reaches them
+// by ring pair (request id 0: REATTACH names none). Once they left, their
+// OPENs again (same request ids, as the libraries re-announce connections
+// on TCP) bring the record its request ids, and it goes back to the rings.
+func TestRestartAdoptsThenReannounced(t *testing.T) {
+	b2, na, nb, ta, ra := restartedWorld(t)
 	re := proto.Msg{Type: proto.Reattach, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Local: ta.Src, Remote: ta.Dst}
 	re.Side = proto.SideA
 	b2.Reattach(na, re)
@@ -502,24 +511,7 @@ func TestRestartAdoptsThenReannounced(t *testing.T) {
 // the rings. (CI saw btl/shunt's lease stay on TCP after a restart: the
 // reader had seen the writer leave before it reconnected.)
 func TestRestartOneEndReopens(t *testing.T) {
-	w := newWorld(t, policy.Spec{})
-	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	w.b.Close()
-
-	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
-		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
-	t.Cleanup(b2.Close)
-	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
-		t.Fatalf("adopted %d flows, want 1", n)
-	}
-	b2.Resync()
-	na, nb := newSession(w.g1), newSession(w.g2)
-	b2.Attach(na)
-	b2.Attach(nb)
-	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	b2, na, nb, ta, ra := restartedWorld(t)
 	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
 	b2.SetPolicy(mustCompile(t, policy.Spec{Default: "tcp"})) // as hostd's start moves adopted flows off until proven
 	da := na.expect(t, proto.Down, proto.ReasonPolicyReload, 1)
@@ -540,24 +532,7 @@ func TestRestartOneEndReopens(t *testing.T) {
 // did not move adopted flows off: no ruleset watch): the end that
 // REATTACHed is told to leave, and the freed pair returns to the rings.
 func TestRestartOneEndReopensOnRings(t *testing.T) {
-	w := newWorld(t, policy.Spec{})
-	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	w.b.Close()
-
-	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
-		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
-	t.Cleanup(b2.Close)
-	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
-		t.Fatalf("adopted %d flows, want 1", n)
-	}
-	b2.Resync()
-	na, nb := newSession(w.g1), newSession(w.g2)
-	b2.Attach(na)
-	b2.Attach(nb)
-	b2.Listen(nb, ap("10.0.0.2:80"), true)
+	b2, na, nb, ta, ra := restartedWorld(t)
 	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
 	na.none(t)
 	b2.Open(nb, open(proto.Passive, ta.Reverse(), 2))
@@ -572,25 +547,8 @@ func TestRestartOneEndReopensOnRings(t *testing.T) {
 // end that left the adopted rings OPENs before the other REATTACHes: its
 // waiting OPEN takes its end of the record at the REATTACH.
 func TestRestartOneEndReopensFirst(t *testing.T) {
-	w := newWorld(t, policy.Spec{})
-	sa, sb := w.sessions()
-	ta := w.connect(sa, sb, "4000", 1)
-	ra := sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	w.b.Close()
-
-	b2 := broker.New(nopLog, w.ct, metrics.New(), mustCompile(t, policy.Spec{}), []*broker.Guest{w.g1, w.g2, w.g3},
-		broker.Options{PairingTimeout: 100 * time.Millisecond, LookupTimeout: 10 * time.Millisecond})
-	t.Cleanup(b2.Close)
-	if n := b2.Adopt(w.g1.Group, time.Minute); n != 1 {
-		t.Fatalf("adopted %d flows, want 1", n)
-	}
-	b2.Resync()
+	b2, na, nb, ta, ra := restartedWorld(t)
 	b2.SetPolicy(mustCompile(t, policy.Spec{Default: "tcp"})) // as hostd's start moves adopted flows off until proven
-	na, nb := newSession(w.g1), newSession(w.g2)
-	b2.Attach(na)
-	b2.Attach(nb)
-	b2.Listen(nb, ap("10.0.0.2:80"), true)
 	b2.Open(nb, open(proto.Passive, ta.Reverse(), 2))
 	b2.Reattach(na, proto.Msg{Type: proto.Reattach, ReqID: 1, RegionID: ra.RegionID, Slot: ra.Slot, Gen: ra.Gen, Side: proto.SideA, Local: ta.Src, Remote: ta.Dst})
 	da := na.expect(t, proto.Down, proto.ReasonPolicyReload, 1)
