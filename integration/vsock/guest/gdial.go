@@ -19,27 +19,38 @@ import (
 // target is the address gdial connects to (phase target).
 var target string
 
+// dialFast connects to target:port through guestlib over vsock (this VM
+// has no ivshmem) and waits up to 60 s for the fast path.
+func dialFast(port uint32) (*guestlib.Conn, error) {
+	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
+	if err != nil {
+		return nil, err
+	}
+	d := guestlib.Dialer{Client: cl}
+	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	if err != nil {
+		return nil, err
+	}
+	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			c.Close()
+			return nil, fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
+	return c, nil
+}
+
 // gdial is the VM's end of TestVsockProcessGuest: a guestlib connection
 // to target:port, which must reach the fast path (over vsock: this VM has
 // no ivshmem), then n seeded bytes each way at once, half-closes, and the
 // SHA-256 of both directions.
 func gdial(port uint32, n int64, seed uint64) error {
-	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
-	if err != nil {
-		return err
-	}
-	d := guestlib.Dialer{Client: cl}
-	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	c, err := dialFast(port)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
-		}
-	}
-	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
 	start := time.Now()
 	sent := make(chan []byte, 1)
 	go func() {
@@ -66,22 +77,11 @@ func gdial(port uint32, n int64, seed uint64) error {
 // ends (EOF), then half-closes; the line gives both directions' length
 // and SHA-256, and the connection's per-path counts.
 func gflip(port uint32, seed uint64) error {
-	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
-	if err != nil {
-		return err
-	}
-	d := guestlib.Dialer{Client: cl}
-	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	c, err := dialFast(port)
 	if err != nil {
 		return err
 	}
 	defer c.Close()
-	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
-		}
-	}
-	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
 	start := time.Now()
 	type got struct {
 		n   int64
@@ -138,21 +138,10 @@ send:
 // reads, so the VM's kernel holds no unread byte of the connection when
 // the child is killed.
 func gchild(port uint32, seed uint64) error {
-	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
+	c, err := dialFast(port)
 	if err != nil {
 		return err
 	}
-	d := guestlib.Dialer{Client: cl}
-	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
-	if err != nil {
-		return err
-	}
-	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
-		}
-	}
-	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
 	src := rand.NewChaCha8(seedBytes(seed))
 	buf := make([]byte, 64<<10)
 	for i := 1; ; i++ {
