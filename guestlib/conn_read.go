@@ -141,9 +141,10 @@ func (c *Conn) readerTryLeaveLocked() {
 		c.leaveReadLocked() // reset by RESUME: nothing more is read
 		return
 	}
-	start, started := f.rd.Started()
+	gone := f.peerGone.Load() // before the flags: a gone peer starts no more
+	start, started, left := f.rd.WriterState()
 	if !started {
-		if f.rd.WriterLeft() || f.peerGone.Load() {
+		if left || gone {
 			c.leaveReadLocked()
 		}
 		return
@@ -154,7 +155,7 @@ func (c *Conn) readerTryLeaveLocked() {
 		}
 		c.toRingLocked()
 	}
-	gone := f.peerGone.Load()
+	gone = gone || f.peerGone.Load()
 	b, err := f.rd.Buffered()
 	if err != nil {
 		return
@@ -211,7 +212,8 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 	limit := len(p)
 	limited := false
 	if f != nil {
-		if start, ok := f.rd.Started(); ok {
+		gone := f.peerGone.Load() // before the flags, as in readerTryLeaveLocked
+		if start, ok, left := f.rd.WriterState(); ok {
 			switch {
 			case start == c.roff:
 				c.toRingLocked()
@@ -221,7 +223,7 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 			}
 			limit = int(min(uint64(limit), start-c.roff))
 			limited = true
-		} else if f.rd.WriterLeft() || f.peerGone.Load() {
+		} else if left || gone {
 			c.leaveReadLocked() // it never started: nothing comes from it
 			return 0, errAgain
 		}

@@ -390,3 +390,26 @@ func TestRandomStream(t *testing.T) {
 		}
 	}
 }
+
+// TestWriterState: the writer's start and leave as one snapshot, so a
+// reader never takes a writer that started, wrote and left for one that
+// left without starting (guestlib's "nothing comes from this ring").
+func TestWriterState(t *testing.T) {
+	for _, starts := range []bool{false, true} {
+		_, w, rd := shmtest.Pipe(t, ring.MinCapacity, adaptive)
+		if off, started, left := rd.WriterState(); started || left || off != 0 {
+			t.Fatalf("fresh ring: WriterState = %d, %v, %v; want 0, false, false", off, started, left)
+		}
+		if starts {
+			w.Start(77)
+			mustWrite(t, w, seq(5, 1))
+		}
+		if err := w.Leave(); err != nil {
+			t.Fatal(err)
+		}
+		off, started, left := rd.WriterState()
+		if started != starts || !left || (starts && off != 77) {
+			t.Fatalf("after start=%v and leave: WriterState = %d, %v, %v", starts, off, started, left)
+		}
+	}
+}

@@ -71,6 +71,19 @@ func (rd *Reader) Started() (off uint64, ok bool) {
 // ring may still hold bytes: TryRead returns ErrLeft once they are read.
 func (rd *Reader) WriterLeft() bool { return rd.r.wflags.Load()&FlagLeft != 0 }
 
+// WriterState is Started and WriterLeft from one load of the writer's
+// flags. A reader that decides "never started, so nothing comes" must use
+// it: with two loads, a writer that starts, writes and leaves between
+// them (a stalled vCPU) looks as if it left without starting, and its
+// bytes are skipped.
+func (rd *Reader) WriterState() (start uint64, started, left bool) {
+	f := rd.r.wflags.Load()
+	if f&FlagStarted != 0 {
+		start = rd.r.start.Load()
+	}
+	return start, f&FlagStarted != 0, f&FlagLeft != 0
+}
+
 // Consumed is the bytes this end has read from the ring.
 func (rd *Reader) Consumed() uint64 { return rd.head }
 
