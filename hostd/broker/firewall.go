@@ -442,15 +442,14 @@ func (b *Broker) sweep(c *Conn) {
 	if ep == 0 {
 		return
 	}
-	var e ctrack.Entry
-	var err error
-	seen := false
-	if !cleared.IsZero() {
-		if e, err = b.ct.Lookup(orig); err != nil {
-			return // gone: ConntrackDestroyed or Resync handles it
-		}
-		seen = b.passed(e.Mark)
+	// Looked up on a new stretch of rings too: the bits its TCP stretch
+	// set since hostd's last clear are proof, and a connection that
+	// policy flips faster than sweepEvery has no other renewal.
+	e, err := b.ct.Lookup(orig)
+	if err != nil {
+		return // gone: ConntrackDestroyed or Resync handles it
 	}
+	seen := b.passed(e.Mark)
 	now := time.Now()
 	if cleared.IsZero() || seen {
 		if err := b.ct.ClearMark(orig, bits); err != nil {
@@ -464,6 +463,9 @@ func (b *Broker) sweep(c *Conn) {
 	}
 	switch {
 	case cleared.IsZero():
+		if seen {
+			b.sawLocked(c, e, ep, now)
+		}
 		c.pf.clearedAt, c.pf.ownClear = now, now
 	case seen:
 		if cleared.After(c.pf.ownClear) {

@@ -60,3 +60,41 @@ func TestFirewallChangeSparesIdleRecords(t *testing.T) {
 	w.ct.Pass(e.ID, passOrig|passReply)
 	readyBoth(t, sa, sb)
 }
+
+// TestFirewallFlipsRenewProof: a connection whose packets keep passing
+// both ways keeps its proof however often policy moves it between the
+// rings and TCP. Each new stretch of rings had its bits cleared at once
+// by the sweep, and the next look came a quarter of ProofMaxAge later:
+// a connection flipped faster than that never had its proof renewed, so
+// ProofMaxAge after it was made every upgrade was refused (firewall)
+// until the poller saw passage again.
+func TestFirewallFlipsRenewProof(t *testing.T) {
+	w := proofWorld(t, 300*time.Millisecond)
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	readyBoth(t, sa, sb)
+	e, _ := w.ct.Lookup(ta)
+	stop := make(chan struct{})
+	defer close(stop)
+	go func() { // a stream's packets, both ways
+		for {
+			w.ct.Pass(e.ID, passOrig|passReply)
+			select {
+			case <-stop:
+				return
+			case <-time.After(5 * time.Millisecond):
+			}
+		}
+	}()
+	for end := time.Now().Add(1500 * time.Millisecond); time.Now().Before(end); {
+		w.b.SetPolicy(mustCompile(t, policy.Spec{Default: "tcp"}))
+		w.leftBoth(t, sa, sb, proto.ReasonPolicyReload)
+		time.Sleep(20 * time.Millisecond)
+		w.b.SetPolicy(mustCompile(t, policy.Spec{}))
+		if r := w.record(t); r.Path != "rings" {
+			t.Fatalf("a connection whose packets pass both ways was refused the rings at a flip: %+v", r)
+		}
+		readyBoth(t, sa, sb)
+		time.Sleep(20 * time.Millisecond)
+	}
+}
