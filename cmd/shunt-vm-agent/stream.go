@@ -15,6 +15,7 @@ import (
 	"os/exec"
 	"strconv"
 	"strings"
+	"sync/atomic"
 	"syscall"
 	"time"
 
@@ -179,9 +180,17 @@ func duplexAs(conn *guestlib.Conn, mine, theirs uint64, seconds, tag string) err
 		err error
 	}
 	got := make(chan result, 1)
+	var writeFailed atomic.Bool
 	go func() {
 		h := crc32.NewIEEE()
 		n, err := check(conn, theirs, h)
+		if err != nil && !writeFailed.Load() {
+			// Say it now and end the connection: a writer blocked in a
+			// send (its peer stopped reading too) would otherwise hide
+			// this error for good, and both VMs would fall silent.
+			say("%s READ-ERROR after %d bytes: %v", tag, n, err)
+			conn.Close()
+		}
 		got <- result{n, h.Sum32(), err}
 	}()
 	h := crc32.NewIEEE()
@@ -194,6 +203,15 @@ func duplexAs(conn *guestlib.Conn, mine, theirs uint64, seconds, tag string) err
 		return time.Now().Before(end)
 	})
 	if err != nil {
+		writeFailed.Store(true)
+		conn.Close() // ends the reader too
+		select {
+		case r := <-got:
+			if r.err != nil { // the cause, if the reader closed the connection
+				return fmt.Errorf("read after %d bytes: %w (then the write failed: %v)", r.n, r.err, err)
+			}
+		case <-time.After(5 * time.Second):
+		}
 		return err
 	}
 	if err := conn.CloseWrite(); err != nil {
