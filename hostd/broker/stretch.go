@@ -48,6 +48,7 @@ type Held struct {
 	// stopped, whatever the reason (before Release): started and x are
 	// the ring the VM writes (Writes) as the bridge wrote it, outLeft
 	// whether the VM's writer's LEFT reached it (its stretch is whole).
+	// A Release without it means no bridge ran (nothing crossed).
 	Stopped func(started bool, x uint64, outLeft bool)
 }
 
@@ -85,8 +86,10 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	switch {
 	case f == nil || f.Gen != gen || f.Region != r:
 		return Held{}, fmt.Errorf("guest %s: no flow %d/%d.%d", g.Name, regionID, slot, gen)
-	case f.stretch != nil:
-		return Held{}, fmt.Errorf("flow %s has a stretch already", f.Name())
+	case f.stretch != nil || f.stretched:
+		// Once per flow: a second stream after the first's release would
+		// write rings whose end RESUME and the release already settled.
+		return Held{}, fmt.Errorf("flow %s has had a stretch already", f.Name())
 	case f.resume != nil:
 		// A RESUME told (or will tell) the VM that no bridge wrote its
 		// rings beyond what hostd knows: a late stream must not start one.
@@ -130,6 +133,16 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 			return
 		}
 		f.stretch = nil
+		if f.resume != nil && f.stretchEnd == nil {
+			// The room let go without saying where the bridge stopped:
+			// its stream ended before a bridge ran (the VM closed it
+			// right after its Hello, or the room closed), so no bridge
+			// wrote the ring. The downgrade's RESUME waited for this.
+			f.stretchEnd = &stretchEnd{}
+			if c := f.conn; c != nil && c.flow == f {
+				b.resumeVMLocked(c, f)
+			}
+		}
 		if h.down {
 			b.downAtReleaseLocked(f)
 		}

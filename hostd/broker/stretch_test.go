@@ -324,3 +324,40 @@ func TestStretchVsockPairStaysTCP(t *testing.T) {
 		t.Fatalf("records %+v, want one on tcp(vsock-pair)", fl)
 	}
 }
+
+// TestStretchResumeReleaseWithoutStopped: the room lets go of a stretch
+// without saying where its bridge stopped (the VM closed its stream right
+// after its Hello, or the room closed before a bridge ran): a downgrade's
+// RESUME waited for a Stopped that never came, with no deadline. The
+// release now counts as "no bridge wrote the ring": RESUME(all) to the VM.
+func TestStretchResumeReleaseWithoutStopped(t *testing.T) {
+	w, sa, sb, ra, _ := resumePair(t)
+	h, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	w.b.Downgrade(w.record(t).Name)
+	<-h.Stop
+	sa.none(t)
+	h.Release()
+	if m := sa.expect(t, proto.Resume, proto.ReasonAdmin, 1); m.Offset != proto.ResumeAll {
+		t.Fatalf("VM's RESUME at %d, want all", m.Offset)
+	}
+	sb.none(t) // the other end waits for the VM's ENDED, as after any RESUME
+}
+
+// TestStretchOnce: a flow's side gets one stretch in its life: a second
+// Hello after the first stretch was released is refused (its bridge
+// would write rings whose end the first one's release settled).
+func TestStretchOnce(t *testing.T) {
+	w, _, _, ra, _ := stretchPair(t)
+	h, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	h.Release()
+	if h2, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen); err == nil {
+		h2.Release()
+		t.Fatal("a second stretch of the flow after the first was released")
+	}
+}

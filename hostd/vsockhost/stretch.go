@@ -52,7 +52,8 @@ type Held struct {
 	// Stopped is called once the bridge stopped, whatever the reason,
 	// before Release: started and x are where the ring the VM writes
 	// (Writes) ended as the bridge wrote it (its RESUME offset), outLeft
-	// whether the VM's writer's LEFT reached that ring.
+	// whether the VM's writer's LEFT reached that ring. A Release without
+	// it says that no bridge ran (the stream ended first).
 	Stopped func(started bool, x uint64, outLeft bool)
 }
 
@@ -166,7 +167,10 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 	st.mu.Lock()
 	if st.closed {
 		st.mu.Unlock()
-		b.Stop(proto.ReasonShutdown)
+		end := b.Stop(proto.ReasonShutdown)
+		if held.Stopped != nil {
+			held.Stopped(end.Started, end.X, b.OutLeft())
+		}
 		return
 	}
 	st.open[b] = true
