@@ -297,9 +297,6 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 	if r := gated(c.a.sess, c.b.sess); r != proto.ReasonNone {
 		return r // a relay whose link is down (across.go)
 	}
-	if vsockPair(c.a.g, c.b.g) {
-		return proto.ReasonVsockPair // stretch.go
-	}
 	v := b.policy.Load().Decide(policy.Flow{From: c.orig.Src, To: c.to()})
 	if !v.FastPath {
 		c.rule = v.Rule // `hostd flows` names the rule that keeps it on TCP

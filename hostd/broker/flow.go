@@ -39,12 +39,16 @@ type Flow struct {
 	adopted  bool         // rebuilt from the region after a hostd restart
 	conn     *Conn        // the connection it carries
 	state    string       // for the shunt_flows gauge: ready, leaving
-	stretch  *stretchHold // a vsock stretch's bridge holds a side (stretch.go)
-	// stretched: a stretch's bridge held it (stretch.go); stretchEnd is
-	// where that bridge stopped, resume its leave by RESUME.
-	stretched  bool
-	stretchEnd *stretchEnd
-	resume     *stretchResume
+	// holds are the vsock stretches' bridges holding a side, by side
+	// (stretch.go: A's at 0, B's at 1; both when both ends are vsock
+	// VMs); stretched the sides a bridge ever held; ends where each
+	// side's bridge stopped; stretchDown: a DOWN(peer-gone) waits for the
+	// last hold's release; resume its leave by RESUME.
+	holds       [2]*stretchHold
+	stretched   uint32
+	ends        [2]*stretchEnd
+	stretchDown bool
+	resume      *stretchResume
 }
 
 // Name is the flow's name in logs, listings and metrics: group/slot.gen in

@@ -17,6 +17,13 @@ import (
 // only this: hand the room the rings of a flow the VM is an end of, and
 // keep the VM's side of the slot until the room's bridge let go of it, so
 // that a slot is never reused under a bridge still writing its rings.
+//
+// A hold is per side: between two such VMs each VM's room bridges its own
+// VM's stretch onto the flow's rings (A's bytes: A's ring in the VM, its
+// stream, A's room bridge, the flow's ring, B's room bridge, B's stream,
+// B's ring in the VM), each bridge freeing a byte only once the next hop
+// holds it, so the flow's rings are the meeting point of two ordinary
+// ring peers and every rule of a ring holds there unchanged.
 
 // The bytes a stretch's bridge still carries live outside the region's
 // rings (in the VM's memory, the stream, the bridge), so an end's going
@@ -58,19 +65,29 @@ type stretchHold struct {
 	pending  bool   // the side was released meanwhile: release it at the end
 	gone     chan struct{}
 	peerGone chan struct{}
-	down     bool              // a DOWN(peer-gone) waits for the release (downAtRelease)
 	stop     chan proto.Reason // Held.Stop: the downgrade's reason, once (stretchResumeLocked)
 	stopSent bool
 }
+
+// sideIdx is side's index in a Flow's holds and ends.
+func sideIdx(side uint32) int {
+	if side == region.SideB {
+		return 1
+	}
+	return 0
+}
+
+// heldLocked reports whether a stretch's bridge holds either side of f.
+func heldLocked(f *Flow) bool { return f.holds[0] != nil || f.holds[1] != nil }
 
 // Stretch holds the side of flow (regionID, slot, gen) that guest id is,
 // for the vsock room's bridge: Writes is the ring that guest writes,
 // Reads the ring it reads (hostd's own mapping and record, nothing the
 // guest wrote). Release, called once the bridge stopped, gives the side
 // back; until then a LEFT or the guest's going does not free the slot,
-// and the other end is told DOWN(peer-gone) only then. It fails if guest
-// id is not an end of that flow in a pair region, or the flow has a
-// stretch already.
+// and the other end is told DOWN(peer-gone) only then (once no side is
+// held). It fails if guest id is not an end of that flow in a pair
+// region, or its side of the flow has had a stretch already.
 func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	b.mu.Lock()
 	defer b.mu.Unlock()
@@ -86,10 +103,6 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	switch {
 	case f == nil || f.Gen != gen || f.Region != r:
 		return Held{}, fmt.Errorf("guest %s: no flow %d/%d.%d", g.Name, regionID, slot, gen)
-	case f.stretch != nil || f.stretched:
-		// Once per flow: a second stream after the first's release would
-		// write rings whose end RESUME and the release already settled.
-		return Held{}, fmt.Errorf("flow %s has had a stretch already", f.Name())
 	case f.resume != nil:
 		// A RESUME told (or will tell) the VM that no bridge wrote its
 		// rings beyond what hostd knows: a late stream must not start one.
@@ -102,6 +115,12 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	if f.released&side != 0 {
 		return Held{}, fmt.Errorf("flow %s: guest %s left it", f.Name(), g.Name)
 	}
+	if f.stretched&side != 0 {
+		// Once per side: a second stream, even after the first's release,
+		// would write rings whose end RESUME and the release settled.
+		return Held{}, fmt.Errorf("flow %s: guest %s's side has had a stretch already", f.Name(), g.Name)
+	}
+	i := sideIdx(side)
 	ab, ba, err := r.Pool.Region().Rings(int(slot), gen)
 	if err != nil {
 		return Held{}, err
@@ -114,36 +133,38 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	if f.released&otherSide(side) != 0 {
 		close(h.peerGone) // the other end was done before the stretch came
 	}
-	f.stretch, f.stretched = h, true
+	f.holds[i] = h
+	f.stretched |= side
 	stopped := func(started bool, x uint64, outLeft bool) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if f.stretch != h || f.stretchEnd != nil {
+		if f.holds[i] != h || f.ends[i] != nil {
 			return
 		}
-		f.stretchEnd = &stretchEnd{started: started, x: x, outLeft: outLeft}
-		if c := f.conn; c != nil && c.flow == f && f.resume != nil {
+		f.ends[i] = &stretchEnd{started: started, x: x, outLeft: outLeft}
+		if c := f.conn; c != nil && c.flow == f && f.resume != nil && f.resume.vm == side {
 			b.resumeVMLocked(c, f)
 		}
 	}
 	release := func() {
 		b.mu.Lock()
 		defer b.mu.Unlock()
-		if f.stretch != h {
+		if f.holds[i] != h {
 			return
 		}
-		f.stretch = nil
-		if f.resume != nil && f.stretchEnd == nil {
+		f.holds[i] = nil
+		if f.resume != nil && f.resume.vm == side && f.ends[i] == nil {
 			// The room let go without saying where the bridge stopped:
 			// its stream ended before a bridge ran (the VM closed it
 			// right after its Hello, or the room closed), so no bridge
 			// wrote the ring. The downgrade's RESUME waited for this.
-			f.stretchEnd = &stretchEnd{}
+			f.ends[i] = &stretchEnd{}
 			if c := f.conn; c != nil && c.flow == f {
 				b.resumeVMLocked(c, f)
 			}
 		}
-		if h.down {
+		if f.stretchDown && !heldLocked(f) {
+			f.stretchDown = false
 			b.downAtReleaseLocked(f)
 		}
 		if h.pending {
@@ -156,39 +177,42 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 // stretchHeldLocked reports whether side of f is held by a stretch's
 // bridge, and if so marks it to be released when the bridge stops.
 func stretchHeldLocked(f *Flow, side uint32) bool {
-	if f.stretch == nil || f.stretch.side != side {
+	h := f.holds[sideIdx(side)]
+	if h == nil {
 		return false
 	}
-	f.stretch.pending = true
+	h.pending = true
 	return true
 }
 
-// stretchEndDoneLocked tells f's stretch, if any, that the end of side
-// is done: its bridge carries that end's last bytes to the other, then
-// stops (hostd/vsockhost).
+// stretchEndDoneLocked tells f's stretches, if any, that the end of side
+// is done: each bridge carries that end's last bytes towards the other
+// (its own VM's into the flow's ring, the other's out of it), then stops
+// (hostd/vsockhost).
 func stretchEndDoneLocked(f *Flow, side uint32) {
-	h := f.stretch
-	if h == nil {
-		return
-	}
-	c := h.peerGone
-	if side == h.side {
-		c = h.gone
-	}
-	select {
-	case <-c:
-	default:
-		close(c)
+	for _, h := range f.holds {
+		if h == nil {
+			continue
+		}
+		c := h.peerGone
+		if side == h.side {
+			c = h.gone
+		}
+		select {
+		case <-c:
+		default:
+			close(c)
+		}
 	}
 }
 
 // deferPeerGoneLocked reports whether a DOWN(reason) to an end of f must
-// wait for f's stretch's release (see above), and if so records it.
+// wait for f's stretches' release (see above), and if so records it.
 func deferPeerGoneLocked(f *Flow, reason proto.Reason) bool {
-	if f.stretch == nil || reason != proto.ReasonPeerGone {
+	if !heldLocked(f) || reason != proto.ReasonPeerGone {
 		return false
 	}
-	f.stretch.down = true
+	f.stretchDown = true
 	return true
 }
 
@@ -258,18 +282,10 @@ type stretchResume struct {
 	timer  *time.Timer
 }
 
-// vsockPair reports whether a and b both carry their flows over vsock
-// stretches. Such a flow stays on TCP (vsock-pair): the broker holds one
-// stretch per flow, so the second VM's would be refused and its
-// connection would wait on rings no bridge serves (a hold per side, and
-// RESUME across two stretches, are not built: docs/vsock.md).
-func vsockPair(a, b *Guest) bool {
-	return a.Vsock && !a.SharedRegion && b.Vsock && !b.SharedRegion
-}
-
 // vsockSide returns the side of f whose guest carries its flows over
 // vsock stretches (a VM with a vsock block and no group region), or 0,
-// also when both are (a flow between two such VMs has no RESUME yet).
+// also when both are (a flow between two such VMs leaves by DOWN, its
+// bridges draining: docs/vsock.md, "VM to VM").
 func vsockSide(f *Flow) uint32 {
 	a := f.GuestA.Vsock && !f.GuestA.SharedRegion
 	b := f.GuestB.Vsock && !f.GuestB.SharedRegion
@@ -304,7 +320,7 @@ func (b *Broker) stretchResumeLocked(c *Conn, f *Flow, reason proto.Reason) bool
 		return false
 	}
 	f.resume = &stretchResume{vm: vm, reason: reason}
-	if h := f.stretch; h != nil {
+	if h := f.holds[sideIdx(vm)]; h != nil {
 		if !h.stopSent {
 			h.stopSent = true
 			h.stop <- reason
@@ -324,7 +340,7 @@ func (b *Broker) resumeVMLocked(c *Conn, f *Flow) {
 		return
 	}
 	r.vmTold = true
-	if !f.stretched {
+	if f.stretched&r.vm == 0 {
 		// No bridge ever held the flow (a late Hello is refused now):
 		// nothing crossed either way, and neither ring started.
 		b.sendResumeLocked(c, f, r.vm, proto.ResumeAll)
@@ -332,7 +348,7 @@ func (b *Broker) resumeVMLocked(c *Conn, f *Flow) {
 		return
 	}
 	off := proto.ResumeAll
-	if e := f.stretchEnd; e != nil && e.started {
+	if e := f.ends[sideIdx(r.vm)]; e != nil && e.started {
 		off = e.x
 	}
 	if r.vmGone || c.end(r.vm).sess == nil || f.released&r.vm != 0 {
@@ -378,7 +394,7 @@ func (b *Broker) vmGoneResumeLocked(c *Conn, f *Flow) {
 	if r.done {
 		return
 	}
-	if e := f.stretchEnd; e != nil && e.outLeft || !f.stretched {
+	if e := f.ends[sideIdx(r.vm)]; e != nil && e.outLeft || f.stretched&r.vm == 0 {
 		r.done = true
 		if r.timer != nil {
 			r.timer.Stop()

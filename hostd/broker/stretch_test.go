@@ -6,6 +6,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/ring"
 )
 
 // stretchPair opens a connection between g1 (A) and g2 (B) of a pair
@@ -51,13 +52,15 @@ func TestStretch(t *testing.T) {
 	if _, err := w.b.Stretch(w.g1.ID, r.RegionID, r.Slot, r.Gen); err == nil {
 		t.Fatal("a second stretch of one flow")
 	}
-	// B's writes ring is A's reads ring.
-	if hb, err := w.b.Stretch(w.g2.ID, rb.RegionID, rb.Slot, rb.Gen); err == nil {
-		if hb.Writes != h.Reads || hb.Reads != h.Writes {
-			t.Fatal("B's rings are not A's the other way round")
-		}
-		hb.Release()
+	// A hold per side: B's writes ring is A's reads ring.
+	hb, err := w.b.Stretch(w.g2.ID, rb.RegionID, rb.Slot, rb.Gen)
+	if err != nil {
+		t.Fatalf("the other side's stretch: %v", err)
 	}
+	if !sameRing(hb.Writes, h.Reads) || !sameRing(hb.Reads, h.Writes) {
+		t.Fatal("B's rings are not A's the other way round")
+	}
+	hb.Release()
 	// Both sides leave; A's side is held by the stretch: the flow stays.
 	w.b.CloseConn(sa, proto.Msg{Type: proto.Close, ReqID: r.ReqID, RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Side: proto.SideA})
 	w.b.CloseConn(sb, proto.Msg{Type: proto.Close, ReqID: rb.ReqID, RegionID: rb.RegionID, Slot: rb.Slot, Gen: rb.Gen, Side: proto.SideB})
@@ -308,21 +311,127 @@ func TestStretchResumeOldLibrary(t *testing.T) {
 	h.Release()
 }
 
-// TestStretchVsockPairStaysTCP: a connection between two VMs that both
-// carry their flows over vsock stays on TCP (vsock-pair): the broker
-// holds one stretch per flow, so the second VM's stretch was refused and
-// its connection waited on rings no bridge served.
-func TestStretchVsockPairStaysTCP(t *testing.T) {
-	w, _, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"})
+// sameRing reports whether a and b are views of one ring.
+func sameRing(a, b *ring.Ring) bool {
+	ar, _ := a.Waiters()
+	br, _ := b.Waiters()
+	return ar == br
+}
+
+// vsockPair opens a connection between two VMs that both carry their
+// flows over vsock stretches (g1 A, g2 B) and holds both sides.
+func vsockPair(t *testing.T) (w *world, sa, sb *fileSession, ra, rb proto.Msg, ha, hb broker.Held) {
+	t.Helper()
+	w, _, sa, sb = pairWorld(t, policy.Spec{RingSize: "64KiB"})
 	w.g1.Vsock, w.g2.Vsock = true, true
 	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
 	w.b.Open(sa, open(proto.Active, ta, 1))
 	w.b.Open(sb, open(proto.Passive, tb, 2))
-	sa.expect(t, proto.TCP, proto.ReasonVsockPair, 1)
-	sb.expect(t, proto.TCP, proto.ReasonVsockPair, 2)
-	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" || fl[0].Reason != "vsock-pair" {
-		t.Fatalf("records %+v, want one on tcp(vsock-pair)", fl)
+	sa.next(t)
+	ra = sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.next(t)
+	rb = sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	var err error
+	if ha, err = w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen); err != nil {
+		t.Fatalf("A's stretch: %v", err)
 	}
+	if hb, err = w.b.Stretch(w.g2.ID, rb.RegionID, rb.Slot, rb.Gen); err != nil {
+		t.Fatalf("B's stretch: %v", err)
+	}
+	if !sameRing(ha.Writes, hb.Reads) || !sameRing(ha.Reads, hb.Writes) {
+		t.Fatal("the two holds are not on one ring pair the other way round")
+	}
+	return w, sa, sb, ra, rb, ha, hb
+}
+
+// TestStretchVsockPair: a connection between two vsock VMs goes on the
+// rings (it stayed on TCP, vsock-pair, while the broker held one stretch
+// per flow); each VM's room holds its own side, once. An end that is done
+// is told to both rooms (its own as Gone, the other's as PeerGone), and
+// the survivor gets DOWN(peer-gone) only once both bridges let go: either
+// may still carry the gone end's last bytes (A's room into the flow's
+// ring, B's room out of it).
+func TestStretchVsockPair(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		firstOut  bool // the gone end's room releases first
+		goneIsVM1 bool
+	}{{"a-gone", true, true}, {"a-gone-b-first", false, true}, {"b-gone", true, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, ra, rb, ha, hb := vsockPair(t)
+			for _, g := range []*broker.Guest{w.g1, w.g2} {
+				r := ra
+				if g == w.g2 {
+					r = rb
+				}
+				if h, err := w.b.Stretch(g.ID, r.RegionID, r.Slot, r.Gen); err == nil {
+					h.Release()
+					t.Fatalf("%s: a second stretch of its side", g.Name)
+				}
+			}
+			gone, survivor, hg, hs, r, side, want := sa, sb, ha, hb, ra, proto.SideA, rb.ReqID
+			if !tc.goneIsVM1 {
+				gone, survivor, hg, hs, r, side, want = sb, sa, hb, ha, rb, proto.SideB, ra.ReqID
+			}
+			w.b.CloseConn(gone, proto.Msg{Type: proto.Close, ReqID: r.ReqID, RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Side: side})
+			for name, c := range map[string]<-chan struct{}{"gone end's Gone": hg.Gone, "survivor's PeerGone": hs.PeerGone} {
+				select {
+				case <-c:
+				default:
+					t.Fatalf("%s not closed", name)
+				}
+			}
+			for name, c := range map[string]<-chan struct{}{"gone end's PeerGone": hg.PeerGone, "survivor's Gone": hs.Gone} {
+				select {
+				case <-c:
+					t.Fatalf("%s closed", name)
+				default:
+				}
+			}
+			first, second := hg, hs
+			if !tc.firstOut {
+				first, second = hs, hg
+			}
+			first.Release()
+			survivor.none(t) // the other bridge may still carry bytes
+			if fl := w.b.Flows(); len(fl) != 1 {
+				t.Fatalf("flows %+v: freed under a bridge", fl)
+			}
+			second.Release()
+			survivor.expect(t, proto.Down, proto.ReasonPeerGone, want)
+			survivor.none(t)
+		})
+	}
+}
+
+// TestStretchVsockPairDowngrade: between two vsock VMs a downgrade is a
+// DOWN to both, the bridges draining (no RESUME across two stretches:
+// docs/vsock.md, "VM to VM"): no bridge is stopped, and the flow is
+// freed only once both VMs left and both rooms let go.
+func TestStretchVsockPairDowngrade(t *testing.T) {
+	w, sa, sb, ra, rb, ha, hb := vsockPair(t)
+	w.b.Downgrade(w.record(t).Name)
+	sa.expect(t, proto.Down, proto.ReasonAdmin, ra.ReqID)
+	sb.expect(t, proto.Down, proto.ReasonAdmin, rb.ReqID)
+	for _, h := range []broker.Held{ha, hb} {
+		select {
+		case <-h.Stop:
+			t.Fatal("a bridge was stopped")
+		default:
+		}
+	}
+	w.left(sa.session, ra, proto.SideA)
+	w.left(sb.session, rb, proto.SideB)
+	ha.Release()
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "leaving" {
+		t.Fatalf("records %+v, want one leaving: B's side is held", fl)
+	}
+	hb.Release()
+	if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" {
+		t.Fatalf("records %+v, want one on tcp", fl)
+	}
+	sa.expect(t, proto.Unregion, proto.ReasonNone, 0) // the pair region's last flow
+	sb.expect(t, proto.Unregion, proto.ReasonNone, 0)
 }
 
 // TestStretchResumeReleaseWithoutStopped: the room lets go of a stretch

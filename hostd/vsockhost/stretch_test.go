@@ -287,3 +287,87 @@ func TestStretchStop(t *testing.T) {
 		t.Fatal("the flow's rings were not released after the stop")
 	}
 }
+
+// TestStretchVMToVM: two VMs' stretches on one flow, each bridged by its
+// own room (its own device's stretches) onto the flow's real ring pair:
+// 8 MiB each way at once between the two VMs' own rings (A's ring, A's
+// stream, A's room bridge, ring AB, B's room bridge, B's stream, B's
+// ring), every byte in order, exact starts, each writer's leave ending
+// the other's read; all four bridges end by themselves and both sides
+// are released.
+func TestStretchVMToVM(t *testing.T) {
+	const capacity, n = 256 << 10, 8 << 20
+	const aStart, bStart = 1234567, 7654321
+	fa := newFlowsFake(t, capacity)
+	fb := &flowsFake{vm: 4, hello: fa.hello, ab: fa.ba, ba: fa.ab, // B writes BA, reads AB
+		gone: make(chan struct{}), peerGone: make(chan struct{}), freed: make(chan struct{}),
+		stop: make(chan proto.Reason, 1), stopped: make(chan relay.End, 1)}
+	open := func(f *flowsFake, guest uint32) (*vstretch.Stretch, <-chan struct{}) {
+		vmc, hostc := streamPair(t)
+		st := &stretches{open: map[*relay.Bridge]bool{}}
+		served := make(chan struct{})
+		go func() { defer close(served); st.serve(hostc, guest, f, nil, hclog.NewNullLogger()) }()
+		s, err := vstretch.Open(vmc, f.hello, capacity, nil)
+		if err != nil {
+			t.Fatal(err)
+		}
+		return s, served
+	}
+	sa, servedA := open(fa, 3)
+	defer sa.Close()
+	sb, servedB := open(fb, 4)
+	defer sb.Close()
+	deadline := time.Now().Add(60 * time.Second) // a way out, not a speed claim
+	write := func(r *ring.Ring, start, seed uint64) chan error {
+		c := make(chan error, 1)
+		go func() { _, err := shmtest.WriteStream(r, nil, start, seeded(seed, n), deadline); c <- err }()
+		return c
+	}
+	bGot, aGot := shmtest.ReadSum(sb.R, nil, deadline), shmtest.ReadSum(sa.R, nil, deadline)
+	aW, bW := write(sa.W, aStart, 1), write(sb.W, bStart, 2)
+	state := func() string {
+		return fmt.Sprintf("A's bridge %v %+v; B's bridge %v %+v; AB %+v; BA %+v", sa.Err(), sa.Stats(), sb.Err(), sb.Stats(), fa.ab.Stats(), fa.ba.Stats())
+	}
+	for _, c := range []chan error{aW, bW} {
+		if err := <-c; err != nil {
+			t.Fatalf("writer: %v\n%s", err, state())
+		}
+	}
+	for _, want := range []struct {
+		c     <-chan shmtest.Sum
+		start uint64
+		seed  uint64
+		who   string
+	}{{bGot, aStart, 1, "B"}, {aGot, bStart, 2, "A"}} {
+		r := <-want.c
+		if r.Err != nil || r.Start != want.start || r.N != n || !bytes.Equal(r.Sum, sum(seeded(want.seed, n))) {
+			t.Fatalf("%s read: start %d (want %d), %d bytes (want %d), sum ok %v, err %v\n%s", want.who, r.Start, want.start, r.N, n,
+				bytes.Equal(r.Sum, sum(seeded(want.seed, n))), r.Err, state())
+		}
+	}
+	for _, s := range []*vstretch.Stretch{sa, sb} {
+		select {
+		case <-s.Done():
+		case <-time.After(time.Until(deadline)):
+			t.Fatalf("a VM's bridge did not end after both directions left\n%s", state())
+		}
+		if !errors.Is(s.Err(), relay.ErrEnded) {
+			t.Fatalf("a VM's bridge ended with %v\n%s", s.Err(), state())
+		}
+		s.Close()
+	}
+	for _, c := range []<-chan struct{}{servedA, servedB} {
+		select {
+		case <-c:
+		case <-time.After(time.Until(deadline)):
+			t.Fatalf("a room's bridge did not end\n%s", state())
+		}
+	}
+	for _, f := range []*flowsFake{fa, fb} {
+		select {
+		case <-f.freed:
+		default:
+			t.Fatal("a side was not released after its bridge stopped")
+		}
+	}
+}

@@ -36,7 +36,7 @@ const (
 	ReasonMigrating              // v3: the guest (a VM) is migrating; back on the rings once it arrived
 	ReasonNotGuest               // ERROR: the connecting process is not in the guest's network namespace
 	ReasonPeerUnreachable        // v3: the other end is a guest of a peer host whose hostd is down or refuses (docs/crosshost.md)
-	ReasonVsockPair              // v3: a vsock-stretch VM to another such VM or to a peer host's guest: not built (docs/vsock.md)
+	ReasonVsockPair              // v3: a vsock-stretch VM to a peer host's guest: not built (docs/vsock.md); no longer sent between two such VMs
 	numReasons
 )
 
