@@ -119,3 +119,9 @@ func (s *session) onPort() bool {
 	_, ok := s.conn.(portConn)
 	return ok
 }
+
+// onVsock reports whether s is a VM's control channel over vsock.
+func (s *session) onVsock() bool {
+	_, ok := s.conn.(vsockConn)
+	return ok
+}

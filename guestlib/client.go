@@ -128,6 +128,9 @@ type Client struct {
 	// busyLogged: the log has said that every port is busy, since the
 	// last session (one line, not one a retry).
 	busyLogged atomic.Bool
+	// vsockCtl: the control channel is over vsock, so the flows go over
+	// vsock stretches (a VM without virtio-serial has no region either).
+	vsockCtl atomic.Bool
 
 	// loopback lets package tests ask hostd about loopback connections,
 	// which real guests never do.
@@ -321,6 +324,10 @@ func (c *Client) handshake(regionPath string, mapped bool) (net.Conn, proto.Msg,
 		c.enableKicks()
 		c.logf("shunt: control port %s", port.Name())
 	}
+	if _, ok := conn.(vsockConn); ok {
+		c.vsockCtl.Store(true) // its flows go over vsock stretches (stretches)
+		c.logf("shunt: control over vsock (port %#x)", proto.VsockControlPort)
+	}
 	if mapped {
 		return conn, m, nil, nil
 	}
@@ -359,7 +366,7 @@ func (c *Client) install(conn net.Conn, welcome proto.Msg) {
 	c.wg.Add(2)
 	go c.writeLoop(s)
 	go c.readLoop(s)
-	if _, ok := conn.(portConn); ok {
+	if s.onPort() || s.onVsock() {
 		c.wg.Add(1)
 		go c.keepalive(s)
 	}

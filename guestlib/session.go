@@ -11,6 +11,7 @@ import (
 
 	"golang.org/x/sys/unix"
 
+	"github.com/shuntnet/shunt/guestlib/vstretch"
 	"github.com/shuntnet/shunt/internal/proto"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/vhost/vserial"
@@ -181,6 +182,9 @@ var hostRoot = vmRoot{sysfs: "/sys", dev: "/dev", open: vserial.Open}
 //     inside a guest's network namespace; the error is the path's.
 func (c *Client) dialControl() (net.Conn, error) {
 	path := c.opts.Control
+	if path == VsockControl {
+		return dialVsockControl()
+	}
 	st, err := os.Stat(path)
 	if err == nil && st.Mode()&os.ModeCharDevice != 0 {
 		return c.openPort([]string{path})
@@ -188,6 +192,14 @@ func (c *Client) dialControl() (net.Conn, error) {
 	if err != nil && c.discover {
 		if ports, err := vserial.FindAll(c.vm.sysfs, c.vm.dev); err == nil {
 			return c.openPort(ports)
+		}
+		if _, err := os.Stat(c.vm.dev + "/vsock"); err == nil {
+			// A VM with vsock and no control port (Firecracker has
+			// no virtio-serial): hostd serves its control channel on
+			// vsock. No hostd there: a reset at once.
+			if vc, err := dialVsockControl(); err == nil {
+				return vc, nil
+			}
 		}
 	}
 	conn, err := net.DialTimeout("unix", path, dialTimeout)
@@ -269,6 +281,24 @@ func stale(m proto.Msg) bool {
 	return true
 }
 
+// VsockControl, as Options.Control or $SHUNT_CONTROL, takes the control
+// channel over vsock (the host's port proto.VsockControlPort).
+const VsockControl = "vsock"
+
+// vsockConn is a control channel over vsock (docs/vsock.md, "The control
+// channel"). As on a port, a session there gets keepalives (a hostd whose
+// vhost-user device died with it sends no reset), and its flows go over
+// vsock stretches: such a VM has no region to map.
+type vsockConn struct{ net.Conn }
+
+func dialVsockControl() (net.Conn, error) {
+	vc, err := vstretch.Dial(proto.VsockControlPort)
+	if err != nil {
+		return nil, fmt.Errorf("control over vsock: %w", err)
+	}
+	return vsockConn{vc}, nil
+}
+
 // portConn is a character device used as the control connection.
 type portConn struct{ *os.File }
 
@@ -337,7 +367,7 @@ func (c *Client) dispatch(s *session, m proto.Msg) {
 		if s.fds != nil {
 			fd = s.fds.take()
 		}
-		if fd < 0 && s.onPort() {
+		if fd < 0 && (s.onPort() || s.onVsock()) {
 			c.regionOnBar(m) // a VM pair region: a device plugged for it
 			return
 		}

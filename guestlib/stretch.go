@@ -28,9 +28,10 @@ const stretchDrain = 10 * time.Second
 const stretchEnd = time.Minute
 
 // stretches reports whether flows of regions this client cannot map go
-// over vsock: Options.Vsock or $SHUNT_VSOCK=1 (docs/vsock.md, "Wiring").
+// over vsock: Options.Vsock, $SHUNT_VSOCK=1, or a control channel over
+// vsock (docs/vsock.md, "Wiring").
 func (c *Client) stretches() bool {
-	return c.opts.Vsock || os.Getenv("SHUNT_VSOCK") == "1"
+	return c.opts.Vsock || c.vsockCtl.Load() || os.Getenv("SHUNT_VSOCK") == "1"
 }
 
 // attachStretch is attach for a flow over vsock: it opens the stretch

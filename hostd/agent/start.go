@@ -168,6 +168,9 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 		}
 		a.guests = append(a.guests, g)
 		for i := range gc.Ports {
+			if gc.Control == "" {
+				break // a vsock VM's control channel is on its vsock only (serveVsockControl)
+			}
 			eps = append(eps, server.Endpoint{Guest: g, Path: vserial.SocketOf(gc.Control, i), Netns: gc.Netns})
 		}
 	}
@@ -218,6 +221,9 @@ func (a *Agent) startServers(eps []server.Endpoint) error {
 	}, eps)
 	a.vmu.Unlock()
 	if err != nil {
+		return err
+	}
+	if err := a.serveVsockControl(); err != nil {
 		return err
 	}
 	if a.adm, err = admin.Listen(a.cfg.AdminSocket, a.handle); err != nil {

@@ -17,7 +17,7 @@ func (a *Agent) startVsock() error {
 	var specs []vsockhost.Spec
 	for _, g := range a.cfg.Guests {
 		if g.Vsock != nil {
-			specs = append(specs, vsockhost.Spec{Guest: g.Name, ID: g.ID, Socket: g.Vsock.Socket, CID: g.Vsock.CID})
+			specs = append(specs, vsockhost.Spec{Guest: g.Name, ID: g.ID, Socket: g.Vsock.Socket, CID: g.Vsock.CID, Hybrid: g.Vsock.Hybrid})
 		}
 	}
 	if len(specs) == 0 {
@@ -43,6 +43,26 @@ func (a *Agent) startVsock() error {
 		}
 		return out
 	})
+	return nil
+}
+
+// serveVsockControl serves each vsock VM's control channel on its vsock
+// too (proto.VsockControlPort), as a session of that guest: the only
+// control channel of a VM whose hypervisor has no virtio-serial
+// (Firecracker), and the library's fallback where it finds no port.
+func (a *Agent) serveVsockControl() error {
+	for _, g := range a.guests {
+		if a.vsock == nil || a.vsock.Spec(g.ID) == nil {
+			continue
+		}
+		l, err := a.vsock.ListenControl(g.ID)
+		if err != nil {
+			return err
+		}
+		if err := a.srv.AddListener(g, l); err != nil {
+			return err
+		}
+	}
 	return nil
 }
 

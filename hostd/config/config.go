@@ -235,7 +235,7 @@ type guestBlock struct {
 	Name      string   `hcl:"name,label"`
 	ID        int      `hcl:"id"`
 	Group     string   `hcl:"group"`
-	Control   string   `hcl:"control"`
+	Control   string   `hcl:"control,optional"`
 	Ports     int      `hcl:"control_ports,optional"`
 	Addresses []string `hcl:"addresses,optional"`
 	Interface string   `hcl:"interface,optional"`
@@ -390,7 +390,7 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: id %d is already guest %q's", where, g.ID, other)
 		}
 		ids[g.ID] = g.Name
-		if other, ok := socks[g.Control]; ok {
+		if other, ok := socks[g.Control]; ok && g.Control != "" {
 			return nil, fmt.Errorf("%s: control socket %s is already guest %q's", where, g.Control, other)
 		}
 		socks[g.Control] = g.Name
@@ -434,6 +434,9 @@ func Parse(name string, src []byte) (*Config, error) {
 		}
 		if gu.Vsock, err = vsockOf(g.Vsock, gu, c.Guests); err != nil {
 			return nil, fmt.Errorf("%s: vsock: %w", where, err)
+		}
+		if gu.Control == "" && gu.Vsock == nil {
+			return nil, fmt.Errorf("%s: control: want the guest's control socket (a VM's virtio-serial socket); only a VM with a vsock block may go without, its control channel then on vsock", where)
 		}
 		c.Guests = append(c.Guests, gu)
 	}

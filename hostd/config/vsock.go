@@ -11,11 +11,17 @@ import (
 type Vsock struct {
 	Socket string // the vhost-user Unix socket hostd listens on (QEMU -chardev socket,path=...)
 	CID    uint32 // the guest's context id, 3 to 0xfffffffe, unique on this host
+	// Hybrid, instead of Socket and CID, is the hybrid vsock socket of a
+	// hypervisor with a vsock device of its own (Firecracker's uds_path,
+	// Cloud Hypervisor's --vsock socket): hostd listens at Hybrid_<port>
+	// for the guest's connections to the host.
+	Hybrid string
 }
 
 type vsockBlock struct {
-	Socket string `hcl:"socket"`
-	CID    int64  `hcl:"cid"`
+	Socket string `hcl:"socket,optional"`
+	CID    int64  `hcl:"cid,optional"`
+	Hybrid string `hcl:"hybrid,optional"`
 }
 
 // vsockOf checks a guest's vsock block against the guests before it: an
@@ -25,6 +31,9 @@ type vsockBlock struct {
 func vsockOf(b *vsockBlock, g Guest, before []Guest) (*Vsock, error) {
 	if b == nil {
 		return nil, nil
+	}
+	if b.Hybrid != "" {
+		return hybridOf(b, g, before)
 	}
 	switch {
 	case !filepath.IsAbs(b.Socket):
@@ -44,7 +53,7 @@ func vsockOf(b *vsockBlock, g Guest, before []Guest) (*Vsock, error) {
 		if o.Vsock == nil {
 			continue
 		}
-		if o.Vsock.Socket == b.Socket {
+		if o.Vsock.Socket == b.Socket || o.Vsock.Hybrid == b.Socket {
 			return nil, fmt.Errorf("socket %s is already guest %q's", b.Socket, o.Name)
 		}
 		if o.Vsock.CID == uint32(b.CID) {
@@ -52,4 +61,26 @@ func vsockOf(b *vsockBlock, g Guest, before []Guest) (*Vsock, error) {
 		}
 	}
 	return &Vsock{Socket: b.Socket, CID: uint32(b.CID)}, nil
+}
+
+// hybridOf checks a hybrid vsock block: an absolute path, without socket
+// or cid (the hypervisor owns the device and its CID), no other guest's
+// socket or hybrid path.
+func hybridOf(b *vsockBlock, g Guest, before []Guest) (*Vsock, error) {
+	switch {
+	case b.Socket != "" || b.CID != 0:
+		return nil, fmt.Errorf("hybrid %q with socket or cid: give hybrid alone (the hypervisor's device has its own CID)", b.Hybrid)
+	case !filepath.IsAbs(b.Hybrid):
+		return nil, fmt.Errorf("hybrid %q: want an absolute path (Firecracker's uds_path, Cloud Hypervisor's --vsock socket)", b.Hybrid)
+	case g.Netns != "":
+		return nil, fmt.Errorf("a process guest (netns) has no vsock device: remove the block or the netns")
+	case b.Hybrid == g.Control:
+		return nil, fmt.Errorf("hybrid %s is the guest's control socket", b.Hybrid)
+	}
+	for _, o := range before {
+		if o.Control == b.Hybrid || o.Vsock != nil && (o.Vsock.Socket == b.Hybrid || o.Vsock.Hybrid == b.Hybrid) {
+			return nil, fmt.Errorf("hybrid %s is already guest %q's", b.Hybrid, o.Name)
+		}
+	}
+	return &Vsock{Hybrid: b.Hybrid}, nil
 }

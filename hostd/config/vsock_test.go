@@ -1,6 +1,7 @@
 package config_test
 
 import (
+	"fmt"
 	"strings"
 	"testing"
 
@@ -49,5 +50,36 @@ func TestVsock(t *testing.T) {
 	}
 	if _, err := config.Parse("hostd.hcl", []byte(second("vsock {\n socket = \"/run/shunt/vm2.vsock\"\n cid = 4\n}\n"))); err != nil {
 		t.Fatal(err)
+	}
+}
+
+// TestVsockHybrid: a hybrid vsock block (Firecracker, Cloud Hypervisor)
+// and a vsock VM without a control socket (its control channel on vsock);
+// a guest with neither is refused.
+func TestVsockHybrid(t *testing.T) {
+	guest := func(name, body string) string {
+		return fmt.Sprintf("guest %q {\n id = %d\n group = \"t\"\n addresses = [\"10.77.9.%d\"]\n%s}\n", name, len(name), len(name), body)
+	}
+	src := vsockBase + guest("fc-vm", "vsock {\n hybrid = \"/run/fc/vm.vsock\"\n}\n") + guest("q-vm-2", "vsock {\n socket = \"/run/shunt/q.vsock\"\n cid = 9\n}\n")
+	c, err := config.Parse("hostd.hcl", []byte(src))
+	if err != nil {
+		t.Fatal(err)
+	}
+	if g := c.Guests[1]; g.Control != "" || g.Vsock == nil || g.Vsock.Hybrid != "/run/fc/vm.vsock" || g.Vsock.Socket != "" {
+		t.Fatalf("hybrid guest: %+v %+v", g, g.Vsock)
+	}
+	if g := c.Guests[2]; g.Control != "" || g.Vsock == nil || g.Vsock.Socket != "/run/shunt/q.vsock" {
+		t.Fatalf("vsock guest without control: %+v %+v", g, g.Vsock)
+	}
+	for _, tc := range []struct{ src, want string }{
+		{guest("nothing", ""), "control: want the guest's control socket"},
+		{guest("both-ways", "vsock {\n hybrid = \"/run/fc/x.vsock\"\n cid = 4\n}\n"), "give hybrid alone"},
+		{guest("relative", "vsock {\n hybrid = \"x.vsock\"\n}\n"), "want an absolute path"},
+		{guest("taken", "vsock {\n hybrid = \"/run/shunt/vm1.vsock\"\n}\n"), "already guest \"vm1\"'s"},
+		{guest("taken2", "vsock {\n hybrid = \"/run/shunt/vm1.sock\"\n}\n"), "already guest \"vm1\"'s"},
+	} {
+		if _, err := config.Parse("hostd.hcl", []byte(vsockBase+tc.src)); err == nil || !strings.Contains(err.Error(), tc.want) {
+			t.Errorf("%s: want an error with %q, got %v", tc.src, tc.want, err)
+		}
 	}
 }

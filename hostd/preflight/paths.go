@@ -200,7 +200,7 @@ func checkSockets(ctx context.Context, e *env) {
 		for i := range g.Ports {
 			socks = append(socks, sock{what: "guest " + g.Name + ": control socket", path: vserial.SocketOf(g.Control, i)})
 		}
-		if g.Vsock != nil {
+		if g.Vsock != nil && g.Vsock.Socket != "" {
 			socks = append(socks, sock{what: "guest " + g.Name + ": vsock socket", path: g.Vsock.Socket})
 		}
 	}

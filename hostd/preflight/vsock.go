@@ -4,6 +4,9 @@ import (
 	"context"
 	"fmt"
 	"strings"
+
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
 )
 
 // checkVsock: the VMs with a vsock block (hostd/vsockhost): QEMU offers
@@ -12,14 +15,27 @@ import (
 // reconnect the device; docs/vsock.md, "hostd restarts"). The socket
 // paths are checked with the others (checkSockets).
 func checkVsock(ctx context.Context, e *env) {
-	var names []string
+	var names, hybrids []string
 	for _, g := range e.cfg.Guests {
-		if g.Vsock != nil {
+		switch {
+		case g.Vsock == nil:
+		case g.Vsock.Hybrid != "":
+			hybrids = append(hybrids, fmt.Sprintf("%s (%s)", g.Name, g.Vsock.Hybrid))
+		default:
 			names = append(names, fmt.Sprintf("%s (cid %d)", g.Name, g.Vsock.CID))
 		}
 	}
+	if len(hybrids) > 0 {
+		// The hypervisor (Firecracker, Cloud Hypervisor) connects to
+		// these as the guest connects to the host's ports: hostd serves
+		// the control channel and the stretches there, mode 0600.
+		e.ok("hybrid vsock (the hypervisor's own device) for %s: hostd listens at <path>_%d (control) and <path>_%d (stretches); the hypervisor must be able to connect to them (root, or the same user)",
+			strings.Join(hybrids, ", "), proto.VsockControlPort, relay.VsockPort)
+	}
 	if len(names) == 0 {
-		e.ok("no guest with a vsock block: no vhost-user-vsock devices to serve")
+		if len(hybrids) == 0 {
+			e.ok("no guest with a vsock block: no vhost-user-vsock devices to serve")
+		}
 		return
 	}
 	const qemu = "qemu-system-x86_64"

@@ -151,3 +151,22 @@ func (s *Server) AddNetns(g *broker.Guest, nsPath string) error {
 	go s.accept(ln, g)
 	return nil
 }
+
+// AddListener serves guest g's control channel on l, a listener made
+// elsewhere whose every connection can only be g's: a VM's vsock control
+// port (hostd/vsockhost.Room.ListenControl), on hostd's own device or a
+// hypervisor's hybrid vsock socket. The server owns l from now on and
+// closes it with the guest's other sockets.
+func (s *Server) AddListener(g *broker.Guest, l net.Listener) error {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.closed {
+		l.Close()
+		return fmt.Errorf("vsock control for guest %s: server closed", g.Name)
+	}
+	ln := &listener{Listener: l, done: make(chan struct{})}
+	s.listeners[g] = append(s.listeners[g], ln)
+	s.wg.Add(1)
+	go s.accept(ln, g)
+	return nil
+}

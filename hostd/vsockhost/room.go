@@ -16,12 +16,19 @@ import (
 	"github.com/shuntnet/shunt/vhost/vsock"
 )
 
-// Spec is one VM's device: whose it is, where QEMU connects, its CID.
+// Spec is one VM's device: whose it is, where QEMU connects, its CID;
+// or, for a hypervisor that implements vsock itself (Firecracker, Cloud
+// Hypervisor), its hybrid vsock socket.
 type Spec struct {
 	Guest  string // the guest's name, for logs and metrics
 	ID     uint32 // the guest's id: the only key the device is handed out by
 	Socket string // the vhost-user socket (QEMU -chardev socket,path=)
 	CID    uint32
+	// Hybrid, instead of Socket and CID, is the hypervisor's hybrid vsock
+	// socket (Firecracker's uds_path, Cloud Hypervisor's socket): the
+	// guest's connections to the host's port P arrive at the Unix socket
+	// Hybrid_P, which hostd listens on (hybrid.go).
+	Hybrid string
 }
 
 // Room serves the devices. Its methods are safe for concurrent use.
@@ -64,6 +71,10 @@ func Start(log hclog.Logger, specs []Spec) (_ *Room, err error) {
 	for _, s := range specs {
 		if _, dup := r.devs[s.ID]; dup {
 			return nil, fmt.Errorf("guest %s: a second vsock device", s.Guest)
+		}
+		if s.Hybrid != "" {
+			r.devs[s.ID] = &device{spec: s, log: log.With("guest", s.Guest, "hybrid", s.Hybrid)}
+			continue
 		}
 		d := &device{spec: s, log: log.With("guest", s.Guest, "cid", s.CID)}
 		lf := func(format string, args ...any) { d.log.Warn(fmt.Sprintf(format, args...)) }
@@ -199,9 +210,10 @@ func (r *Room) Close() {
 type Stat struct {
 	Guest       string `json:"guest"`
 	CID         uint32 `json:"cid"`
-	Socket      string `json:"socket"`
-	Connected   bool   `json:"connected"` // a front-end (QEMU) is being served
-	Sessions    uint64 `json:"sessions"`  // front-ends served since hostd started
+	Socket      string `json:"socket,omitempty"`
+	Hybrid      string `json:"hybrid,omitempty"` // a hybrid vsock socket's path (no device of hostd's)
+	Connected   bool   `json:"connected"`        // a front-end (QEMU) is being served
+	Sessions    uint64 `json:"sessions"`         // front-ends served since hostd started
 	Refused     uint64 `json:"refused_frontends"`
 	Conns       int64  `json:"conns"`
 	Accepted    uint64 `json:"accepted"`
@@ -230,6 +242,10 @@ func (r *Room) Stats() []Stat {
 		d.st.mu.Lock()
 		open, served, bad := len(d.st.open), d.st.served, d.st.bad
 		d.st.mu.Unlock()
+		if d.dev == nil { // hybrid: the hypervisor's device, its counters its own
+			out = append(out, Stat{Guest: d.spec.Guest, Hybrid: d.spec.Hybrid, Stretches: open, Bridged: served, BadHellos: bad})
+			continue
+		}
 		st := d.dev.Stats()
 		out = append(out, Stat{Guest: d.spec.Guest, CID: d.spec.CID, Socket: d.spec.Socket, Connected: conn,
 			Sessions: d.sessions.Load(), Refused: d.refused.Load(), Conns: st.Conns.Load(), Accepted: st.Accepted.Load(),

@@ -1,7 +1,6 @@
 package vsockhost
 
 import (
-	"context"
 	"errors"
 	"fmt"
 	"net"
@@ -91,7 +90,7 @@ func (r *Room) ServeStretches(guest uint32, flows Flows, p *wait.Policy) error {
 	if d == nil {
 		return fmt.Errorf("guest %d has no vsock device", guest)
 	}
-	l, err := d.dev.Listen(relay.VsockPort)
+	l, err := d.listen(relay.VsockPort)
 	if err != nil {
 		return err
 	}
@@ -122,7 +121,7 @@ func (r *Room) ServeStretches(guest uint32, flows Flows, p *wait.Policy) error {
 	go func() {
 		defer st.wg.Done()
 		for {
-			c, err := l.AcceptContext(context.Background())
+			c, err := l.Accept()
 			if err != nil {
 				return
 			}

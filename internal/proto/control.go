@@ -10,3 +10,10 @@ package proto
 // socket's path fails (docs/preload.md, "Privileges and chroot"). Go
 // writes it "@shunt/control"; C, "\0shunt/control".
 const NetnsControl = "shunt/control"
+
+// VsockControlPort is the host's vsock port (CID 2) on which hostd serves
+// a VM's control channel when the VM has a vsock device: for hypervisors
+// without virtio-serial (Firecracker), and for any vsock VM whose library
+// finds no control port (docs/vsock.md, "The control channel"). The
+// stretches' port is relay.VsockPort (0x5348).
+const VsockControlPort = 0x5343 // "SC"

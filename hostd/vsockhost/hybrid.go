@@ -1,0 +1,47 @@
+package vsockhost
+
+import (
+	"fmt"
+	"net"
+
+	"github.com/shuntnet/shunt/internal/proto"
+)
+
+// listen listens for the VM's connections to the host's port: on hostd's
+// own device, or, for a hybrid vsock (Firecracker, Cloud Hypervisor), on
+// the Unix socket Hybrid_<port> that the hypervisor connects to for each
+// of the guest's connections to that port (Firecracker's and Cloud
+// Hypervisor's guest-initiated connections). Either way only this
+// VM reaches it: the device is the VM's alone, and the socket is mode
+// 0600 next to the VM's own hybrid socket.
+func (d *device) listen(port uint32) (net.Listener, error) {
+	if d.dev != nil {
+		return d.dev.Listen(port)
+	}
+	l, err := listen(fmt.Sprintf("%s_%d", d.spec.Hybrid, port))
+	if err != nil {
+		return nil, fmt.Errorf("guest %s: hybrid vsock port %d: %w", d.spec.Guest, port, err)
+	}
+	return l, nil
+}
+
+// ListenControl listens for the VM's control channel on its vsock (port
+// proto.VsockControlPort), for a VM without virtio-serial (Firecracker)
+// or whose library finds no port: hostd serves each connection as a
+// session of that guest, as it serves the guest's control socket.
+func (r *Room) ListenControl(guest uint32) (net.Listener, error) {
+	d := r.devs[guest]
+	if d == nil {
+		return nil, fmt.Errorf("guest %d has no vsock device", guest)
+	}
+	return d.listen(proto.VsockControlPort)
+}
+
+// Spec returns the device spec of the guest with id guest, or nil if it
+// has no vsock device.
+func (r *Room) Spec(guest uint32) *Spec {
+	if r == nil || r.devs[guest] == nil {
+		return nil
+	}
+	return &r.devs[guest].spec
+}
