@@ -237,6 +237,16 @@ static int relay_eof(struct flow *f, ssize_t k, int peek)
 	return 1;
 }
 
+/* waitall_short: the kernel's MSG_WAITALL recv came back short (the
+ * peer's FIN, or a signal or time-out) with bytes, while READY gave the
+ * connection a ring meanwhile: the stream's rest may come on the ring
+ * (a relayed one's after the kernel's FIN), so the call goes on with
+ * read_step instead of returning short (rmu held). */
+static int waitall_short(struct flow *f, int all, ssize_t k, size_t got, size_t n)
+{
+	return all && k > 0 && got < n && __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
+}
+
 /* read_step moves what it can without blocking (rmu held): bytes, 0 at
  * EOF, or -errno; at -EAGAIN, *wait says what to wait for. *done is a
  * ring pair to give back (rings_done) once rmu is let go. */
@@ -405,6 +415,8 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 					k = -EAGAIN, wait = W_RING, rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 					break;
 				}
+				if (waitall_short(f, all, k, got, n))
+					continue;
 				final = 1;
 				break;
 			}
@@ -429,6 +441,8 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 					k = -EAGAIN, wait = W_RING, rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 					break;
 				}
+				if (waitall_short(f, all, k, got, n))
+					continue;
 				final = 1;
 				break;
 			}
