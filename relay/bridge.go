@@ -47,7 +47,9 @@ type Bridge struct {
 	poll   time.Duration
 
 	stopping atomic.Bool   // halt was called: every loop ends
+	outHalt  atomic.Bool   // StopOut was called: the out-direction ends
 	outLeft  atomic.Bool   // the out-direction ended normally: the peer's LEFT marked the ring left after its last byte
+	inLeft   atomic.Bool   // the in-direction ended normally: the guest's writer left, every byte acknowledged
 	halted   chan struct{} // closed by halt
 	events   atomic.Uint64 // bumped by the Flow's notify when the in-direction must look
 	ackedTo  atomic.Uint64 // the Flow's Acked, as notify last saw it
@@ -69,6 +71,7 @@ type Bridge struct {
 	downSent bool
 	halt1    sync.Once
 	stop1    sync.Once
+	stopOut1 sync.Once
 	end      End
 
 	// out-direction's end, written by its goroutine, read by Stop after it
@@ -122,6 +125,8 @@ var (
 	ErrEnded = errors.New("relay bridge: both directions left the rings")
 	// errHalted ends a direction's loop at Stop.
 	errHalted = errors.New("relay bridge: stopped")
+	// errOutHalted ends the out-direction at StopOut.
+	errOutHalted = errors.New("relay bridge: out-direction stopped")
 )
 
 // End is where the out-direction's stretch ended, for the other host's
@@ -209,13 +214,16 @@ func NewBridge(in, out *ring.Ring, f *Flow, o BridgeOptions) *Bridge {
 		if err := b.runIn(); err != nil {
 			b.fail(err)
 		} else {
+			b.inLeft.Store(true)
 			end()
 		}
 	}()
 	go func() {
 		defer b.wg.Done()
 		defer close(b.outDone)
-		if err := b.runOut(); err != nil {
+		if err := b.runOut(); errors.Is(err, errOutHalted) {
+			// StopOut: the in-direction goes on
+		} else if err != nil {
 			b.fail(err)
 		} else {
 			b.outLeft.Store(true)
@@ -253,6 +261,50 @@ func (b *Bridge) OutDone() <-chan struct{} { return b.outDone }
 // marked left (or the guest's reader closed it). False while it runs, and
 // after a stop or an error that came first.
 func (b *Bridge) OutLeft() bool { return b.outLeft.Load() }
+
+// InLeft reports whether the in-direction ended normally: the guest's
+// writer left its ring and the peer acknowledged every byte of it (its
+// ring holds them all). False while it runs, and after a stop or an
+// error that came first.
+func (b *Bridge) InLeft() bool { return b.inLeft.Load() }
+
+// StopOut stops the out-direction alone: no byte more goes into the
+// guest's read ring, which is marked left where the bytes written end
+// (the End it returns); what the peer still sends stays in the Flow,
+// unacknowledged, so the peer's ring still holds it. The in-direction
+// goes on. hostd's vsock room stops so between two VMs' stretches, then
+// drains the in-direction before Stop (docs/vsock.md, "VM to VM"). It
+// returns within a wake-up; safe to call more than once, and before or
+// after Stop (the same End).
+func (b *Bridge) StopOut() End {
+	b.stopOut1.Do(func() {
+		f := b.flow
+		f.mu.Lock()
+		b.outHalt.Store(true)
+		f.readStop = true
+		f.parked = false // the link's reader delivers no more into the ring
+		f.cond.Broadcast()
+		f.mu.Unlock()
+		_ = fault.Do(func() {
+			if b.w != nil {
+				b.w.Interrupt()
+			}
+		})
+		<-b.outDone
+		_ = fault.Do(func() {
+			if b.w != nil {
+				_ = b.w.Leave()
+			} else {
+				b.out.MarkLeft(b.policy)
+			}
+		})
+	})
+	e := End{Started: b.outStarted}
+	if e.Started {
+		e.Start, e.X = b.outStart, b.outStart+b.outWritten
+	}
+	return e
+}
 
 // Err is why the bridge stopped by itself: the link's error, the peer's
 // DOWN (ErrDown), a LEFT-less end of the link, ErrGuest (the guest broke

@@ -43,6 +43,9 @@ func (b *Bridge) runOut() (err error) {
 	}
 	var sb [8]byte
 	if _, err := io.ReadFull(b.flow, sb[:]); err != nil {
+		if errors.Is(err, errOutHalted) {
+			return err
+		}
 		if errors.Is(err, io.EOF) && b.flow.peerLeft() { // LEFT before a start: never started
 			return w.Leave()
 		}
@@ -69,14 +72,18 @@ func (b *Bridge) runOut() (err error) {
 // used under that lock only, or by this goroutine while not parked.
 func (b *Bridge) pump() error {
 	w, f := b.w, b.flow
-	stop := func() bool { return b.stopping.Load() || b.linkBad.Load() }
+	stop := func() bool { return b.stopping.Load() || b.linkBad.Load() || b.outHalt.Load() }
 	waiter := w.NewWaiter(stop)
 	f.mu.Lock()
 	f.sink = b.deliver
 	for {
-		f.parked = true
+		f.parked = !f.readStop
 		err := f.waitBytesLocked()
 		f.parked = false
+		if f.readStop {
+			f.mu.Unlock()
+			return errOutHalted // StopOut: before any byte more
+		}
 		if err != nil {
 			left := f.left
 			f.mu.Unlock()
@@ -184,6 +191,8 @@ func (b *Bridge) waitRoom(waiter *ring.WriteWaiter) error {
 	switch {
 	case b.stopping.Load():
 		return errHalted
+	case b.outHalt.Load():
+		return errOutHalted
 	case b.linkBad.Load():
 		if err := b.linkEnd(); err != nil {
 			return err
@@ -205,6 +214,9 @@ func (b *Bridge) waitAttached() error {
 	for !b.w.ReaderAttached() {
 		if b.w.ReaderLeft() {
 			return fmt.Errorf("%w: its reader left the read ring before attaching: %w", ErrGuest, ring.ErrPeerClosed)
+		}
+		if b.outHalt.Load() {
+			return errOutHalted
 		}
 		if b.linkBad.Load() {
 			if err := b.linkEnd(); err != nil {

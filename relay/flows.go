@@ -307,6 +307,9 @@ type Flow struct {
 	// how many it took (takeData).
 	sink   func([]byte) int
 	parked bool
+	// readStop: the consumer (a Bridge's out-direction) stopped for good
+	// (Bridge.StopOut); what still comes stays buffered, unacknowledged.
+	readStop bool
 }
 
 // Write sends p, waiting for credit: only this flow waits. It returns
@@ -396,8 +399,11 @@ func (f *Flow) peerLeft() bool {
 // none will come: the flow's close, the peer's DOWN or LEFT (io.EOF), the
 // link's end.
 func (f *Flow) waitBytesLocked() error {
-	for f.buffered == 0 && !f.down && !f.left && f.err == nil && !f.closed {
+	for f.buffered == 0 && !f.down && !f.left && f.err == nil && !f.closed && !f.readStop {
 		f.cond.Wait()
+	}
+	if f.readStop {
+		return errOutHalted // Bridge.StopOut: this consumer takes no more
 	}
 	if f.buffered > 0 {
 		return nil
