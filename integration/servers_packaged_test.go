@@ -122,7 +122,11 @@ func TestServerNginxPackaged(t *testing.T) {
 		s.fatalf("curl got %d bytes of the 32 MiB file with SHA-256 %s, want %s", n, sum, bigSum)
 	}
 	ring, tcp := ringBytes(out)
-	if fastLines(out) < 1 || ring < 16<<20 {
+	// What goes by TCP first depends on timing: nginx's sendfile fills
+	// the kernel's socket buffers before READY reaches the worker (16.9
+	// of 32 MiB once under CI's load). More than a ring's worth on the
+	// rings shows the www-data worker took them.
+	if fastLines(out) < 1 || ring < 2<<20 {
 		s.fatalf("the download from a www-data worker did not take the rings (%s on rings, %s on TCP): curl: %s", mib(ring), mib(tcp), pathSummary(out))
 	}
 	for _, c := range []struct {
