@@ -94,14 +94,14 @@ func TestPreloadToolsUnderFlips(t *testing.T) {
 	t.Run("iperf3", func(t *testing.T) {
 		e := newEnv(t, 2, "")
 		g2 := e.rig.Guests[1].Addr.String()
-		e.start(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5311"))
+		srv := e.startLog(2, e.guestCmd(2, "iperf3", "-s", "-1", "-B", g2, "-p", "5311"))
 		e.waitListening(2, 5311)
 		f := flipDuring(e, 2*time.Second)
 		out := e.run(1, e.guestCmd(1, "iperf3", "-c", g2, "-p", "5311", "-t", "5", "--bidir", "-J"))
 		f.stop(t)
 		res, err := parseIperf3(out)
 		if err != nil || res.Error != "" || res.Bytes == 0 {
-			t.Fatalf("iperf3 under flips: %v %q\n%s", err, res.Error, out)
+			t.Fatalf("iperf3 under flips: %v %q\nclient:\n%s\nserver:\n%s", err, res.Error, out, srv.String())
 		}
 		t.Logf("iperf3 --bidir: %.0f MB received under flips", res.Bytes/1e6)
 	})
