@@ -49,14 +49,19 @@ type Held struct {
 	Release func()
 	// Stop delivers a downgrade's reason when the connection leaves the
 	// rings by RESUME (stretchResumeLocked): the room stops the bridge at
-	// once.
+	// once (with Pair: its out-direction at once, its in-direction once
+	// it carried the other VM's stretch: stretchPairResumeLocked).
 	Stop <-chan proto.Reason
+	// Pair: the other end is a vsock VM too, its side held by its own
+	// room's bridge.
+	Pair bool
 	// Stopped tells the broker where the bridge's stretch ended, once it
 	// stopped, whatever the reason (before Release): started and x are
 	// the ring the VM writes (Writes) as the bridge wrote it, outLeft
-	// whether the VM's writer's LEFT reached it (its stretch is whole).
+	// whether the VM's writer's LEFT reached it (its stretch is whole),
+	// inLeft whether the other end's stretch reached the VM's ring whole.
 	// A Release without it means no bridge ran (nothing crossed).
-	Stopped func(started bool, x uint64, outLeft bool)
+	Stopped func(started bool, x uint64, outLeft, inLeft bool)
 }
 
 // stretchHold is a flow side held by a stretch's bridge.
@@ -135,16 +140,14 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 	}
 	f.holds[i] = h
 	f.stretched |= side
-	stopped := func(started bool, x uint64, outLeft bool) {
+	stopped := func(started bool, x uint64, outLeft, inLeft bool) {
 		b.mu.Lock()
 		defer b.mu.Unlock()
 		if f.holds[i] != h || f.ends[i] != nil {
 			return
 		}
-		f.ends[i] = &stretchEnd{started: started, x: x, outLeft: outLeft}
-		if c := f.conn; c != nil && c.flow == f && f.resume != nil && f.resume.vm == side {
-			b.resumeVMLocked(c, f)
-		}
+		f.ends[i] = &stretchEnd{started: started, x: x, outLeft: outLeft, inLeft: inLeft}
+		b.stretchStoppedLocked(f, side)
 	}
 	release := func() {
 		b.mu.Lock()
@@ -153,15 +156,16 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 			return
 		}
 		f.holds[i] = nil
-		if f.resume != nil && f.resume.vm == side && f.ends[i] == nil {
+		if f.resume != nil && f.ends[i] == nil {
 			// The room let go without saying where the bridge stopped:
 			// its stream ended before a bridge ran (the VM closed it
 			// right after its Hello, or the room closed), so no bridge
 			// wrote the ring. The downgrade's RESUME waited for this.
-			f.ends[i] = &stretchEnd{}
-			if c := f.conn; c != nil && c.flow == f {
-				b.resumeVMLocked(c, f)
+			f.ends[i] = &stretchEnd{noBridge: true}
+			if f.resume.pair {
+				b.markUnstartedLocked(f, side) // the other room's drain ends at once
 			}
+			b.stretchStoppedLocked(f, side)
 		}
 		if f.stretchDown && !heldLocked(f) {
 			f.stretchDown = false
@@ -171,7 +175,7 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 			b.releaseLocked(f, side)
 		}
 	}
-	return Held{Writes: writes, Reads: reads, Gone: h.gone, PeerGone: h.peerGone, Release: release, Stop: h.stop, Stopped: stopped}, nil
+	return Held{Writes: writes, Reads: reads, Gone: h.gone, PeerGone: h.peerGone, Release: release, Stop: h.stop, Pair: vsockPair(f), Stopped: stopped}, nil
 }
 
 // stretchHeldLocked reports whether side of f is held by a stretch's
@@ -270,11 +274,17 @@ type stretchEnd struct {
 	started bool
 	x       uint64
 	outLeft bool
+	inLeft  bool
+	// noBridge: no bridge ran on the side (released without Stopped, or
+	// no stretch came): its VM's ring got nothing.
+	noBridge bool
 }
 
 // stretchResume is a flow leaving its rings by RESUME across its stretch.
 type stretchResume struct {
-	vm     uint32 // the VM's side
+	vm     uint32 // the VM's side; 0 between two VMs (pair)
+	pair   bool   // both ends are vsock VMs (stretchPairResumeLocked)
+	gone   uint32 // pair: the sides whose end went before its RESUME
 	reason proto.Reason
 	vmTold bool // the VM got its RESUME (or is gone)
 	vmGone bool // the VM's end went before its ENDED
@@ -284,11 +294,9 @@ type stretchResume struct {
 
 // vsockSide returns the side of f whose guest carries its flows over
 // vsock stretches (a VM with a vsock block and no group region), or 0,
-// also when both are (a flow between two such VMs leaves by DOWN, its
-// bridges draining: docs/vsock.md, "VM to VM").
+// also when both are (vsockPair: stretchpair.go).
 func vsockSide(f *Flow) uint32 {
-	a := f.GuestA.Vsock && !f.GuestA.SharedRegion
-	b := f.GuestB.Vsock && !f.GuestB.SharedRegion
+	a, b := vsockVM(f.GuestA), vsockVM(f.GuestB)
 	switch {
 	case a && !b:
 		return region.SideA
@@ -313,7 +321,7 @@ func (b *Broker) stretchResumeLocked(c *Conn, f *Flow, reason proto.Reason) bool
 	}
 	vm := vsockSide(f)
 	if vm == 0 {
-		return false
+		return vsockPair(f) && b.stretchPairResumeLocked(c, f, reason)
 	}
 	ev, eo := c.end(vm), c.end(otherSide(vm))
 	if ev.sess == nil || eo.sess == nil || !resumes(ev.sess) || !resumes(eo.sess) {
@@ -414,6 +422,9 @@ func (b *Broker) vmGoneResumeLocked(c *Conn, f *Flow) {
 // caller then tells the other end nothing itself).
 func (b *Broker) stretchResumeVMDoneLocked(f *Flow, side uint32) bool {
 	r := f.resume
+	if r != nil && r.pair {
+		return b.pairEndDoneLocked(f, side)
+	}
 	if r == nil || r.done || side != r.vm {
 		return r != nil && side == r.vm
 	}
@@ -448,8 +459,27 @@ func (b *Broker) stretchResumeTimeout(f *Flow, r *stretchResume) {
 	if f.resume != r || r.done {
 		return
 	}
+	if r.pair {
+		b.pairTimeoutLocked(f)
+		return
+	}
 	if c := f.conn; c != nil && c.flow == f {
 		b.log.Info("a vsock VM did not say where its stretch ended: its connection is reset", "flow", f.Name(), "waited", stretchResumeWait)
 		b.resumeOtherLocked(c, f, proto.ResumeReset)
+	}
+}
+
+// stretchStoppedLocked: the bridge on side of f stopped (or let go
+// without a bridge). A RESUME that waited for it goes on.
+func (b *Broker) stretchStoppedLocked(f *Flow, side uint32) {
+	c := f.conn
+	if c == nil || c.flow != f || f.resume == nil {
+		return
+	}
+	switch {
+	case f.resume.pair:
+		b.pairDecideLocked(c, f)
+	case f.resume.vm == side:
+		b.resumeVMLocked(c, f)
 	}
 }

@@ -212,7 +212,7 @@ func TestStretchResume(t *testing.T) {
 	}
 	sa.none(t)
 	sb.none(t)
-	h.Stopped(true, 1<<20+5, false)
+	h.Stopped(true, 1<<20+5, false, false)
 	sa.expect(t, proto.Resume, proto.ReasonAdmin, 1)
 	sb.none(t)
 	// ENDED from the wrong guest, or for the other side: ignored.
@@ -272,13 +272,13 @@ func TestStretchResumeVMGone(t *testing.T) {
 			w.b.Downgrade(w.record(t).Name)
 			<-h.Stop
 			if !tc.before {
-				h.Stopped(true, 100, tc.outLeft)
+				h.Stopped(true, 100, tc.outLeft, false)
 				sa.expect(t, proto.Resume, proto.ReasonAdmin, 1)
 			}
 			w.b.Detach(sa)
 			if tc.before {
 				sb.none(t)
-				h.Stopped(true, 100, tc.outLeft)
+				h.Stopped(true, 100, tc.outLeft, false)
 			}
 			if tc.outLeft {
 				sb.expect(t, proto.Down, proto.ReasonPeerGone, 2)
@@ -404,10 +404,10 @@ func TestStretchVsockPair(t *testing.T) {
 	}
 }
 
-// TestStretchVsockPairDowngrade: between two vsock VMs a downgrade is a
-// DOWN to both, the bridges draining (no RESUME across two stretches:
-// docs/vsock.md, "VM to VM"): no bridge is stopped, and the flow is
-// freed only once both VMs left and both rooms let go.
+// TestStretchVsockPairDowngrade: between two vsock VMs whose libraries do
+// not handle RESUME a downgrade is a DOWN to both, the bridges draining
+// (with RESUME: TestStretchPairResume): no bridge is stopped, and the
+// flow is freed only once both VMs left and both rooms let go.
 func TestStretchVsockPairDowngrade(t *testing.T) {
 	w, sa, sb, ra, rb, ha, hb := vsockPair(t)
 	w.b.Downgrade(w.record(t).Name)

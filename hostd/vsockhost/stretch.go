@@ -46,14 +46,21 @@ type Held struct {
 	Release func()
 	// Stop delivers a downgrade's reason when the flow leaves its rings by
 	// RESUME (docs/vsock.md, "Switching back"): the bridge stops at once,
-	// and Stopped says where.
+	// and Stopped says where. With Pair, only its out-direction stops at
+	// once; the in-direction first carries the other VM's stretch to its
+	// leave mark into this VM's ring (docs/vsock.md, "VM to VM").
 	Stop <-chan proto.Reason
+	// Pair: the other end is another VM's stretch, bridged by its own room
+	// onto the same ring pair.
+	Pair bool
 	// Stopped is called once the bridge stopped, whatever the reason,
 	// before Release: started and x are where the ring the VM writes
 	// (Writes) ended as the bridge wrote it (its RESUME offset), outLeft
-	// whether the VM's writer's LEFT reached that ring. A Release without
-	// it says that no bridge ran (the stream ended first).
-	Stopped func(started bool, x uint64, outLeft bool)
+	// whether the VM's writer's LEFT reached that ring, inLeft whether the
+	// other end's stretch reached the VM's ring whole, to its leave mark
+	// (every byte acknowledged by the VM's bridge). A Release without it
+	// says that no bridge ran (the stream ended first).
+	Stopped func(started bool, x uint64, outLeft, inLeft bool)
 }
 
 // helloWait bounds how long a new stream may take to say its Hello.
@@ -168,7 +175,7 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 		st.mu.Unlock()
 		end := b.Stop(proto.ReasonShutdown)
 		if held.Stopped != nil {
-			held.Stopped(end.Started, end.X, b.OutLeft())
+			held.Stopped(end.Started, end.X, b.OutLeft(), b.InLeft())
 		}
 		return
 	}
@@ -200,7 +207,7 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 	}
 	end := b.Stop(proto.ReasonShutdown) // marks the out ring left if the stream ended first
 	if held.Stopped != nil {
-		held.Stopped(end.Started, end.X, b.OutLeft())
+		held.Stopped(end.Started, end.X, b.OutLeft(), b.InLeft())
 	}
 	switch err := b.Err(); {
 	case stopped != proto.ReasonNone:
@@ -240,7 +247,7 @@ func drainGone(b *relay.Bridge, held Held, p *wait.Policy) (gone string, cut boo
 	case <-b.Done():
 		return "", false, proto.ReasonNone
 	case r := <-held.Stop:
-		b.Stop(r)
+		stopFor(b, held, r)
 		return "", false, r
 	case <-held.Gone:
 		drained, gone = b.OutDone(), "vm"
@@ -259,7 +266,7 @@ wait:
 		case <-b.Done():
 			break wait
 		case r := <-held.Stop:
-			b.Stop(r)
+			stopFor(b, held, r)
 			return gone, false, r
 		case <-tick.C:
 			if n := moved(); n != last {
@@ -279,4 +286,36 @@ wait:
 	}
 	b.Stop(proto.ReasonPeerGone)
 	return gone, cut, proto.ReasonNone
+}
+
+// stopFor stops b for a downgrade by RESUME. Between two VMs (Pair) the
+// out-direction stops first, its ring (the other VM's read ring on the
+// flow) left where the bytes written end, and the in-direction carries
+// the other VM's stretch into this VM's ring up to the mark its room left
+// (InDone), until that is done or nothing moved for goneDrain: each VM's
+// ring then holds the other's stretch to the offset the other resends
+// from (docs/vsock.md, "VM to VM"). Then, or at once without Pair, Stop.
+func stopFor(b *relay.Bridge, held Held, r proto.Reason) {
+	if held.Pair {
+		b.StopOut()
+		moved := func() uint64 { st := b.Stats(); return st.BytesIn + st.Freed }
+		last, since := moved(), time.Now()
+		tick := time.NewTicker(min(goneDrain/10, time.Second))
+		defer tick.Stop()
+	wait:
+		for {
+			select {
+			case <-b.InDone():
+				break wait
+			case <-tick.C:
+				if n := moved(); n != last {
+					last, since = n, time.Now()
+				}
+				if time.Since(since) >= goneDrain {
+					break wait
+				}
+			}
+		}
+	}
+	b.Stop(r)
 }

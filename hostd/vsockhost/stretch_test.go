@@ -11,6 +11,7 @@ import (
 	"math/rand/v2"
 	"net"
 	"sync"
+	"sync/atomic"
 	"testing"
 	"time"
 
@@ -34,6 +35,8 @@ type flowsFake struct {
 	stop           chan proto.Reason
 	stopped        chan relay.End // Held.Stopped's report (Start unset)
 	onRelease      func()         // what the broker does at the release
+	pair           bool           // Held.Pair: the other end is another room's VM
+	inLeft         atomic.Bool    // Held.Stopped's inLeft
 	mu             sync.Mutex
 	held           bool
 	freed          chan struct{}
@@ -55,8 +58,11 @@ func (f *flowsFake) Stretch(guest uint32, h relay.Hello) (Held, error) {
 		}
 		close(f.freed)
 	}
-	stopped := func(started bool, x uint64, outLeft bool) { f.stopped <- relay.End{Started: started, X: x} }
-	return Held{Writes: f.ab, Reads: f.ba, Gone: f.gone, PeerGone: f.peerGone, Release: release, Stop: f.stop, Stopped: stopped}, nil
+	stopped := func(started bool, x uint64, outLeft, inLeft bool) {
+		f.inLeft.Store(inLeft)
+		f.stopped <- relay.End{Started: started, X: x}
+	}
+	return Held{Writes: f.ab, Reads: f.ba, Gone: f.gone, PeerGone: f.peerGone, Release: release, Stop: f.stop, Pair: f.pair, Stopped: stopped}, nil
 }
 
 func newFlowsFake(t *testing.T, capacity int) *flowsFake {

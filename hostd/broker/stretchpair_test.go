@@ -1,0 +1,211 @@
+package broker_test
+
+import (
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/hostd/broker"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/policy"
+	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/shm/wait"
+)
+
+// resumeVsockPair opens a connection between two vsock VMs whose
+// libraries handle RESUME (g1 A, g2 B) and returns both READYs.
+func resumeVsockPair(t *testing.T) (w *world, sa, sb rsession, ra, rb proto.Msg) {
+	t.Helper()
+	w = newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
+	w.g1.SharedRegion, w.g2.SharedRegion = false, false
+	w.g1.Vsock, w.g2.Vsock = true, true
+	w.b.UsePairRegions(&fakePairs{t: t})
+	sa, sb = rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
+	w.b.Attach(sa)
+	w.b.Attach(sb)
+	w.b.Listen(sb, ap("10.0.0.2:80"), true)
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa.next(t)
+	ra = sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	sb.next(t)
+	rb = sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	return w, sa, sb, ra, rb
+}
+
+// hold is guest g's stretch of r's flow.
+func hold(t *testing.T, w *world, g *broker.Guest, r proto.Msg) broker.Held {
+	t.Helper()
+	h, err := w.b.Stretch(g.ID, r.RegionID, r.Slot, r.Gen)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if !h.Pair {
+		t.Fatal("a hold between two vsock VMs is not marked Pair")
+	}
+	return h
+}
+
+func stopAsked(t *testing.T, h broker.Held) {
+	t.Helper()
+	select {
+	case r := <-h.Stop:
+		if r != proto.ReasonAdmin {
+			t.Fatalf("stop reason %s, want admin", r)
+		}
+	default:
+		t.Fatal("the room was not asked to stop its bridge")
+	}
+}
+
+func resumeAt(t *testing.T, s rsession, req uint32, want uint64) {
+	t.Helper()
+	if m := s.expect(t, proto.Resume, proto.ReasonAdmin, req); m.Offset != want {
+		t.Fatalf("%s: RESUME at %d, want %d", s.g.Name, m.Offset, want)
+	}
+}
+
+// TestStretchPairResume: a downgrade between two vsock VMs is a two-step.
+// Both rooms are asked to stop; no VM hears anything until both said
+// where their bridges stopped (each room's out-direction at its X, its
+// in-direction drained into its VM's ring); then each VM gets RESUME at
+// its own X, which the other VM's ring is known to end at. A room whose
+// drain was cut (its VM took nothing for the bound) leaves the other
+// VM's offset unknown: that VM's connection is reset. The VMs' ENDEDs
+// change nothing. Without this, a downgrade between two VMs was a DOWN
+// with the bridges running on.
+func TestStretchPairResume(t *testing.T) {
+	for _, tc := range []struct {
+		name             string
+		aDrained, bDrain bool // each room carried the other VM's stretch whole
+		wantA, wantB     uint64
+	}{
+		{"both-drained", true, true, 1000, 2000},
+		{"b-cut", true, false, proto.ResumeReset, 2000},
+		{"both-cut", false, false, proto.ResumeReset, proto.ResumeReset},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, ra, rb := resumeVsockPair(t)
+			ha, hb := hold(t, w, w.g1, ra), hold(t, w, w.g2, rb)
+			w.b.Downgrade(w.record(t).Name)
+			stopAsked(t, ha)
+			stopAsked(t, hb)
+			sa.none(t)
+			sb.none(t)
+			ha.Stopped(true, 1000, false, tc.aDrained)
+			sa.none(t) // B's ring is not known to end at A's X yet
+			sb.none(t)
+			hb.Stopped(true, 2000, false, tc.bDrain)
+			resumeAt(t, sa, 1, tc.wantA)
+			resumeAt(t, sb, 2, tc.wantB)
+			w.b.StretchEnded(sa, ended(ra, proto.SideA, 7))
+			w.b.StretchEnded(sb, ended(rb, proto.SideB, 9))
+			sa.none(t)
+			sb.none(t)
+			if _, err := w.b.Stretch(w.g1.ID, ra.RegionID, ra.Slot, ra.Gen); err == nil {
+				t.Fatal("a stretch after the downgrade")
+			}
+			w.left(sa.session, ra, proto.SideA)
+			w.left(sb.session, rb, proto.SideB)
+			ha.Release()
+			hb.Release()
+			if fl := w.b.Flows(); len(fl) != 1 || fl[0].Path != "tcp" {
+				t.Fatalf("records %+v, want one on tcp", fl)
+			}
+		})
+	}
+}
+
+// TestStretchPairResumeVMGone: a VM's end goes before the two-step told
+// it anything. The survivor reads its ring to the gone VM's leave mark:
+// whole (DOWN(peer-gone), as after any peer's going) only if the gone
+// VM's writer's LEFT reached the flow's ring and the survivor's room
+// carried it; otherwise its connection is reset.
+func TestStretchPairResumeVMGone(t *testing.T) {
+	for _, tc := range []struct {
+		name          string
+		outLeft, inLe bool
+		wantDown      bool
+	}{{"whole", true, true, true}, {"cut", false, true, false}, {"not-carried", true, false, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, ra, rb := resumeVsockPair(t)
+			ha, hb := hold(t, w, w.g1, ra), hold(t, w, w.g2, rb)
+			w.b.Downgrade(w.record(t).Name)
+			stopAsked(t, ha)
+			stopAsked(t, hb)
+			w.b.Detach(sa)
+			sb.none(t)
+			ha.Stopped(true, 1000, tc.outLeft, true)
+			hb.Stopped(true, 2000, false, tc.inLe)
+			if tc.wantDown {
+				sb.expect(t, proto.Down, proto.ReasonPeerGone, 2)
+			} else {
+				resumeAt(t, sb, 2, proto.ResumeReset)
+			}
+			ha.Release()
+			hb.Release()
+			sb.none(t)
+		})
+	}
+}
+
+// TestStretchPairResumeTimeout: a room that never says where its bridge
+// stopped (its drain is bounded, so only a stuck room): both VMs'
+// connection is reset after stretchResumeWait, not left waiting.
+func TestStretchPairResumeTimeout(t *testing.T) {
+	defer broker.SetStretchResumeWait(100 * time.Millisecond)()
+	w, sa, sb, ra, rb := resumeVsockPair(t)
+	ha, hb := hold(t, w, w.g1, ra), hold(t, w, w.g2, rb)
+	w.b.Downgrade(w.record(t).Name)
+	stopAsked(t, ha)
+	stopAsked(t, hb)
+	ha.Stopped(true, 1000, false, true)
+	resumeAt(t, sa, 1, proto.ResumeReset)
+	resumeAt(t, sb, 2, proto.ResumeReset)
+	hb.Stopped(true, 2000, false, true) // too late: nothing more
+	sa.none(t)
+	sb.none(t)
+	ha.Release()
+	hb.Release()
+}
+
+// TestStretchPairResumeOneBridged: only A's stretch was bridged when the
+// downgrade came. B's ring got nothing and B's bytes never left B: B's
+// write ring (A's read ring on the flow) is marked left unstarted, so
+// A's room's drain ends at once, and both resend everything (A's library
+// resets if its ring no longer holds its start). B's late Hello is
+// refused. A release without Stopped (no bridge ran) counts too.
+func TestStretchPairResumeOneBridged(t *testing.T) {
+	for _, released := range []bool{false, true} {
+		name := "stopped"
+		if released {
+			name = "released-without-stopped"
+		}
+		t.Run(name, func(t *testing.T) {
+			w, sa, sb, ra, rb := resumeVsockPair(t)
+			ha := hold(t, w, w.g1, ra)
+			w.b.Downgrade(w.record(t).Name)
+			stopAsked(t, ha)
+			if _, err := w.b.Stretch(w.g2.ID, rb.RegionID, rb.Slot, rb.Gen); err == nil {
+				t.Fatal("B's late stretch was taken")
+			}
+			rd, err := ring.NewReader(ha.Reads, &wait.Policy{})
+			if err != nil {
+				t.Fatal(err)
+			}
+			if _, started := rd.Started(); started || !rd.WriterLeft() {
+				t.Fatalf("B's write ring: started %v, left %v; want left unstarted", started, rd.WriterLeft())
+			}
+			sa.none(t)
+			sb.none(t)
+			if released {
+				ha.Release()
+			} else {
+				ha.Stopped(true, 1000, false, true)
+			}
+			resumeAt(t, sa, 1, proto.ResumeAll)
+			resumeAt(t, sb, 2, proto.ResumeAll)
+			ha.Release()
+		})
+	}
+}
