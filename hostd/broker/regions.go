@@ -260,9 +260,11 @@ func (b *Broker) holdLocked(s Session, r *Region, give bool) {
 	}
 	if _, has := h[r]; !has && give {
 		m := proto.Msg{Type: proto.RegionMsg, RegionID: r.ID, RegionSize: uint64(r.Pool.Region().Layout().Size)}
-		if r.vm != nil {
+		if g := s.Guest(); r.vm != nil || g != nil && g.Vsock {
 			// No descriptor: the region is a device plugged into the
-			// VM, whose header names it (docs/vm.md, "Pair regions").
+			// VM, whose header names it (docs/vm.md, "Pair regions"),
+			// or the VM carries its flows over vsock stretches and maps
+			// no region (a vsock control channel cannot carry one).
 			s.Send(m)
 		} else {
 			s.(FileSender).SendFile(m, r.File)
