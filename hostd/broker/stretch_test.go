@@ -470,3 +470,14 @@ func TestStretchOnce(t *testing.T) {
 		t.Fatal("a second stretch of the flow after the first was released")
 	}
 }
+
+// TestStretchRegionNoDescriptor: the VM that carries its flows over vsock
+// stretches gets REGION without a descriptor (it maps no region, and its
+// control channel may be vsock, which cannot carry one: hostd closed such
+// a session at every READY); the process guest gets its descriptor.
+func TestStretchRegionNoDescriptor(t *testing.T) {
+	_, sa, sb, _, _ := resumePair(t)
+	if len(sa.files) != 0 || len(sb.files) != 1 {
+		t.Fatalf("descriptors sent: %d to the vsock VM (want 0), %d to the process guest (want 1)", len(sa.files), len(sb.files))
+	}
+}
