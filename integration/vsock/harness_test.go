@@ -85,6 +85,10 @@ type bootOpts struct {
 	serve func(r *rig, sock string)
 	sock  string   // the vsock socket; "": vhost.sock in the rig's directory
 	qemu  []string // more QEMU arguments (a control port)
+	tap   string   // the tap's name in netns; "": vtap0
+	// noWait returns once QEMU started, not once the guest's init runs
+	// (rig.ready waits): two VMs boot at once.
+	noWait bool
 }
 
 // bootWith is bootNet with the options of o.
@@ -92,6 +96,9 @@ func bootWith(t testing.TB, ctx context.Context, o bootOpts, phases ...string) *
 	chardevOpts, netns := o.chardev, o.netns
 	if o.addr == "" {
 		o.addr, o.gw = "10.0.0.2", "10.0.0.1"
+	}
+	if o.tap == "" {
+		o.tap = "vtap0"
 	}
 	testenv.NeedTool(t, "qemu-system-x86_64", "qemu-system-x86")
 	testenv.NeedTool(t, "busybox", "busybox-static")
@@ -133,7 +140,7 @@ func bootWith(t testing.TB, ctx context.Context, o bootOpts, phases ...string) *
 	if netns == "" {
 		err = qemu.Start()
 	} else {
-		qemu.Args = append(qemu.Args, "-netdev", "tap,id=n0,ifname=vtap0,script=no,downscript=no", "-device", "virtio-net-pci,netdev=n0")
+		qemu.Args = append(qemu.Args, "-netdev", "tap,id=n0,ifname="+o.tap+",script=no,downscript=no", "-device", "virtio-net-pci,netdev=n0")
 		err = nsexec.In(netns, qemu.Start)
 	}
 	if err != nil {
@@ -141,12 +148,12 @@ func bootWith(t testing.TB, ctx context.Context, o bootOpts, phases ...string) *
 	}
 	if netns != "" {
 		ns := filepath.Base(netns)
-		for deadline := time.Now().Add(10 * time.Second); exec.Command("ip", "-n", ns, "link", "show", "vtap0").Run() != nil; time.Sleep(20 * time.Millisecond) {
+		for deadline := time.Now().Add(10 * time.Second); exec.Command("ip", "-n", ns, "link", "show", o.tap).Run() != nil; time.Sleep(20 * time.Millisecond) {
 			if time.Now().After(deadline) {
-				t.Fatalf("no tap vtap0 in %s after 10 s\n%s", ns, r.qout.String())
+				t.Fatalf("no tap %s in %s after 10 s\n%s", o.tap, ns, r.qout.String())
 			}
 		}
-		for _, a := range [][]string{{"addr", "add", o.gw + "/24", "dev", "vtap0"}, {"link", "set", "vtap0", "up"}} {
+		for _, a := range [][]string{{"addr", "add", o.gw + "/24", "dev", o.tap}, {"link", "set", o.tap, "up"}} {
 			if out, err := exec.Command("ip", append([]string{"-n", ns}, a...)...).CombinedOutput(); err != nil {
 				t.Fatalf("ip %v: %v %s", a, err, out)
 			}
@@ -170,10 +177,18 @@ func bootWith(t testing.TB, ctx context.Context, o bootOpts, phases ...string) *
 	}()
 	r.v = vm.Follow("vsock", console)
 	t.Cleanup(r.v.Stop)
-	if _, err := r.v.Wait(r.ctx, "SHUNT-VM READY"); err != nil {
-		t.Fatalf("%v\n%s", err, r.state())
+	if !o.noWait {
+		r.ready()
 	}
 	return r
+}
+
+// ready waits until the guest's init runs.
+func (r *rig) ready() {
+	r.t.Helper()
+	if _, err := r.v.Wait(r.ctx, "SHUNT-VM READY"); err != nil {
+		r.t.Fatalf("%v\n%s", err, r.state())
+	}
 }
 
 // serveOwn makes the device and serves every front-end connection on

@@ -5,12 +5,14 @@ package main
 import (
 	"bufio"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"os"
 	"os/exec"
 	"strings"
+	"syscall"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
@@ -27,7 +29,15 @@ func dialFast(port uint32) (*guestlib.Conn, error) {
 		return nil, err
 	}
 	d := guestlib.Dialer{Client: cl}
-	c, err := d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+	// The target may be a VM still booting (TestVsockVMToVM): a refused
+	// dial is retried, up to 60 s.
+	var c *guestlib.Conn
+	for deadline := time.Now().Add(60 * time.Second); ; time.Sleep(50 * time.Millisecond) {
+		c, err = d.Dial("tcp", fmt.Sprintf("%s:%d", target, port))
+		if err == nil || !errors.Is(err, syscall.ECONNREFUSED) || time.Now().After(deadline) {
+			break
+		}
+	}
 	if err != nil {
 		return nil, err
 	}
@@ -67,7 +77,9 @@ func gdial(port uint32, n int64, seed uint64) error {
 	if err != nil {
 		return fmt.Errorf("read after %d bytes: %w", got, err)
 	}
-	fmt.Printf("SHUNT-VSOCK gdial port=%d sent=%x recv=%x bytes=%d path=%v ms=%d stats=%+v\n", port, <-sent, h.Sum(nil), got, c.Path(), time.Since(start).Milliseconds(), c.Stats())
+	st := c.Stats()
+	fmt.Printf("SHUNT-VSOCK gdial port=%d sent=%x recv=%x bytes=%d ring=%d/%d tcp=%d/%d path=%v ms=%d stats=%+v\n", port, <-sent, h.Sum(nil), got,
+		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, c.Path(), time.Since(start).Milliseconds(), st)
 	return nil
 }
 

@@ -23,6 +23,16 @@
 //	gflip:PORT:0:SEED         TestVsockPolicyFlips: as gdial, then send
 //	                          seeded bytes (paced) until the host's
 //	                          stream ends, and give per-path counts
+//	glisten:PORT:BYTES:SEED   TestVsockVMToVM: listen on PORT with guestlib,
+//	                          accept one connection, wait for the fast
+//	                          path, then as gdial (BYTES 0: paced seeded
+//	                          bytes until the host connects to PORT+1)
+//	bserve:PORT:ROUNDS:0      BenchmarkVsockVMToVM: serve ROUNDS rounds of
+//	                          bclient's connections, Shunt on PORT, TCP
+//	                          on PORT+1
+//	bclient:PORT:ROUNDS:MIB   BenchmarkVsockVMToVM: ROUNDS interleaved
+//	                          rounds against ADDR (Shunt, then TCP):
+//	                          setup, 8 B ping-pong, a MIB MiB stream
 //	gkill:PORT:0:SEED         TestVsockKilled: run gchild (as gflip's
 //	                          start, then write seeded bytes for ever)
 //	                          in a process of its own, SIGKILL it after
@@ -78,6 +88,12 @@ func main() {
 			err = gdial(uint32(port), n, seed)
 		case "gflip":
 			err = gflip(uint32(port), seed)
+		case "glisten":
+			err = glisten(uint32(port), n, seed)
+		case "bserve":
+			err = bserve(uint32(port), n)
+		case "bclient":
+			err = bclient(uint32(port), n, int64(seed)<<20)
 		case "gkill":
 			err = gkill(uint32(port), seed)
 		case "gchild":

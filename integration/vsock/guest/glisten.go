@@ -1,0 +1,120 @@
+//go:build linux
+
+package main
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"net"
+	"time"
+
+	"github.com/shuntnet/shunt/guestlib"
+)
+
+// glisten is the accepting VM's end of TestVsockVMToVM: a guestlib
+// listener on port (this VM has no ivshmem: its flows go over vsock); the
+// one connection it accepts must reach the fast path. It then waits for
+// the host's go (a plain TCP connection to port+1: the test saw the
+// connection on the rings in `hostd flows`; until then the connection
+// stays open). With n > 0 it then sends n seeded bytes while reading to
+// EOF, as gdial. With n == 0 (TestVsockVMToVMFlips) it sends seeded
+// bytes, 64 KiB every 10 ms, until the host connects to port+1 again
+// (its flips are done), then half-closes and reads to EOF. The line gives both
+// directions' length and SHA-256 and the connection's per-path counts.
+func glisten(port uint32, n int64, seed uint64) error {
+	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
+	if err != nil {
+		return err
+	}
+	lc := guestlib.ListenConfig{Client: cl}
+	l, err := lc.Listen(context.Background(), "tcp", fmt.Sprintf(":%d", port))
+	if err != nil {
+		return err
+	}
+	defer l.Close()
+	endl, err := net.Listen("tcp", fmt.Sprintf(":%d", port+1))
+	if err != nil {
+		return err
+	}
+	defer endl.Close()
+	fmt.Printf("SHUNT-VSOCK LISTENING port=%d\n", port)
+	c, err := l.AcceptShunt()
+	if err != nil {
+		return err
+	}
+	defer c.Close()
+	for deadline := time.Now().Add(60 * time.Second); !c.Path().Fast; time.Sleep(5 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("not on the fast path after 60 s: %v", c.Path())
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ONRINGS port=%d\n", port)
+	hostWord := func() error {
+		e, err := endl.Accept()
+		if err == nil {
+			e.Close()
+		}
+		return err
+	}
+	if err := hostWord(); err != nil {
+		return err
+	}
+	start := time.Now()
+	type got struct {
+		n   int64
+		sum []byte
+		err error
+	}
+	recv := make(chan got, 1)
+	go func() {
+		h := sha256.New()
+		k, err := io.Copy(h, c)
+		recv <- got{k, h.Sum(nil), err}
+	}()
+	h := sha256.New()
+	src := rand.NewChaCha8(seedBytes(seed))
+	var sent int64
+	var werr error
+	if n > 0 {
+		sent, werr = io.Copy(io.MultiWriter(c, h), io.LimitReader(src, n))
+	} else {
+		end := make(chan struct{})
+		go func() {
+			_ = hostWord()
+			close(end)
+		}()
+		buf := make([]byte, 64<<10)
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+	send:
+		for {
+			select {
+			case <-end:
+				break send
+			case <-tick.C:
+			}
+			src.Read(buf)
+			k, err := c.Write(buf)
+			h.Write(buf[:k])
+			sent += int64(k)
+			if err != nil {
+				werr = err
+				break
+			}
+		}
+	}
+	if werr == nil {
+		werr = c.CloseWrite()
+	}
+	r := <-recv
+	if r.err != nil || werr != nil {
+		return fmt.Errorf("read %d bytes: %v; wrote %d: %v; stats %+v", r.n, r.err, sent, werr, c.Stats())
+	}
+	st := c.Stats()
+	fmt.Printf("SHUNT-VSOCK glisten port=%d sent=%x sentbytes=%d recv=%x bytes=%d ring=%d/%d tcp=%d/%d readies=%d downs=%d resent=%d ms=%d\n", port, h.Sum(nil), sent, r.sum, r.n,
+		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, st.Readies, st.Downs, st.Resent, time.Since(start).Milliseconds())
+	return nil
+}
