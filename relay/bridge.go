@@ -65,6 +65,7 @@ type Bridge struct {
 	relOnce  sync.Once
 	attached func()
 	st       bridgeStats
+	zc       *zcFlow // the in-direction sends by reference from its registered region (nil: it copies)
 
 	mu       sync.Mutex
 	err      error // why it stopped by itself (first error)
@@ -99,6 +100,11 @@ type BridgeOptions struct {
 	// attaches only once it is back: a byte sent by ring then would never
 	// wake it).
 	HoldIn bool
+	// Region, if set, is the guest's region registered on the Flow's
+	// RDMA link (RDMALink.Register): the in-direction then sends the
+	// ring's bytes by reference, and the NIC reads them from the ring
+	// (zero copy, docs/rdma.md). A Region of another link is ignored.
+	Region *Region
 	// Attached, if set, is called once (on a goroutine of the bridge)
 	// when the guest's reader has attached the ring the bridge writes:
 	// the other host's bridge may then attach its guest's write ring
@@ -168,7 +174,7 @@ type bridgeStats struct {
 func NewBridge(in, out *ring.Ring, f *Flow, o BridgeOptions) *Bridge {
 	b := &Bridge{flow: f, in: in, out: out, policy: o.Policy, poll: o.Poll,
 		halted: make(chan struct{}), evCh: make(chan struct{}, 1), done: make(chan struct{}), inDone: make(chan struct{}), outDone: make(chan struct{}),
-		release: make(chan struct{}), attached: o.Attached}
+		release: make(chan struct{}), attached: o.Attached, zc: newZCFlow(f, o.Region)}
 	if !o.HoldIn {
 		b.ReleaseIn()
 	}
@@ -329,12 +335,15 @@ func (b *Bridge) Stats() BridgeStats {
 // directions' goroutines, which every wait lets go at once (the Flow's
 // close, the rings' interrupts), so it returns within a wake-up. Safe to
 // call more than once and from any goroutine: later calls return the
-// same End.
+// same End. With a Region, it also waits until the in-direction's frames
+// by reference were written (bounded: zcWait, then the link ends), so
+// the caller may reuse the ring's memory once it returns.
 func (b *Bridge) Stop(reason proto.Reason) End {
 	b.stop1.Do(func() {
 		b.halt()
 		b.down(reason)
 		<-b.done
+		b.zc.wait()
 		_ = fault.Do(func() {
 			if b.w != nil {
 				_ = b.w.Leave()

@@ -72,7 +72,7 @@ func (c *ringConn) Write(p []byte) (int, error) {
 func bridgedConns(b *testing.B, guest *wait.Policy) (*ringConn, *ringConn, func()) {
 	x := newBridged(b, 1<<20, 0, 1)
 	if guest == nil {
-		guest = x.la.waitPolicy()
+		guest = x.la.(*Link).waitPolicy()
 	}
 	end := func(wr, rr *ring.Ring) *ringConn {
 		w, err := ring.NewWriter(wr, guest)

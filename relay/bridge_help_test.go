@@ -65,7 +65,7 @@ func (p *pair) byteAt(ba bool, i uint64) byte {
 // reads AB), each host's bridge on its side of one Flow of a link over
 // loopback TCP.
 type bridged struct {
-	la, lb *Link
+	la, lb Carrier
 	ca, cb []net.Conn
 	h1, h2 *pair
 	b1, b2 *Bridge
@@ -83,6 +83,13 @@ func newBridged(t testing.TB, capacity, window int, id uint32) *bridged {
 
 func onLinks(t testing.TB, la, lb *Link, ca, cb []net.Conn, capacity int, id uint32) *bridged {
 	t.Helper()
+	return onPairs(t, la, lb, ca, cb, newPair(t, capacity), newPair(t, capacity), id, BridgeOptions{}, BridgeOptions{})
+}
+
+// onPairs bridges h1 and h2 over flow id of la and lb, with each host's
+// options (nil Policy: the link's Hub, as hostd's bridges).
+func onPairs(t testing.TB, la, lb Carrier, ca, cb []net.Conn, h1, h2 *pair, id uint32, o1, o2 BridgeOptions) *bridged {
+	t.Helper()
 	fa, err := la.Open(id)
 	if err != nil {
 		t.Fatal(err)
@@ -91,9 +98,9 @@ func onLinks(t testing.TB, la, lb *Link, ca, cb []net.Conn, capacity int, id uin
 	if err != nil {
 		t.Fatal(err)
 	}
-	x := &bridged{la: la, lb: lb, ca: ca, cb: cb, h1: newPair(t, capacity), h2: newPair(t, capacity)}
-	x.b1 = NewBridge(x.h1.ab, x.h1.ba, fa, BridgeOptions{}) // nil Policy: the link's Hub, as hostd's bridges
-	x.b2 = NewBridge(x.h2.ba, x.h2.ab, fb, BridgeOptions{})
+	x := &bridged{la: la, lb: lb, ca: ca, cb: cb, h1: h1, h2: h2}
+	x.b1 = NewBridge(x.h1.ab, x.h1.ba, fa, o1)
+	x.b2 = NewBridge(x.h2.ba, x.h2.ab, fb, o2)
 	t.Cleanup(func() { x.b1.Stop(proto.ReasonShutdown); x.b2.Stop(proto.ReasonShutdown) })
 	return x
 }

@@ -149,14 +149,23 @@ func (b *Bridge) waitStart() (s uint64, started bool, err error) {
 // as a stall.
 func (b *Bridge) send(p []byte) error {
 	if b.flow.credit() >= uint64(len(p)) {
-		_, err := b.flow.Write(p)
+		_, err := b.write(p)
 		return err
 	}
 	t := time.Now()
-	_, err := b.flow.Write(p)
+	_, err := b.write(p)
 	b.st.inStalls.Add(1)
 	b.st.inStalled.Add(int64(time.Since(t)))
 	return err
+}
+
+// write sends p on the Flow: by reference from the registered region
+// (zero copy), or copied.
+func (b *Bridge) write(p []byte) (int, error) {
+	if b.zc != nil {
+		return b.flow.writeFrom(p, b.zc)
+	}
+	return b.flow.Write(p)
 }
 
 // free gives the guest back the ring bytes the peer acknowledged: the

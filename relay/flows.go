@@ -62,7 +62,8 @@ func (m *mux) Err() error {
 // linkStats are the link's counters (Stats), updated without its lock.
 type linkStats struct {
 	bytesOut, bytesIn, frames, writes atomic.Uint64
-	stalled                           atomic.Int64 // ns writers waited for credit, over all flows
+	gathered, gatherWrites            atomic.Uint64 // RDMA: payload bytes gathered from guests' rings, and the writes that did
+	stalled                           atomic.Int64  // ns writers waited for credit, over all flows
 }
 
 // Stats are a link's counters, for metrics per link.
@@ -71,12 +72,17 @@ type Stats struct {
 	Frames            uint64        // frames sent
 	Writes            uint64        // transport writes that sent them (Frames/Writes: the batching)
 	Stalled           time.Duration // time writers waited for credit, summed over flows (a wait counts once it ends)
+	// Gathered is the payload bytes the RDMA link's NIC read straight
+	// from guests' rings by scatter entry (zero copy, sending side), in
+	// GatherWrites writes; 0 on the TCP link.
+	Gathered, GatherWrites uint64
 }
 
 // Stats returns the link's counters so far.
 func (m *mux) Stats() Stats {
 	return Stats{BytesOut: m.stats.bytesOut.Load(), BytesIn: m.stats.bytesIn.Load(), Frames: m.stats.frames.Load(),
-		Writes: m.stats.writes.Load(), Stalled: time.Duration(m.stats.stalled.Load())}
+		Writes: m.stats.writes.Load(), Stalled: time.Duration(m.stats.stalled.Load()),
+		Gathered: m.stats.gathered.Load(), GatherWrites: m.stats.gatherWrites.Load()}
 }
 
 // Dropped counts frames that named a flow not open here (a late frame of

@@ -36,6 +36,12 @@ type frame struct {
 	arg  uint64
 	data []byte
 	pool *[]byte // data's buffer, from payloads, if it came from there
+	// zc, if set, says data aliases a guest's ring in zc's registered
+	// region, at zoff (checked when queued: offsetIn): the RDMA link's
+	// writer gathers it by scatter entry, and calls zc.written once the
+	// write completed (zerocopy.go).
+	zc   *zcFlow
+	zoff uint64
 }
 
 // payloadClasses are the sizes of the pooled buffers that carry a DATA

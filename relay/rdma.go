@@ -66,6 +66,16 @@ type RDMALink struct {
 	relBytes, relBatches uint64 // the release last written to the peer
 	creditBusy           bool
 	closeOnce            sync.Once
+
+	// zero copy, sending side (zerocopy.go)
+	maxSGE     int   // scatter entries a write may gather; 0: no Gather
+	sg         []SGE // the writer's entries of the batch being built
+	pmu        sync.Mutex
+	posted     [][]*zcFlow // per posted write, in order, the frames by reference it gathers (nil: none)
+	regMu      sync.Mutex
+	regs       map[*Region]struct{}
+	regsClosed bool          // the link finished: no new registration
+	finished   chan struct{} // closed once the queue pair and registrations are freed
 }
 
 // DialRDMA sets up an RDMA link over v: the two ends exchange their
@@ -145,6 +155,10 @@ func newRDMALink(v Verbs, o RDMAOptions, side net.Conn) *RDMALink {
 	if l.spin <= 0 {
 		l.spin = 50 * time.Microsecond
 	}
+	l.finished, l.regs = make(chan struct{}), map[*Region]struct{}{}
+	if g, ok := v.(Gather); ok {
+		l.maxSGE = g.MaxSGE()
+	}
 	l.init(o.Window, o.MaxEarly)
 	l.route = func(uint32) func(frame) { return l.send }
 	l.teardown = func() {} // the goroutines stop at done; the last closes v
@@ -155,7 +169,14 @@ func newRDMALink(v Verbs, o RDMAOptions, side net.Conn) *RDMALink {
 	l.wg.Add(2)
 	go l.writer()
 	go l.poller()
-	go func() { l.wg.Wait(); l.closeOnce.Do(func() { v.Close() }) }()
+	go func() {
+		l.wg.Wait()
+		l.closeOnce.Do(func() {
+			l.deregisterAll() // before the queue pair and its protection domain go
+			v.Close()
+		})
+		close(l.finished)
+	}()
 	return l
 }
 
@@ -184,8 +205,21 @@ func (l *RDMALink) writer() {
 		l.q = nil
 		l.qmu.Unlock()
 		for len(q) > 0 {
-			k, n := 0, 0
+			k, n, ents, run := 0, 0, 0, false
 			for k < len(q) && n+q[k].size() <= l.maxBatch {
+				// Scatter entries: a run of the send buffer (headers,
+				// copied payloads) and one per payload by reference.
+				e := ents
+				if !run {
+					e++
+				}
+				if q[k].zc != nil {
+					e++
+				}
+				if k > 0 && l.maxSGE > 0 && e > l.maxSGE {
+					break // the device gathers no more: the next batch takes it
+				}
+				ents, run = e, q[k].zc == nil
 				n += q[k].size()
 				k++
 			}
@@ -198,8 +232,10 @@ func (l *RDMALink) writer() {
 	}
 }
 
-// writeBatch waits for room in the peer's ring, copies the frames into
-// Send at the batch's place and posts the write.
+// writeBatch waits for room in the peer's ring, lays the frames out in
+// Send at the batch's place (headers, and payloads it copies) and posts
+// the write: one entry for a batch of copies, else a gather whose
+// payloads by reference the NIC reads from the guests' rings.
 func (l *RDMALink) writeBatch(fs []frame, n int) error {
 	off := l.wpos % l.size
 	skip := uint64(0)
@@ -210,20 +246,71 @@ func (l *RDMALink) writeBatch(fs []frame, n int) error {
 		return err
 	}
 	buf := l.v.Send()[off : off+uint64(n)]
+	sg := l.sg[:0]
+	var zcs []*zcFlow
+	var gathered uint64
+	add := func(e SGE) {
+		if k := len(sg) - 1; k >= 0 && sg[k].Key == 0 && e.Key == 0 && sg[k].Off+uint64(sg[k].Len) == e.Off {
+			sg[k].Len += e.Len
+			return
+		}
+		sg = append(sg, e)
+	}
 	p := 0
 	for i := range fs {
+		h := p
 		p += copy(buf[p:], fs[i].header(buf[p:p]))
+		if z := fs[i].zc; z != nil {
+			add(SGE{Key: 0, Off: off + uint64(h), Len: headerSize})
+			add(SGE{Key: z.r.key, Off: fs[i].zoff, Len: uint32(len(fs[i].data))})
+			zcs = append(zcs, z)
+			gathered += uint64(len(fs[i].data))
+			p += len(fs[i].data)
+			continue
+		}
 		p += copy(buf[p:], fs[i].data)
+		fs[i].release()
+		add(SGE{Key: 0, Off: off + uint64(h), Len: uint32(p - h)})
 	}
+	l.sg = sg
 	l.inflight.Add(1)
-	if err := l.v.Write(int(off), n); err != nil {
+	l.pmu.Lock()
+	l.posted = append(l.posted, zcs)
+	l.pmu.Unlock()
+	var err error
+	if len(zcs) == 0 {
+		err = l.v.Write(int(off), n)
+	} else {
+		err = l.v.(Gather).WriteSG(int(off), n, sg)
+	}
+	if err != nil {
 		return fmt.Errorf("relay rdma: post write: %w", err)
 	}
 	l.wpos += skip + uint64(n)
 	l.wbatches++
 	l.stats.frames.Add(uint64(len(fs)))
 	l.stats.writes.Add(1)
+	if gathered > 0 {
+		l.stats.gathered.Add(gathered)
+		l.stats.gatherWrites.Add(1)
+	}
 	return nil
+}
+
+// writeDone: the oldest posted write completed (an RC queue pair
+// completes its sends in order): its frames by reference are written.
+func (l *RDMALink) writeDone() {
+	l.pmu.Lock()
+	var zcs []*zcFlow
+	if len(l.posted) > 0 {
+		zcs = l.posted[0]
+		l.posted[0] = nil
+		l.posted = l.posted[1:]
+	}
+	l.pmu.Unlock()
+	for _, z := range zcs {
+		z.written()
+	}
 }
 
 // waitRoom waits until need more bytes and one more batch fit in what the
@@ -328,6 +415,7 @@ func (l *RDMALink) complete(c Completion) error {
 	switch c.Op {
 	case OpWrite:
 		l.inflight.Add(-1)
+		l.writeDone()
 	case OpCredit:
 		l.creditBusy = false
 	case OpRecv:

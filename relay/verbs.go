@@ -161,3 +161,35 @@ func (e Endpoint) Check(p Endpoint) error {
 	}
 	return nil
 }
+
+// Gather is implemented by Verbs that can register memory for the local
+// NIC to read and gather one write from several places: the sending side
+// of zero copy (zerocopy.go, docs/rdma.md "Zero copy of guests' rings").
+// A registration made here grants the peer nothing: it has no remote
+// key, and the NIC only reads it for this end's own writes.
+type Gather interface {
+	// Register registers mem (a guest region the relay maps) for the
+	// local NIC to read, no remote access; its pages stay pinned until
+	// Deregister, so a guest that truncates the region cannot fault the
+	// NIC's read. The key is never 0 (0 names the Send buffer).
+	Register(mem []byte) (key uint32, err error)
+	// Deregister removes a registration; no posted write may still
+	// gather from it (the link waits for their completions first).
+	Deregister(key uint32) error
+	// MaxSGE is how many scatter entries one WriteSG may have.
+	MaxSGE() int
+	// WriteSG posts an RDMA WRITE WITH IMMEDIATE of the bytes sg names,
+	// in order, n in all, to offset off of the peer's ring (immediate
+	// n); its completion is OpWrite. An entry outside its registration,
+	// or of a key not registered, is refused (here, or by the NIC with
+	// a local protection error: the link ends).
+	WriteSG(off, n int, sg []SGE) error
+}
+
+// SGE is one scatter/gather entry of a WriteSG: Len bytes at Off of the
+// registered memory Key (0: the Send buffer).
+type SGE struct {
+	Key uint32
+	Off uint64
+	Len uint32
+}

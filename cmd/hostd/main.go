@@ -260,14 +260,14 @@ func runClient(cmd string, args []string) error {
 		if err := json.Unmarshal(out, &ps); err != nil {
 			return err
 		}
-		fmt.Fprintln(tw, "PEER\tADDRESS\tSTATE\tLINK\tPREFIXES\tANNOUNCED\tREFUSED\tFLOWS\tBYTES IN\tBYTES OUT\tRTT\tCONNECTS\tRELAY\tRELAYED IN\tRELAYED OUT\tSTALLED\tERROR\tWHY TCP")
+		fmt.Fprintln(tw, "PEER\tADDRESS\tSTATE\tLINK\tPREFIXES\tANNOUNCED\tREFUSED\tFLOWS\tBYTES IN\tBYTES OUT\tRTT\tCONNECTS\tRELAY\tRELAYED IN\tRELAYED OUT\tZERO COPY OUT\tSTALLED\tERROR\tWHY TCP")
 		for _, p := range ps {
 			rl := peers.RelayInfo{Link: "-", Stalled: "-"}
 			if p.Relay != nil {
 				rl = *p.Relay
 			}
-			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\t%d\t%d\t%s\t%s\t%s\n", p.Name, p.Address, p.State, or(p.Link, "-"), strings.Join(p.Prefixes, ","),
-				p.Announced, len(p.Refused), p.Flows, p.BytesIn, p.BytesOut, or(p.RTT, "-"), p.Reconnects, rl.Link, rl.BytesIn, rl.BytesOut, rl.Stalled, or(p.Error, "-"), rl.Why)
+			fmt.Fprintf(tw, "%s\t%s\t%s\t%s\t%s\t%d\t%d\t%d\t%d\t%d\t%s\t%d\t%s\t%d\t%d\t%d\t%s\t%s\t%s\n", p.Name, p.Address, p.State, or(p.Link, "-"), strings.Join(p.Prefixes, ","),
+				p.Announced, len(p.Refused), p.Flows, p.BytesIn, p.BytesOut, or(p.RTT, "-"), p.Reconnects, rl.Link, rl.BytesIn, rl.BytesOut, rl.Gathered, rl.Stalled, or(p.Error, "-"), rl.Why)
 		}
 	case admin.CmdMigrateOut, admin.CmdMigrateIn:
 		var rep admin.MigrateReply

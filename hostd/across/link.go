@@ -210,13 +210,14 @@ func (r *Room) linked(l *plink, gen uint64, c carried) {
 	l.up.Store(true)
 	l.made++
 	r.m.links.WithLabelValues(l.peer).Inc()
-	r.m.lastBytes[l.peer], r.m.lastStall[l.peer] = [2]uint64{}, 0
+	r.m.lastBytes[l.peer], r.m.lastStall[l.peer], r.m.lastGath[l.peer] = [2]uint64{}, 0, 0
 	r.log.Info("relay link up", "peer", l.peer, "transport", c.transport, "why", c.why, "conns", c.n)
 	lk := l.l
 	go func() {
 		lk.Wait()
 		r.post(func() { r.linkDown(l, lk) })
 	}()
+	r.registerAll(l.peer)
 	for _, s := range r.sessions {
 		if s.peer == l.peer {
 			r.b.RetryAcross(s)

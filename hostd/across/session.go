@@ -9,6 +9,7 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
 )
 
 // session is the relay's session with the broker for one peer and one
@@ -23,9 +24,10 @@ type session struct {
 	g       *broker.Guest
 	conns   map[uint32]*xconn // by its request ids (owned by the event loop)
 	nextReq uint32
-	regions map[uint32][]byte // mapped regions by id (owned by the event loop)
-	gate    *atomic.Bool      // the peer's link is up (shared with its plink)
-	kicks   vmKicks           // the bridges of VM guests, for their KICKs
+	regions map[uint32][]byte        // mapped regions by id (owned by the event loop)
+	regs    map[uint32]*relay.Region // their registrations on the peer's RDMA link (zerocopy.go; the event loop's)
+	gate    *atomic.Bool             // the peer's link is up (shared with its plink)
+	kicks   vmKicks                  // the bridges of VM guests, for their KICKs
 }
 
 type sessKey struct{ peer, group string }
@@ -41,7 +43,7 @@ func (r *Room) session(peer string, g *broker.Guest) (*session, error) {
 		return s, nil
 	}
 	r.nextGID++
-	s := &session{r: r, peer: peer, conns: map[uint32]*xconn{}, regions: map[uint32][]byte{}, gate: &r.link(peer).up,
+	s := &session{r: r, peer: peer, conns: map[uint32]*xconn{}, regions: map[uint32][]byte{}, regs: map[uint32]*relay.Region{}, gate: &r.link(peer).up,
 		g: &broker.Guest{Name: "relay/" + peer + "/" + g.Group.Name, ID: broker.RelayIDBase + r.nextGID, Group: g.Group}}
 	if err := r.b.AddRelay(s.g, s); err != nil {
 		return nil, err
@@ -109,10 +111,12 @@ func (s *session) SendFile(m proto.Msg, f *os.File) {
 	}
 	s.r.post(func() {
 		if old := s.regions[m.RegionID]; old != nil {
-			_ = unix.Munmap(old)
+			delete(s.regions, m.RegionID)
+			s.unmap(m.RegionID, old) // its registration first
 		}
 		if mem != nil {
 			s.regions[m.RegionID] = mem
+			s.r.register(s, m.RegionID)
 		}
 	})
 }
@@ -138,7 +142,7 @@ func (r *Room) fromBroker(s *session, m proto.Msg) {
 	case proto.Unregion:
 		if mem := s.regions[m.RegionID]; mem != nil {
 			delete(s.regions, m.RegionID)
-			_ = unix.Munmap(mem)
+			s.unmap(m.RegionID, mem) // its registration first
 		}
 	}
 }

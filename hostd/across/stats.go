@@ -8,15 +8,16 @@ import (
 
 // Relay is what `hostd peers` shows of the relay to one peer.
 type Relay struct {
-	Link      string `json:"link"`       // up, or down
-	Transport string `json:"transport"`  // the link's, while up: tcp or rdma
-	Why       string `json:"why"`        // why it is TCP (docs/rdma.md); hostd peers and the log say it
-	Flows     int    `json:"flows"`      // connections on the rings through the relay now
-	Conns     int    `json:"conns"`      // connections across hosts hostd keeps a record of
-	BytesOut  uint64 `json:"bytes_out"`  // flow bytes sent on the link (this link's life)
-	BytesIn   uint64 `json:"bytes_in"`   // received
-	Stalled   string `json:"stalled"`    // time senders waited for the peer's credit
-	Reconnect uint64 `json:"reconnects"` // links made
+	Link      string `json:"link"`         // up, or down
+	Transport string `json:"transport"`    // the link's, while up: tcp or rdma
+	Why       string `json:"why"`          // why it is TCP (docs/rdma.md); hostd peers and the log say it
+	Flows     int    `json:"flows"`        // connections on the rings through the relay now
+	Conns     int    `json:"conns"`        // connections across hosts hostd keeps a record of
+	BytesOut  uint64 `json:"bytes_out"`    // flow bytes sent on the link (this link's life)
+	BytesIn   uint64 `json:"bytes_in"`     // received
+	Stalled   string `json:"stalled"`      // time senders waited for the peer's credit
+	Reconnect uint64 `json:"reconnects"`   // links made
+	Gathered  uint64 `json:"gathered_out"` // of BytesOut, read by the RDMA NIC straight from guests' rings (zero copy)
 }
 
 // Relays describes the relay to each peer. It asks the event loop, and
@@ -38,7 +39,7 @@ func (r *Room) relays() map[string]Relay {
 		rl := Relay{Link: "down", Reconnect: l.made}
 		if l.l != nil {
 			st := l.l.Stats()
-			rl.Link, rl.BytesOut, rl.BytesIn, rl.Stalled = "up", st.BytesOut, st.BytesIn, st.Stalled.String()
+			rl.Link, rl.BytesOut, rl.BytesIn, rl.Stalled, rl.Gathered = "up", st.BytesOut, st.BytesIn, st.Stalled.String(), st.Gathered
 			rl.Transport, rl.Why = l.transport, l.why
 		}
 		out[peer] = rl
@@ -64,7 +65,9 @@ type metricSet struct {
 	stalled   *prometheus.CounterVec
 	links     *prometheus.CounterVec
 	resumes   *prometheus.CounterVec
+	gathered  *prometheus.CounterVec
 	lastBytes map[string][2]uint64
+	lastGath  map[string]uint64
 	lastStall map[string]time.Duration
 }
 
@@ -80,10 +83,12 @@ func newMetrics(reg prometheus.Registerer) *metricSet {
 			Help: "Relay links made to a peer (a reconnect makes one more)."}, []string{"peer"}),
 		resumes: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_relay_resumes_total",
 			Help: "Relayed stretches ended, by how the guest resumed on TCP (at: an exact offset; all: nothing had crossed; reset: the peer never said)."}, []string{"peer", "how"}),
-		lastBytes: map[string][2]uint64{}, lastStall: map[string]time.Duration{},
+		gathered: prometheus.NewCounterVec(prometheus.CounterOpts{Name: "shunt_relay_gathered_bytes_total",
+			Help: "Of the flow bytes sent on the relay's RDMA link, those its NIC read straight from guests' rings by scatter entry (zero copy), per peer."}, []string{"peer"}),
+		lastBytes: map[string][2]uint64{}, lastStall: map[string]time.Duration{}, lastGath: map[string]uint64{},
 	}
 	if reg != nil {
-		reg.MustRegister(m.flows, m.bytes, m.stalled, m.links, m.resumes)
+		reg.MustRegister(m.flows, m.bytes, m.stalled, m.links, m.resumes, m.gathered)
 	}
 	return m
 }
@@ -108,5 +113,9 @@ func (r *Room) refresh() {
 			r.m.stalled.WithLabelValues(peer).Add(d.Seconds())
 		}
 		r.m.lastStall[peer] = st.Stalled
+		if g := r.m.lastGath[peer]; st.Gathered > g {
+			r.m.gathered.WithLabelValues(peer).Add(float64(st.Gathered - g))
+		}
+		r.m.lastGath[peer] = st.Gathered
 	}
 }

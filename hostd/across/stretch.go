@@ -158,7 +158,7 @@ func (r *Room) flowOpen(x *xconn, st *stretch, ok bool) {
 	if x.guest != nil && x.guest.SharedRegion {
 		vw, policy = r.vmWake(x.s, st.ready, in, out)
 	}
-	st.br = relay.NewBridge(in, out, st.lf, relay.BridgeOptions{Policy: policy, HoldIn: true, Attached: func() {
+	st.br = relay.NewBridge(in, out, st.lf, relay.BridgeOptions{Policy: policy, HoldIn: true, Region: st.region(x.s), Attached: func() {
 		r.post(func() {
 			if x.st == st {
 				r.send(x.peer, peers.Across{Op: opAttached, ID: x.id, Peer: x.peerID, Flow: flow})
@@ -178,6 +178,15 @@ func (r *Room) flowOpen(x *xconn, st *stretch, ok bool) {
 		r.post(func() { r.bridgeDone(x, st) })
 	}()
 	r.log.Debug("relayed connection on the rings", "conn", x, "flow", st.flow, "vm", vw != nil)
+}
+
+// region is the registration of the stretch's pair region on its link,
+// for the bridge to send by reference (zerocopy.go), or nil.
+func (st *stretch) region(s *session) *relay.Region {
+	if st.l == nil || st.l.l == nil {
+		return nil
+	}
+	return s.region(st.ready.RegionID, st.l.l)
 }
 
 // vmWake makes the Signal of a VM guest's bridge on (in, out), the ring

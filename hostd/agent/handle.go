@@ -62,7 +62,7 @@ func (a *Agent) handle(r admin.Request) (any, error) {
 						link += " (" + rl.Transport + ")"
 					}
 					ps[i].Flows, ps[i].Relay = rl.Flows, &peers.RelayInfo{Link: link, Conns: rl.Conns,
-						BytesOut: rl.BytesOut, BytesIn: rl.BytesIn, Stalled: rl.Stalled, Links: rl.Reconnect, Why: rl.Why}
+						BytesOut: rl.BytesOut, BytesIn: rl.BytesIn, Stalled: rl.Stalled, Links: rl.Reconnect, Why: rl.Why, Gathered: rl.Gathered}
 				}
 			}
 		}

@@ -357,6 +357,9 @@ type RelayInfo struct {
 	Stalled  string `json:"stalled"`       // senders' waits for credit
 	Links    uint64 `json:"links"`         // links made (reconnects + 1)
 	Why      string `json:"why,omitempty"` // why the link is TCP, not RDMA (docs/rdma.md)
+	// Gathered: of BytesOut, the bytes the RDMA link's NIC read straight
+	// from guests' rings (zero copy, docs/rdma.md).
+	Gathered uint64 `json:"gathered_out"`
 }
 
 // List describes every configured peer, by name.

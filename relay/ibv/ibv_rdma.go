@@ -17,6 +17,7 @@ import (
 	"fmt"
 	"io/fs"
 	"os"
+	"sync"
 	"syscall"
 	"time"
 	"unsafe"
@@ -36,9 +37,31 @@ type qp struct {
 	// dev is the device's name, node its uverbs node in sysfs, which
 	// the kernel deletes first when the device's removal begins (Gone).
 	dev, node string
+
+	// Guest memory registered for local reads (relay.Gather): Register
+	// and Deregister come from the relay's goroutines, WriteSG from the
+	// link's writer.
+	maxSGE  int
+	sendKey C.uint32_t
+	sges    []C.struct_shim_sge // the writer's
+	regMu   sync.Mutex
+	regs    map[uint32]mreg
+	nextKey uint32
 }
 
-var _ relay.DeviceWatch = (*qp)(nil)
+// mreg is one registration: where it lies, for the bounds check of each
+// scatter entry.
+type mreg struct {
+	mr   unsafe.Pointer
+	base uintptr
+	len  uint64
+	lkey C.uint32_t
+}
+
+var (
+	_ relay.DeviceWatch = (*qp)(nil)
+	_ relay.Gather      = (*qp)(nil)
+)
 
 // Open makes a queue pair on a device, in state INIT, with its buffers
 // registered.
@@ -87,6 +110,8 @@ func Open(c Config) (relay.Verbs, error) {
 	q.credit = (*[2]uint64)(unsafe.Add(rb, c.Size))
 	q.wcs = make([]C.struct_shim_wc, 64)
 	q.dev, q.node = C.GoString(C.shim_dev_name(q.s)), C.GoString(C.shim_dev_path(q.s))
+	q.maxSGE, q.sendKey = int(C.shim_max_sge(q.s)), C.shim_send_lkey(q.s)
+	q.sges, q.regs = make([]C.struct_shim_sge, max(q.maxSGE, 1)), map[uint32]mreg{}
 	return q, nil
 }
 
@@ -116,6 +141,67 @@ func errno(rc C.int) error {
 }
 
 func (q *qp) Write(off, n int) error { return errno(C.shim_write(q.s, C.uint32_t(off), C.uint32_t(n))) }
+
+func (q *qp) MaxSGE() int { return q.maxSGE }
+
+// Register registers mem (the relay's mapping of a guest region) for
+// this NIC to read: no remote access, the pages pinned until Deregister.
+func (q *qp) Register(mem []byte) (uint32, error) {
+	if len(mem) == 0 {
+		return 0, errors.New("ibv: register an empty region")
+	}
+	var errb [256]C.char
+	var lkey C.uint32_t
+	base := unsafe.Pointer(unsafe.SliceData(mem))
+	mr := C.shim_reg(q.s, base, C.size_t(len(mem)), &lkey, &errb[0], C.int(len(errb)))
+	if mr == nil {
+		return 0, fmt.Errorf("ibv: %s", C.GoString(&errb[0]))
+	}
+	q.regMu.Lock()
+	defer q.regMu.Unlock()
+	q.nextKey++
+	for q.nextKey == 0 || q.regs[q.nextKey].mr != nil {
+		q.nextKey++
+	}
+	q.regs[q.nextKey] = mreg{mr: mr, base: uintptr(base), len: uint64(len(mem)), lkey: lkey}
+	return q.nextKey, nil
+}
+
+func (q *qp) Deregister(key uint32) error {
+	q.regMu.Lock()
+	r, ok := q.regs[key]
+	delete(q.regs, key)
+	q.regMu.Unlock()
+	if !ok {
+		return fmt.Errorf("ibv: key %d is not registered", key)
+	}
+	return errno(C.shim_dereg(r.mr))
+}
+
+// WriteSG checks each entry against its registration's bounds and posts
+// one write gathering them.
+func (q *qp) WriteSG(off, n int, sg []relay.SGE) error {
+	if len(sg) == 0 || len(sg) > q.maxSGE {
+		return fmt.Errorf("ibv: a write of %d scatter entries (at most %d)", len(sg), q.maxSGE)
+	}
+	q.regMu.Lock()
+	for i, e := range sg {
+		var r mreg
+		if e.Key == 0 {
+			r = mreg{base: uintptr(unsafe.Pointer(unsafe.SliceData(q.send))), len: uint64(len(q.send)), lkey: q.sendKey}
+		} else if r = q.regs[e.Key]; r.mr == nil {
+			q.regMu.Unlock()
+			return fmt.Errorf("ibv: scatter entry of key %d: not registered", e.Key)
+		}
+		if e.Off > r.len || uint64(e.Len) > r.len-e.Off {
+			q.regMu.Unlock()
+			return fmt.Errorf("ibv: scatter entry %d+%d outside its registration of %d bytes", e.Off, e.Len, r.len)
+		}
+		q.sges[i] = C.struct_shim_sge{addr: C.uint64_t(uint64(r.base) + e.Off), len: C.uint32_t(e.Len), lkey: r.lkey}
+	}
+	q.regMu.Unlock()
+	return errno(C.shim_write_sg(q.s, C.uint32_t(off), C.uint32_t(n), &q.sges[0], C.int(len(sg))))
+}
 
 func (q *qp) WriteCredit(bytes, batches uint64) error {
 	return errno(C.shim_write_credit(q.s, C.uint64_t(bytes), C.uint64_t(batches)))

@@ -30,6 +30,7 @@ struct shim {
 	uint32_t psn;
 	uint64_t peer_ring;
 	uint32_t peer_rkey;
+	int max_sge; /* scatter entries a write may gather (the queue pair's) */
 	char dev_path[256]; /* the device's uverbs node in sysfs: gone once its removal begins */
 	char dev_name[64];
 	struct shim_wc stash[SHIM_STASH];
@@ -108,11 +109,18 @@ int shim_open(const char *dev, int port, int gid_index, uint32_t size, int depth
 	ia.qp_type = IBV_QPT_RC;
 	ia.cap.max_send_wr = 2 * depth + 4;
 	ia.cap.max_recv_wr = depth + 1;
-	ia.cap.max_send_sge = 1;
+	/* Gathers from guests' rings (shim_write_sg): as many entries as the
+	 * device gives, up to SHIM_MAX_SGE. */
+	struct ibv_device_attr da;
+	int want_sge = 1;
+	if (ibv_query_device(s->ctx, &da) == 0 && da.max_sge > 1)
+		want_sge = da.max_sge < SHIM_MAX_SGE ? da.max_sge : SHIM_MAX_SGE;
+	ia.cap.max_send_sge = want_sge;
 	ia.cap.max_recv_sge = 1;
 	ia.cap.max_inline_data = 16;
 	if (!(s->qp = ibv_create_qp(s->pd, &ia)))
 		FAIL("create qp: %s", strerror(errno));
+	s->max_sge = (int)ia.cap.max_send_sge < want_sge ? (int)ia.cap.max_send_sge : want_sge;
 
 	struct ibv_qp_attr a;
 	memset(&a, 0, sizeof a);
@@ -204,6 +212,54 @@ int shim_write(struct shim *s, uint32_t off, uint32_t n)
 	wr.wr_id = SHIM_OP_WRITE;
 	wr.sg_list = &sge;
 	wr.num_sge = 1;
+	wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
+	wr.send_flags = IBV_SEND_SIGNALED;
+	wr.imm_data = htonl(n);
+	wr.wr.rdma.remote_addr = s->peer_ring + off;
+	wr.wr.rdma.rkey = s->peer_rkey;
+	return -ibv_post_send(s->qp, &wr, &bad);
+}
+
+int shim_max_sge(struct shim *s) { return s->max_sge; }
+uint32_t shim_send_lkey(struct shim *s) { return s->smr->lkey; }
+
+/* shim_reg registers guest memory for this NIC to read: access 0 is
+ * local read only (no remote key is ever handed out for it). The pages
+ * stay pinned until shim_dereg. */
+void *shim_reg(struct shim *s, void *addr, size_t len, uint32_t *lkey, char *err, int errlen)
+{
+	struct ibv_mr *mr = ibv_reg_mr(s->pd, addr, len, 0);
+	if (!mr) {
+		snprintf(err, errlen, "register %zu bytes for local read: %s", len, strerror(errno));
+		return NULL;
+	}
+	*lkey = mr->lkey;
+	return mr;
+}
+
+int shim_dereg(void *mr) { return -ibv_dereg_mr((struct ibv_mr *)mr); }
+
+/* shim_write_sg is shim_write gathering from k entries (n bytes in all)
+ * into the peer's ring at off. */
+int shim_write_sg(struct shim *s, uint32_t off, uint32_t n, const struct shim_sge *sg, int k)
+{
+	if ((uint64_t)off + n > s->size || k < 1 || k > s->max_sge)
+		return -EINVAL;
+	struct ibv_sge sge[SHIM_MAX_SGE];
+	uint64_t total = 0;
+	for (int i = 0; i < k; i++) {
+		sge[i].addr = sg[i].addr;
+		sge[i].length = sg[i].len;
+		sge[i].lkey = sg[i].lkey;
+		total += sg[i].len;
+	}
+	if (total != n)
+		return -EINVAL;
+	struct ibv_send_wr wr, *bad;
+	memset(&wr, 0, sizeof wr);
+	wr.wr_id = SHIM_OP_WRITE;
+	wr.sg_list = sge;
+	wr.num_sge = k;
 	wr.opcode = IBV_WR_RDMA_WRITE_WITH_IMM;
 	wr.send_flags = IBV_SEND_SIGNALED;
 	wr.imm_data = htonl(n);

@@ -30,12 +30,30 @@ struct shim_info {
 
 struct shim;
 
+/* One scatter entry of shim_write_sg: len bytes at addr of memory whose
+ * registration's local key is lkey (checked by the Go side against the
+ * registration's bounds; the NIC checks them again). */
+struct shim_sge {
+	uint64_t addr;
+	uint32_t len;
+	uint32_t lkey;
+};
+
+#define SHIM_MAX_SGE 16 /* scatter entries a write may gather, at most */
+
 int shim_open(const char *dev, int port, int gid_index, uint32_t size, int depth, uint32_t psn,
               struct shim **out, struct shim_info *info, char *err, int errlen);
 int shim_connect(struct shim *s, const struct shim_info *peer, char *err, int errlen);
 void *shim_send_buf(struct shim *s);
 void *shim_recv_buf(struct shim *s);
 int shim_write(struct shim *s, uint32_t off, uint32_t n);
+/* Zero copy, sending side: guest memory registered for the local NIC to
+ * read (no remote access), and a write that gathers from it. */
+int shim_max_sge(struct shim *s);
+uint32_t shim_send_lkey(struct shim *s);
+void *shim_reg(struct shim *s, void *addr, size_t len, uint32_t *lkey, char *err, int errlen);
+int shim_dereg(void *mr);
+int shim_write_sg(struct shim *s, uint32_t off, uint32_t n, const struct shim_sge *sg, int k);
 int shim_write_credit(struct shim *s, uint64_t bytes, uint64_t batches);
 int shim_post_recv(struct shim *s, int k);
 int shim_poll(struct shim *s, struct shim_wc *wcs, int n);
