@@ -183,9 +183,10 @@ mpi() {
 	links=$(counter 'shunt_relay_links_total{peer=h2}')
 	out=$(counter 'shunt_relay_bytes_total{dir=out,peer=h2}')
 	in=$(counter 'shunt_relay_bytes_total{dir=in,peer=h2}')
+	gathered=$(counter 'shunt_relay_gathered_bytes_total{peer=h2}')
 	show peers
 	has peers "up (rdma)" || fail the link is no longer RDMA after the job
-	say MPI-RDMA links="$links" out="$out" in="$in"
+	say MPI-RDMA links="$links" out="$out" in="$in" gathered="$gathered"
 	run rsh 7777 10.78.1.2 touch /tmp/mpi.done
 	say DONE
 }
@@ -248,4 +249,10 @@ stage end
 counters
 grep -E "relay link|switch to|bridge stopped|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
 show counters
+# Zero copy: of the bytes the relay sent to the other host (over its
+# links, RDMA then TCP), those the NIC read straight from the guest's
+# ring (relay's gathers; the counters refresh each second).
+sleep 1.5
+if [ "$me" = h1 ]; then them=h2; else them=h1; fi
+say ZEROCOPY gathered="$(counter "shunt_relay_gathered_bytes_total{peer=$them}")" out="$(counter "shunt_relay_bytes_total{dir=out,peer=$them}")"
 say DONE

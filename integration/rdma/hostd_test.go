@@ -50,6 +50,23 @@ func TestRDMAHostd(t *testing.T) {
 			t.Errorf("h1 (server) never said %q", want)
 		}
 	}
+	// Zero copy, sending side: each host's relay sent bytes of its
+	// guest's stream by scatter entry from the guest's ring (the NIC read
+	// them there) while the link was RDMA.
+	for name, v := range map[string]*vm.VM{"h2 (client)": client, "h1 (server)": server} {
+		var g, out float64
+		found := false
+		for _, l := range strings.Split(v.Console(), "\n") {
+			if _, rest, ok := strings.Cut(l, "HOSTD-AGENT ZEROCOPY "); ok {
+				_, err := fmt.Sscanf(rest, "gathered=%g out=%g", &g, &out)
+				found = err == nil
+			}
+		}
+		if !found || g <= 0 || g > out {
+			t.Errorf("%s: %v bytes gathered from the guest's ring of %v sent (found %v); want some, at most all", name, g, out, found)
+		}
+		t.Logf("%s: %v of %v bytes sent gathered from the guest's ring (zero copy)", name, g, out)
+	}
 }
 
 // TestRDMARxeRemoved: the RDMA device removed under hostd's relay
@@ -77,6 +94,23 @@ func TestRDMARxeRemoved(t *testing.T) {
 		if !server.Has(0, want) {
 			t.Errorf("h1 (server) never said %q", want)
 		}
+	}
+	// Zero copy, sending side: each host's relay sent bytes of its
+	// guest's stream by scatter entry from the guest's ring (the NIC read
+	// them there) while the link was RDMA.
+	for name, v := range map[string]*vm.VM{"h2 (client)": client, "h1 (server)": server} {
+		var g, out float64
+		found := false
+		for _, l := range strings.Split(v.Console(), "\n") {
+			if _, rest, ok := strings.Cut(l, "HOSTD-AGENT ZEROCOPY "); ok {
+				_, err := fmt.Sscanf(rest, "gathered=%g out=%g", &g, &out)
+				found = err == nil
+			}
+		}
+		if !found || g <= 0 || g > out {
+			t.Errorf("%s: %v bytes gathered from the guest's ring of %v sent (found %v); want some, at most all", name, g, out, found)
+		}
+		t.Logf("%s: %v of %v bytes sent gathered from the guest's ring (zero copy)", name, g, out)
 	}
 }
 
@@ -132,21 +166,24 @@ func TestRDMAMPI(t *testing.T) {
 			fail("no %q: a pair within a guest did not stay on vader", w)
 		}
 	}
-	var links, bout, bin float64
+	var links, bout, bin, gath float64
 	found := false
 	for _, l := range strings.Split(out, "\n") {
 		if _, rest, ok := strings.Cut(l, "HOSTD-AGENT MPI-RDMA "); ok {
-			_, err := fmt.Sscanf(rest, "links=%g out=%g in=%g", &links, &bout, &bin)
+			_, err := fmt.Sscanf(rest, "links=%g out=%g in=%g gathered=%g", &links, &bout, &bin, &gath)
 			found = err == nil
 		}
 	}
 	if !found || links != 1 || bout < float64(n) || bin < float64(n) {
 		fail("h1's relay to h2: %v links made, %v bytes out, %v in; want the one RDMA link, at least %d bytes each way", links, bout, bin, n)
 	}
+	if gath <= 0 || gath > bout {
+		fail("h1's relay to h2: %v of %v bytes out gathered from the guests' rings; want some (zero copy), at most all", gath, bout)
+	}
 	if !client.Has(0, "HOSTD-AGENT DONE") {
 		fail("h2 never said DONE")
 	}
-	t.Logf("%d directions on relayed rings; h1's RDMA link to h2 carried %v bytes out, %v in", rel, bout, bin)
+	t.Logf("%d directions on relayed rings; h1's RDMA link to h2 carried %v bytes out (%v of them gathered from the rings), %v in", rel, bout, gath, bin)
 }
 
 // hostdRig boots the two VM hosts of TestRDMAHostd with hostd-agent.sh's
