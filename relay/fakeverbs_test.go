@@ -136,9 +136,10 @@ func (f *fakeVerbs) WriteSG(off, n int, sg []SGE) error {
 	}
 	sg = append([]SGE(nil), sg...)
 	carry := func() {
+		// What each entry names, as the NIC finds it now.
 		f.mu.Lock()
-		b := make([]byte, 0, n)
-		for _, e := range sg {
+		srcs := make([][]byte, len(sg))
+		for i, e := range sg {
 			mem := f.send
 			if e.Key != 0 {
 				mem = f.regs[e.Key]
@@ -146,16 +147,20 @@ func (f *fakeVerbs) WriteSG(off, n int, sg []SGE) error {
 			}
 			if mem == nil {
 				f.violation = append(f.violation, fmt.Sprintf("key %d read after its deregistration", e.Key))
-				b = append(b, make([]byte, e.Len)...)
+				srcs[i] = make([]byte, e.Len)
 				continue
 			}
-			b = append(b, mem[e.Off:e.Off+uint64(e.Len)]...)
+			srcs[i] = mem[e.Off : e.Off+uint64(e.Len)]
 		}
 		for k := range keys {
 			f.reading[k]--
 		}
 		f.mu.Unlock()
-		f.land(off, b)
+		f.land(off, n, func(dst []byte) {
+			for _, b := range srcs {
+				dst = dst[copy(dst, b):]
+			}
+		})
 	}
 	if f.holdW {
 		f.held = append(f.held, carry)
@@ -217,21 +222,22 @@ func (f *fakeVerbs) Write(off, n int) error {
 	if off < 0 || n <= 0 || off+n > len(f.send) {
 		return errors.New("fake: write outside the send buffer")
 	}
+	fill := func(dst []byte) { copy(dst, f.send[off:off+n]) }
 	f.mu.Lock()
 	if f.holdW {
-		f.held = append(f.held, func() { f.land(off, append([]byte(nil), f.send[off:off+n]...)) })
+		f.held = append(f.held, func() { f.land(off, n, fill) })
 		f.mu.Unlock()
 		return nil
 	}
 	f.mu.Unlock()
-	f.land(off, f.send[off:off+n])
+	f.land(off, n, fill)
 	return nil
 }
 
-// land carries out a write of b to off of the peer's ring: the peer's
+// land carries out a write of n bytes to off of the peer's ring, which
+// fill writes (reading the source as the NIC does, now): the peer's
 // receive completes, then this end's write.
-func (f *fakeVerbs) land(off int, b []byte) {
-	n := len(b)
+func (f *fakeVerbs) land(off, n int, fill func(dst []byte)) {
 	f.mu.Lock()
 	broken := f.broken
 	f.mu.Unlock()
@@ -248,7 +254,7 @@ func (f *fakeVerbs) land(off int, b []byte) {
 		return
 	}
 	p.posted--
-	copy(p.recv[off:off+n], b)
+	fill(p.recv[off : off+n])
 	p.mu.Unlock()
 	p.deliver(Completion{Op: OpRecv, Imm: uint32(n)})
 	f.deliver(Completion{Op: OpWrite})

@@ -277,6 +277,14 @@ func (l *RDMALink) writeBatch(fs []frame, n int) error {
 	l.pmu.Lock()
 	l.posted = append(l.posted, zcs)
 	l.pmu.Unlock()
+	// Counted before the post: the peer may have the bytes before the
+	// post returns.
+	l.stats.frames.Add(uint64(len(fs)))
+	l.stats.writes.Add(1)
+	if gathered > 0 {
+		l.stats.gathered.Add(gathered)
+		l.stats.gatherWrites.Add(1)
+	}
 	var err error
 	if len(zcs) == 0 {
 		err = l.v.Write(int(off), n)
@@ -288,12 +296,6 @@ func (l *RDMALink) writeBatch(fs []frame, n int) error {
 	}
 	l.wpos += skip + uint64(n)
 	l.wbatches++
-	l.stats.frames.Add(uint64(len(fs)))
-	l.stats.writes.Add(1)
-	if gathered > 0 {
-		l.stats.gathered.Add(gathered)
-		l.stats.gatherWrites.Add(1)
-	}
 	return nil
 }
 

@@ -13,7 +13,7 @@ import (
 
 // rdmaLinks sets up two RDMA links over a fake queue pair pair, through
 // DialRDMA over a pipe (the side channel).
-func rdmaLinks(t *testing.T, size, depth uint32, o RDMAOptions) (*RDMALink, *RDMALink, *fakeVerbs, *fakeVerbs) {
+func rdmaLinks(t testing.TB, size, depth uint32, o RDMAOptions) (*RDMALink, *RDMALink, *fakeVerbs, *fakeVerbs) {
 	t.Helper()
 	va, vb := fakePair(size, depth)
 	sa, sb := net.Pipe()
