@@ -79,6 +79,9 @@ func (s *session) unmap(id uint32, mem []byte) {
 		if reg != nil {
 			reg.Deregister()
 		}
-		_ = unix.Munmap(mem)
+		_ = munmap(mem)
 	}()
 }
+
+// munmap unmaps a region (a variable for tests).
+var munmap = unix.Munmap
