@@ -71,7 +71,8 @@ type RDMALink struct {
 	maxSGE     int   // scatter entries a write may gather; 0: no Gather
 	sg         []SGE // the writer's entries of the batch being built
 	pmu        sync.Mutex
-	posted     [][]*zcFlow // per posted write, in order, the frames by reference it gathers (nil: none)
+	posted     [][]*zcFlow   // per posted write, in order, the frames by reference it gathers (nil: none)
+	written    atomic.Uint64 // writes completed: the progress the zero-copy waits look for
 	regMu      sync.Mutex
 	regs       map[*Region]struct{}
 	regsClosed bool          // the link finished: no new registration
@@ -310,6 +311,7 @@ func (l *RDMALink) writeDone() {
 		l.posted = l.posted[1:]
 	}
 	l.pmu.Unlock()
+	l.written.Add(1)
 	for _, z := range zcs {
 		z.written()
 	}

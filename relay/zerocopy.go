@@ -25,8 +25,9 @@ import (
 // the peer acknowledged them, and Bridge.Stop waits for the flow's count
 // before the ring can be reused; Region.Deregister waits for the region's
 // before the registration goes, which hostd does before it unmaps the
-// region. Both waits are bounded: past zcWait the link is ended, which
-// destroys its queue pair and so ends every read of the NIC.
+// region. Both waits are bounded: after zcWait in which the link
+// completed no write, the link is ended, which destroys its queue pair
+// and so ends every read of the NIC.
 
 // zcMin is the smallest payload sent by reference: below it a copy costs
 // less than a scatter entry (and keeps small frames of many flows in one
@@ -34,8 +35,9 @@ import (
 const zcMin = 4 << 10
 
 // zcWait bounds the waits for a region's or a flow's frames by reference
-// to be written: a writer that cannot write (the peer withholds ring
-// credit) ends the link after this. A variable for tests.
+// to be written while the link completes no write: a writer that cannot
+// write (the peer withholds ring credit) ends the link after this. A
+// variable for tests.
 var zcWait = 5 * time.Second
 
 // ErrNoGather: the link's verbs cannot register memory for gathers, or
@@ -65,16 +67,25 @@ func (r *refs) done() {
 }
 
 // wait waits until no frame is outstanding, or finished is closed (the
-// link's queue pair is gone: nothing reads any more); false after d.
-func (r *refs) wait(finished <-chan struct{}, d time.Duration) bool {
+// link's queue pair is gone: nothing reads any more). It gives up (false)
+// once d passed without progress (a count of the link's completed
+// writes that did not move): a link that writes slowly is waited for, a
+// stuck one is not.
+func (r *refs) wait(finished <-chan struct{}, d time.Duration, progress func() uint64) bool {
 	t := time.NewTimer(d)
 	defer t.Stop()
+	last := progress()
 	for r.n.Load() > 0 {
 		select {
 		case <-r.ch:
 		case <-finished:
 			return true
 		case <-t.C:
+			if p := progress(); p != last {
+				last = p
+				t.Reset(d)
+				continue
+			}
 			return false
 		}
 	}
@@ -141,7 +152,7 @@ func (r *Region) Deregister() {
 	r.closing = true
 	r.mu.Unlock()
 	l := r.l
-	if !r.refs.wait(l.finished, zcWait) {
+	if !r.refs.wait(l.finished, zcWait, l.written.Load) {
 		l.fail(errZCStuck)
 		<-l.finished
 	}
@@ -196,7 +207,7 @@ func (z *zcFlow) wait() {
 	if z == nil {
 		return
 	}
-	if !z.refs.wait(z.r.l.finished, zcWait) {
+	if !z.refs.wait(z.r.l.finished, zcWait, z.r.l.written.Load) {
 		z.r.l.fail(errZCStuck)
 		<-z.r.l.finished
 	}
