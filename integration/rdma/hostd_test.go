@@ -34,8 +34,10 @@ import (
 // fault: the queue pairs' retries run out), the RDMA link ends, the link
 // comes back as TCP (`up (tcp)`, the minute's back-off) and the
 // connection is back on the relay over it; the whole stream arrives
-// intact. Bytes: SHUNT_RDMA_HOSTD_BYTES (4
-// MiB, small for TCG's sake).
+// intact; each host's relay sent some of its guest's bytes by scatter
+// entry straight from the guest's ring (zero copy, sending side:
+// shunt_relay_gathered_bytes_total above 0 and at most the bytes sent).
+// Bytes: SHUNT_RDMA_HOSTD_BYTES (4 MiB, small for TCG's sake).
 func TestRDMAHostd(t *testing.T) {
 	n := envInt("SHUNT_RDMA_HOSTD_BYTES", 4<<20)
 	client, server := hostdRig(t, "full", n, 6*time.Minute, nil)
@@ -94,23 +96,6 @@ func TestRDMARxeRemoved(t *testing.T) {
 		if !server.Has(0, want) {
 			t.Errorf("h1 (server) never said %q", want)
 		}
-	}
-	// Zero copy, sending side: each host's relay sent bytes of its
-	// guest's stream by scatter entry from the guest's ring (the NIC read
-	// them there) while the link was RDMA.
-	for name, v := range map[string]*vm.VM{"h2 (client)": client, "h1 (server)": server} {
-		var g, out float64
-		found := false
-		for _, l := range strings.Split(v.Console(), "\n") {
-			if _, rest, ok := strings.Cut(l, "HOSTD-AGENT ZEROCOPY "); ok {
-				_, err := fmt.Sscanf(rest, "gathered=%g out=%g", &g, &out)
-				found = err == nil
-			}
-		}
-		if !found || g <= 0 || g > out {
-			t.Errorf("%s: %v bytes gathered from the guest's ring of %v sent (found %v); want some, at most all", name, g, out, found)
-		}
-		t.Logf("%s: %v of %v bytes sent gathered from the guest's ring (zero copy)", name, g, out)
 	}
 }
 
