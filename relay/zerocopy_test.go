@@ -364,3 +364,26 @@ func TestZeroCopyStopWaits(t *testing.T) {
 		t.Fatalf("the link ended: %v", err)
 	}
 }
+
+// TestZeroCopyOtherLinkIgnored: a registration of another link (the
+// link was replaced, or the flow is on a TCP link) gives the bridge no
+// frames by reference: it copies.
+func TestZeroCopyOtherLinkIgnored(t *testing.T) {
+	x := newZCFlows(t)
+	other, _, _, _ := rdmaLinks(t, MinRing, 16, RDMAOptions{})
+	reg, err := other.Register(x.mem)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if newZCFlow(x.fa, reg) != nil {
+		t.Fatal("a flow took a region of another RDMA link")
+	}
+	la, _ := links(t, 1, LinkOptions{})
+	f, err := la.Open(9)
+	if err != nil {
+		t.Fatal(err)
+	}
+	if newZCFlow(f, x.reg) != nil || newZCFlow(f, nil) != nil {
+		t.Fatal("a TCP link's flow took an RDMA link's region")
+	}
+}
