@@ -21,7 +21,8 @@
 // Configuration, by Options or environment:
 //
 //	SHUNT_CONTROL  control socket or port (default /run/shunt/guest.sock,
-//	               or in a VM a port found on its own, see below)
+//	               or in a VM a port found on its own, see below), or
+//	               "vsock": the host's vsock port 0x5343
 //	SHUNT_REGION   region file to map instead of the one hostd names
 //	               (default in a VM: its ivshmem BAR)
 //	SHUNT_WAIT     adaptive (default), spin or block
@@ -34,7 +35,10 @@
 // wakes its peers through hostd (KICK), by the rules the C library follows
 // too (docs/vm.md, "Discovery"; vhost/vserial, vhost/ivshmem). When other
 // processes hold every port, connections stay on TCP with the reason
-// "control-limit", and the client takes a port once one is free.
+// "control-limit", and the client takes a port once one is free. A VM
+// with no port but vsock (Firecracker has no virtio-serial) gets its
+// control channel over vsock, and its flows over vsock stretches
+// (docs/vsock.md).
 //
 // If hostd is unreachable, everything works on plain TCP and Path says
 // "no-hostd". If hostd restarts, connections keep their paths and move

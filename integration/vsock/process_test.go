@@ -21,6 +21,7 @@ import (
 	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/testenv"
 	"github.com/shuntnet/shunt/vhost/vserial"
+	"github.com/shuntnet/shunt/vhost/vsock"
 )
 
 // The VM of TestVsockProcessGuest, on a tap in the rig's host namespace.
@@ -53,10 +54,35 @@ const (
 // them (hostd/vsockhost TestStretchGoneDrains, hostd/broker
 // TestStretchPeerGoneAtRelease).
 func TestVsockProcessGuest(t *testing.T) {
+	vsockDial(t, vmHow{})
+}
+
+// TestVsockControlOverVsock: TestVsockProcessGuest for a VM with no
+// virtio-serial port (as under Firecracker) and no control socket in
+// hostd's config: the library finds no port, takes its control channel
+// over vsock (hostd serves it on the VM's device, port 0x5343), and its
+// flow over a stretch with no option set.
+func TestVsockControlOverVsock(t *testing.T) {
+	vsockDial(t, vmHow{noPort: true})
+}
+
+// TestVsockHybrid: the same VM, its vsock device this test's (standing
+// for Firecracker's or Cloud Hypervisor's own device) exposed as a hybrid
+// vsock socket, the protocol those hypervisors speak; hostd is configured
+// with that socket alone (vsock { hybrid = ... }) and serves the control
+// channel and the stretch at <socket>_<port>, where the hybrid face sends
+// the guest's connections to the host.
+func TestVsockHybrid(t *testing.T) {
+	vsockDial(t, vmHow{noPort: true, hybrid: true})
+}
+
+// vsockDial runs TestVsockProcessGuest's exchange with the VM set up as
+// how says.
+func vsockDial(t *testing.T, how vmHow) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
 	defer cancel()
-	v := startVsockVM(t, ctx, fmt.Sprintf("gdial:%d:%d:7", procPort, procLen))
+	v := startVsockVMHow(t, ctx, how, fmt.Sprintf("gdial:%d:%d:7", procPort, procLen))
 	s, hostd, r, c, fail := v.s, v.hostd, v.r, v.c, v.fail
 	booted := v.booted
 	ctx = r.ctx
@@ -66,13 +92,25 @@ func TestVsockProcessGuest(t *testing.T) {
 		t.Logf("process guest's connection: %+v", gc.Stats())
 	}
 	r.guestLineOf(ctx, "VM to process guest over vsock", host, fmt.Sprintf("SHUNT-VSOCK gdial port=%d ", procPort))
+	if how.noPort && !strings.Contains(r.v.Console(), "shunt: control over vsock") {
+		fail("the VM's library did not say it took its control channel over vsock")
+	}
+	// The VM's first write may go by TCP: its writer moves to its ring
+	// once it sees the ring's reader (its bridge) attached, which the
+	// bridge's goroutine does just after READY (1 run in 9 here).
+	const least = procLen - 64<<10
+	if how.hybrid { // the device is this process's
+		st := r.dev.Stats()
+		if rx, tx := st.RxBytes.Load(), st.TxBytes.Load(); rx < least || tx < least || st.BadPackets.Load() != 0 {
+			fail("the hybrid device carried rx %d tx %d bytes (bad packets %d): want the stream (%d bytes) but one write each way", rx, tx, st.BadPackets.Load(), procLen)
+		}
+		t.Logf("boot %v, whole test %v", booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+		return
+	}
 	cs := counters(hostd, s.Admin)
 	for _, dir := range []string{"rx", "tx"} {
 		key := fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", dir)
-		// The VM's first write may go by TCP: its writer moves to its ring
-		// once it sees the ring's reader (its bridge) attached, which the
-		// bridge's goroutine does just after READY (1 run in 9 here).
-		if v := counterValue(cs, key); v < procLen-64<<10 {
+		if v := counterValue(cs, key); v < least {
 			fail("%s = %v: the device carried less than the stream (%d bytes) but one write", key, v, procLen)
 		}
 	}
@@ -80,6 +118,14 @@ func TestVsockProcessGuest(t *testing.T) {
 		fail("the honest guest's driver was refused %v times", v)
 	}
 	t.Logf("boot %v, whole test %v", booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// vmHow is how startVsockVMHow sets the VM up.
+type vmHow struct {
+	noPort bool // no virtio-serial port and no control socket: control over vsock
+	// hybrid: the vsock device is this process's, served to hostd through
+	// a hybrid vsock socket (vsock.ServeHybrid), as Firecracker's is.
+	hybrid bool
 }
 
 // vsockVM is a rig host with hostd, one process guest listening on
@@ -102,6 +148,11 @@ type vsockVM struct {
 // whose program runs phases after learning the process guest's address,
 // and returns once the process guest accepted the VM's connection.
 func startVsockVM(t *testing.T, ctx context.Context, phases ...string) *vsockVM {
+	return startVsockVMHow(t, ctx, vmHow{}, phases...)
+}
+
+// startVsockVMHow is startVsockVM with the VM set up as how says.
+func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...string) *vsockVM {
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
 	start := time.Now()
@@ -110,9 +161,17 @@ func startVsockVM(t *testing.T, ctx context.Context, phases ...string) *vsockVM 
 	if out, err := exec.Command("go", "build", "-o", hostd, "../../cmd/hostd").CombinedOutput(); err != nil {
 		t.Fatalf("build hostd: %v\n%s", err, out)
 	}
-	control, vsockSock := filepath.Join(dir, "vm.sock"), filepath.Join(dir, "vm.vsock")
-	extra := fmt.Sprintf("guest \"vm\" {\n  id = %d\n  group = \"t\"\n  control = %q\n  addresses = [%q]\n  vsock {\n    socket = %q\n    cid = %d\n  }\n}\n",
-		vsockVMID, control, vsockVMAddr, vsockSock, guestCID)
+	control, vsockSock, hybridSock := filepath.Join(dir, "vm.sock"), filepath.Join(dir, "vm.vsock"), filepath.Join(dir, "fc.vsock")
+	controlLine := fmt.Sprintf("  control = %q\n", control)
+	if how.noPort {
+		controlLine = ""
+	}
+	device := fmt.Sprintf("    socket = %q\n    cid = %d\n", vsockSock, guestCID)
+	if how.hybrid {
+		device = fmt.Sprintf("    hybrid = %q\n", hybridSock)
+	}
+	extra := fmt.Sprintf("guest \"vm\" {\n  id = %d\n  group = \"t\"\n%s  addresses = [%q]\n  vsock {\n%s  }\n}\n",
+		vsockVMID, controlLine, vsockVMAddr, device)
 	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("vk%d", os.Getpid()%100000), Guests: 1, HostdBin: hostd, Dir: dir, Extra: extra, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
@@ -143,12 +202,24 @@ func startVsockVM(t *testing.T, ctx context.Context, phases ...string) *vsockVM 
 			accepted <- c
 		}
 	}()
-	ports, err := vserial.Port{ID: "shunt0", Socket: control, Ports: 1}.QEMUArgs()
-	if err != nil {
-		t.Fatal(err)
+	o := bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock}
+	if !how.noPort {
+		if o.qemu, err = (vserial.Port{ID: "shunt0", Socket: control, Ports: 1}).QEMUArgs(); err != nil {
+			t.Fatal(err)
+		}
 	}
-	v.r = bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock, qemu: ports},
-		append([]string{fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr)}, phases...)...)
+	if how.hybrid { // this process is the hypervisor's vsock device
+		o.sock = filepath.Join(dir, "qemu.vsock")
+		o.serve = func(r *rig, sock string) {
+			r.serveOwn(sock)
+			h, err := vsock.ServeHybrid(r.dev, hybridSock)
+			if err != nil {
+				t.Fatal(err)
+			}
+			t.Cleanup(func() { h.Close() })
+		}
+	}
+	v.r = bootWith(t, ctx, o, append([]string{fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr)}, phases...)...)
 	v.booted = time.Since(start)
 	select {
 	case v.c = <-accepted:
