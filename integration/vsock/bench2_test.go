@@ -31,8 +31,9 @@ func BenchmarkVsockVMToVM(b *testing.B) {
 			fmt.Sprintf("bclient:%d:%d:%d", vm2vmPort, rounds, mib))
 		m := map[string]map[string][]float64{"shunt": {}, "tcp": {}}
 		for r := 0; r < 2*rounds; r++ {
-			line, err := p.a.v.WaitAny(p.a.ctx, 0, "SHUNT-VSOCK BENCH round=", "SHUNT-VSOCK ERROR")
-			if err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK BENCH") {
+			prefix := fmt.Sprintf("SHUNT-VSOCK BENCH round=%d mode=%s ", r/2, []string{"shunt", "tcp"}[r%2])
+			line, err := p.a.v.WaitAny(p.a.ctx, 0, prefix, "SHUNT-VSOCK ERROR")
+			if err != nil || !strings.HasPrefix(line, prefix) {
 				p.fail("benchmark: %q %v", line, err)
 			}
 			b.Logf("%s", line)
