@@ -16,6 +16,8 @@ import (
 const (
 	hostdPath     = "/usr/sbin/hostd"
 	unitPath      = "/lib/systemd/system/shunt-hostd.service"
+	vstretchdPath = "/usr/sbin/shunt-vstretchd"
+	vstretchdUnit = "/lib/systemd/system/shunt-vstretchd.service"
 	configPath    = "/etc/shunt/hostd.hcl"
 	dashboardPath = "/usr/share/shunt/grafana-dashboard.json"
 	shuntRunPath  = "/usr/bin/shunt-run"
@@ -86,13 +88,18 @@ func (b build) packages() ([]*nfpm.Info, error) {
  shunt-run starts a program with libshunt-preload.so, which moves the TCP
  connections hostd allows to shared-memory rings and leaves all others on
  TCP. In a VM, a udev rule gives group shunt the virtio-serial control ports
- and the ivshmem region, so members of that group can use the fast path.`)
+ and the ivshmem region, so members of that group can use the fast path. In
+ a VM without ivshmem but with virtio-vsock, shunt-vstretchd (a unit, not
+ enabled) carries the flows of programs run with SHUNT_VSOCK=1 over vsock.`)
 	// groupadd is in passwd.
 	guest.Depends = append(nonEmpty(guestLibc), "passwd")
 	guest.Contents = files.Contents{
 		file(bin("shunt-run"), shuntRunPath, 0o755),
 		file(bin("libshunt-preload.so"), preloadPath, 0o644),
 		file(src("packaging/guest/70-shunt.rules"), udevRulePath, 0o644),
+		// VMs without ivshmem: the C library's vsock stretches (docs/vsock.md).
+		file(bin("shunt-vstretchd"), vstretchdPath, 0o755),
+		file(src("packaging/guest/shunt-vstretchd.service"), vstretchdUnit, 0o644),
 		file(src("docs/preload.md"), "/usr/share/doc/shunt-guest/preload.md", 0o644),
 		// The MPI component joins this package when it exists.
 	}

@@ -163,6 +163,7 @@ func TestPackageContents(t *testing.T) {
 		}, "libc6 (>= 2.", cdiPath + "\n" + configPath},
 		{"shunt-guest", map[string]string{
 			shuntRunPath: "-rwxr-xr-x", preloadPath: "-rw-r--r--", udevRulePath: "-rw-r--r--",
+			vstretchdPath: "-rwxr-xr-x", vstretchdUnit: "-rw-r--r--",
 		}, "libc6 (>= 2.", ""},
 	} {
 		t.Run(tc.pkg, func(t *testing.T) {

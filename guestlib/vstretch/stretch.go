@@ -23,8 +23,13 @@ type Stretch struct {
 	link *relay.Link
 	b    *relay.Bridge
 	mem  []byte
+	free func() // lets mem go
 	once sync.Once
 }
+
+// RingSpan is the bytes one ring of capacity takes in a stretch's
+// memory: its ring, rounded up to whole pages. W is at 0, R at RingSpan.
+func RingSpan(capacity int) int { return (ring.Size(capacity) + 4095) &^ 4095 }
 
 // Open opens the stretch of flow h on c (a fresh stream to the host; the
 // Stretch owns it from now on): it sends the Hello, makes the ring pair
@@ -32,36 +37,73 @@ type Stretch struct {
 // anonymous memory, and starts the bridge. p is how the bridge waits for
 // this side's rings (nil: adaptive).
 func Open(c net.Conn, h relay.Hello, capacity int, p *wait.Policy) (*Stretch, error) {
-	size := (ring.Size(capacity) + 4095) &^ 4095
-	mem, err := unix.Mmap(-1, 0, 2*size, unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
+	if capacity <= 0 || capacity > ring.MaxCapacity {
+		c.Close()
+		return nil, fmt.Errorf("vsock stretch: ring capacity %d out of range", capacity)
+	}
+	mem, err := unix.Mmap(-1, 0, 2*RingSpan(capacity), unix.PROT_READ|unix.PROT_WRITE, unix.MAP_ANON|unix.MAP_PRIVATE)
 	if err != nil {
 		c.Close()
 		return nil, fmt.Errorf("vsock stretch: rings: %w", err)
 	}
-	s := &Stretch{mem: mem}
-	for i, rp := range []**ring.Ring{&s.W, &s.R} {
-		m := mem[i*size : (i+1)*size]
-		if err := ring.Format(m, capacity); err != nil {
-			unix.Munmap(mem)
-			c.Close()
-			return nil, fmt.Errorf("vsock stretch: %w", err)
+	return OpenIn(c, h, capacity, p, mem, func() { unix.Munmap(mem) })
+}
+
+// OpenIn is Open with the rings in mem (2*RingSpan(capacity) bytes, W
+// first), which the Stretch owns from now on: free is called once nothing
+// touches mem any more (at Close or Abort, or when OpenIn fails).
+// shunt-vstretchd gives mem as a memfd's mapping, which the C library
+// maps too (docs/vsock.md, "The C library's stretches").
+func OpenIn(c net.Conn, h relay.Hello, capacity int, p *wait.Policy, mem []byte, free func()) (*Stretch, error) {
+	if err := FormatRings(mem, capacity); err != nil {
+		free()
+		c.Close()
+		return nil, fmt.Errorf("vsock stretch: %w", err)
+	}
+	return openOn(c, h, capacity, p, mem, free)
+}
+
+// FormatRings formats the ring pair of a stretch in mem (W first).
+func FormatRings(mem []byte, capacity int) error {
+	size := RingSpan(capacity)
+	if len(mem) < 2*size {
+		return fmt.Errorf("%d bytes of memory for rings of %d bytes", len(mem), capacity)
+	}
+	for i := range 2 {
+		if err := ring.Format(mem[i*size:(i+1)*size], capacity); err != nil {
+			return err
 		}
-		if *rp, err = ring.Attach(m, capacity); err != nil {
-			unix.Munmap(mem)
-			c.Close()
-			return nil, fmt.Errorf("vsock stretch: %w", err)
+	}
+	return nil
+}
+
+// openOn is OpenIn on rings formatted already (FormatRings), which a
+// process may have attached meanwhile (shunt-vstretchd).
+func openOn(c net.Conn, h relay.Hello, capacity int, p *wait.Policy, mem []byte, free func()) (*Stretch, error) {
+	size := RingSpan(capacity)
+	fail := func(err error) (*Stretch, error) {
+		free()
+		c.Close()
+		return nil, fmt.Errorf("vsock stretch: %w", err)
+	}
+	if len(mem) < 2*size {
+		return fail(fmt.Errorf("%d bytes of memory for rings of %d bytes", len(mem), capacity))
+	}
+	s := &Stretch{mem: mem, free: free}
+	for i, rp := range []**ring.Ring{&s.W, &s.R} {
+		var err error
+		if *rp, err = ring.Attach(mem[i*size:(i+1)*size], capacity); err != nil {
+			return fail(err)
 		}
 	}
 	if _, err := c.Write(h.Encode()); err != nil {
-		unix.Munmap(mem)
-		c.Close()
-		return nil, fmt.Errorf("vsock stretch: hello: %w", err)
+		return fail(fmt.Errorf("hello: %w", err))
 	}
 	s.link = relay.NewLink([]net.Conn{c}, relay.LinkOptions{})
 	f, err := s.link.Open(relay.VsockFlowID)
 	if err != nil {
 		s.link.Close()
-		unix.Munmap(mem)
+		free()
 		return nil, err
 	}
 	s.b = relay.NewBridge(s.W, s.R, f, relay.BridgeOptions{Policy: p})
@@ -110,6 +152,21 @@ func (s *Stretch) Close() {
 		s.link.Flushed(time.Now().Add(closeFlush))
 		s.link.Close()
 		s.link.Wait()
-		unix.Munmap(s.mem)
+		s.free()
+	})
+}
+
+// Abort ends the stretch as a break: the stream is closed first, so no
+// frame the bridge had queued (nor a DOWN) reaches the host, which then
+// resets the other end's ring unless this side's LEFT already crossed
+// (docs/vsock.md, "A stream that dies under a writer is a reset").
+// shunt-vstretchd aborts the stretch of a process that died without
+// closing it. Then as Close.
+func (s *Stretch) Abort() {
+	s.once.Do(func() {
+		s.link.Close()
+		s.b.Stop(proto.ReasonShutdown)
+		s.link.Wait()
+		s.free()
 	})
 }
