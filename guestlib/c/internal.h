@@ -115,6 +115,11 @@ void shunt_region_msg(struct shunt_session *s, const struct shunt_msg *m, struct
 int shunt_region_hold(struct shunt_session *s, uint32_t id, struct shunt_region *g, void **hold);
 void shunt_region_release(struct shunt_session *s, void *hold);
 
+/* Stretches (stretch.c): shunt_flow_attach's fallback for a region this
+ * process has not mapped, and shunt_flow_detach's part (BYE, unmap). */
+int shunt_stretch_attach(struct shunt_session *s, const struct shunt_msg *v, struct shunt_flow *f);
+void shunt_stretch_detach(struct shunt_flow *f);
+
 /* The session's log callback, formatted (session.c). */
 void shunt_logf(struct shunt_session *s, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 

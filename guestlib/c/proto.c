@@ -32,8 +32,8 @@ static const signed char layouts[SHUNT_NUM_TYPES][9] = {
 	[SHUNT_DOWN] = {F_REQ, F_RID, F_SLOT, F_GEN, F_REASON, F_END},
 	[SHUNT_LEFT] = {F_REQ, F_RID, F_SLOT, F_GEN, F_SIDE, F_END},
 	[SHUNT_RESUME] = {F_REQ, F_RID, F_SLOT, F_GEN, F_REASON, F_OFFSET, F_END},
-	/* guest -> hostd, after RESUME for a vsock stretch (docs/vsock.md);
-	 * this library has no stretches and never sends it */
+	/* guest -> hostd, after RESUME for a vsock stretch (docs/vsock.md;
+	 * stretch.c, shunt_flow_stretch_end) */
 	[SHUNT_ENDED] = {F_REQ, F_RID, F_SLOT, F_GEN, F_SIDE, F_OFFSET, F_END},
 };
 

@@ -65,7 +65,7 @@ static void poke(struct shunt_ring *r, int off)
 	if (__atomic_load_n(flag, __ATOMIC_RELAXED) == 0)
 		return;
 	if (__atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC)) {
-		if (shunt_remote_wake)
+		if (shunt_remote_wake && !r->local)
 			shunt_remote_wake(r);
 		else
 			shunt_futex_wake(flag, INT32_MAX);

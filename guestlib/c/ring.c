@@ -83,7 +83,7 @@ static void wake(struct shunt_ring *r, uint32_t *flag)
 	uint32_t one = 1;
 	if (__atomic_load_n(flag, SC) != 0 &&
 	    __atomic_compare_exchange_n(flag, &one, 0, 0, SC, SC)) {
-		if (shunt_remote_wake)
+		if (shunt_remote_wake && !r->local)
 			shunt_remote_wake(r);
 		else
 			futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
@@ -373,7 +373,7 @@ void shunt_ring_stop(struct shunt_ring *r, int reader)
 	uint32_t *flag = shunt_ring_wait_word(r, reader);
 	if (__atomic_exchange_n(flag, 0, SC))
 		futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
-	if (shunt_remote_sleep) /* VM mode: the sleepers sleep on the kick count */
+	if (shunt_remote_sleep) /* VM mode: the sleepers (and the preload library's set sleepers) sleep on the kick count */
 		shunt_kicked();
 }
 
@@ -384,9 +384,9 @@ void shunt_ring_stop(struct shunt_ring *r, int reader)
  * SA_RESTART, and fails with EINTR when it has not. Timed, FUTEX_WAIT
  * fails with EINTR after any handler: as a socket with SO_RCVTIMEO or
  * SO_SNDTIMEO, whose calls are not restarted (signal(7)). */
-static int sleep_on(uint32_t *flag, uint32_t seq, int64_t timeout_ns)
+static int sleep_on(const struct shunt_ring *r, uint32_t *flag, uint32_t seq, int64_t timeout_ns)
 {
-	if (shunt_remote_sleep)
+	if (shunt_remote_sleep && !r->local)
 		return shunt_remote_sleep(seq, timeout_ns);
 	struct timespec ts = {timeout_ns / 1000000000, timeout_ns % 1000000000};
 	if (futex(flag, FUTEX_WAIT, 1, timeout_ns < 0 ? NULL : &ts) < 0 && errno == EINTR)
@@ -428,11 +428,11 @@ int shunt_ring_wait(struct shunt_ring *r, int reader, int64_t spin_ns, int64_t t
 		if (timeout_ns >= 0 && (left = timeout_ns - (now_ns() - start)) <= 0)
 			return SHUNT_EAGAIN;
 		__atomic_add_fetch(&r->sleepers, 1, SC);
-		int err = sleep_on(flag, seq, left);
+		int err = sleep_on(r, flag, seq, left);
 		/* A waker that wakes one sleeper only (the Go library's) may have
 		 * woken this one while others of this process still sleep on the
 		 * flag, which it has cleared: pass the wake-up on. */
-		if (__atomic_sub_fetch(&r->sleepers, 1, SC) > 0 && !shunt_remote_sleep)
+		if (__atomic_sub_fetch(&r->sleepers, 1, SC) > 0 && (!shunt_remote_sleep || r->local))
 			futex(flag, FUTEX_WAKE, INT32_MAX, NULL);
 		if (err)
 			return err;

@@ -715,8 +715,10 @@ int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *v, struct
 	struct shunt_region g;
 	void *hold;
 	memset(f, 0, sizeof *f);
-	if ((v->side != 1 && v->side != 2) || shunt_region_hold(s, v->region_id, &g, &hold))
+	if (v->side != 1 && v->side != 2)
 		return SHUNT_ECORRUPT;
+	if (shunt_region_hold(s, v->region_id, &g, &hold))
+		return v->region_id != 0 && shunt_stretch_enabled() ? shunt_stretch_attach(s, v, f) : SHUNT_ECORRUPT;
 	if (shunt_region_slot(&g, v->slot, &sl) || sl.gen != v->gen || sl.capacity != v->capacity) {
 		shunt_region_release(s, hold);
 		return SHUNT_ECORRUPT;
@@ -762,6 +764,7 @@ int shunt_flow_left(const struct shunt_flow *f)
 
 void shunt_flow_detach(struct shunt_flow *f)
 {
+	shunt_stretch_detach(f);
 	if (f->session && f->hold)
 		shunt_region_release(f->session, f->hold);
 	f->hold = NULL;

@@ -87,6 +87,10 @@ struct shunt_ring {
 	 * any of its threads: */
 	int stop;       /* shunt_ring_stop: waits on this end return at once */
 	int sleepers;   /* threads asleep in shunt_ring_wait on this end */
+	/* Set once at attach: the peer is a process of this kernel (a vsock
+	 * stretch's daemon, stretch.c), so wakes and sleeps are futexes on
+	 * the ring's words even in VM mode, where others take kicks. */
+	int local;
 };
 
 /* Remote waking, for rings in a PCI BAR (a VM's ivshmem mapping): no futex
@@ -501,6 +505,7 @@ struct shunt_flow {
 	uint8_t side;                  /* 1: A (the connecting end), 2: B */
 	uint32_t req;                  /* the connection's request id (READY's), for LEFT and CLOSE */
 	struct shunt_session *session; /* for CLOSE and KICK */
+	void *stretch;                 /* a vsock stretch's (stretch.c), or NULL: the rings are a region's */
 };
 
 /* Attaches f to the flow a READY names: finds the region it names (region
@@ -514,6 +519,31 @@ int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *ready, st
  * again (the flow is freed): a region that hostd took back (UNREGION) is
  * unmapped when its last flow lets go. Idempotent. */
 void shunt_flow_detach(struct shunt_flow *f);
+/* vsock stretches (stretch.c; docs/vsock.md, "The C library's
+ * stretches"). With SHUNT_VSOCK=1 (shunt_stretch_enabled), a READY for a
+ * region this process has not mapped (a VM without ivshmem) attaches f to
+ * a ring pair that shunt-vstretchd ($SHUNT_VSTRETCHD, default
+ * /run/shunt/vstretchd.sock) bridges to the host over vsock; without the
+ * daemon shunt_flow_attach fails as for a missing region (the caller
+ * gives the READY back and stays on TCP), and says why in the log. */
+int shunt_stretch_enabled(void);
+/* Turns stretches off for the process: btl/shunt's record rings need a
+ * relayed pair's byte stream at both ends, which hostd does not give a
+ * vsock VM's flows yet (docs/mpi.md). */
+void shunt_stretch_disable(void);
+/* Whether f's rings are a stretch's. */
+int shunt_flow_stretch(const struct shunt_flow *f);
+/* After this end's writer left f's write ring (close, shutdown): waits
+ * until the daemon's bridge carried the ring's last bytes and its LEFT to
+ * the host, at most about 12 s. 0 (also for a region's flow), or -1 if it
+ * did not (said in the log). */
+int shunt_flow_drain(struct shunt_flow *f);
+/* RESUME for a stretch flow (docs/vsock.md, "Switching back"): stops its
+ * bridge (which marks the read ring left where its bytes end) and sends
+ * hostd ENDED with that offset (SHUNT_RESUME_ALL if nothing came). 1 if
+ * f is a stretch's, 0 (nothing done) otherwise. */
+int shunt_flow_stretch_end(struct shunt_flow *f, unsigned reason);
+
 /* How many regions that came by REGION are mapped now (for tests). */
 int shunt_session_regions(struct shunt_session *s);
 /* Whether either ring is reset. hostd resets both, one after the other; a

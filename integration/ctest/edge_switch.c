@@ -24,6 +24,10 @@
  *                        when the last fd closes can hold its release,
  *                        the FIN, until the waiting thread wakes)
  *
+ * SHUNT_EDGE_PACE_US (either end's own) makes the writers of the stream
+ * tests sleep that long after each call's worth: a stream that lasts, for
+ * a test that flips its path meanwhile (TestVsockPreload).
+ *
  * The client sends "NAME SEED BYTES\n"; the server plays the same test
  * with the directions swapped. Each prints "PASS NAME sent S received R"
  * or FAIL with the first wrong offset. SHUNT_EDGE_SEED and
@@ -93,7 +97,11 @@ static void *writer(void *arg)
 	gen_init(&g, x->seed, x->dir);
 	uint64_t r = x->seed ^ 0x77;
 	uint8_t *buf = malloc(BUF);
+	const char *pe = getenv("SHUNT_EDGE_PACE_US");
+	long pace = pe && *pe ? atol(pe) : 0;
 	while (x->sent < x->bytes) {
+		if (pace > 0 && x->sent)
+			usleep((useconds_t)pace);
 		size_t n = chunk(&r, x->bytes - x->sent);
 		gen_fill(&g, buf, n);
 		size_t off = 0;

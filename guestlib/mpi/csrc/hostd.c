@@ -274,6 +274,14 @@ int hostd_init(void)
 		.announce = on_announce,
 		.caps = SHUNT_CAP_RESUME, /* relayed pairs: relayed.c */
 	};
+	/* Not over vsock stretches (yet): a stretch's bridges copy bytes, and
+	 * the record rings of a lease's ring pair need both ends to take the
+	 * pair as relayed (relayed.c), which hostd says only of a relay's
+	 * pairs. A vsock VM's leases stay on TCP (docs/mpi.md). */
+	shunt_stretch_disable();
+	const char *vs = getenv("SHUNT_VSOCK");
+	if (vs && strcmp(vs, "1") == 0)
+		say(1, "SHUNT_VSOCK=1: btl/shunt has no vsock stretches yet; a vsock VM's leases stay on tcp (docs/mpi.md)");
 	pin();
 	session = shunt_session_new(&c);
 	if (!session) {

@@ -43,7 +43,7 @@ static struct rings *rings_new(void)
 	__atomic_store_n(&rg->peer_gone, 0, __ATOMIC_SEQ_CST);
 	__atomic_store_n(&rg->resumed, 0, __ATOMIC_SEQ_CST);
 	rg->resume_fd = -1;
-	rg->relayed = 0;
+	rg->relayed = rg->bridged = 0;
 	return rg;
 }
 
@@ -118,6 +118,17 @@ struct rings *reader_leave(struct flow *f, struct rings *rg)
 	return left(rg, 2);
 }
 
+/* stretch_drain: once the writer left a vsock stretch's write ring (wmu
+ * held, which keeps the stretch attached), waits until its daemon's bridge
+ * carried the ring's last bytes and LEFT to the host (bounded, stretch.c)
+ * before the kernel's FIN: the Go library's Close does the same
+ * (guestlib/stretch.go, drainStretch). Nothing for a region's rings. */
+void stretch_drain(struct rings *rg)
+{
+	if (rg->wleft && shunt_flow_stretch(&rg->sf))
+		shunt_flow_drain(&rg->sf);
+}
+
 /* rings_done gives back a pair both directions left: LEFT to hostd, the
  * region hold let go. Both locks are taken (in order, none held by the
  * caller) so that no reader or writer looks at f->rg meanwhile. */
@@ -155,6 +166,7 @@ void conn_end(struct flow *f)
 	struct shunt_flow id = {.req = f->req, .side = f->role == SHUNT_ROLE_PASSIVE ? 2 : 1, .session = session};
 	if (rg) {
 		writer_leave(f, rg);
+		stretch_drain(rg);
 		reader_leave(f, rg);
 		id = rg->sf;
 		__atomic_store_n(&f->rg, NULL, __ATOMIC_RELEASE);
@@ -220,6 +232,7 @@ static void ready(struct flow *f, const struct shunt_msg *m)
 	}
 	rg->sf.w.owner = rg->sf.r.owner = &rg->sf;
 	rg->relayed = m->relayed;
+	rg->bridged = m->relayed || shunt_flow_stretch(&rg->sf);
 	/* A reader asleep in a blocking kernel recv would not see the ring
 	 * start: the peer must not move before it is back (path.c). */
 	pthread_mutex_lock(&f->rmu);

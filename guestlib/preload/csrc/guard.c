@@ -75,7 +75,7 @@ static void trip(int ep, int fd)
 	/* Not on a relayed ring: the other guest's FIN, and at a downgrade its
 	 * TCP bytes, outrun the ring bytes the relays carry (the relay marks
 	 * the ring left in any case; resume.c). */
-	int live = !rg->relayed && !shunt_ring_writer_left(&rg->sf.r) &&
+	int live = !rg->bridged && !shunt_ring_writer_left(&rg->sf.r) &&
 		   !__atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST);
 	if (gone && live && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST)) {
 		/* The kernel's FIN or RST while the peer's writer is on the ring:

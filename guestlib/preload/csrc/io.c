@@ -270,8 +270,10 @@ INTERPOSE int shutdown(int fd, int how)
 		if (rg)
 			shunt_ring_stop(&rg->sf.w, 0); /* a writer asleep on a full ring lets go of nothing, but wakes */
 		pthread_mutex_lock(&f->wmu);
-		if (rg && __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+		if (rg && __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg) {
 			done = writer_leave(f, rg);
+			stretch_drain(rg);
+		}
 		pthread_mutex_unlock(&f->wmu);
 		rings_done(f, done);
 		for (;;) { /* a RESUME's resend goes before the FIN (resume.c) */

@@ -188,7 +188,7 @@ static void to_ring(struct flow *f, int fd, struct rings *rg)
 {
 	f->rring = 1;
 	f->rswitch++;
-	if (shunt_ring_writer_left(&rg->sf.r) || rg->relayed)
+	if (shunt_ring_writer_left(&rg->sf.r) || rg->bridged)
 		return;
 	char c;
 	int e = errno;
@@ -212,7 +212,7 @@ static void to_ring(struct flow *f, int fd, struct rings *rg)
 static int relay_holds(struct flow *f, struct rings *rg)
 {
 	uint64_t start;
-	if (!rg->relayed || shunt_ring_started(&rg->sf.r, &start) || shunt_ring_writer_left(&rg->sf.r) ||
+	if (!rg->bridged || shunt_ring_started(&rg->sf.r, &start) || shunt_ring_writer_left(&rg->sf.r) ||
 	    __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST))
 		return 0;
 	int64_t now = now_ns();
@@ -332,7 +332,7 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 			if (k <= 0) { /* EOF or error after the ring's stretch */
 				if (!peek)
 					f->seof = k ? (int)k : 1;
-				if (!shunt_ring_writer_left(&rg->sf.r) && !rg->relayed) /* a live writer leaves first: it died (guard.c) */
+				if (!shunt_ring_writer_left(&rg->sf.r) && !rg->bridged) /* a live writer leaves first: it died (guard.c) */
 					__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
 				if (f->roff == start)
 					to_ring(f, fd, rg);

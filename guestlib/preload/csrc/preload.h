@@ -167,7 +167,12 @@ struct rings {
 	int resumed;    /* atomic: the DOWN is a RESUME (resume.c): the writer resends from resume_at */
 	uint64_t resume_at;
 	int resume_fd;  /* while RESUME is handled: a dup of the connection's socket, to reset it (or -1) */
-	int relayed;    /* READY's Relayed: the other end is the relay to a peer host (path.c, relay_holds) */
+	int relayed;    /* READY's Relayed: the other end is the relay to a peer host (resume.c, resume_down) */
+	/* A bridge writes the read ring: relayed, or a vsock stretch's
+	 * (stretch.c). The other end's FIN and TCP bytes outrun the ring bytes
+	 * the bridges carry, so a kernel EOF proves no writer died (guard.c),
+	 * and the reader holds it for the ring (path.c, relay_holds). */
+	int bridged;
 	struct rings *next_free;
 };
 
@@ -341,6 +346,8 @@ void flow_wake(struct flow *f);
  * the reader (rmu held). Each returns the rings to give back with
  * rings_done after the lock is let go (both directions left), or NULL. */
 struct rings *writer_leave(struct flow *f, struct rings *rg);
+/* A vsock stretch's last bytes to the host after the writer left (conn.c). */
+void stretch_drain(struct rings *rg);
 /* conn_down is hostd's DOWN for f; leaver_kick has the leaver look at
  * the connections again (a direction left behind, a resend waiting). */
 void conn_down(struct flow *f, const struct shunt_msg *m);
@@ -392,6 +399,14 @@ struct arm {
 	int short_of_memory; /* some flags could not be recorded: sleep in slices */
 	uint32_t seq;
 	uint32_t *inline_flags[16];
+	/* In VM mode the set sleeper sleeps on the kick count, not on flag[]
+	 * (BAR memory); the words of vsock stretches' rings (local: their
+	 * peer, shunt-vstretchd, wakes them by futex) are added to its sleep
+	 * too, the first LOCAL_MAX of them (the rest are seen within a kick
+	 * sleep's bound). */
+#define LOCAL_MAX 16
+	uint32_t *local[LOCAL_MAX];
+	int nlocal;
 };
 void arm_init(struct arm *a);
 void arm_add(struct arm *a, struct flow *f, int reader);

@@ -177,6 +177,18 @@ void resume(struct flow *f, const struct shunt_msg *m)
 		__atomic_store_n(&rg->resume_at, m->offset, __ATOMIC_SEQ_CST);
 		__atomic_store_n(&rg->resumed, 1, __ATOMIC_SEQ_CST); /* before down: the writer reads it when it leaves */
 	}
+	/* A vsock stretch's (docs/vsock.md, "Switching back"): its bridge
+	 * stops, marking the read ring left where the bytes it wrote end, and
+	 * hostd hears that offset (ENDED), from which the other end's writer
+	 * resends; the reader here drains the ring to that mark. wmu keeps
+	 * the stretch attached meanwhile (Go: Conn.stretchEnded). */
+	if (shunt_flow_stretch(&rg->sf)) {
+		shunt_ring_stop(&rg->sf.w, 0); /* a writer spinning on a full ring (which no bridge empties now) lets go of wmu */
+		pthread_mutex_lock(&f->wmu);
+		if (__atomic_load_n(&f->rg, __ATOMIC_ACQUIRE) == rg)
+			shunt_flow_stretch_end(&rg->sf, m->reason);
+		pthread_mutex_unlock(&f->wmu);
+	}
 	if (m->offset == SHUNT_RESUME_RESET) {
 		plog("shunt: fd %d: RESUME (slot %u, %s): where the other host's ring ended is unknown: connection reset", f->fd,
 		     m->slot, shunt_reason_name(m->reason));

@@ -206,6 +206,8 @@ int64_t block_start(struct helper *h, struct arm *a, int64_t ns)
 		if (kicks) { /* the words sit in a BAR: sleep on the kick count instead */
 			sl->w[1] = shunt_waitv_word(shunt_kick_word(), a->seq);
 			sl->n = 2;
+			for (int j = 0; j < a->nlocal; j++)
+				sl->w[sl->n++] = shunt_waitv_word(a->local[j], 1);
 			continue;
 		}
 		int first = i * SLEEPER_WORDS, k = a->n - first < SLEEPER_WORDS ? a->n - first : SLEEPER_WORDS;
@@ -257,6 +259,7 @@ void arm_init(struct arm *a)
 	a->cap = sizeof a->inline_flags / sizeof *a->inline_flags;
 	a->short_of_memory = 0;
 	a->seq = 0;
+	a->nlocal = 0;
 }
 
 void arm_word(struct arm *a, uint32_t *w)
@@ -291,8 +294,12 @@ void arm_add(struct arm *a, struct flow *f, int reader)
 {
 	arm_flow(a, f);
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-	if (rg)
-		arm_word(a, shunt_ring_wait_word(reader ? &rg->sf.r : &rg->sf.w, reader));
+	if (!rg)
+		return;
+	struct shunt_ring *r = reader ? &rg->sf.r : &rg->sf.w;
+	arm_word(a, shunt_ring_wait_word(r, reader));
+	if (r->local && a->nlocal < LOCAL_MAX)
+		a->local[a->nlocal++] = shunt_ring_wait_word(r, reader);
 }
 
 void arm_set(struct arm *a, uint32_t v)
@@ -336,7 +343,7 @@ static int held(struct flow *f, struct rings *rg)
 {
 	uint64_t start;
 	int64_t until = __atomic_load_n(&f->rhold, __ATOMIC_RELAXED);
-	return until && rg && rg->relayed && !__atomic_load_n(&f->slen, __ATOMIC_RELAXED) && !shunt_ring_started(&rg->sf.r, &start) &&
+	return until && rg && rg->bridged && !__atomic_load_n(&f->slen, __ATOMIC_RELAXED) && !shunt_ring_started(&rg->sf.r, &start) &&
 	       !shunt_ring_writer_left(&rg->sf.r) && !__atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST) && now_ns() < until;
 }
 
