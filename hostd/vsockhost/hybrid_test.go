@@ -8,6 +8,7 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"syscall"
 	"testing"
 	"time"
 
@@ -105,5 +106,67 @@ func TestHybrid(t *testing.T) {
 	r.Close()
 	if _, err := os.Stat(strPath); !os.IsNotExist(err) {
 		t.Fatalf("%s after Close: %v", strPath, err)
+	}
+}
+
+// TestHybridAcceptRetries: an accept error on a hybrid VM's stretch socket
+// (EMFILE: any guest can push hostd to its descriptor limit) is retried
+// with backoff; the accept loop ended at the first one, and that VM's
+// flows were never bridged again (found by review).
+func TestHybridAcceptRetries(t *testing.T) {
+	dir := t.TempDir()
+	hy := filepath.Join(dir, "fc.vsock")
+	r, err := Start(hclog.NewNullLogger(), []Spec{{Guest: "fc", ID: 3, Hybrid: hy}})
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer r.Close()
+	f := newFlowsFake(t, 64<<10)
+	if err := r.ServeStretches(3, f, nil); err != nil {
+		t.Fatal(err)
+	}
+	strPath := fmt.Sprintf("%s_%d", hy, relay.VsockPort)
+	var old syscall.Rlimit
+	syscall.Getrlimit(syscall.RLIMIT_NOFILE, &old)
+	ents, _ := os.ReadDir("/proc/self/fd")
+	lim := old
+	lim.Cur = uint64(len(ents) + 20)
+	if err := syscall.Setrlimit(syscall.RLIMIT_NOFILE, &lim); err != nil {
+		t.Fatal(err)
+	}
+	defer syscall.Setrlimit(syscall.RLIMIT_NOFILE, &old)
+	var fill []*os.File
+	for {
+		x, err := os.Open("/dev/null")
+		if err != nil {
+			break
+		}
+		fill = append(fill, x)
+	}
+	// leave one fd for the client side of a dial
+	fill[len(fill)-1].Close()
+	fill = fill[:len(fill)-1]
+	c1, err := net.Dial("unix", strPath)
+	if err != nil {
+		t.Fatalf("dial under the limit: %v", err)
+	}
+	time.Sleep(300 * time.Millisecond) // the accept loop meets EMFILE
+	for _, x := range fill {
+		x.Close()
+	}
+	syscall.Setrlimit(syscall.RLIMIT_NOFILE, &old)
+	c1.Close()
+	time.Sleep(100 * time.Millisecond)
+	c2, err := net.Dial("unix", strPath)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer c2.Close()
+	c2.Write(relay.Hello{Region: 1}.Encode())
+	c2.SetReadDeadline(time.Now().Add(7 * time.Second))
+	_, err = c2.Read(make([]byte, 1))
+	st := r.Stats()[0]
+	if ne, ok := err.(net.Error); ok && ne.Timeout() || st.BadHellos == 0 {
+		t.Fatalf("after the descriptor pressure: read %v, bad Hellos %d: a new stretch stream was not served (want it refused for its Hello and closed, and counted)", err, st.BadHellos)
 	}
 }

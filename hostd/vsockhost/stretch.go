@@ -127,11 +127,25 @@ func (r *Room) ServeStretches(guest uint32, flows Flows, p *wait.Policy) error {
 	st.mu.Unlock()
 	go func() {
 		defer st.wg.Done()
+		var delay time.Duration
 		for {
 			c, err := l.Accept()
-			if err != nil {
+			if errors.Is(err, net.ErrClosed) {
 				return
 			}
+			if err != nil {
+				// A hybrid VM's listener is a Unix socket: EMFILE (any
+				// guest can push hostd there) must not end this VM's
+				// stretches for good. Retried with backoff, as the
+				// control sockets are (hostd/server).
+				if delay == 0 {
+					d.log.Warn("accepting a stretch failed; retrying with backoff", "error", err)
+				}
+				delay = min(max(2*delay, 5*time.Millisecond), time.Second)
+				time.Sleep(delay)
+				continue
+			}
+			delay = 0
 			st.wg.Add(1)
 			go func() {
 				defer st.wg.Done()
