@@ -155,11 +155,14 @@ func (a *Agent) repoint(g *broker.Guest, control string, ports int) error {
 	if a.srv == nil {
 		return errors.New("hostd's control server is not running")
 	}
-	a.srv.Remove(g)
+	a.srv.Remove(g) // every listener of g's, its vsock control port's too
 	for i := range max(ports, 1) {
 		if err := a.srv.Add(server.Endpoint{Guest: g, Path: vserial.SocketOf(control, i)}); err != nil {
 			return fmt.Errorf("serve guest %s on %s: %w", g.Name, control, err)
 		}
+	}
+	if err := a.serveVsockControlOf(g); err != nil {
+		return fmt.Errorf("serve guest %s on its vsock: %w", g.Name, err)
 	}
 	return nil
 }

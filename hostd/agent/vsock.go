@@ -52,18 +52,24 @@ func (a *Agent) startVsock() error {
 // (Firecracker), and the library's fallback where it finds no port.
 func (a *Agent) serveVsockControl() error {
 	for _, g := range a.guests {
-		if a.vsock == nil || a.vsock.Spec(g.ID) == nil {
-			continue
-		}
-		l, err := a.vsock.ListenControl(g.ID)
-		if err != nil {
-			return err
-		}
-		if err := a.srv.AddListener(g, l); err != nil {
+		if err := a.serveVsockControlOf(g); err != nil {
 			return err
 		}
 	}
 	return nil
+}
+
+// serveVsockControlOf serves g's control channel on its vsock, if it has
+// a vsock device (at start, and again after repoint removed g's sockets).
+func (a *Agent) serveVsockControlOf(g *broker.Guest) error {
+	if a.vsock == nil || a.vsock.Spec(g.ID) == nil {
+		return nil
+	}
+	l, err := a.vsock.ListenControl(g.ID)
+	if err != nil {
+		return err
+	}
+	return a.srv.AddListener(g, l)
 }
 
 // brokerFlows is the broker as the vsock room's record of the flows.

@@ -11,6 +11,8 @@ import (
 	"syscall"
 
 	"github.com/shuntnet/shunt/hostd/config"
+	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/vhost/vserial"
 )
@@ -198,9 +200,19 @@ func checkSockets(ctx context.Context, e *env) {
 	socks := []sock{{what: "admin_socket", path: e.cfg.AdminSocket, admin: true}}
 	for _, g := range e.cfg.Guests {
 		for i := range g.Ports {
+			if g.Control == "" {
+				break // a vsock VM's control channel is on vsock only
+			}
 			socks = append(socks, sock{what: "guest " + g.Name + ": control socket", path: vserial.SocketOf(g.Control, i)})
 		}
-		if g.Vsock != nil && g.Vsock.Socket != "" {
+		switch {
+		case g.Vsock == nil:
+		case g.Vsock.Hybrid != "":
+			// hostd's listeners for the hypervisor (hostd/vsockhost)
+			for _, port := range []uint32{proto.VsockControlPort, relay.VsockPort} {
+				socks = append(socks, sock{what: "guest " + g.Name + ": hybrid vsock listener", path: fmt.Sprintf("%s_%d", g.Vsock.Hybrid, port)})
+			}
+		default:
 			socks = append(socks, sock{what: "guest " + g.Name + ": vsock socket", path: g.Vsock.Socket})
 		}
 	}

@@ -29,3 +29,22 @@ func TestVsock(t *testing.T) {
 	fs = run(t, c, p)
 	want(t, fs, "vsock", Problem, "no vhost-user-vsock-pci", "QEMU 7.0")
 }
+
+// TestVsockHybridChecks: two Firecracker VMs (hybrid vsock, no control
+// socket) are a valid configuration: no control socket at "" is checked
+// (it was, and two such VMs were "control socket  is also guest fc1's"),
+// and hostd's listeners for the hypervisor are checked with the other
+// sockets.
+func TestVsockHybridChecks(t *testing.T) {
+	c := newConfig(t)
+	for i, n := range []string{"fc1", "fc2"} {
+		c.guests = append(c.guests, fmt.Sprintf("guest %q {\n  id = %d\n  group = \"a\"\n  addresses = [\"10.0.0.%d\"]\n  vsock {\n    hybrid = %q\n  }\n}\n", n, i+1, i+1, c.path("run/"+n+".vsock")))
+	}
+	p := healthy()
+	p.Command = func(_ context.Context, name string, args ...string) ([]byte, error) {
+		return []byte("ct mark set 0x00000001"), nil
+	}
+	fs := run(t, c, p)
+	want(t, fs, "sockets", OK, "5 of 5 socket paths", "")
+	want(t, fs, "vsock", OK, "hybrid vsock", "")
+}
