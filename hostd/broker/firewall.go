@@ -462,6 +462,11 @@ func (b *Broker) sweep(c *Conn) {
 		return // moved meanwhile
 	}
 	switch {
+	case !seen && now.Sub(c.pf.seenAt) > b.opts.ProofMaxAge+b.sweepEvery():
+		// No passage since its proof, however new this stretch of rings:
+		// a rejoin (a new session's OPEN) or a late upgrade starts a new
+		// stretch whose own clock would give it ProofMaxAge more.
+		b.staleLocked(c, now.Sub(c.pf.seenAt))
 	case cleared.IsZero():
 		if seen {
 			b.sawLocked(c, e, ep, now)
@@ -474,9 +479,15 @@ func (b *Broker) sweep(c *Conn) {
 		b.sawLocked(c, e, ep, now)
 		c.pf.clearedAt, c.pf.ownClear = now, now
 	case now.Sub(cleared) > b.opts.ProofMaxAge:
-		b.m.ProofStale.Inc()
-		b.log.Info("lease shows no packets past the firewall both ways: moved to TCP until it does", "conn", c.Name(), "tuple", c.orig, "for", now.Sub(cleared).Round(time.Millisecond))
-		b.downgradeLocked(c, proto.ReasonFirewall)
-		c.fw = &fwWait{}
+		b.staleLocked(c, now.Sub(cleared))
 	}
+}
+
+// staleLocked moves c, on the rings with no passage past the firewall
+// both ways for the given time, to TCP until its lease shows passage.
+func (b *Broker) staleLocked(c *Conn, none time.Duration) {
+	b.m.ProofStale.Inc()
+	b.log.Info("lease shows no packets past the firewall both ways: moved to TCP until it does", "conn", c.Name(), "tuple", c.orig, "for", none.Round(time.Millisecond))
+	b.downgradeLocked(c, proto.ReasonFirewall)
+	c.fw = &fwWait{}
 }

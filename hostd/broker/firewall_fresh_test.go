@@ -98,3 +98,47 @@ func TestFirewallFlipsRenewProof(t *testing.T) {
 		time.Sleep(20 * time.Millisecond)
 	}
 }
+
+// TestFirewallRejoinKeepsBound: after a drop that sends no event, a guest
+// whose session ends and rejoins its connection (a new session's OPEN)
+// just before its proof expires gets a new stretch of rings, whose own
+// staleness clock gave it proof_max_age more (review: 1.7 x proof_max_age
+// past the drop); the sweep now also counts from the proof itself.
+func TestFirewallRejoinKeepsBound(t *testing.T) {
+	const maxAge = 2 * time.Second // the sweep every 500 ms
+	w := proofWorld(t, maxAge)
+	sa, sb := w.sessions()
+	ta := w.connect(sa, sb, "4000", 1)
+	sa.expect(t, proto.Ready, proto.ReasonNone, 1)
+	rb := sb.expect(t, proto.Ready, proto.ReasonNone, 2)
+	e, _ := w.ct.Lookup(ta)
+	for range 12 { // keepalives pass: the proof is renewed
+		w.ct.Pass(e.ID, passOrig|passReply)
+		time.Sleep(100 * time.Millisecond)
+	}
+	drop := time.Now() // nothing passes from here on
+	time.Sleep(maxAge - 300*time.Millisecond)
+	w.b.Detach(sa)
+	sb.expect(t, proto.Down, proto.ReasonNone, 2)
+	w.left(sb, rb, proto.SideB)
+	moved := newSession(w.g1)
+	w.b.Attach(moved)
+	w.b.Open(moved, open(proto.Active, ta, 100))
+	if m := moved.next(t); m.Type != proto.Ready {
+		t.Skipf("no READY after the rejoin (%s): nothing to bound", m.Type)
+	}
+	sb.next(t)
+	for {
+		x := moved.next(t)
+		if x.Type != proto.Down {
+			continue
+		}
+		// The bound: the proof's age limit plus the sweep's period and
+		// one more for the sweep's own timing (the old code: about 2 x
+		// proof_max_age).
+		if el := time.Since(drop); x.Reason != proto.ReasonFirewall || el > maxAge+3*maxAge/4 {
+			t.Fatalf("DOWN(%s) %v after the drop: want DOWN(firewall) within %v", x.Reason, el, maxAge+3*maxAge/4)
+		}
+		return
+	}
+}
