@@ -22,7 +22,7 @@
 //
 //	SHUNT_CONTROL  control socket or port (default /run/shunt/guest.sock,
 //	               or in a VM a port found on its own, see below), or
-//	               "vsock": the host's vsock port 0x5343
+//	               "vsock": the host's vsock port 1021
 //	SHUNT_REGION   region file to map instead of the one hostd names
 //	               (default in a VM: its ivshmem BAR)
 //	SHUNT_WAIT     adaptive (default), spin or block

@@ -17,7 +17,10 @@ import (
 // offsets, LEFT marks, nothing freed before the other end holds it).
 
 // VsockPort is the host port of vsock stretches.
-const VsockPort = 0x5348 // "SH"
+// Below 1024, as VsockControlPort (internal/proto): on a host whose
+// kernel serves vsock (vhost-vsock), only a privileged process may bind
+// it, so no host user can pose as hostd to a VM's library.
+const VsockPort = 1022
 
 // VsockFlowID is the stretch's one flow on its link.
 const VsockFlowID = 0

@@ -60,7 +60,7 @@ func TestVsockProcessGuest(t *testing.T) {
 // TestVsockControlOverVsock: TestVsockProcessGuest for a VM with no
 // virtio-serial port (as under Firecracker) and no control socket in
 // hostd's config: the library finds no port, takes its control channel
-// over vsock (hostd serves it on the VM's device, port 0x5343), and its
+// over vsock (hostd serves it on the VM's device, port 1021), and its
 // flow over a stretch with no option set.
 func TestVsockControlOverVsock(t *testing.T) {
 	vsockDial(t, vmHow{noPort: true})

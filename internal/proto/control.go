@@ -15,5 +15,8 @@ const NetnsControl = "shunt/control"
 // a VM's control channel when the VM has a vsock device: for hypervisors
 // without virtio-serial (Firecracker), and for any vsock VM whose library
 // finds no control port (docs/vsock.md, "The control channel"). The
-// stretches' port is relay.VsockPort (0x5348).
-const VsockControlPort = 0x5343 // "SC"
+// stretches' port is relay.VsockPort (1022). Both are below 1024: where
+// the host's kernel serves vsock (vhost-vsock, for other devices), binding
+// them needs CAP_NET_BIND_SERVICE, so an unprivileged host user cannot
+// listen there and pose as hostd to a VM's library.
+const VsockControlPort = 1021
