@@ -170,3 +170,31 @@ func TestHybridAcceptRetries(t *testing.T) {
 		t.Fatalf("after the descriptor pressure: read %v, bad Hellos %d: a new stretch stream was not served (want it refused for its Hello and closed, and counted)", err, st.BadHellos)
 	}
 }
+
+// TestChmodSocketNoFollow: the mode is set on the socket itself, and a
+// socket swapped for a symlink after bind is refused, not followed.
+func TestChmodSocketNoFollow(t *testing.T) {
+	dir := t.TempDir()
+	l, err := listen(filepath.Join(dir, "s"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	if st, err := os.Stat(filepath.Join(dir, "s")); err != nil || st.Mode().Perm() != 0o600 {
+		t.Fatalf("socket: %v %v", st, err)
+	}
+	victim := filepath.Join(dir, "victim")
+	if err := os.WriteFile(victim, nil, 0o644); err != nil {
+		t.Fatal(err)
+	}
+	link := filepath.Join(dir, "link")
+	if err := os.Symlink(victim, link); err != nil {
+		t.Fatal(err)
+	}
+	if err := chmodSocket(link, 0o600); err == nil {
+		t.Fatal("chmodSocket followed a symlink")
+	}
+	if st, _ := os.Stat(victim); st.Mode().Perm() != 0o644 {
+		t.Fatalf("the link's target's mode changed to %v", st.Mode().Perm())
+	}
+}

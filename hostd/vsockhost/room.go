@@ -11,6 +11,7 @@ import (
 	"sync/atomic"
 
 	"github.com/hashicorp/go-hclog"
+	"golang.org/x/sys/unix"
 
 	"github.com/shuntnet/shunt/vhost/vhostuser"
 	"github.com/shuntnet/shunt/vhost/vsock"
@@ -111,11 +112,32 @@ func listen(path string) (*net.UnixListener, error) {
 		return nil, err
 	}
 	l.SetUnlinkOnClose(true)
-	if err := os.Chmod(path, 0o600); err != nil {
+	if err := chmodSocket(path, 0o600); err != nil {
 		l.Close()
 		return nil, err
 	}
 	return l, nil
+}
+
+// chmodSocket sets the mode of the socket at path without following a
+// symlink: a hybrid socket's directory may be a jail's, writable by the
+// hypervisor's user, who could swap the new socket for a link to any
+// file between bind and chmod, and have hostd (root) chmod that file.
+func chmodSocket(path string, mode uint32) error {
+	fd, err := unix.Open(path, unix.O_PATH|unix.O_NOFOLLOW|unix.O_CLOEXEC, 0)
+	if err != nil {
+		return fmt.Errorf("chmod %s: %w", path, err)
+	}
+	defer unix.Close(fd)
+	var st unix.Stat_t
+	if err := unix.Fstat(fd, &st); err != nil {
+		return fmt.Errorf("chmod %s: %w", path, err)
+	}
+	if st.Mode&unix.S_IFMT != unix.S_IFSOCK {
+		return fmt.Errorf("chmod %s: not a socket any more (replaced after bind)", path)
+	}
+	// The magic link of an O_PATH descriptor names the inode itself.
+	return os.Chmod(fmt.Sprintf("/proc/self/fd/%d", fd), os.FileMode(mode))
 }
 
 // accept serves QEMUs in turn: one front-end at a time (a device has one
