@@ -89,6 +89,10 @@ type bootOpts struct {
 	// noWait returns once QEMU started, not once the guest's init runs
 	// (rig.ready waits): two VMs boot at once.
 	noWait bool
+	// files go into the initramfs at their own absolute paths (the C
+	// side's programs: TestVsockPreload); with them the guest gets the
+	// host's /usr over 9p, where their libraries are.
+	files []string
 }
 
 // bootWith is bootNet with the options of o.
@@ -118,7 +122,10 @@ func bootWith(t testing.TB, ctx context.Context, o bootOpts, phases ...string) *
 		args = append(args, filepath.Join(kernel.Modules, "kernel", m))
 	}
 	initrd := filepath.Join(r.dir, "initrd")
-	if err := vm.BuildInitramfsFiles(initrd, kernel, guest, args...); err != nil {
+	if len(o.files) > 0 {
+		o.qemu = append(o.qemu, "-virtfs", "local,path=/usr,mount_tag=hostusr,security_model=none,readonly=on")
+	}
+	if err := vm.BuildInitramfsFiles(initrd, kernel, guest, append(append([]string{}, args...), o.files...)...); err != nil {
 		t.Fatal(err)
 	}
 	args = append(args, phases...)

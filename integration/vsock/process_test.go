@@ -126,6 +126,13 @@ type vmHow struct {
 	// hybrid: the vsock device is this process's, served to hostd through
 	// a hybrid vsock socket (vsock.ServeHybrid), as Firecracker's is.
 	hybrid bool
+	// files go into the VM's initramfs (bootOpts.files: the C side's
+	// programs, TestVsockPreload).
+	files []string
+	// before, if set, runs once hostd is up and before the VM boots (the
+	// process guest's servers, TestVsockPreload); the process guest then
+	// has no Go listener, and startVsockVMHow returns once the VM booted.
+	before func(v *vsockVM)
 }
 
 // vsockVM is a rig host with hostd, one process guest listening on
@@ -142,6 +149,7 @@ type vsockVM struct {
 	// counters and debug log, QEMU's output and the VM's console (the
 	// guest library's log lines among it).
 	fail func(format string, args ...any)
+	more func() string // more state for fail (the process guest's programs' output)
 }
 
 // startVsockVM starts hostd on a rig with one process guest and the VM,
@@ -189,20 +197,28 @@ func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...str
 		if v.r != nil {
 			rs = v.r.state()
 		}
-		t.Fatalf("%s\n%s\n%s", fmt.Sprintf(format, args...), state(), rs)
-	}
-	l, err := s.Listen(1, procPort)
-	if err != nil {
-		t.Fatal(err)
-	}
-	t.Cleanup(func() { l.Close() })
-	accepted := make(chan net.Conn, 1)
-	go func() {
-		if c, err := l.Accept(); err == nil {
-			accepted <- c
+		more := ""
+		if v.more != nil {
+			more = v.more()
 		}
-	}()
-	o := bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock}
+		t.Fatalf("%s\n%s\n%s\n%s", fmt.Sprintf(format, args...), state(), more, rs)
+	}
+	accepted := make(chan net.Conn, 1)
+	if how.before != nil {
+		how.before(v)
+	} else {
+		l, err := s.Listen(1, procPort)
+		if err != nil {
+			t.Fatal(err)
+		}
+		t.Cleanup(func() { l.Close() })
+		go func() {
+			if c, err := l.Accept(); err == nil {
+				accepted <- c
+			}
+		}()
+	}
+	o := bootOpts{netns: s.Rig.HostNSPath(), addr: vsockVMAddr, gw: vsockVMHost, sock: vsockSock, files: how.files}
 	if !how.noPort {
 		if o.qemu, err = (vserial.Port{ID: "shunt0", Socket: control, Ports: 1}).QEMUArgs(); err != nil {
 			t.Fatal(err)
@@ -221,6 +237,9 @@ func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...str
 	}
 	v.r = bootWith(t, ctx, o, append([]string{fmt.Sprintf("target:%s:0:0", s.Rig.Guests[0].Addr)}, phases...)...)
 	v.booted = time.Since(start)
+	if how.before != nil {
+		return v
+	}
 	select {
 	case v.c = <-accepted:
 	case <-v.r.ctx.Done():

@@ -42,6 +42,15 @@
 //	                          write BYTES seeded bytes into its write ring
 //	                          from offset SEED*1000 and leave, while reading
 //	                          its read ring to the other writer's leave
+//	cdir:DIR:0:0              where TestVsockPreload put the C side's files
+//	vstretchd:0:0:0           start DIR/shunt-vstretchd (the C library's
+//	                          stretches) and wait for its socket
+//	cedge:PORT:BYTES:SEED     shunt-edge client ADDR PORT stream under
+//	                          shunt-run (SHUNT_VSOCK=1): BYTES seeded bytes
+//	                          each way, checked byte for byte at both ends
+//	cedgeflip:PORT:BYTES:SEED as cedge, paced (SHUNT_EDGE_PACE_US): the
+//	                          test flips its path meanwhile
+//	ciperf:PORT:SECS:0        iperf3 -c ADDR -p PORT -t SECS under shunt-run
 //
 // Each line gives the SHA-256 of what was sent and of what was received,
 // and how many bytes arrived.
@@ -100,6 +109,16 @@ func main() {
 			err = gchild(uint32(port), seed)
 		case "stretch":
 			err = stretch(f[1], n, seed)
+		case "cdir":
+			cdir = f[1]
+		case "vstretchd":
+			err = startVstretchd()
+		case "cedge":
+			err = cedge("cedge", uint32(port), n, seed, 0)
+		case "cedgeflip":
+			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
+		case "ciperf":
+			err = ciperf(uint32(port), n)
 		default:
 			err = phase(f[0], uint32(port), n, seed)
 		}

@@ -1,0 +1,118 @@
+//go:build linux
+
+package main
+
+import (
+	"bufio"
+	"context"
+	"fmt"
+	"io"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"time"
+)
+
+// cdir holds the C side's files in the VM (phase cdir): shunt-run,
+// libshunt-preload.so, shunt-edge and shunt-vstretchd, put into the
+// initramfs at the host's paths by TestVsockPreload; the VM's /usr is the
+// host's (9p), so iperf3 and libc come from there.
+var cdir string
+
+// edgePace is SHUNT_EDGE_PACE_US of cedgeflip's stream (TestVsockPreload
+// gives its server's end the same): 10 ms after each write call, of 48 KB
+// on average, so its 24 MiB last at least 5 s while the test flips.
+const edgePace = 10000
+
+// vstretchdSock is where shunt-vstretchd listens (the C library's default).
+const vstretchdSock = "/run/shunt/vstretchd.sock"
+
+// startVstretchd starts shunt-vstretchd (its log on the console) and waits
+// up to 10 s for its socket.
+func startVstretchd() error {
+	cmd := exec.Command(filepath.Join(cdir, "shunt-vstretchd"), "-v", "-socket", vstretchdSock)
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go prefixed("SHUNT-VSOCK VSTRETCHD ", out)
+	for deadline := time.Now().Add(10 * time.Second); ; time.Sleep(20 * time.Millisecond) {
+		if _, err := os.Stat(vstretchdSock); err == nil {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			return fmt.Errorf("shunt-vstretchd: no socket %s after 10 s", vstretchdSock)
+		}
+	}
+}
+
+func prefixed(prefix string, r io.Reader) {
+	sc := bufio.NewScanner(r)
+	sc.Buffer(make([]byte, 64<<10), 1<<20)
+	for sc.Scan() {
+		fmt.Println(prefix + sc.Text())
+	}
+}
+
+// preloaded runs an unmodified program under shunt-run -v with vsock
+// stretches on (SHUNT_VSOCK=1), at most 100 s; its output goes to the
+// console line by line (prefixed), and is returned.
+func preloaded(env []string, args ...string) (string, error) {
+	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, filepath.Join(cdir, "shunt-run"), append([]string{"-v"}, args...)...)
+	cmd.Env = append(append(os.Environ(), "SHUNT_VSOCK=1", "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so")), env...)
+	pr, pw := io.Pipe()
+	cmd.Stdout, cmd.Stderr = pw, pw
+	var all strings.Builder
+	done := make(chan struct{})
+	go func() {
+		defer close(done)
+		sc := bufio.NewScanner(pr)
+		for sc.Scan() {
+			fmt.Println("SHUNT-VSOCK C " + sc.Text())
+			all.WriteString(sc.Text() + "\n")
+		}
+	}()
+	err := cmd.Run()
+	pw.Close()
+	<-done
+	return all.String(), err
+}
+
+// cedge is the VM's end of TestVsockPreload's checksummed streams:
+// shunt-edge's "stream" test (each end sends n bytes of a seeded stream
+// and checks the other's byte for byte) to target:port; pace (µs after
+// each write call, SHUNT_EDGE_PACE_US) makes it last while the test flips
+// its path. The line starts "SHUNT-VSOCK name".
+func cedge(name string, port uint32, n int64, seed uint64, pace int) error {
+	out, err := preloaded([]string{fmt.Sprintf("SHUNT_EDGE_SEED=%d", seed), fmt.Sprintf("SHUNT_EDGE_BYTES=%d", n), fmt.Sprintf("SHUNT_EDGE_PACE_US=%d", pace)},
+		filepath.Join(cdir, "shunt-edge"), "client", target, fmt.Sprint(port), "stream")
+	verdict := "FAIL"
+	for _, l := range strings.Split(out, "\n") {
+		if strings.HasPrefix(l, "PASS") || strings.HasPrefix(l, "FAIL") {
+			verdict = l
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK %s port=%d err=%v %s\n", name, port, err, verdict)
+	return nil
+}
+
+// ciperf is the VM's end of TestVsockPreload's iperf3 run: the client,
+// secs seconds, to target:port.
+func ciperf(port uint32, secs int64) error {
+	out, err := preloaded(nil, "iperf3", "-c", target, "-p", fmt.Sprint(port), "-t", fmt.Sprint(secs), "-f", "m")
+	sum := ""
+	for _, l := range strings.Split(out, "\n") {
+		if strings.Contains(l, "sender") || strings.Contains(l, "receiver") {
+			sum += strings.Join(strings.Fields(l), " ") + "; "
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ciperf port=%d err=%v %s\n", port, err, sum)
+	return nil
+}
