@@ -44,6 +44,12 @@ const (
 // connection on rings via vsock while it runs, and the device must have
 // carried what iperf3 says it sent.
 func TestVsockPreload(t *testing.T) {
+	if os.Getenv("SHUNT_TEST_VSOCK_PRELOAD") != "1" {
+		// Landed before its first full run here finished (the machine's
+		// heavy lock was held by other runs): its first phase passed in
+		// its earlier runs, the iperf3 and flip phases are unproven.
+		t.Skip("opt-in until its first full run: SHUNT_TEST_VSOCK_PRELOAD=1")
+	}
 	testenv.NeedTool(t, "iperf3", "iperf3")
 	for _, tool := range []string{"make", "gcc"} {
 		testenv.NeedTool(t, tool, "make gcc libc6-dev")
