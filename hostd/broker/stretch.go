@@ -147,6 +147,9 @@ func (b *Broker) Stretch(id, regionID, slot uint32, gen uint64) (Held, error) {
 			return
 		}
 		f.ends[i] = &stretchEnd{started: started, x: x, outLeft: outLeft, inLeft: inLeft}
+		if f.resume == nil && !outLeft && vsockPair(f) {
+			b.pairBrokenLocked(f, side)
+		}
 		b.stretchStoppedLocked(f, side)
 	}
 	release := func() {

@@ -174,3 +174,29 @@ func (b *Broker) pairTimeoutLocked(f *Flow) {
 		}
 	}
 }
+
+// pairBrokenLocked: the bridge on side of f stopped, outside a downgrade,
+// without its VM's writer's LEFT in the flow's ring (the VM's program
+// killed, its stream broken, a drain of its last bytes cut). Its room
+// reset that ring, as for a process guest, whose reader then fails with
+// ECONNRESET; but the other VM reads a ring of its own, in its memory,
+// which no room can reset, and would take the bytes that crossed and its
+// peer's FIN for a clean end. So its library is told: RESUME(reset), and
+// its program reads ECONNRESET. Not when the other end is done already
+// (its room's drain after that is no break of this side).
+func (b *Broker) pairBrokenLocked(f *Flow, side uint32) {
+	c := f.conn
+	if c == nil || c.flow != f {
+		return
+	}
+	o := otherSide(side)
+	e := c.end(o)
+	if e.sess == nil || f.released&o != 0 || !resumes(e.sess) {
+		return
+	}
+	if h := f.holds[sideIdx(o)]; h != nil && h.pending {
+		return
+	}
+	b.log.Info("a vsock VM's stretch broke before its writer's end: the other VM's connection is reset", "flow", f.Name())
+	e.sess.Send(proto.Msg{Type: proto.Resume, ReqID: e.req, RegionID: f.Region.ID, Slot: uint32(f.id.slot), Gen: f.Gen, Reason: proto.ReasonPeerGone, Offset: proto.ResumeReset})
+}

@@ -209,3 +209,44 @@ func TestStretchPairResumeOneBridged(t *testing.T) {
 		})
 	}
 }
+
+// TestStretchPairBroken: outside a downgrade, a VM's room says its bridge
+// stopped without the VM's writer's LEFT in the flow's ring (the VM's
+// program killed, its stream broken): the other VM, which reads a ring
+// of its own that no room can reset, gets RESUME(reset) (its program
+// reads ECONNRESET, not a clean end of a stream cut short), whether or
+// not the broker learnt first that the broken VM's end is gone. A stretch
+// that ended whole, or the survivor's room stopping after the other end
+// was done, resets nobody.
+func TestStretchPairBroken(t *testing.T) {
+	for _, tc := range []struct {
+		name      string
+		detach    bool // A's session ends before its room's report
+		outLeft   bool
+		wantReset bool
+	}{{"killed", false, false, true}, {"killed-after-detach", true, false, true}, {"whole", true, true, false}} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, ra, rb := resumeVsockPair(t)
+			ha, hb := hold(t, w, w.g1, ra), hold(t, w, w.g2, rb)
+			if tc.detach {
+				w.b.Detach(sa)
+				// B's room drains A's last bytes and stops: B's own
+				// writer never left, which is no break of A's side.
+				hb.Stopped(true, 200, false, tc.outLeft)
+				sb.none(t)
+			}
+			ha.Stopped(true, 100, tc.outLeft, false)
+			if tc.wantReset {
+				if m := sb.expect(t, proto.Resume, proto.ReasonPeerGone, 2); m.Offset != proto.ResumeReset {
+					t.Fatalf("B's RESUME at %d, want reset", m.Offset)
+				}
+			}
+			sb.none(t)
+			ha.Release()
+			hb.Release()
+			if tc.detach && !tc.wantReset {
+				sb.expect(t, proto.Down, proto.ReasonPeerGone, 2)
+			}
+		})
+	}
+}

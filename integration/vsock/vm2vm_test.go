@@ -280,3 +280,27 @@ func TestVsockVMToVMFlips(t *testing.T) {
 	t.Logf("A -> B %d bytes, B -> A %d bytes, checksums equal; A: ring %s tcp %s readies %s downs %s; B: ring %s tcp %s readies %s downs %s; boot %v, whole test %v",
 		aN, bN, fa["ring"], fa["tcp"], fa["readies"], fa["downs"], fb["ring"], fb["tcp"], fb["readies"], fb["downs"], p.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
 }
+
+// TestVsockVMToVMKilled: VM A's program writes to VM B over their
+// stretches (64 KiB every 10 ms) and is SIGKILLed after 2 MiB (gkill, as
+// in TestVsockKilled); B only reads. A's room resets the flow's ring, and
+// B, whose read ring is in its own memory where no room can reset it, is
+// told by RESUME(reset): B must read a prefix of A's seeded stream, then
+// ECONNRESET, never a clean end of a stream cut short.
+func TestVsockVMToVMKilled(t *testing.T) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
+	defer cancel()
+	p := startVMPair(t, ctx, -1, fmt.Sprintf("gkill:%d:0:%d", vm2vmPort, vmASeed))
+	p.onRings(ctx)
+	p.tellB()
+	if line, err := p.a.v.WaitAny(p.a.ctx, 0, "SHUNT-VSOCK KILLED", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK KILLED") {
+		p.fail("A's program was not killed mid-stream: %q %v", line, err)
+	}
+	f := p.line(p.b, "glisten")
+	n, _ := strconv.ParseInt(f["bytes"], 10, 64)
+	if f["reset"] != "true" || f["recv"] != seededSum(vmASeed, n) {
+		p.fail("B read %d bytes (a prefix of A's stream: %v), then ECONNRESET %s; want a prefix, then ECONNRESET", n, f["recv"] == seededSum(vmASeed, n), f["reset"])
+	}
+	t.Logf("B read %d bytes of A's stream, then ECONNRESET; boot %v, whole test %v", n, p.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}

@@ -5,10 +5,12 @@ package main
 import (
 	"context"
 	"crypto/sha256"
+	"errors"
 	"fmt"
 	"io"
 	"math/rand/v2"
 	"net"
+	"syscall"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
@@ -22,7 +24,8 @@ import (
 // stays open). With n > 0 it then sends n seeded bytes while reading to
 // EOF, as gdial. With n == 0 (TestVsockVMToVMFlips) it sends seeded
 // bytes, 64 KiB every 10 ms, until the host connects to port+1 again
-// (its flips are done), then half-closes and reads to EOF. The line gives both
+// (its flips are done), then half-closes and reads to EOF. With n < 0 it
+// only reads, to EOF or an error, which its line gives. The line gives both
 // directions' length and SHA-256 and the connection's per-path counts.
 func glisten(port uint32, n int64, seed uint64) error {
 	cl, err := guestlib.NewClient(guestlib.Options{Vsock: true, Logf: func(f string, a ...any) { fmt.Printf("SHUNT-VSOCK LOG "+f+"\n", a...) }})
@@ -78,6 +81,12 @@ func glisten(port uint32, n int64, seed uint64) error {
 	src := rand.NewChaCha8(seedBytes(seed))
 	var sent int64
 	var werr error
+	if n < 0 {
+		// TestVsockVMToVMKilled: only read, to the stream's end or error.
+		r := <-recv
+		fmt.Printf("SHUNT-VSOCK glisten port=%d recv=%x bytes=%d reset=%v err=%v\n", port, r.sum, r.n, errors.Is(r.err, syscall.ECONNRESET), r.err)
+		return nil
+	}
 	if n > 0 {
 		sent, werr = io.Copy(io.MultiWriter(c, h), io.LimitReader(src, n))
 	} else {
