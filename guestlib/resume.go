@@ -36,12 +36,15 @@ func (c *Conn) resume(k flowKey, r proto.Reason, off uint64) bool {
 	if !ok {
 		return false
 	}
-	if f.stretch != nil {
-		c.stretchEnded(f, r)
-	}
 	if off == proto.ResumeReset {
+		// Before a stretch's stop marks the read ring left: the reader
+		// would otherwise go on to TCP at that mark and could take the
+		// peer's FIN for a clean end before the reset.
 		c.client.logf("shunt: %s -> %s: RESUME %d/%d.%d(%s): where the other host's ring ended is unknown: connection reset", c.local, c.remote, k.region, k.slot, k.gen, r)
 		c.abort()
+	}
+	if f.stretch != nil {
+		c.stretchEnded(f, r)
 	}
 	c.down(k, r)
 	if c.resending.Load() {
