@@ -293,6 +293,7 @@ type stretchResume struct {
 	vmGone bool // the VM's end went before its ENDED
 	done   bool // the other end got its RESUME (or DOWN)
 	timer  *time.Timer
+	wait   time.Duration // stretchResumeWait when the timer started (a test may change the var meanwhile)
 }
 
 // vsockSide returns the side of f whose guest carries its flows over
@@ -367,7 +368,8 @@ func (b *Broker) resumeVMLocked(c *Conn, f *Flow) {
 		return
 	}
 	b.sendResumeLocked(c, f, r.vm, off)
-	r.timer = time.AfterFunc(stretchResumeWait, func() { b.stretchResumeTimeout(f, r) })
+	r.wait = stretchResumeWait
+	r.timer = time.AfterFunc(r.wait, func() { b.stretchResumeTimeout(f, r) })
 }
 
 // sendResumeLocked sends RESUME(off) to the end of c on side, if it is
@@ -467,7 +469,7 @@ func (b *Broker) stretchResumeTimeout(f *Flow, r *stretchResume) {
 		return
 	}
 	if c := f.conn; c != nil && c.flow == f {
-		b.log.Info("a vsock VM did not say where its stretch ended: its connection is reset", "flow", f.Name(), "waited", stretchResumeWait)
+		b.log.Info("a vsock VM did not say where its stretch ended: its connection is reset", "flow", f.Name(), "waited", r.wait)
 		b.resumeOtherLocked(c, f, proto.ResumeReset)
 	}
 }

@@ -76,7 +76,8 @@ func (b *Broker) stretchPairResumeLocked(c *Conn, f *Flow, reason proto.Reason) 
 		f.ends[i] = &stretchEnd{noBridge: true}
 		b.markUnstartedLocked(f, side)
 	}
-	r.timer = time.AfterFunc(stretchResumeWait, func() { b.stretchResumeTimeout(f, r) })
+	r.wait = stretchResumeWait
+	r.timer = time.AfterFunc(r.wait, func() { b.stretchResumeTimeout(f, r) })
 	b.pairDecideLocked(c, f)
 	return true
 }
@@ -167,7 +168,7 @@ func (b *Broker) pairTimeoutLocked(f *Flow) {
 	if c == nil || c.flow != f {
 		return
 	}
-	b.log.Info("the vsock rooms of two VMs did not stop their bridges in time: the connection is reset", "flow", f.Name(), "waited", stretchResumeWait)
+	b.log.Info("the vsock rooms of two VMs did not stop their bridges in time: the connection is reset", "flow", f.Name(), "waited", r.wait)
 	for _, s := range sides {
 		if r.gone&s == 0 {
 			b.sendResumeLocked(c, f, s, proto.ResumeReset)
