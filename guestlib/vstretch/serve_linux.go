@@ -203,7 +203,15 @@ func serveConn(c *net.UnixConn, o *ServeOptions) {
 				reply(c, Reply{Op: OpDrain, Flag: flag, Text: fmt.Sprintf("%+v %v", s.Stats(), s.Err())}, -1)
 			case OpStop:
 				if s == nil { // nothing crossed: RESUME(all) at both ends
+					// R's writer (the bridge that never came) leaves
+					// unstarted, so the library's reader leaves R at
+					// once, as a stopped bridge marks it (without this
+					// its LEFT never came, and hostd waited out its
+					// grace).
 					stopped = true
+					if w, err := ring.NewWriter(pr.r, &wait.Policy{}); err == nil {
+						w.Leave()
+					}
 					reply(c, Reply{Op: OpStop, Text: "never bridged"}, -1)
 					continue
 				}
