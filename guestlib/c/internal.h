@@ -118,6 +118,12 @@ void shunt_region_release(struct shunt_session *s, void *hold);
 /* Stretches (stretch.c): shunt_flow_attach's fallback for a region this
  * process has not mapped, and shunt_flow_detach's part (BYE, unmap). */
 int shunt_stretch_attach(struct shunt_session *s, const struct shunt_msg *v, struct shunt_flow *f);
+/* Maps fd's first size bytes shared, in a spare range if there is one
+ * (MAP_FAILED on failure); shunt_mem_let_go replaces the pages by
+ * anonymous ones and keeps the range for reuse, never unmapping it
+ * (regions.c: the preload library looks at ring words without locks). */
+void *shunt_mem_map(int fd, uint64_t size);
+void shunt_mem_let_go(void *mem, uint64_t size);
 void shunt_stretch_detach(struct shunt_flow *f);
 
 /* The session's log callback, formatted (session.c). */

@@ -97,6 +97,24 @@ static void let_go(uint8_t *mem, uint64_t size)
 		spare_put(mem, size);
 }
 
+/* Stretches' ring pairs (stretch.c) go the same way as regions: the
+ * preload library reads ring words without its locks (a stale view only
+ * makes it look again) and its set sleepers write their wait flags, so a
+ * range once given to rings must stay mapped. */
+void *shunt_mem_map(int fd, uint64_t size)
+{
+	void *spare = spare_take(size), *mem;
+	if (spare) {
+		mem = mmap(spare, size, PROT_READ | PROT_WRITE, MAP_SHARED | MAP_FIXED, fd, 0);
+		if (mem == MAP_FAILED)
+			spare_put(spare, size);
+		return mem;
+	}
+	return mmap(NULL, size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
+}
+
+void shunt_mem_let_go(void *mem, uint64_t size) { let_go(mem, size); }
+
 /* unmap_locked lets mp go and forgets it if it is done and unheld. */
 static void unmap_locked(struct shunt_session *s, struct shunt_mapping *mp)
 {

@@ -181,7 +181,7 @@ int shunt_stretch_attach(struct shunt_session *s, const struct shunt_msg *v, str
 			 (unsigned long long)get64(rep + 8), (unsigned long long)get64(rep + 24), mfd);
 		goto fail;
 	}
-	mem = mmap(NULL, 2 * span, PROT_READ | PROT_WRITE, MAP_SHARED, mfd, 0);
+	mem = shunt_mem_map(mfd, 2 * span);
 	sys_close(mfd);
 	mfd = -1;
 	if (mem == MAP_FAILED || !(st = calloc(1, sizeof *st))) {
@@ -214,7 +214,7 @@ fail:
 	if (mfd >= 0)
 		sys_close(mfd);
 	if (mem != MAP_FAILED)
-		munmap(mem, 2 * span);
+		shunt_mem_let_go(mem, 2 * span);
 	free(st);
 	if (fd >= 0)
 		sys_close(fd);
@@ -271,6 +271,6 @@ void shunt_stretch_detach(struct shunt_flow *f)
 	char err[200];
 	ask(st->fd, SV_BYE, 0, NULL, NULL, NULL, 0, err, sizeof err);
 	sys_close(st->fd);
-	munmap(st->mem, st->size);
+	shunt_mem_let_go(st->mem, st->size); /* anonymous pages, the range kept: no reader faults on it */
 	free(st);
 }
