@@ -46,9 +46,9 @@ const (
 // of the stretches (docs/vsock.md, "The C library's stretches").
 func TestVsockPreload(t *testing.T) {
 	if os.Getenv("SHUNT_TEST_VSOCK_PRELOAD") != "1" {
-		// Not in CI yet: a full run of it has not passed here (the edge
-		// phase passed in 3 runs; the flip phase is unproven).
-		t.Skip("opt-in until a full run passes: SHUNT_TEST_VSOCK_PRELOAD=1")
+		// Not in CI yet: with the fixes, 3 runs passed here and one
+		// stalled after its last flip (not yet understood).
+		t.Skip("opt-in while it stalls 1 run in 4: SHUNT_TEST_VSOCK_PRELOAD=1")
 	}
 	for _, tool := range []string{"make", "gcc"} {
 		testenv.NeedTool(t, tool, "make gcc libc6-dev")
