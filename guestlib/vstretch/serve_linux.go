@@ -272,7 +272,7 @@ func prepare(req Req, o *ServeOptions) (*pending, error) {
 	}
 	var once sync.Once
 	p := &pending{mem: mem, fd: fd, span: span, free: func() { once.Do(func() { unix.Munmap(mem) }) }}
-	if err := FormatRings(mem, capacity); err == nil {
+	if err = FormatRings(mem, capacity); err == nil {
 		p.r, err = ring.Attach(mem[span:], capacity)
 	}
 	if err != nil {
