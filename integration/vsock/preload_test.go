@@ -47,7 +47,8 @@ const (
 func TestVsockPreload(t *testing.T) {
 	if os.Getenv("SHUNT_TEST_VSOCK_PRELOAD") != "1" {
 		// Not in CI yet: with the fixes, 3 runs passed here and one
-		// stalled after its last flip (not yet understood).
+		// stalled after its last flip, on the attach end to end that
+		// the stretches lack (docs/vsock.md).
 		t.Skip("opt-in while it stalls 1 run in 4: SHUNT_TEST_VSOCK_PRELOAD=1")
 	}
 	for _, tool := range []string{"make", "gcc"} {
