@@ -148,8 +148,13 @@ func TestRecordsGoAndC(t *testing.T) {
 	if err := cmd.Wait(); err != nil || out.String() != fmt.Sprintf("echo %d records\n", n) {
 		t.Fatalf("echo: %v, %q; want %d records", err, out.String(), n)
 	}
+	// Every record was read at both ends (above, and the echo's count).
+	// The ring's counters are no check of that: a reader publishes its
+	// head lazily (records rings publish once per eighth of the ring),
+	// so Read may trail (CI: AB 320 bytes and 2 publications short once,
+	// after the echo had counted every record).
 	sa, sb := ab.Stats(), ba.Stats()
-	if sa.MsgsWritten <= uint64(n) || sb.MsgsWritten <= uint64(n) || sa.Read != sa.Written || sb.Read != sb.Written {
-		t.Fatalf("AB %+v, BA %+v: want PADs on both (more publications than %d records), all read", sa, sb, n)
+	if sa.MsgsWritten <= uint64(n) || sb.MsgsWritten <= uint64(n) {
+		t.Fatalf("AB %+v, BA %+v: want PADs on both (more publications than %d records)", sa, sb, n)
 	}
 }
