@@ -462,10 +462,13 @@ func (b *Broker) sweep(c *Conn) {
 		return // moved meanwhile
 	}
 	switch {
-	case !seen && now.Sub(c.pf.seenAt) > b.opts.ProofMaxAge+b.sweepEvery():
+	case !seen && !c.pf.seenAt.IsZero() && now.Sub(c.pf.seenAt) > b.opts.ProofMaxAge+b.sweepEvery():
 		// No passage since its proof, however new this stretch of rings:
 		// a rejoin (a new session's OPEN) or a late upgrade starts a new
-		// stretch whose own clock would give it ProofMaxAge more.
+		// stretch whose own clock would give it ProofMaxAge more. (A
+		// flow adopted at start has no proof in this hostd's life: its
+		// stretch's clock is all there is, and a relayed one waits on
+		// the rings for its peer's stop: TestAcrossHostsHostdKilled.)
 		b.staleLocked(c, now.Sub(c.pf.seenAt))
 	case cleared.IsZero():
 		if seen {
