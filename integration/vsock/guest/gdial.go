@@ -95,52 +95,12 @@ func gflip(port uint32, seed uint64) error {
 	}
 	defer c.Close()
 	start := time.Now()
-	type got struct {
-		n   int64
-		sum []byte
-		err error
-	}
-	recv := make(chan got, 1)
 	eof := make(chan struct{})
-	go func() {
-		h := sha256.New()
-		n, err := io.Copy(h, c)
-		close(eof)
-		recv <- got{n, h.Sum(nil), err}
-	}()
-	h := sha256.New()
-	src := rand.NewChaCha8(seedBytes(seed))
-	buf := make([]byte, 64<<10)
-	var sent int64
-	var werr error
-	tick := time.NewTicker(10 * time.Millisecond)
-	defer tick.Stop()
-send:
-	for {
-		select {
-		case <-eof:
-			break send
-		case <-tick.C:
-		}
-		src.Read(buf)
-		k, err := c.Write(buf)
-		h.Write(buf[:k])
-		sent += int64(k)
-		if err != nil {
-			werr = err
-			break
-		}
+	line, err := pacedDuplex(c, "gflip", port, seed, eof, readAll(c, eof), start)
+	if err != nil {
+		return err
 	}
-	if werr == nil {
-		werr = c.CloseWrite()
-	}
-	r := <-recv
-	if r.err != nil || werr != nil {
-		return fmt.Errorf("read %d bytes: %v; wrote %d: %v; stats %+v", r.n, r.err, sent, werr, c.Stats())
-	}
-	st := c.Stats()
-	fmt.Printf("SHUNT-VSOCK gflip port=%d sent=%x sentbytes=%d recv=%x bytes=%d ring=%d/%d tcp=%d/%d readies=%d downs=%d resent=%d ms=%d\n", port, h.Sum(nil), sent, r.sum, r.n,
-		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, st.Readies, st.Downs, st.Resent, time.Since(start).Milliseconds())
+	fmt.Println(line)
 	return nil
 }
 

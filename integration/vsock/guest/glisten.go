@@ -66,64 +66,29 @@ func glisten(port uint32, n int64, seed uint64) error {
 		return err
 	}
 	start := time.Now()
-	type got struct {
-		n   int64
-		sum []byte
-		err error
-	}
-	recv := make(chan got, 1)
-	go func() {
-		h := sha256.New()
-		k, err := io.Copy(h, c)
-		recv <- got{k, h.Sum(nil), err}
-	}()
-	h := sha256.New()
-	src := rand.NewChaCha8(seedBytes(seed))
-	var sent int64
-	var werr error
+	recv := readAll(c, nil)
 	if n < 0 {
 		// TestVsockVMToVMKilled: only read, to the stream's end or error.
 		r := <-recv
 		fmt.Printf("SHUNT-VSOCK glisten port=%d recv=%x bytes=%d reset=%v err=%v\n", port, r.sum, r.n, errors.Is(r.err, syscall.ECONNRESET), r.err)
 		return nil
 	}
+	var line string
 	if n > 0 {
-		sent, werr = io.Copy(io.MultiWriter(c, h), io.LimitReader(src, n))
+		h := sha256.New()
+		sent, werr := io.Copy(io.MultiWriter(c, h), io.LimitReader(rand.NewChaCha8(seedBytes(seed)), n))
+		line, err = duplexLine(c, "glisten", port, sent, h.Sum(nil), werr, recv, start)
 	} else {
 		end := make(chan struct{})
 		go func() {
 			_ = hostWord()
 			close(end)
 		}()
-		buf := make([]byte, 64<<10)
-		tick := time.NewTicker(10 * time.Millisecond)
-		defer tick.Stop()
-	send:
-		for {
-			select {
-			case <-end:
-				break send
-			case <-tick.C:
-			}
-			src.Read(buf)
-			k, err := c.Write(buf)
-			h.Write(buf[:k])
-			sent += int64(k)
-			if err != nil {
-				werr = err
-				break
-			}
-		}
+		line, err = pacedDuplex(c, "glisten", port, seed, end, recv, start)
 	}
-	if werr == nil {
-		werr = c.CloseWrite()
+	if err != nil {
+		return err
 	}
-	r := <-recv
-	if r.err != nil || werr != nil {
-		return fmt.Errorf("read %d bytes: %v; wrote %d: %v; stats %+v", r.n, r.err, sent, werr, c.Stats())
-	}
-	st := c.Stats()
-	fmt.Printf("SHUNT-VSOCK glisten port=%d sent=%x sentbytes=%d recv=%x bytes=%d ring=%d/%d tcp=%d/%d readies=%d downs=%d resent=%d ms=%d\n", port, h.Sum(nil), sent, r.sum, r.n,
-		st.RingSent, st.RingReceived, st.TCPSent, st.TCPReceived, st.Readies, st.Downs, st.Resent, time.Since(start).Milliseconds())
+	fmt.Println(line)
 	return nil
 }
