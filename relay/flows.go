@@ -328,13 +328,17 @@ type Flow struct {
 // takes them along.
 func (f *Flow) Write(p []byte) (int, error) {
 	f.mu.Lock()
-	n, err := f.writeLocked(p)
+	n, err := f.writeLocked(p, nil, 0)
 	f.mu.Unlock()
 	f.flush()
 	return n, err
 }
 
-func (f *Flow) writeLocked(p []byte) (int, error) {
+// writeLocked queues p in frames within the flow's window. With z, p lies
+// at off in z's registered region and its frames go by reference (the
+// NIC reads them from the guest's ring: zerocopy.go), each one z can
+// still take; otherwise, and for the rest, they are copied.
+func (f *Flow) writeLocked(p []byte, z *zcFlow, off uint64) (int, error) {
 	window := f.m.window
 	done := 0
 	for done < len(p) {
@@ -356,8 +360,13 @@ func (f *Flow) writeLocked(p []byte) (int, error) {
 			return done, errClosed
 		}
 		n := min(uint64(len(p)-done), f.acked+window-f.sent, MaxPayload)
-		data, pool := payload(p[done : done+int(n)])
-		f.hold(frame{typ: fData, flow: f.id, arg: f.sent, data: data, pool: pool})
+		fr := frame{typ: fData, flow: f.id, arg: f.sent}
+		if z != nil && z.take() {
+			fr.data, fr.zc, fr.zoff = p[done:done+int(n)], z, off+uint64(done)
+		} else {
+			fr.data, fr.pool = payload(p[done : done+int(n)])
+		}
+		f.hold(fr)
 		f.sent += n
 		done += int(n)
 		f.m.stats.bytesOut.Add(n)

@@ -228,47 +228,10 @@ func (f *Flow) writeFrom(p []byte, z *zcFlow) (int, error) {
 		return f.Write(p)
 	}
 	f.mu.Lock()
-	n, err := f.writeLockedRef(p, z, off)
+	n, err := f.writeLocked(p, z, off)
 	f.mu.Unlock()
 	f.flush()
 	return n, err
-}
-
-// writeLockedRef is writeLocked with frames by reference: p lies at off
-// in z's region.
-func (f *Flow) writeLockedRef(p []byte, z *zcFlow, off uint64) (int, error) {
-	window := f.m.window
-	done := 0
-	for done < len(p) {
-		if f.err == nil && !f.closed && (!f.peerOpen || f.sent >= f.acked+window) {
-			f.mu.Unlock()
-			f.flush()
-			f.mu.Lock()
-			since := time.Now()
-			for f.err == nil && !f.closed && (!f.peerOpen || f.sent >= f.acked+window) {
-				f.cond.Wait()
-			}
-			f.m.stats.stalled.Add(int64(time.Since(since)))
-		}
-		if f.err != nil {
-			return done, f.err
-		}
-		if f.closed {
-			return done, errClosed
-		}
-		n := min(uint64(len(p)-done), f.acked+window-f.sent, MaxPayload)
-		fr := frame{typ: fData, flow: f.id, arg: f.sent}
-		if z.take() {
-			fr.data, fr.zc, fr.zoff = p[done:done+int(n)], z, off+uint64(done)
-		} else {
-			fr.data, fr.pool = payload(p[done : done+int(n)])
-		}
-		f.hold(fr)
-		f.sent += n
-		done += int(n)
-		f.m.stats.bytesOut.Add(n)
-	}
-	return done, nil
 }
 
 // take counts one frame by reference on z and its region, unless the
