@@ -114,6 +114,41 @@ func sum(r io.Reader) []byte {
 	return h.Sum(nil)
 }
 
+// ringEnd is one direction of exchangeRings: seeded bytes written to w
+// from start, read from r by who.
+type ringEnd struct {
+	w, r  *ring.Ring
+	start uint64
+	who   string
+}
+
+// exchangeRings writes n seeded bytes each way at once (seed 1 for a,
+// 2 for b) and checks that each reader got its stream whole, from its
+// exact start (SHA-256); state says both ends' state on a failure.
+func exchangeRings(t *testing.T, n int64, deadline time.Time, a, b ringEnd, state func() string) {
+	t.Helper()
+	got := []<-chan shmtest.Sum{shmtest.ReadSum(a.r, nil, deadline), shmtest.ReadSum(b.r, nil, deadline)}
+	var errs []chan error
+	for i, e := range []ringEnd{a, b} {
+		c := make(chan error, 1)
+		go func() { _, err := shmtest.WriteStream(e.w, nil, e.start, seeded(uint64(i+1), n), deadline); c <- err }()
+		errs = append(errs, c)
+	}
+	for _, c := range errs {
+		if err := <-c; err != nil {
+			t.Fatalf("writer: %v\n%s", err, state())
+		}
+	}
+	for i, e := range []ringEnd{a, b} {
+		r := <-got[i]
+		want := sum(seeded(uint64(i+1), n))
+		if r.Err != nil || r.Start != e.start || r.N != n || !bytes.Equal(r.Sum, want) {
+			t.Fatalf("%s read: start %d (want %d), %d bytes (want %d), sum ok %v, err %v\n%s", e.who, r.Start, e.start, r.N, n,
+				bytes.Equal(r.Sum, want), r.Err, state())
+		}
+	}
+}
+
 // stretchRig is a stretch's flow with rings of capacity, the room serving
 // its stream (served closes when serve returns) and the VM's stretch.
 func stretchRig(t *testing.T, capacity int) (*flowsFake, *stretches, *vstretch.Stretch, <-chan struct{}) {
@@ -140,33 +175,10 @@ func TestStretch(t *testing.T) {
 	f, st, s, served := stretchRig(t, capacity)
 	defer s.Close()
 	deadline := time.Now().Add(60 * time.Second) // a way out, not a speed claim
-	write := func(r *ring.Ring, start, seed uint64) chan error {
-		c := make(chan error, 1)
-		go func() { _, err := shmtest.WriteStream(r, nil, start, seeded(seed, n), deadline); c <- err }()
-		return c
-	}
-	procGot, vmGot := shmtest.ReadSum(f.ab, nil, deadline), shmtest.ReadSum(s.R, nil, deadline)
-	vmW, procW := write(s.W, vmStart, 1), write(f.ba, procStart, 2)
 	state := func() string {
 		return fmt.Sprintf("vm bridge %v %+v; AB %+v; BA %+v; local W %+v; local R %+v", s.Err(), s.Stats(), f.ab.Stats(), f.ba.Stats(), s.W.Stats(), s.R.Stats())
 	}
-	for _, c := range []chan error{vmW, procW} {
-		if err := <-c; err != nil {
-			t.Fatalf("writer: %v\n%s", err, state())
-		}
-	}
-	for _, want := range []struct {
-		c     <-chan shmtest.Sum
-		start uint64
-		seed  uint64
-		who   string
-	}{{procGot, vmStart, 1, "process guest"}, {vmGot, procStart, 2, "VM"}} {
-		r := <-want.c
-		if r.Err != nil || r.Start != want.start || r.N != n || !bytes.Equal(r.Sum, sum(seeded(want.seed, n))) {
-			t.Fatalf("%s read: start %d (want %d), %d bytes (want %d), sum ok %v, err %v\n%s", want.who, r.Start, want.start, r.N, n,
-				bytes.Equal(r.Sum, sum(seeded(want.seed, n))), r.Err, state())
-		}
-	}
+	exchangeRings(t, n, deadline, ringEnd{s.W, f.ab, vmStart, "process guest"}, ringEnd{f.ba, s.R, procStart, "VM"}, state)
 	select {
 	case <-s.Done():
 	case <-time.After(time.Until(deadline)):
@@ -324,33 +336,10 @@ func TestStretchVMToVM(t *testing.T) {
 	sb, servedB := open(fb, 4)
 	defer sb.Close()
 	deadline := time.Now().Add(60 * time.Second) // a way out, not a speed claim
-	write := func(r *ring.Ring, start, seed uint64) chan error {
-		c := make(chan error, 1)
-		go func() { _, err := shmtest.WriteStream(r, nil, start, seeded(seed, n), deadline); c <- err }()
-		return c
-	}
-	bGot, aGot := shmtest.ReadSum(sb.R, nil, deadline), shmtest.ReadSum(sa.R, nil, deadline)
-	aW, bW := write(sa.W, aStart, 1), write(sb.W, bStart, 2)
 	state := func() string {
 		return fmt.Sprintf("A's bridge %v %+v; B's bridge %v %+v; AB %+v; BA %+v", sa.Err(), sa.Stats(), sb.Err(), sb.Stats(), fa.ab.Stats(), fa.ba.Stats())
 	}
-	for _, c := range []chan error{aW, bW} {
-		if err := <-c; err != nil {
-			t.Fatalf("writer: %v\n%s", err, state())
-		}
-	}
-	for _, want := range []struct {
-		c     <-chan shmtest.Sum
-		start uint64
-		seed  uint64
-		who   string
-	}{{bGot, aStart, 1, "B"}, {aGot, bStart, 2, "A"}} {
-		r := <-want.c
-		if r.Err != nil || r.Start != want.start || r.N != n || !bytes.Equal(r.Sum, sum(seeded(want.seed, n))) {
-			t.Fatalf("%s read: start %d (want %d), %d bytes (want %d), sum ok %v, err %v\n%s", want.who, r.Start, want.start, r.N, n,
-				bytes.Equal(r.Sum, sum(seeded(want.seed, n))), r.Err, state())
-		}
-	}
+	exchangeRings(t, n, deadline, ringEnd{sa.W, sb.R, aStart, "B"}, ringEnd{sb.W, sa.R, bStart, "A"}, state)
 	for _, s := range []*vstretch.Stretch{sa, sb} {
 		select {
 		case <-s.Done():
