@@ -252,9 +252,7 @@ func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...str
 // fast path and hostd's flows show it on the rings via vsock.
 func (v *vsockVM) onRings(ctx context.Context) {
 	v.t.Helper()
-	if line, err := v.r.v.WaitAny(ctx, 0, "SHUNT-VSOCK ONRINGS", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK ONRINGS") {
-		v.fail("the VM's connection did not reach the fast path: %q %v", line, err)
-	}
+	saidOnRings(ctx, v.r, v.fail)
 	v.waitPath(ctx, "rings")
 }
 
@@ -262,14 +260,28 @@ func (v *vsockVM) onRings(ctx context.Context) {
 // via vsock).
 func (v *vsockVM) waitPath(ctx context.Context, path string) {
 	v.t.Helper()
+	waitConnPath(ctx, v.t, v.s, procPort, path, v.fail)
+}
+
+// saidOnRings waits until r's program says its connection is on the fast
+// path, failing with fail if it says an error or ctx ends.
+func saidOnRings(ctx context.Context, r *rig, fail func(string, ...any)) {
+	if line, err := r.v.WaitAny(ctx, 0, "SHUNT-VSOCK ONRINGS", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK ONRINGS") {
+		fail("%s's connection did not reach the fast path: %q %v", r.v.Name, line, err)
+	}
+}
+
+// waitConnPath waits until hostd's flows (s) show the connection to port
+// on path ("rings": via vsock), failing with fail once ctx ends.
+func waitConnPath(ctx context.Context, t testing.TB, s *stack.Stack, port int, path string, fail func(string, ...any)) {
 	for {
-		fi, ok, err := v.s.ConnOn(procPort)
+		fi, ok, err := s.ConnOn(port)
 		if err == nil && ok && fi.Path == path && (path != "rings" || fi.Via == "vsock") {
-			v.t.Logf("hostd flows: %s %s -> %s path %s via %s (switches %d)", fi.Name, fi.Src, fi.Dst, fi.Path, fi.Via, fi.Switches)
+			t.Logf("hostd flows: %s %s -> %s path %s via %s (switches %d)", fi.Name, fi.Src, fi.Dst, fi.Path, fi.Via, fi.Switches)
 			return
 		}
 		if ctx.Err() != nil {
-			v.fail("hostd flows never showed the connection on %s: %+v %v %v", path, fi, ok, err)
+			fail("hostd flows never showed the connection on %s: %+v %v %v", path, fi, ok, err)
 		}
 		time.Sleep(20 * time.Millisecond)
 	}

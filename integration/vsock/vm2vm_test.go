@@ -114,9 +114,7 @@ func startVMPairWith(t testing.TB, ctx context.Context, phaseB, phaseA string) *
 func (p *vmPair) onRings(ctx context.Context) {
 	p.t.Helper()
 	for _, r := range []*rig{p.a, p.b} {
-		if line, err := r.v.WaitAny(r.ctx, 0, "SHUNT-VSOCK ONRINGS", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK ONRINGS") {
-			p.fail("a VM's connection did not reach the fast path: %q %v", line, err)
-		}
+		saidOnRings(r.ctx, r, p.fail)
 	}
 	p.waitPath(ctx, "rings")
 }
@@ -125,17 +123,7 @@ func (p *vmPair) onRings(ctx context.Context) {
 // via vsock).
 func (p *vmPair) waitPath(ctx context.Context, path string) {
 	p.t.Helper()
-	for {
-		fi, ok, err := p.s.ConnOn(vm2vmPort)
-		if err == nil && ok && fi.Path == path && (path != "rings" || fi.Via == "vsock") {
-			p.t.Logf("hostd flows: %s %s -> %s path %s via %s (switches %d)", fi.Name, fi.Src, fi.Dst, fi.Path, fi.Via, fi.Switches)
-			return
-		}
-		if ctx.Err() != nil {
-			p.fail("hostd flows never showed the connection on %s: %+v %v %v", path, fi, ok, err)
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	waitConnPath(ctx, p.t, p.s, vm2vmPort, path, p.fail)
 }
 
 // tellB is the host's word to B's program (a TCP connection to
