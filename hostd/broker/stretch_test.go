@@ -165,9 +165,17 @@ func (rsession) Resumes() bool { return true }
 // VM that carries its flows over vsock stretches (A's end).
 func resumePair(t *testing.T) (w *world, sa, sb rsession, ra, rb proto.Msg) {
 	t.Helper()
+	return resumeStretchPair(t, false)
+}
+
+// resumeStretchPair pairs g1:4000 (A, a vsock VM) with g2:80 (B, a vsock
+// VM too if bothVsock) in a pair region, both libraries handling RESUME,
+// and returns both READYs.
+func resumeStretchPair(t *testing.T, bothVsock bool) (w *world, sa, sb rsession, ra, rb proto.Msg) {
+	t.Helper()
 	w = newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
 	w.g1.SharedRegion, w.g2.SharedRegion = false, false
-	w.g1.Vsock = true
+	w.g1.Vsock, w.g2.Vsock = true, bothVsock
 	w.b.UsePairRegions(&fakePairs{t: t})
 	sa, sb = rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
 	w.b.Attach(sa)

@@ -6,7 +6,6 @@ import (
 
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/internal/proto"
-	"github.com/shuntnet/shunt/policy"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/wait"
 )
@@ -15,22 +14,7 @@ import (
 // libraries handle RESUME (g1 A, g2 B) and returns both READYs.
 func resumeVsockPair(t *testing.T) (w *world, sa, sb rsession, ra, rb proto.Msg) {
 	t.Helper()
-	w = newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
-	w.g1.SharedRegion, w.g2.SharedRegion = false, false
-	w.g1.Vsock, w.g2.Vsock = true, true
-	w.b.UsePairRegions(&fakePairs{t: t})
-	sa, sb = rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
-	w.b.Attach(sa)
-	w.b.Attach(sb)
-	w.b.Listen(sb, ap("10.0.0.2:80"), true)
-	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
-	w.b.Open(sa, open(proto.Active, ta, 1))
-	w.b.Open(sb, open(proto.Passive, tb, 2))
-	sa.next(t)
-	ra = sa.expect(t, proto.Ready, proto.ReasonNone, 1)
-	sb.next(t)
-	rb = sb.expect(t, proto.Ready, proto.ReasonNone, 2)
-	return w, sa, sb, ra, rb
+	return resumeStretchPair(t, true)
 }
 
 // hold is guest g's stretch of r's flow.
