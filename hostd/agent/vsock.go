@@ -62,7 +62,7 @@ func (a *Agent) serveVsockControl() error {
 // serveVsockControlOf serves g's control channel on its vsock, if it has
 // a vsock device (at start, and again after repoint removed g's sockets).
 func (a *Agent) serveVsockControlOf(g *broker.Guest) error {
-	if a.vsock == nil || a.vsock.Spec(g.ID) == nil {
+	if !a.vsock.Has(g.ID) {
 		return nil
 	}
 	l, err := a.vsock.ListenControl(g.ID)

@@ -37,11 +37,8 @@ func (r *Room) ListenControl(guest uint32) (net.Listener, error) {
 	return d.listen(proto.VsockControlPort)
 }
 
-// Spec returns the device spec of the guest with id guest, or nil if it
-// has no vsock device.
-func (r *Room) Spec(guest uint32) *Spec {
-	if r == nil || r.devs[guest] == nil {
-		return nil
-	}
-	return &r.devs[guest].spec
+// Has reports whether the guest with id guest has a vsock device (its
+// own or its hypervisor's). A nil Room has none.
+func (r *Room) Has(guest uint32) bool {
+	return r != nil && r.devs[guest] != nil
 }

@@ -35,8 +35,8 @@ func TestHybrid(t *testing.T) {
 		t.Fatal(err)
 	}
 	defer r.Close()
-	if r.Device(3) != nil || r.Spec(3) == nil || r.Spec(4) != nil {
-		t.Fatalf("hybrid guest: device %v spec %v; guest 4's spec %v", r.Device(3), r.Spec(3), r.Spec(4))
+	if r.Device(3) != nil || !r.Has(3) || r.Has(4) {
+		t.Fatalf("hybrid guest: device %v, has one %v; guest 4 has one %v", r.Device(3), r.Has(3), r.Has(4))
 	}
 	ctl, err := r.ListenControl(3)
 	if err != nil {
