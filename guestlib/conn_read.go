@@ -151,7 +151,11 @@ func (c *Conn) readerTryLeaveLocked() {
 	}
 	if !c.rOnRing {
 		if start != c.roff {
-			return // TCP bytes before the ring's start are still due
+			// TCP bytes before the ring's start are still due.
+			if left || gone {
+				c.aheadLocked(f, start)
+			}
+			return
 		}
 		c.toRingLocked()
 	}
@@ -190,6 +194,58 @@ func (c *Conn) drainLocked(f *flow) bool {
 	return err == nil && b == 0
 }
 
+// stretchAhead is a ring's stretch that the reader holds in its own
+// memory until the TCP stream reaches its start.
+type stretchAhead struct {
+	at uint64 // the stream offset of b[0]: the ring's start
+	b  []byte
+}
+
+// aheadLocked copies the whole stretch of rf's ring, which started at
+// start past roff and whose writer left it (or is gone), out to c.ahead,
+// and leaves the ring. The TCP bytes before start are still due: after a
+// DOWN for a firewall that now drops them they come only with TCP's
+// retransmissions, once the rule goes, which may take many seconds. The
+// ring must not wait for them: hostd takes a retired region's memory back
+// after its grace (a reader of it then fails), and the connection comes
+// back to the rings only once this end left them.
+func (c *Conn) aheadLocked(f *flow, start uint64) {
+	var got []byte
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := f.rd.TryRead(buf)
+		got = append(got, buf[:n]...)
+		if n == 0 || err != nil {
+			break
+		}
+	}
+	if len(got) > 0 {
+		c.ahead = append(c.ahead, stretchAhead{at: start, b: got})
+	}
+	c.leaveReadLocked()
+}
+
+// aheadDueLocked moves the first stretch held ahead to the front of the
+// stash once the TCP stream reached its start, and reports whether it
+// did. Otherwise it returns how many TCP bytes may be read before it
+// (ok false with limit 0: none is held).
+func (c *Conn) aheadDueLocked() (moved bool, limit uint64) {
+	if len(c.ahead) == 0 {
+		return false, 0
+	}
+	a := c.ahead[0]
+	if c.roff < a.at {
+		return false, a.at - c.roff
+	}
+	c.ahead = c.ahead[1:]
+	if len(c.ahead) == 0 {
+		c.ahead = nil
+	}
+	c.stash = append(a.b, c.stash...) // counted as ring bytes when read
+	c.stashRing += len(a.b)
+	return true, 0
+}
+
 // leaveReadForCloseLocked leaves the read ring at Close, so that the
 // peer's writer moves to TCP (where the kernel answers it), and reports
 // whether the ring held bytes nobody will read (then Close resets the
@@ -198,19 +254,27 @@ func (c *Conn) leaveReadForCloseLocked() bool {
 	c.readerFlowLocked()
 	f := c.rf
 	if f == nil {
-		return len(c.stash) > 0
+		return len(c.stash) > 0 || len(c.ahead) > 0
 	}
 	b, _ := f.rd.Buffered()
 	c.leaveReadLocked()
-	return b > 0 || len(c.stash) > 0
+	return b > 0 || len(c.stash) > 0 || len(c.ahead) > 0
 }
 
 // readTCPLocked reads the TCP stream: the stash first, then the socket,
 // never past a known ring start.
 func (c *Conn) readTCPLocked(p []byte) (int, error) {
+	moved, aheadLimit := c.aheadDueLocked()
+	if moved {
+		return 0, errAgain
+	}
 	f := c.rf
 	limit := len(p)
 	limited := false
+	if aheadLimit > 0 {
+		limit = int(min(uint64(limit), aheadLimit))
+		limited = true
+	}
 	if f != nil {
 		gone := f.peerGone.Load() // before the flags, as in readerTryLeaveLocked
 		if start, ok, left := f.rd.WriterState(); ok {
@@ -220,6 +284,9 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 				return 0, errAgain
 			case start < c.roff:
 				return 0, c.opErr("read", errBrokenStream)
+			case left || gone:
+				c.aheadLocked(f, start)
+				return 0, errAgain
 			}
 			limit = int(min(uint64(limit), start-c.roff))
 			limited = true
@@ -281,6 +348,9 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 	}
 	if n == 0 && err == nil {
 		return 0, errAgain
+	}
+	if err == io.EOF && len(c.ahead) > 0 {
+		err = errBrokenStream // the stream ended before a stretch held ahead
 	}
 	return c.gotTCP(n), err
 }

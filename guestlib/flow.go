@@ -163,9 +163,20 @@ func (c *Conn) tryLeave(f *flow) bool {
 			c.guarded("leave", func() { c.leaveAside(f) })
 		}
 	}
-	if !f.rLeft.Load() && c.readMu.TryLock() {
-		c.guarded("leave", c.readerTryLeaveLocked)
-		c.readMu.Unlock()
+	if !f.rLeft.Load() {
+		if c.readMu.TryLock() {
+			c.guarded("leave", c.readerTryLeaveLocked)
+			c.readMu.Unlock()
+		} else {
+			// A Read blocked in the kernel for TCP bytes before the
+			// ring's start (nothing watches the ring then) leaves it
+			// once woken and the writer left (aheadLocked).
+			c.guarded("leave", func() {
+				if f.rd.WriterLeft() || f.peerGone.Load() {
+					c.pokeRead()
+				}
+			})
+		}
 	}
 	// Rings whose memory is gone cannot be left: the leaver stops, and
 	// hostd frees them at CLOSE or when its grace for the region ends.

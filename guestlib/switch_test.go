@@ -631,6 +631,52 @@ func TestSwitchDownWhileTCPSendBlocks(t *testing.T) {
 	}
 }
 
+// TestSwitchDownWhileTCPReadBlocks: the peer's writer started its ring
+// past TCP bytes that have not arrived (a firewall drops them, and its
+// retransmissions with them), and a Read waits in the kernel for them.
+// DOWN comes and the writer leaves: the ring's stretch must be copied
+// out and LEFT sent at once, not when TCP delivers, since hostd takes a
+// retired region back after its grace. Every byte then comes in order.
+func TestSwitchDownWhileTCPReadBlocks(t *testing.T) {
+	sc := newScripted(t)
+	if _, err := sc.peer.Write([]byte("AAAA")); err != nil {
+		t.Fatal(err)
+	}
+	sc.pw.Start(8) // TCP bytes 4 to 8 are still due
+	if _, err := sc.pw.Write([]byte("RRRR")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 64)
+	if n, err := sc.conn.Read(b); err != nil || string(b[:n]) != "AAAA" {
+		t.Fatalf("first read %q, %v; want AAAA (only up to the ring's start)", b[:n], err)
+	}
+	rest := async(func() []byte {
+		b := make([]byte, 12)
+		n, _ := io.ReadFull(sc.conn, b)
+		return b[:n]
+	})
+	waitFor(t, "the Read to block in the kernel", func() bool {
+		sc.conn.dlMu.Lock()
+		defer sc.conn.dlMu.Unlock()
+		return sc.conn.readingTCP
+	})
+	_ = sc.pw.Leave()
+	sc.s.Send(t, guesttest.Down(sc.f.B, proto.ReasonFirewall))
+	m, err := sc.s.Read(guesttest.Wait)
+	if err != nil || m.Type != proto.Left || m.Slot != sc.f.B.Slot || m.Gen != sc.f.B.Gen {
+		t.Fatalf("after DOWN, with a Read blocked for TCP bytes before the ring's start: %+v, %v; want LEFT %d.%d\n%+v", m, err, sc.f.B.Slot, sc.f.B.Gen, sc.conn.Stats())
+	}
+	if _, err := sc.peer.Write([]byte("BBBBCCCC")); err != nil { // the retransmission, then new TCP bytes
+		t.Fatal(err)
+	}
+	if got := await(t, rest, "the Read"); string(got) != "BBBBRRRRCCCC" {
+		t.Fatalf("read %q, want BBBBRRRRCCCC", got)
+	}
+	if st := sc.conn.Stats(); st.TCPReceived != 12 || st.RingReceived != 4 {
+		t.Fatalf("stats %+v, want 12 TCP and 4 ring bytes", st)
+	}
+}
+
 // TestSwitchDrainCounted: at a DOWN the leaver drains what an idle
 // reader's ring holds into the stash; those bytes came through the ring
 // and Stats counts them so when the program reads them (the writer's
