@@ -31,10 +31,8 @@ func (b *Bridge) runIn() (err error) {
 	select {
 	case <-b.release: // released at once, or the other guest's reader attached (HoldIn)
 	default:
-		select {
-		case <-b.release:
-		case <-b.halted:
-			return errHalted
+		if left, err := b.hold(); left || err != nil {
+			return err
 		}
 	}
 	rd.Attach()
@@ -96,6 +94,43 @@ func (b *Bridge) runIn() (err error) {
 			b.st.inStalls.Add(1)
 			b.st.inStalled.Add(int64(time.Since(t)))
 		}
+	}
+}
+
+// hold waits for ReleaseIn (HoldIn) with the guest's write ring
+// unattached, so its writer stays on TCP. A writer that leaves the ring
+// meanwhile (unstarted: nothing attached it) ends the direction as
+// waitStart would (LEFT before S, left true): its close must not wait for
+// a release that may never come (the other end's reader never attaches),
+// nor its other end take the missing LEFT for a break. A reset ring stops
+// the bridge (ErrGuest). The marks come without a wake-up to an
+// unattached reader, so it looks, from 50 us between looks up to Poll.
+func (b *Bridge) hold() (left bool, err error) {
+	d := 50 * time.Microsecond
+	t := time.NewTimer(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-b.release:
+			return false, nil
+		case <-b.halted:
+			return false, errHalted
+		case <-t.C:
+		}
+		if b.linkBad.Load() {
+			if err := b.linkEnd(); err != nil {
+				return false, err
+			}
+		}
+		if b.in.IsReset() {
+			return false, fmt.Errorf("%w: its write ring: %w", ErrGuest, ring.ErrReset)
+		}
+		if _, started, l := b.rd.WriterState(); (l || b.in.Stats().FIN) && !started {
+			b.flow.Left()
+			return true, nil
+		}
+		d = min(2*d, b.poll)
+		t.Reset(d)
 	}
 }
 

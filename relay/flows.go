@@ -200,6 +200,14 @@ func (m *mux) take(fr frame) error {
 		f.acked, f.peerOpen = fr.arg, true
 	case fDown:
 		f.down, f.reason = true, proto.Reason(fr.arg)
+	case fAttached:
+		if fr.arg != 0 {
+			return fmt.Errorf("%w: flow %d: ATTACHED with %d", ErrProtocol, f.id, fr.arg)
+		}
+		if !f.peerAttached { // again: nothing new
+			f.peerAttached = true
+			close(f.attached)
+		}
 	case fLeft:
 		if fr.arg != f.recvd {
 			return fmt.Errorf("%w: flow %d: LEFT at %d, received %d", ErrProtocol, f.id, fr.arg, f.recvd)
@@ -262,6 +270,7 @@ func (m *mux) Open(id uint32) (*Flow, error) {
 		f.hold, f.flush = m.holdFor(id)
 	}
 	f.cond = sync.NewCond(&f.mu)
+	f.attached = make(chan struct{})
 	if _, ok := m.early[id]; ok {
 		f.peerOpen = true
 		delete(m.early, id)
@@ -316,6 +325,9 @@ type Flow struct {
 	// readStop: the consumer (a Bridge's out-direction) stopped for good
 	// (Bridge.StopOut); what still comes stays buffered, unacknowledged.
 	readStop bool
+	// the peer's ATTACHED came (PeerAttached): attached is closed then
+	peerAttached bool
+	attached     chan struct{}
 }
 
 // Write sends p, waiting for credit: only this flow waits. It returns
@@ -466,6 +478,18 @@ func (f *Flow) Left() {
 	f.mu.Unlock()
 	f.send(frame{typ: fLeft, flow: f.id, arg: at})
 }
+
+// Attached tells the peer that the reader of the ring this flow's bytes
+// go into attached it (ATTACHED): hostd's room tells a vsock stretch's VM
+// end so, whose bridge attaches its guest's write ring only then
+// (docs/vsock.md, "Attached end to end"). Only for a peer that asked
+// (HelloHold): an older one ends the link on it.
+func (f *Flow) Attached() {
+	f.send(frame{typ: fAttached, flow: f.id})
+}
+
+// PeerAttached is closed once the peer's ATTACHED came (Attached).
+func (f *Flow) PeerAttached() <-chan struct{} { return f.attached }
 
 // Close forgets the flow here; frames for it that still come are dropped.
 func (f *Flow) Close() {

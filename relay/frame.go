@@ -14,7 +14,9 @@ import (
 //
 // DATA's arg is the stream offset of its first byte; CREDIT's is the
 // offset the receiver's consumer has taken (the sender may send up to it
-// plus the window); DOWN's is a proto.Reason; LEFT's is the final offset.
+// plus the window); DOWN's is a proto.Reason; LEFT's is the final offset;
+// ATTACHED's is 0 (vsock stretches only: the sender's guest reader
+// attached the ring this flow's bytes go into, docs/vsock.md).
 const (
 	headerSize = 20
 	// MaxPayload bounds a DATA frame: large enough for streaming writes,
@@ -28,6 +30,11 @@ const (
 	fCredit = 2
 	fDown   = 3
 	fLeft   = 4
+	// fAttached tells a vsock stretch's VM end that the ring its bytes
+	// go into is attached end to end: its bridge may attach its guest's
+	// write ring (BridgeOptions.HoldIn). Sent only to a VM whose Hello
+	// asked for it (HelloHold): an older library's link ends on it.
+	fAttached = 5
 )
 
 type frame struct {
@@ -126,7 +133,7 @@ func parseHeader(h *[headerSize]byte) (frame, uint32, error) {
 	switch {
 	case h[1] != 0 || h[2] != 0 || h[3] != 0:
 		return f, 0, fmt.Errorf("%w: reserved header bytes set", ErrProtocol)
-	case f.typ < fData || f.typ > fLeft:
+	case f.typ < fData || f.typ > fAttached:
 		return f, 0, fmt.Errorf("%w: frame type %d", ErrProtocol, f.typ)
 	case f.typ != fData && n != 0:
 		return f, 0, fmt.Errorf("%w: a payload of %d bytes on frame type %d", ErrProtocol, n, f.typ)

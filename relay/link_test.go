@@ -244,6 +244,42 @@ func downAndLeftInOrder(t *testing.T, la, lb Carrier) {
 	}
 }
 
+// TestLinkAttached: a flow's ATTACHED reaches the peer's flow
+// (PeerAttached), in order with the bytes before it, once however often
+// it is sent; the sender's own PeerAttached stays open.
+func TestLinkAttached(t *testing.T) {
+	la, lb := links(t, 1, LinkOptions{})
+	fa, _ := la.Open(0)
+	fb, _ := lb.Open(0)
+	fa.Write(seeded(1, 1000))
+	fa.Attached()
+	fa.Attached()
+	select {
+	case <-fb.PeerAttached():
+	case <-time.After(10 * time.Second):
+		t.Fatalf("no ATTACHED: %s", fb.state())
+	}
+	fb.mu.Lock()
+	recvd := fb.recvd
+	fb.mu.Unlock()
+	if recvd != 1000 {
+		t.Fatalf("ATTACHED came with %d bytes received, want the 1000 sent before it", recvd)
+	}
+	fa.Write(seeded(2, 10))
+	fa.Left()
+	if got, err := io.ReadAll(fb); len(got) != 1010 || err != nil {
+		t.Fatalf("read %d bytes then %v, want 1010 then EOF", len(got), err)
+	}
+	select {
+	case <-fa.PeerAttached():
+		t.Fatal("the sender's own flow took its ATTACHED")
+	default:
+	}
+	if la.Err() != nil || lb.Err() != nil {
+		t.Fatalf("link errors: %v, %v", la.Err(), lb.Err())
+	}
+}
+
 // TestLinkCut: a connection cut mid-stream ends the link on both sides;
 // no side claims more than happened: the sender's Acked is at most what
 // the receiver took, which is at most what was sent.
@@ -319,6 +355,8 @@ func TestLinkHostilePeer(t *testing.T) {
 		"after left":     {frames: []frame{{typ: fCredit, flow: 1}, {typ: fLeft, flow: 1}, data(1, 0, 1)}},
 		"left elsewhere": {frames: []frame{{typ: fLeft, flow: 1, arg: 5}}},
 		"credit > sent":  {frames: []frame{{typ: fCredit, flow: 1, arg: 1}}},
+		"attached + arg": {frames: []frame{{typ: fAttached, flow: 1, arg: 1}}},
+		"attached + len": {raw: []byte{5, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1, 0, 0, 0}},
 		"bad type":       {raw: []byte{9, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}},
 		"reserved":       {raw: []byte{1, 1, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0}},
 		"oversized":      {raw: []byte{1, 0, 0, 0, 1, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 1}},

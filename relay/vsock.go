@@ -38,18 +38,38 @@ type Hello struct {
 	Region uint32
 	Slot   uint32
 	Gen    uint64
+	// Flags: HelloHold, or 0 (a library before it).
+	Flags uint32
 }
+
+// HelloHold says the VM's bridge holds its write ring unattached until
+// the host's ATTACHED (Flow.Attached): the host's bridge sends it once
+// the reader of the ring the VM's bytes go into (the other end's
+// library, or the other VM's room) attached it, as the cross-host relays
+// tell each other (docs/crosshost.md, "Attached end to end"). Without
+// it, the VM's writer moved to its ring while the other end's reader, a
+// C program asleep in recv since its READY, had not attached its own,
+// and both waited (docs/vsock.md). A host sends ATTACHED only when
+// asked: an older VM library's link ends on an unknown frame.
+const HelloHold = 1
+
+// Holds reports whether the VM asked for ATTACHED (HelloHold): the
+// host's bridge of its stretch then calls Flow.Attached from
+// BridgeOptions.Attached.
+func (h Hello) Holds() bool { return h.Flags&HelloHold != 0 }
 
 // ErrHello is a stream that did not open with a valid Hello.
 var ErrHello = errors.New("vsock stretch: bad hello")
 
-// Encode is h on the wire: magic, region, slot, 4 zero bytes, gen
-// (little endian).
+// Encode is h on the wire: magic, region, slot, flags, gen (little
+// endian). The flags were 4 zero bytes before HelloHold, which a hostd
+// of then refuses: hostd goes first in an upgrade.
 func (h Hello) Encode() []byte {
 	b := make([]byte, HelloSize)
 	binary.LittleEndian.PutUint32(b[0:], helloMagic)
 	binary.LittleEndian.PutUint32(b[4:], h.Region)
 	binary.LittleEndian.PutUint32(b[8:], h.Slot)
+	binary.LittleEndian.PutUint32(b[12:], h.Flags)
 	binary.LittleEndian.PutUint64(b[16:], h.Gen)
 	return b
 }
@@ -64,8 +84,9 @@ func ReadHello(r io.Reader) (Hello, error) {
 	if binary.LittleEndian.Uint32(b[0:]) != helloMagic {
 		return Hello{}, fmt.Errorf("%w: magic %#x", ErrHello, binary.LittleEndian.Uint32(b[0:]))
 	}
-	if binary.LittleEndian.Uint32(b[12:]) != 0 {
-		return Hello{}, fmt.Errorf("%w: reserved bytes set", ErrHello)
+	fl := binary.LittleEndian.Uint32(b[12:])
+	if fl&^HelloHold != 0 {
+		return Hello{}, fmt.Errorf("%w: unknown flags %#x", ErrHello, fl)
 	}
-	return Hello{Region: binary.LittleEndian.Uint32(b[4:]), Slot: binary.LittleEndian.Uint32(b[8:]), Gen: binary.LittleEndian.Uint64(b[16:])}, nil
+	return Hello{Region: binary.LittleEndian.Uint32(b[4:]), Slot: binary.LittleEndian.Uint32(b[8:]), Gen: binary.LittleEndian.Uint64(b[16:]), Flags: fl}, nil
 }

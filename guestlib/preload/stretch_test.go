@@ -84,7 +84,7 @@ func TestStretchC(t *testing.T) {
 					return nil, err
 				}
 				go func() {
-					if h, err := relay.ReadHello(hc); err != nil || h != (relay.Hello{Region: 5, Slot: 1, Gen: 9}) {
+					if h, err := relay.ReadHello(hc); err != nil || h != (relay.Hello{Region: 5, Slot: 1, Gen: 9, Flags: relay.HelloHold}) {
 						t.Errorf("hello %+v %v", h, err)
 						hc.Close()
 						return
@@ -95,7 +95,7 @@ func TestStretchC(t *testing.T) {
 						l.Close()
 						return
 					}
-					bridge <- relay.NewBridge(procW, procR, f, relay.BridgeOptions{})
+					bridge <- relay.NewBridge(procW, procR, f, relay.BridgeOptions{Attached: f.Attached}) // as hostd's room
 				}()
 				return vm, nil
 			}

@@ -62,7 +62,8 @@ func newHost(t *testing.T, capacity int) (*host, func() (net.Conn, error)) {
 				l.Close()
 				return
 			}
-			h.bridge <- relay.NewBridge(h.procW, h.procR, f, relay.BridgeOptions{})
+			// As hostd's room: ATTACHED once procR's reader attached.
+			h.bridge <- relay.NewBridge(h.procW, h.procR, f, relay.BridgeOptions{Attached: f.Attached})
 		}()
 		return vm, nil
 	}
@@ -180,7 +181,7 @@ func TestServe(t *testing.T) {
 	case <-time.After(50 * time.Millisecond): // a way to see it too early, not a wait for an event
 	}
 	vmGot := shmtest.ReadSum(cl.R, nil, deadline)
-	if hello := <-h.hello; hello != (relay.Hello{Region: 9, Slot: 3, Gen: 77}) {
+	if hello := <-h.hello; hello != (relay.Hello{Region: 9, Slot: 3, Gen: 77, Flags: relay.HelloHold}) {
 		t.Fatalf("hello %+v", hello)
 	}
 	hb := <-h.bridge

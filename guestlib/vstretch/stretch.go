@@ -96,6 +96,7 @@ func openOn(c net.Conn, h relay.Hello, capacity int, p *wait.Policy, mem []byte,
 			return fail(err)
 		}
 	}
+	h.Flags |= relay.HelloHold
 	if _, err := c.Write(h.Encode()); err != nil {
 		return fail(fmt.Errorf("hello: %w", err))
 	}
@@ -106,7 +107,18 @@ func openOn(c net.Conn, h relay.Hello, capacity int, p *wait.Policy, mem []byte,
 		free()
 		return nil, err
 	}
-	s.b = relay.NewBridge(s.W, s.R, f, relay.BridgeOptions{Policy: p})
+	// W stays unattached, and so this side's writer on TCP, until the
+	// host says the ring W's bytes go into is attached (HelloHold):
+	// attached end to end, as across hosts (docs/vsock.md). The wait
+	// ends with the bridge.
+	s.b = relay.NewBridge(s.W, s.R, f, relay.BridgeOptions{Policy: p, HoldIn: true})
+	go func() {
+		select {
+		case <-f.PeerAttached():
+			s.b.ReleaseIn()
+		case <-s.b.Done():
+		}
+	}()
 	return s, nil
 }
 

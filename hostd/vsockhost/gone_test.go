@@ -64,6 +64,13 @@ func testGoneDrains(t *testing.T, vmGone bool) {
 	toBefore := to.Stats().Written
 	var atRelease ring.Stats // the survivor's ring when hostd would tell it DOWN(peer-gone)
 	f.onRelease = func() { atRelease = to.Stats() }
+	// The survivor's reader attached its ring (it reads nothing yet): the
+	// VM's writer moves to its ring only once it has (HelloHold).
+	if rd, err := ring.NewReader(to, &wait.Policy{}); err != nil {
+		t.Fatal(err)
+	} else {
+		rd.Attach()
+	}
 	wrote := make(chan error, 1)
 	go func() { _, err := shmtest.WriteStream(from, nil, start, seeded(7, n), deadline); wrote <- err }()
 	state := func() string {

@@ -182,8 +182,14 @@ func (st *stretches) serve(c net.Conn, guest uint32, flows Flows, p *wait.Policy
 	}
 	// The bridge stands for the VM on the flow's rings: it reads the ring
 	// the other end writes (the VM's read ring) and writes the VM's write
-	// ring, from the stream.
-	b := relay.NewBridge(held.Reads, held.Writes, f, relay.BridgeOptions{Policy: p})
+	// ring, from the stream. Once that ring's reader (the other end's
+	// library, or the other VM's room) attached it, the VM's bridge may
+	// attach the VM's write ring: ATTACHED, if the VM's Hello asked.
+	o := relay.BridgeOptions{Policy: p}
+	if h.Holds() {
+		o.Attached = f.Attached
+	}
+	b := relay.NewBridge(held.Reads, held.Writes, f, o)
 	st.mu.Lock()
 	if st.closed {
 		st.mu.Unlock()

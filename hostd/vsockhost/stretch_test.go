@@ -46,7 +46,7 @@ func (f *flowsFake) Stretch(guest uint32, h relay.Hello) (Held, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
 	switch {
-	case guest != f.vm || h != f.hello:
+	case guest != f.vm || (relay.Hello{Region: h.Region, Slot: h.Slot, Gen: h.Gen}) != f.hello:
 		return Held{}, fmt.Errorf("guest %d has no flow %+v", guest, h)
 	case f.held:
 		return Held{}, errors.New("the flow has a stretch")
