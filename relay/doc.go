@@ -18,7 +18,9 @@
 // goes out in large writes. A link reader hands a bridge's bytes
 // straight into its guest's ring while the bridge waits for them
 // (Flow's sink), with no hand-off to another goroutine. A flow's end marks travel in order
-// with its bytes: DOWN(reason) and LEFT(final offset).
+// with its bytes: DOWN(reason) and LEFT(final offset); on a vsock
+// stretch, hostd's ATTACHED tells the VM's bridge that the ring its bytes
+// go into is attached (vsock.go, HelloHold).
 //
 // The receiver's consumption is acknowledged end to end: Flow.Acked is the
 // stream offset the peer's consumer has taken. The relay is meant to free
