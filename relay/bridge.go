@@ -59,6 +59,7 @@ type Bridge struct {
 	linkBad  atomic.Bool   // the Flow saw the peer's DOWN or the link's end
 	wg       sync.WaitGroup
 	done     chan struct{} // closed once both directions returned
+	released chan struct{} // closed after Stop once no write reads the rings (Released)
 	inDone   chan struct{} // closed once the in-direction returned
 	outDone  chan struct{} // closed once the out-direction returned
 	release  chan struct{} // closed by ReleaseIn (HoldIn)
@@ -168,12 +169,14 @@ type bridgeStats struct {
 // the ring the guest writes, out the ring it reads, both attached by the
 // caller from its own record of the flow (hostd's region.Pool, not the
 // guest-writable directory). The Bridge owns f from now on (Stop closes
-// it); the caller keeps the rings' memory mapped until Stop returned.
+// it); the caller keeps the rings' memory mapped until Released is closed.
+// With a Region the NIC may read the guest's ring for a while after Stop:
+// the ring pair's memory may be reused only once Released is closed.
 // Rings whose indices do not check out give a bridge stopped at once with
 // ErrGuest (Stop still marks the out ring left).
 func NewBridge(in, out *ring.Ring, f *Flow, o BridgeOptions) *Bridge {
 	b := &Bridge{flow: f, in: in, out: out, policy: o.Policy, poll: o.Poll,
-		halted: make(chan struct{}), evCh: make(chan struct{}, 1), done: make(chan struct{}), inDone: make(chan struct{}), outDone: make(chan struct{}),
+		halted: make(chan struct{}), released: make(chan struct{}), evCh: make(chan struct{}, 1), done: make(chan struct{}), inDone: make(chan struct{}), outDone: make(chan struct{}),
 		release: make(chan struct{}), attached: o.Attached, zc: newZCFlow(f, o.Region)}
 	if !o.HoldIn {
 		b.ReleaseIn()
@@ -333,17 +336,15 @@ func (b *Bridge) Stats() BridgeStats {
 // bridge already told it, or the link is gone), marks the out ring left
 // (started or not), and returns the out-direction's end. It waits for the
 // directions' goroutines, which every wait lets go at once (the Flow's
-// close, the rings' interrupts), so it returns within a wake-up. Safe to
-// call more than once and from any goroutine: later calls return the
-// same End. With a Region, it also waits until the in-direction's frames
-// by reference were written (bounded: zcWait, then the link ends), so
-// the caller may reuse the ring's memory once it returns.
+// close, the rings' interrupts), so it returns within a wake-up: never
+// for the NIC. Safe to call more than once and from any goroutine: later
+// calls return the same End. The caller may reuse the rings' memory once
+// Released is closed.
 func (b *Bridge) Stop(reason proto.Reason) End {
 	b.stop1.Do(func() {
 		b.halt()
 		b.down(reason)
 		<-b.done
-		b.zc.wait()
 		_ = fault.Do(func() {
 			if b.w != nil {
 				_ = b.w.Leave()
@@ -358,10 +359,36 @@ func (b *Bridge) Stop(reason proto.Reason) End {
 		b.mu.Lock()
 		b.end = e
 		b.mu.Unlock()
+		b.releaseRings()
 	})
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	return b.end
+}
+
+// Released is closed after Stop once nothing reads the rings' memory for
+// this bridge any more: at Stop's return for a bridge that copies; with a
+// Region, once the in-direction's frames by reference were written, since
+// the NIC reads their bytes from the guest's ring until then (bounded:
+// after RDMAOptions.ZeroCopyWait without a completed write the link ends,
+// which ends the NIC's reads, and Released closes once it finished). The
+// ring pair's memory must not be reused (the guest resumed elsewhere,
+// the slot freed, another connection in it) before.
+func (b *Bridge) Released() <-chan struct{} { return b.released }
+
+// releaseRings closes released once the in-direction's frames by reference
+// are written: at once if none is outstanding (the in-direction returned,
+// so no new one comes), else on a goroutine of the bridge's, so that Stop
+// never waits for the NIC (hostd's relay calls it on its event loop).
+func (b *Bridge) releaseRings() {
+	if b.zc == nil || b.zc.refs.n.Load() == 0 {
+		close(b.released)
+		return
+	}
+	go func() {
+		b.zc.wait()
+		close(b.released)
+	}()
 }
 
 // fail records err as why the bridge stopped (the first one wins), tells

@@ -20,6 +20,10 @@ type RDMAOptions struct {
 	Spin time.Duration
 	// Timeout bounds the setup over the side channel; 0 = 10 s.
 	Timeout time.Duration
+	// ZeroCopyWait bounds the waits for frames by reference from guests'
+	// rings to be written (Bridge.Released, Region.Deregister) while the
+	// link completes no write: then the link ends (zerocopy.go); 0 = 5 s.
+	ZeroCopyWait time.Duration
 }
 
 // Ring limits: a batch is at most a quarter ring, so a writer that waits
@@ -73,6 +77,7 @@ type RDMALink struct {
 	pmu        sync.Mutex
 	posted     [][]*zcFlow   // per posted write, in order, the frames by reference it gathers (nil: none)
 	written    atomic.Uint64 // writes completed: the progress the zero-copy waits look for
+	zcWait     time.Duration // how long those waits go without progress (RDMAOptions.ZeroCopyWait)
 	regMu      sync.Mutex
 	regs       map[*Region]struct{}
 	regsClosed bool          // the link finished: no new registration
@@ -152,9 +157,12 @@ func NewRDMALink(v Verbs, o RDMAOptions) *RDMALink { return newRDMALink(v, o, ni
 func newRDMALink(v Verbs, o RDMAOptions, side net.Conn) *RDMALink {
 	me := v.Local()
 	l := &RDMALink{v: v, size: uint64(me.Size), depth: uint64(me.Depth), maxBatch: int(me.Size / 4),
-		spin: o.Spin, wake: make(chan struct{}, 1)}
+		spin: o.Spin, zcWait: o.ZeroCopyWait, wake: make(chan struct{}, 1)}
 	if l.spin <= 0 {
 		l.spin = 50 * time.Microsecond
+	}
+	if l.zcWait <= 0 {
+		l.zcWait = zcWait
 	}
 	l.finished, l.regs = make(chan struct{}), map[*Region]struct{}{}
 	if g, ok := v.(Gather); ok {

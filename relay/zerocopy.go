@@ -22,12 +22,14 @@ import (
 // bridge's flow (zcFlow) from the moment it is queued until its write
 // completes (or the link is finished: its queue pair destroyed). The
 // ring bytes it names stay put that long: the bridge frees them only once
-// the peer acknowledged them, and Bridge.Stop waits for the flow's count
-// before the ring can be reused; Region.Deregister waits for the region's
-// before the registration goes, which hostd does before it unmaps the
-// region. Both waits are bounded: after zcWait in which the link
-// completed no write, the link is ended, which destroys its queue pair
-// and so ends every read of the NIC.
+// the peer acknowledged them, and after Bridge.Stop, Bridge.Released
+// closes only once the flow's count is 0: the ring may be reused after
+// that (Stop itself never waits for the NIC: hostd's relay calls it on its
+// event loop). Region.Deregister waits for the region's count before the
+// registration goes, which hostd does before it unmaps the region. Both
+// waits are bounded: after zcWait in which the link completed no write,
+// the link is ended, which destroys its queue pair and so ends every read
+// of the NIC.
 
 // zcMin is the smallest payload sent by reference: below it a copy costs
 // less than a scatter entry (and keeps small frames of many flows in one
@@ -36,8 +38,8 @@ const zcMin = 4 << 10
 
 // zcWait bounds the waits for a region's or a flow's frames by reference
 // to be written while the link completes no write: a writer that cannot
-// write (the peer withholds ring credit) ends the link after this. A
-// variable for tests.
+// write (the peer withholds ring credit) ends the link after this. The
+// default of RDMAOptions.ZeroCopyWait; a variable for tests.
 var zcWait = 5 * time.Second
 
 // ErrNoGather: the link's verbs cannot register memory for gathers, or
@@ -152,7 +154,7 @@ func (r *Region) Deregister() {
 	r.closing = true
 	r.mu.Unlock()
 	l := r.l
-	if !r.refs.wait(l.finished, zcWait, l.written.Load) {
+	if !r.refs.wait(l.finished, l.zcWait, l.written.Load) {
 		l.fail(errZCStuck)
 		<-l.finished
 	}
@@ -207,7 +209,7 @@ func (z *zcFlow) wait() {
 	if z == nil {
 		return
 	}
-	if !z.refs.wait(z.r.l.finished, zcWait, z.r.l.written.Load) {
+	if !z.refs.wait(z.r.l.finished, z.r.l.zcWait, z.r.l.written.Load) {
 		z.r.l.fail(errZCStuck)
 		<-z.r.l.finished
 	}

@@ -12,6 +12,8 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/internal/proto"
+	"github.com/shuntnet/shunt/shm/ring"
+	"github.com/shuntnet/shunt/shm/wait"
 )
 
 // zcFlows is one flow over two fake RDMA links, with a registered region
@@ -325,16 +327,19 @@ func TestZeroCopyBridge(t *testing.T) {
 	}
 }
 
-// TestZeroCopyStopWaits: Bridge.Stop returns only once the frames by
-// reference its in-direction queued were written (their ring bytes may
-// be reused after): with h1's writes held in the NIC, Stop has not
-// returned when they are let go.
-func TestZeroCopyStopWaits(t *testing.T) {
+// TestZeroCopyStopReleased: Bridge.Stop returns within a wake-up even
+// while the NIC still holds writes that read the guest's ring (hostd's
+// relay calls it on its event loop), and Released closes only once those
+// writes completed (the ring's memory may be reused after): with h1's
+// writes held in the NIC, Stop returns with the out ring marked left and
+// Released still open; it closes after the writes are let go.
+func TestZeroCopyStopReleased(t *testing.T) {
 	x, _, _, va, _, _, _ := zcBridged(t, 256<<10)
 	va.holdWrites()
 	var stop atomic.Bool
 	var guests sync.WaitGroup
 	defer func() { stop.Store(true); x.wakeGuests(); guests.Wait() }() // before the regions go
+	defer va.releaseWrites()
 	guests.Add(2)
 	go func() { defer guests.Done(); _, _ = guestWrite(x.h1.ab, 0, seeded(3, 64<<10), false, &stop) }()
 	go func() { defer guests.Done(); _, _, _, _ = guestRead(x.h2.ab, &stop, nil) }()
@@ -348,20 +353,33 @@ func TestZeroCopyStopWaits(t *testing.T) {
 		}
 		return false
 	})
-	var mu sync.Mutex
-	var order []string
-	note := func(s string) { mu.Lock(); order = append(order, s); mu.Unlock() }
 	stopped := make(chan struct{})
-	go func() { x.b1.Stop(proto.ReasonShutdown); note("stopped"); close(stopped) }()
-	go func() { <-x.b1.Done(); note("released"); va.releaseWrites() }()
-	deadline(t, 10*time.Second, "Stop", stopped, x.state)
-	mu.Lock()
-	defer mu.Unlock()
-	if fmt.Sprint(order) != "[released stopped]" {
-		t.Fatalf("order %v: Stop returned before the writes from the ring completed", order)
+	go func() { x.b1.Stop(proto.ReasonShutdown); close(stopped) }()
+	deadline(t, 10*time.Second, "Stop (with the writes held in the NIC)", stopped, x.state)
+	rd, err := ring.NewReader(x.h1.ba, &wait.Policy{})
+	if err != nil {
+		t.Fatal(err)
 	}
+	if !rd.WriterLeft() {
+		t.Fatal("Stop returned but the ring h1's guest reads is not marked left")
+	}
+	select {
+	case <-x.b1.Released():
+		t.Fatalf("Released closed while the NIC still holds %d writes reading the ring", va.heldWrites())
+	default:
+	}
+	if va.heldWrites() == 0 {
+		t.Fatal("the held writes went before they were let go")
+	}
+	va.releaseWrites()
+	deadline(t, 10*time.Second, "Released (the writes let go)", x.b1.Released(), x.state)
 	if err := x.la.Err(); err != nil {
 		t.Fatalf("the link ended: %v", err)
+	}
+	va.mu.Lock()
+	defer va.mu.Unlock()
+	if len(va.violation) > 0 {
+		t.Fatalf("the NIC read memory no longer registered: %v", va.violation)
 	}
 }
 

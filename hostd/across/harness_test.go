@@ -50,6 +50,9 @@ type world struct {
 	ca    *peertest.CA
 	addr  string       // h1's channel
 	h2ln  net.Listener // h2's channel, which h1 dials
+	// h0RDMA, if set, is what h0 offers for its relay link to h1 (its
+	// end of a fake queue pair): with h1's Options.RDMA, the link is RDMA.
+	h0RDMA func() (relay.Verbs, error)
 }
 
 // gsession is g1's session: a library that handles RESUME.
@@ -75,12 +78,17 @@ func (s *gsession) SendFile(m proto.Msg, f *os.File) { s.Send(m) }
 // the relay session maps them (SendFile) and its bridges use them.
 type pairs struct {
 	t     *testing.T
+	size  int64 // of a pair region; 0: 4 MiB (one pair of 1 MiB rings)
 	mu    sync.Mutex
 	pools map[uint32]*region.Pool
 }
 
 func (p *pairs) Make(id uint32, a, b *broker.Guest) (*region.Pool, *os.File, error) {
-	r, f := shmtest.Region(p.t, region.Geometry{Size: 4 << 20, Slots: 8})
+	size := p.size
+	if size == 0 {
+		size = 4 << 20
+	}
+	r, f := shmtest.Region(p.t, region.Geometry{Size: size, Slots: 8})
 	pool := region.NewPool(r, nil)
 	p.mu.Lock()
 	p.pools[id] = pool
@@ -132,7 +140,10 @@ func (s *gsession) next(t *testing.T, typ proto.Type, d time.Duration) proto.Msg
 
 const peerGuest = "10.9.1.2"
 
-func newWorld(t *testing.T) *world {
+func newWorld(t *testing.T) *world { t.Helper(); return newWorldWith(t, nil) }
+
+// newWorldWith is newWorld with h1's room options changed by opt.
+func newWorldWith(t *testing.T, opt func(*Options)) *world {
 	t.Helper()
 	rg, _ := shmtest.Region(t, region.Geometry{Size: 8 << 20, Slots: 8})
 	grp := &broker.Group{Name: "t", Region: "mem", Pool: region.NewPool(rg, nil)}
@@ -170,7 +181,11 @@ func newWorld(t *testing.T) *world {
 	}
 
 	o := peers.Options{Verify: func(string, peers.Claim) string { return "not-local" }, Local: w.b.LocalOverlaps} // as hostd/agent wires them
-	w.r = New(w.b, Options{PairingTimeout: 2 * time.Second})
+	ro := Options{PairingTimeout: 2 * time.Second}
+	if opt != nil {
+		opt(&ro)
+	}
+	w.r = New(w.b, ro)
 	w.r.Callbacks(&o)
 	w.p, err = peers.Start(peers.Config{Listen: w.addr, Certificate: cert, Key: key, CA: w.ca.Path, Interval: time.Second, // a channel silent 3 s is down: the floods load a busy machine
 		Peers: []peers.Peer{{Name: "h0", Address: "127.0.0.1:1", Prefixes: []netip.Prefix{netip.MustParsePrefix("10.9.0.0/16")}},
@@ -207,7 +222,7 @@ type hostile struct {
 	c     *tls.Conn
 	br    *bufio.Reader
 	got   chan peers.Across
-	link  *relay.Link
+	link  relay.Carrier
 	syncs uint64
 	stop  atomic.Bool // the reader stops reading
 }
@@ -240,7 +255,7 @@ func (w *world) dialAs(name, guest string) *hostile {
 	h.write(wire{Type: "announce", Addrs: []peers.Announced{{Prefix: netip.MustParsePrefix(guest + "/32"), Group: "t"}}})
 	go h.read()
 	// The relay link: h0 dials it (its name sorts first).
-	h.link = h.makeLink()
+	h.link = h.makeLink(w.h0RDMA)
 	t.Cleanup(h.link.Close)
 	deadline := time.Now().Add(5 * time.Second)
 	for {
@@ -397,8 +412,9 @@ func (w *world) paired(h *hostile, port uint16, peerID uint64) (uint64, proto.Ms
 	return half.ID, ready
 }
 
-// makeLink offers h1 a relay link (h dials) and makes it.
-func (h *hostile) makeLink() *relay.Link {
+// makeLink offers h1 a relay link (h dials) and makes it: RDMA if open
+// is set and h1 offers RDMA too, else TCP.
+func (h *hostile) makeLink(open func() (relay.Verbs, error)) relay.Carrier {
 	h.t.Helper()
 	tok := make([]byte, relay.TokenSize)
 	_, _ = rand.Read(tok)
@@ -410,7 +426,17 @@ func (h *hostile) makeLink() *relay.Link {
 	if err != nil {
 		h.t.Fatal(err)
 	}
-	return tcpLink(h.t, conns)
+	if open == nil {
+		return tcpLink(h.t, conns)
+	}
+	lk, err := relay.NegotiateRDMA(conns[0], open, relay.RDMAOptions{})
+	if err != nil {
+		h.t.Fatalf("h0's RDMA link: %v", err)
+	}
+	for _, c := range conns[1:] {
+		c.Close()
+	}
+	return lk
 }
 
 // tcpLink makes a TCP relay link on a link's connections, as a relay

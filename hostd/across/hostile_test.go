@@ -124,7 +124,7 @@ func TestHostilePeerLinkOffers(t *testing.T) {
 		t.Fatalf("%d link offers left %d more goroutines", n, g-before)
 	}
 	// The last offer still stands: h0 can make its link with it.
-	lk := h.makeLink()
+	lk := h.makeLink(nil)
 	defer lk.Close()
 	for deadline := time.Now().Add(5 * time.Second); ; time.Sleep(10 * time.Millisecond) {
 		var up bool

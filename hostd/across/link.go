@@ -108,7 +108,7 @@ func (r *Room) linkOffer(peer string, m peers.Across) {
 	l.expect = cancel
 	go func() {
 		conns, err := want.Wait(10*time.Second, cancel)
-		c := carry(conns, err, open)
+		c := carry(conns, err, open, r.opts.RDMALink)
 		r.post(func() { r.linked(l, gen, c) })
 	}()
 	r.send(peer, peers.Across{Op: opLinkPort, Port: r.ln.Port()})
@@ -134,7 +134,7 @@ func (r *Room) linkPort(peer string, m peers.Across) {
 			err = r.in(func() error { c, err = d.Dial("tcp", addr); return err })
 			return c, err
 		}, tok, n)
-		c := carry(conns, err, open)
+		c := carry(conns, err, open, r.opts.RDMALink)
 		r.post(func() { r.linked(l, gen, c) })
 	}()
 }
@@ -165,11 +165,11 @@ type carried struct {
 // carry picks the transport on a link's fresh connections, on the setup
 // goroutine: RDMA if both hosts offer it, else TCP on the same
 // connections (relay.NegotiateRDMA). A failed RDMA setup spends them.
-func carry(conns []net.Conn, err error, open func() (relay.Verbs, error)) carried {
+func carry(conns []net.Conn, err error, open func() (relay.Verbs, error), o relay.RDMAOptions) carried {
 	if err != nil {
 		return carried{err: err}
 	}
-	rl, err := relay.NegotiateRDMA(conns[0], open, relay.RDMAOptions{})
+	rl, err := relay.NegotiateRDMA(conns[0], open, o)
 	switch {
 	case err == nil:
 		for _, c := range conns[1:] {

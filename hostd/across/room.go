@@ -36,6 +36,8 @@ type Options struct {
 	// offers no RDMA, and the link is TCP (relay.NegotiateRDMA,
 	// docs/rdma.md).
 	RDMA func() (relay.Verbs, error)
+	// RDMALink tunes the RDMA links (zero value: the relay's defaults).
+	RDMALink relay.RDMAOptions
 	// Registerer takes the relay's metrics; nil: none are registered.
 	Registerer prometheus.Registerer
 }

@@ -31,6 +31,7 @@ type stretch struct {
 	peerAttached bool         // the other host's guest attached its read ring (the bridge may attach ours)
 	readyAt      time.Time    // the relay end's READY: a stretch not named within readyWait is given up
 	orphan       bool         // adopted from a killed hostd's relay (adopt.go): finishes once its guest reattached
+	releasing    bool         // finish waits for the stopped bridge's release (its ring still read by the NIC)
 }
 
 // peerEnd is the peer's "stop": where the ring its bridge wrote ended.
@@ -345,13 +346,17 @@ func (r *Room) stopped(peer string, m peers.Across) {
 	r.finish(x)
 }
 
-// finish ends a stopped stretch once both hosts' ends are known: the
+// finish ends a stopped stretch once both hosts' ends are known and its
+// bridge is released (no write of the NIC reads its ring any more): the
 // guest resumes on TCP where the peer's ring ended, and the relay end
-// leaves the ring pair.
+// leaves the ring pair, which frees its slot once the guest left too.
 func (r *Room) finish(x *xconn) {
 	st := x.st
 	if st.orphan && !r.orphanReady(x) {
 		return // its guest has not reattached: RESUME would not reach it
+	}
+	if !r.released(x, st) {
+		return // the NIC may still read the guest's ring: finish comes again once it does not
 	}
 	at := st.theirs.at
 	how := "at"
@@ -384,6 +389,37 @@ func (r *Room) finish(x *xconn) {
 		r.b.RetryAcrossConn(x.s, x.req)
 	}
 	r.maybeClose(x)
+}
+
+// released reports whether nothing reads st's ring pair any more, so
+// that its guest may resume elsewhere and its slot be freed (and given to
+// another connection). A stopped bridge that sent from the ring by
+// reference (zero copy, RDMA) is released once the NIC wrote those
+// frames (relay.Bridge.Released, bounded); until then the stretch waits,
+// off the event loop: the loop never waits for the NIC, and finish runs
+// again once the bridge is released. A stretch without a bridge is.
+func (r *Room) released(x *xconn, st *stretch) bool {
+	if st.br == nil {
+		return true
+	}
+	rel := st.br.Released()
+	select {
+	case <-rel:
+		return true
+	default:
+	}
+	if !st.releasing {
+		st.releasing = true
+		go func() {
+			<-rel
+			r.post(func() {
+				if x.st == st && r.conns[x.id] == x {
+					r.finish(x)
+				}
+			})
+		}()
+	}
+	return false
 }
 
 // peerClosed: the peer forgot the connection (its guest end is done, or
