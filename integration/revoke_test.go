@@ -85,10 +85,16 @@ type stream struct {
 	quit         chan struct{}
 	wdone, rdone chan error
 	sent, got    atomic.Int64
+	w, r         *guestlib.Conn
+}
+
+// ends is both ends' counters, for a failure: which side stopped.
+func (s *stream) ends() string {
+	return fmt.Sprintf("sent %d, received %d\n  writer: %+v\n  reader: %+v", s.sent.Load(), s.got.Load(), s.w.Stats(), s.r.Stats())
 }
 
 func startStream(t *testing.T, w, r *guestlib.Conn, seed uint64) *stream {
-	s := &stream{t: t, seed: seed, quit: make(chan struct{}), wdone: make(chan error, 1), rdone: make(chan error, 1)}
+	s := &stream{t: t, seed: seed, quit: make(chan struct{}), wdone: make(chan error, 1), rdone: make(chan error, 1), w: w, r: r}
 	go func() {
 		buf := make([]byte, 64<<10)
 		var off uint64
@@ -141,16 +147,16 @@ func (s *stream) progress(n int64) {
 	for s.got.Load() < want {
 		select {
 		case err := <-s.rdone:
-			s.t.Fatalf("stream %d: %v", s.seed, err)
+			s.t.Fatalf("stream %d: %v\n%s", s.seed, err, s.ends())
 		case err := <-s.wdone:
 			if err != nil {
-				s.t.Fatalf("stream %d: %v", s.seed, err)
+				s.t.Fatalf("stream %d: %v\n%s", s.seed, err, s.ends())
 			}
 			s.wdone <- nil
 		case <-time.After(5 * time.Millisecond):
 		}
 		if time.Now().After(deadline) {
-			s.t.Fatalf("stream %d: %d bytes in 20 s, want %d", s.seed, s.got.Load(), want)
+			s.t.Fatalf("stream %d: %d bytes in 20 s, want %d\n%s", s.seed, s.got.Load(), want, s.ends())
 		}
 	}
 }
