@@ -177,21 +177,25 @@ func (c *Conn) readerTryLeaveLocked() {
 // byte: the stretch's last bytes now live in the library's memory. It
 // reports whether the ring is empty now.
 func (c *Conn) drainLocked(f *flow) bool {
-	var got []byte
-	buf := make([]byte, 64<<10)
-	for {
-		n, err := f.rd.TryRead(buf)
-		got = append(got, buf[:n]...)
-		if n == 0 || err != nil {
-			break
-		}
-	}
-	if len(got) > 0 { // counted as ring bytes when read (Stats)
+	if got := readOut(f.rd); len(got) > 0 { // counted as ring bytes when read (Stats)
 		c.stash = append(got, c.stash...)
 		c.stashRing += len(got)
 	}
 	b, err := f.rd.Buffered()
 	return err == nil && b == 0
+}
+
+// readOut reads all that rd holds now into memory of its own.
+func readOut(rd *ring.Reader) []byte {
+	var got []byte
+	buf := make([]byte, 64<<10)
+	for {
+		n, err := rd.TryRead(buf)
+		got = append(got, buf[:n]...)
+		if n == 0 || err != nil {
+			return got
+		}
+	}
 }
 
 // stretchAhead is a ring's stretch that the reader holds in its own
@@ -210,16 +214,7 @@ type stretchAhead struct {
 // after its grace (a reader of it then fails), and the connection comes
 // back to the rings only once this end left them.
 func (c *Conn) aheadLocked(f *flow, start uint64) {
-	var got []byte
-	buf := make([]byte, 64<<10)
-	for {
-		n, err := f.rd.TryRead(buf)
-		got = append(got, buf[:n]...)
-		if n == 0 || err != nil {
-			break
-		}
-	}
-	if len(got) > 0 {
+	if got := readOut(f.rd); len(got) > 0 {
 		c.ahead = append(c.ahead, stretchAhead{at: start, b: got})
 	}
 	c.leaveReadLocked()
