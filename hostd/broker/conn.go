@@ -254,9 +254,10 @@ func (b *Broker) upgradeLocked(c *Conn, start time.Time) proto.Reason {
 	}
 	ready := proto.Msg{Type: proto.Ready, RegionID: r.ID, Slot: uint32(slot), Gen: e.Gen, Capacity: uint32(e.Capacity),
 		RingAB: uint64(e.RingAB), RingBA: uint64(e.RingBA)}
-	ready.ReqID, ready.Side, ready.Relayed = c.a.req, proto.SideA, isRelay(c.b.sess)
+	bridged := bridgedPair(c, f) // both ends' bridges copy bytes, as a relay's (stretchpair.go)
+	ready.ReqID, ready.Side, ready.Relayed = c.a.req, proto.SideA, isRelay(c.b.sess) || bridged
 	c.a.sess.Send(ready)
-	ready.ReqID, ready.Side, ready.Relayed = c.b.req, proto.SideB, isRelay(c.a.sess)
+	ready.ReqID, ready.Side, ready.Relayed = c.b.req, proto.SideB, isRelay(c.a.sess) || bridged
 	c.b.sess.Send(ready)
 	b.m.Flows.WithLabelValues("ready", "direct").Inc()
 	b.switchedLocked(c, "rings", was)

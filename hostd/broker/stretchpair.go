@@ -42,6 +42,22 @@ func vsockVM(g *Guest) bool { return g.Vsock && !g.SharedRegion }
 // vsockPair reports whether both ends of f are such VMs.
 func vsockPair(f *Flow) bool { return vsockVM(f.GuestA) && vsockVM(f.GuestB) }
 
+// bridgedPair reports whether c's flow f is between two vsock VMs whose
+// libraries both handle RESUME: its READYs carry the Relayed bit, as a
+// relay's pairs do (docs/vsock.md, "VM to VM"). Each VM's rings are
+// written by bridges that copy bytes (its stretch, its room), never a
+// record ring parsed in place, and the pair leaves by RESUME (above), so
+// both ends take it by the relayed rules: btl/shunt's byte stream with
+// the stretch named by its start (guestlib/mpi/csrc/relayed.c), a
+// kernel EOF held while the read ring has not started. Between a VM and
+// a process guest the pair is not marked: the process guest's end of a
+// vsock flow is told DOWN(peer-gone) when the VM goes, which a relayed
+// end takes for a reset (docs/mpi.md, "No vsock stretches to process
+// guests").
+func bridgedPair(c *Conn, f *Flow) bool {
+	return vsockPair(f) && c.a.sess != nil && c.b.sess != nil && resumes(c.a.sess) && resumes(c.b.sess)
+}
+
 var sides = [2]uint32{region.SideA, region.SideB}
 
 // stretchPairResumeLocked starts moving c off f, a flow between two vsock

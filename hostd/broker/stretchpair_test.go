@@ -49,6 +49,28 @@ func resumeAt(t *testing.T, s rsession, req uint32, want uint64) {
 	}
 }
 
+// TestStretchPairRelayed: a flow between two vsock VMs whose libraries
+// handle RESUME is marked relayed at both ends (their rings are written
+// by bridges that copy bytes: btl/shunt parses them as a relay's), and
+// only such a flow: a vsock VM and a process guest, or two VMs whose
+// libraries do not handle RESUME (they leave by DOWN), get no mark.
+func TestStretchPairRelayed(t *testing.T) {
+	_, _, _, ra, rb := resumeVsockPair(t)
+	if !ra.Relayed || !rb.Relayed {
+		t.Errorf("two vsock VMs: READY relayed A %v B %v, want both", ra.Relayed, rb.Relayed)
+	}
+	_, _, _, ra, rb = resumeStretchPair(t, false)
+	if ra.Relayed || rb.Relayed {
+		t.Errorf("a vsock VM and a process guest: READY relayed %v %v, want neither", ra.Relayed, rb.Relayed)
+	}
+	_, _, _, ra, rb, ha, hb := vsockPair(t)
+	ha.Release()
+	hb.Release()
+	if ra.Relayed || rb.Relayed {
+		t.Errorf("two vsock VMs without RESUME: READY relayed %v %v, want neither", ra.Relayed, rb.Relayed)
+	}
+}
+
 // TestStretchPairResume: a downgrade between two vsock VMs is a two-step.
 // Both rooms are asked to stop; no VM hears anything until both said
 // where their bridges stopped (each room's out-direction at its X, its

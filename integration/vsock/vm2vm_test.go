@@ -56,6 +56,13 @@ func startVMPair(t testing.TB, ctx context.Context, bytes int64, phaseA string) 
 
 // startVMPairWith is startVMPair with B running phaseB.
 func startVMPairWith(t testing.TB, ctx context.Context, phaseB, phaseA string) *vmPair {
+	return startVMPairFiles(t, ctx, nil, []string{phaseB}, []string{phaseA})
+}
+
+// startVMPairFiles is startVMPairWith with files in both VMs' initramfs
+// (at their own paths, the host's /usr over 9p: bootOpts.files) and each
+// VM running phases of its own.
+func startVMPairFiles(t testing.TB, ctx context.Context, files, phasesB, phasesA []string) *vmPair {
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
 	start := time.Now()
@@ -98,11 +105,11 @@ func startVMPairWith(t testing.TB, ctx context.Context, phaseB, phaseA string) *
 		if err != nil {
 			t.Fatal(err)
 		}
-		return bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: v.addr, gw: v.gw, tap: v.tap, sock: filepath.Join(dir, v.name+".vsock"), qemu: ports, noWait: true},
+		return bootWith(t, ctx, bootOpts{netns: s.Rig.HostNSPath(), addr: v.addr, gw: v.gw, tap: v.tap, sock: filepath.Join(dir, v.name+".vsock"), qemu: ports, noWait: true, files: files},
 			append(phases, "pause:5000:0:0")...)
 	}
-	p.b = boot(specs[1], phaseB)
-	p.a = boot(specs[0], fmt.Sprintf("target:%s:0:0", vmBAddr), phaseA)
+	p.b = boot(specs[1], phasesB...)
+	p.a = boot(specs[0], append([]string{fmt.Sprintf("target:%s:0:0", vmBAddr)}, phasesA...)...)
 	p.a.ready()
 	p.b.ready()
 	p.booted = time.Since(start)

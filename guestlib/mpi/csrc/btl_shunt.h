@@ -178,6 +178,7 @@ struct conn {
 	 * goes into its ring as bytes in lease framing, not records */
 	uint8_t relayed;
 	uint64_t resume_at;   /* RESUME's offset (valid while down, relayed) */
+	uint8_t gone;         /* out: the DOWN was a vsock stretch's peer-gone (relayed.c: nothing to resend) */
 	uint64_t wtail0;      /* out: sf.w's tail when the stretch started */
 	uint64_t token;       /* out: the stretch's start offset, random: SWITCH names the stretch by it */
 	uint8_t *rb;          /* in: ring bytes read, not yet whole records */
@@ -357,6 +358,7 @@ enum {
 	R_RING_SMALL,     /* the ring cannot hold two fragments of btl_shunt_max_send_size */
 	R_RING_BROKEN,    /* the ring was reset or its reader closed (no DOWN came) */
 	R_LEASE_ONLY,     /* btl_shunt_ring = 0 */
+	R_NOT_RELAYED,    /* a vsock stretch whose pair hostd does not mark relayed (the peer is not a vsock VM) */
 };
 
 /* hostd.c */

@@ -42,6 +42,7 @@ const char *reason_name(uint16_t r)
 	case R_RING_SMALL: return "ring too small";
 	case R_RING_BROKEN: return "ring reset";
 	case R_LEASE_ONLY: return "btl_shunt_ring=0";
+	case R_NOT_RELAYED: return "vsock stretch to a peer that is not a vsock VM";
 	}
 	return shunt_reason_name(r);
 }
@@ -50,7 +51,8 @@ const char *reason_name(uint16_t r)
 static int permanent(uint16_t r)
 {
 	return r == SHUNT_REASON_LOOPBACK || r == SHUNT_REASON_NOT_LOCAL || r == SHUNT_REASON_CROSS_GROUP ||
-	       r == SHUNT_REASON_DISABLED || r == SHUNT_REASON_VERSION || r == R_RING_SMALL || r == R_LEASE_ONLY;
+	       r == SHUNT_REASON_DISABLED || r == SHUNT_REASON_VERSION || r == R_RING_SMALL || r == R_LEASE_ONLY ||
+	       r == R_NOT_RELAYED;
 }
 
 /* recovers: hostd keeps the lease's record with this reason and sends
@@ -271,8 +273,18 @@ static void refuse(struct conn *c, uint16_t reason)
 }
 
 /* peer_ok: the receiver attached the ring the stream would go into: it
- * said RING_OK for this pair, or (relayed) the relay says so. */
-static int peer_ok(struct conn *c) { return c->relayed ? relay_ready(c) : holds_pair(c, &c->ok); }
+ * said RING_OK for this pair, or (relayed) the relay says so. A vsock
+ * stretch's write ring is attached by this VM's shunt-vstretchd as soon
+ * as its stream opens, whatever the other end did, so there RING_OK is
+ * waited for too: both VMs' READYs name the one flow of this host, and
+ * a SWITCH that came before the receiver's READY would be taken for a
+ * stretch that never reached it (relayed.c). */
+static int peer_ok(struct conn *c)
+{
+	if (!c->relayed)
+		return holds_pair(c, &c->ok);
+	return relay_ready(c) && (!shunt_flow_stretch(&c->sf) || holds_pair(c, &c->ok));
+}
 
 /* switch_up moves ep's stream into c's ring (SWITCH on c), c the lease it
  * is on: 1, or 0 if the ring is too small (then c is done with hostd). */

@@ -274,14 +274,8 @@ int hostd_init(void)
 		.announce = on_announce,
 		.caps = SHUNT_CAP_RESUME, /* relayed pairs: relayed.c */
 	};
-	/* Not over vsock stretches (yet): a stretch's bridges copy bytes, and
-	 * the record rings of a lease's ring pair need both ends to take the
-	 * pair as relayed (relayed.c), which hostd says only of a relay's
-	 * pairs. A vsock VM's leases stay on TCP (docs/mpi.md). */
-	shunt_stretch_disable();
-	const char *vs = getenv("SHUNT_VSOCK");
-	if (vs && strcmp(vs, "1") == 0)
-		say(1, "SHUNT_VSOCK=1: btl/shunt has no vsock stretches yet; a vsock VM's leases stay on tcp (docs/mpi.md)");
+	/* With SHUNT_VSOCK=1 a VM without ivshmem takes its leases' ring pairs
+	 * as vsock stretches through shunt-vstretchd (ready, below). */
 	pin();
 	session = shunt_session_new(&c);
 	if (!session) {
@@ -340,6 +334,26 @@ int hostd_pending(void)
 	return __atomic_load_n(&pending, __ATOMIC_RELAXED) && __atomic_exchange_n(&pending, 0, __ATOMIC_ACQUIRE);
 }
 
+/* not_relayed turns down a vsock stretch (just attached, m its READY)
+ * whose pair hostd does not mark relayed: its bridges copy bytes, and a
+ * lease's record rings are parsed in place, so only a pair both ends
+ * take as relayed can go over it (hostd marks those between two vsock
+ * VMs; docs/mpi.md). Both ends stay on the lease: a sender tells its
+ * receiver RING_NO for the pair; CLOSE, so hostd sends no READY again
+ * and the peer gets DOWN(peer-gone). */
+static void not_relayed(struct conn *c, const struct shunt_msg *m)
+{
+	say(0, "%s: the ring pair is a vsock stretch that hostd does not mark relayed (the peer is not a vsock VM): the lease stays on tcp",
+	    c->ep ? c->ep->who : "a peer");
+	if (c->out) {
+		struct rec_ring no = {.gen = m->gen, .region = m->region_id, .slot = m->slot, .reason = R_NOT_RELAYED};
+		push_control(c, REC_RING_NO, &no, sizeof no);
+	}
+	hostd_close(c); /* detaches the stretch: shunt-vstretchd never opened its stream */
+	c->reason = R_NOT_RELAYED;
+	c->told = 1;
+}
+
 /* ready attaches the pair a READY names, if c may take it. */
 static void ready(struct conn *c, const struct hword *e)
 {
@@ -372,11 +386,22 @@ static void ready(struct conn *c, const struct hword *e)
 		c->reason = SHUNT_REASON_INTERNAL;
 		return;
 	}
+	if (shunt_flow_stretch(&c->sf) && !e->relayed) {
+		not_relayed(c, &m);
+		return;
+	}
 	c->fstate = F_READY;
 	c->down = 0;
+	c->gone = 0;
 	c->relayed = e->relayed;
 	c->rr = (struct shunt_rec_ring){.r = c->out ? &c->sf.w : &c->sf.r};
 	reg_rings(c, 1);
+	if (c->out && shunt_flow_stretch(&c->sf)) {
+		/* shunt-vstretchd opens the stretch's stream once its read ring
+		 * is attached (guestlib/vstretch); a lease's sender never reads
+		 * it, so it says so itself, or its write ring never would be. */
+		shunt_ring_attach_reader(&c->sf.r);
+	}
 	if (!c->out) {
 		shunt_ring_attach_reader(&c->sf.r);
 		struct rec_ring ok = {.gen = m.gen, .region = m.region_id, .slot = m.slot};
@@ -413,9 +438,19 @@ void hostd_take(struct conn *c)
 				 * for one, and a DOWN would not say where to resend
 				 * from: the stream could not go on. */
 				if (c->fstate == F_READY && e->gen == c->sf.gen && e->slot == c->sf.slot && e->region_id == c->sf.region_id) {
+					int first = !c->down;
 					c->down = 1;
 					c->down_reason = e->reason;
 					c->resume_at = e->type == SHUNT_RESUME ? e->offset : SHUNT_RESUME_RESET;
+					/* A vsock stretch: hostd sends DOWN(peer-gone) once the
+					 * rooms carried the gone end's last bytes into this
+					 * VM's ring (docs/vsock.md, "VM to VM"); the writer's
+					 * bytes have no reader left. On RESUME, shunt-vstretchd
+					 * stops its bridge first, which marks the read ring
+					 * left where its bytes end, and ENDED says where. */
+					c->gone = e->type == SHUNT_DOWN && e->reason == SHUNT_REASON_PEER_GONE && shunt_flow_stretch(&c->sf);
+					if (e->type == SHUNT_RESUME && first)
+						shunt_flow_stretch_end(&c->sf, e->reason);
 				}
 				break;
 			}
@@ -446,8 +481,8 @@ void hostd_close(struct conn *c)
 		return;
 	}
 	struct shunt_msg m = {.type = SHUNT_CLOSE, .req_id = c->h->req, .side = c->h->role};
-	if (c->fstate == F_READY && c->relayed && c->out)
-		shunt_ring_leave(&c->sf.w); /* the relay carries its last bytes, then ends the stretch */
+	if (c->fstate == F_READY && c->relayed && (c->out || shunt_flow_stretch(&c->sf)))
+		shunt_ring_leave(&c->sf.w); /* the relay carries its last bytes, then ends the stretch (a stretch's unused one too) */
 	if (c->fstate == F_READY)
 		shunt_flow_close(&c->sf);
 	else

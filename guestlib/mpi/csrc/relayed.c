@@ -212,6 +212,8 @@ int relay_resume(struct mca_btl_base_endpoint_t *ep, struct conn *c)
 	shunt_ring_leave(w);
 	if (off == SHUNT_RESUME_ALL)
 		off = start;
+	if (c->gone) /* a vsock stretch's peer-gone (hostd.c): no reader left for them */
+		off = end;
 	int ok = off >= start && off <= end;
 	size_t n = ok ? end - off : 0;
 	uint8_t *buf = n ? malloc(n) : NULL;

@@ -208,12 +208,15 @@ void resume(struct flow *f, const struct shunt_msg *m)
  * relayed pair leaves by RESUME, which says where the other host's ring
  * ended; a DOWN means nobody knows (a restarted hostd that did not adopt
  * the pair), and going on over TCP from this ring's end could skip or
- * repeat bytes: the connection is reset instead (Go: Conn.down). It
+ * repeat bytes: the connection is reset instead (Go: Conn.down). Not a
+ * vsock stretch's (two vsock VMs' pairs are relayed too): hostd sends
+ * one DOWN(peer-gone) only once the rooms' bridges carried the gone
+ * end's last bytes into this VM's ring (docs/vsock.md, "VM to VM"). It
  * reports whether it took the DOWN. */
 int resume_down(struct flow *f, const struct shunt_msg *m)
 {
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-	if (!rg || !rg->relayed || __atomic_load_n(&rg->resumed, __ATOMIC_SEQ_CST) || __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) ||
+	if (!rg || !rg->relayed || shunt_flow_stretch(&rg->sf) || __atomic_load_n(&rg->resumed, __ATOMIC_SEQ_CST) || __atomic_load_n(&rg->down, __ATOMIC_SEQ_CST) ||
 	    m->slot != rg->sf.slot || m->gen != rg->sf.gen || m->region_id != rg->sf.region_id)
 		return 0;
 	struct shunt_msg r = *m;

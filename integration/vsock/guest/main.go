@@ -51,6 +51,9 @@
 //	cedgeflip:PORT:BYTES:SEED as cedge, paced (SHUNT_EDGE_PACE_US): the
 //	                          test flips its path meanwhile
 //	ciperf:PORT:SECS:0        iperf3 -c ADDR -p PORT -t SECS under shunt-run
+//	mpiexec:PORT:0:0          TestVsockMPI: run the shell command each TCP
+//	                          connection to PORT sends (mpirun's rsh
+//	                          agent), SHUNT_VSOCK=1, until the VM stops
 //
 // Each line gives the SHA-256 of what was sent and of what was received,
 // and how many bytes arrived.
@@ -119,6 +122,8 @@ func main() {
 			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
 		case "ciperf":
 			err = ciperf(uint32(port), n)
+		case "mpiexec":
+			err = mpiexec(uint32(port))
 		default:
 			err = phase(f[0], uint32(port), n, seed)
 		}

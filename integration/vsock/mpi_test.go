@@ -1,0 +1,184 @@
+//go:build linux
+
+package vsock_test
+
+import (
+	"context"
+	"fmt"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"strings"
+	"sync"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/integration/mpirig"
+	"github.com/shuntnet/shunt/internal/nsexec"
+	"github.com/shuntnet/shunt/internal/testenv"
+)
+
+// TestVsockMPI's ports in each VM: btl/shunt's lease listener and the
+// exec server mpirun's rsh agent talks to.
+const (
+	mpiPort  = 7800
+	execPort = 7777
+)
+
+// TestVsockMPI: an MPI job across the two VMs of TestVsockVMToVM (TCG,
+// vhost-user-vsock served by hostd, virtio-serial control, no ivshmem;
+// the host's /usr over 9p), one rank in each, with btl/shunt and only
+// self, vader and shunt as BTLs. mpirun runs in the rig's host namespace
+// and starts orted in each VM through its exec server; the ranks run with
+// SHUNT_VSOCK=1 and shunt-vstretchd, so each lease's ring pair is a vsock
+// stretch in each VM, bridged by its room onto the flow's rings, which
+// hostd marks relayed at both ends (docs/mpi.md, "Between vsock VMs").
+// btlcheck checks every byte it receives (point to point at every size to
+// 256 KiB, non-blocking, wildcards, collectives) for at least 2 s. Both
+// directions between the VMs must have moved to relayed rings (the BTL's
+// lines), hostd must have counted both moves to the rings, shown both
+// leases on the rings via vsock while the job ran, and each VM's vsock
+// device must have carried at least the job's point-to-point bytes each
+// way, so they did not go by TCP. After 150 s it fails with the job's
+// output, hostd's flows, counters and log, and both VMs' consoles.
+func TestVsockMPI(t *testing.T) {
+	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
+	testenv.NeedTool(t, "mpirun", "openmpi-bin")
+	testenv.NeedTool(t, "make", "make")
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
+	defer cancel()
+	dir := t.TempDir()
+	os.Chmod(dir, 0o755)
+	bin := func(name string) string { return filepath.Join(dir, name) }
+	if err := mpirig.Build("../..", dir, "btlcheck"); err != nil {
+		testenv.Missing(t, "cannot build btl/shunt: "+err.Error(), "apt-get install make gcc libopenmpi-dev openmpi-bin")
+	}
+	for _, c := range []string{"shunt-vstretchd", "shunt-vm-agent"} {
+		gb := exec.Command("go", "build", "-o", bin(c), "../../cmd/"+c)
+		gb.Env = append(os.Environ(), "CGO_ENABLED=0") // the initramfs's own files run before /usr is there
+		if out, err := gb.CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s", c, err, out)
+		}
+	}
+	rsh := bin("rsh")
+	script := fmt.Sprintf("#!/bin/sh\n# plm_rsh_agent: rsh HOST CMD -> CMD in that VM\nexec %s rsh %d \"$@\"\n", bin("shunt-vm-agent"), execPort)
+	if err := os.WriteFile(rsh, []byte(script), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	phases := []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0", fmt.Sprintf("mpiexec:%d:0:0", execPort)}
+	// rsh too: orted checks that plm_rsh_agent's path exists.
+	p := startVMPairFiles(t, ctx, []string{bin("mca_btl_shunt.so"), bin("btlcheck"), bin("shunt-vstretchd"), rsh}, phases, phases)
+	for _, r := range []*rig{p.a, p.b} {
+		if line, err := r.v.WaitAny(r.ctx, 0, "SHUNT-VSOCK MPIEXEC", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK MPIEXEC") {
+			p.fail("%s's exec server: %q %v", r.v.Name, line, err)
+		}
+	}
+	before := counters(p.hostd, p.s.Admin)
+
+	const maxBytes = 256 << 10
+	args := []string{"--allow-run-as-root", "-np", "2", "--host", vmAAddr + ":1," + vmBAddr + ":1",
+		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", rsh, "--mca", "pml", "ob1", "--mca", "btl", "self,vader,shunt",
+		"--mca", "oob_tcp_if_include", "10.77.0.0/16", "--mca", "rtc", "^hwloc", "--bind-to", "none",
+		"--mca", "mca_component_path", mpirig.SysComponents() + ":" + dir,
+		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
+		"--mca", "btl_shunt_port_min", fmt.Sprint(mpiPort), "--mca", "btl_shunt_port_max", fmt.Sprint(mpiPort),
+		bin("btlcheck"), "-m", fmt.Sprint(maxBytes), "-t", "2"}
+	cmd := exec.CommandContext(ctx, "mpirun", args...)
+	var out lockedBuffer
+	cmd.Stdout, cmd.Stderr = &out, &out
+	fail := func(format string, args ...any) {
+		t.Helper()
+		t.Logf("the job's output:\n%s", out.String())
+		p.fail(format, args...)
+	}
+
+	// While the job runs: the most leases hostd showed on the rings via
+	// vsock at once (the job stays on them for its 2 s and more).
+	var mu sync.Mutex
+	most, seen := 0, ""
+	watchDone, watched := make(chan struct{}), make(chan struct{})
+	go func() {
+		defer close(watched)
+		for {
+			fl, err := p.s.Conns()
+			n, names := 0, []string{}
+			for _, f := range fl {
+				if err == nil && f.Path == "rings" && f.Via == "vsock" && strings.HasSuffix(f.Dst, fmt.Sprintf(":%d", mpiPort)) {
+					n++
+					names = append(names, fmt.Sprintf("%s %s -> %s", f.Name, f.Src, f.Dst))
+				}
+			}
+			mu.Lock()
+			if n > most {
+				most, seen = n, strings.Join(names, "; ")
+			}
+			mu.Unlock()
+			select {
+			case <-watchDone:
+				return
+			case <-time.After(20 * time.Millisecond):
+			}
+		}
+	}()
+	t0 := time.Now()
+	if err := nsexec.In(p.s.Rig.HostNSPath(), cmd.Start); err != nil {
+		t.Fatal(err)
+	}
+	err := cmd.Wait()
+	took := time.Since(t0)
+	close(watchDone)
+	<-watched
+	job := out.String()
+	if ctx.Err() != nil {
+		fail("the job did not end within the test's bound (%v)", time.Since(start).Round(time.Second))
+	}
+	if err != nil || !strings.Contains(job, "data ok") || strings.Contains(job, "ERROR") {
+		fail("the job: %v; want \"data ok\" and no BTL error", err)
+	}
+	if n := strings.Count(job, ": relayed ring (slot "); n != 2 {
+		fail("the BTL moved %d directions to relayed rings; want 2 (one each way between the VMs)", n)
+	}
+	if strings.Contains(job, ": tcp (") {
+		fail("a direction stayed on tcp")
+	}
+	mu.Lock()
+	gotMost, gotSeen := most, seen
+	mu.Unlock()
+	if gotMost != 2 {
+		fail("hostd flows showed %d leases on the rings via vsock at once (%s); want 2", gotMost, gotSeen)
+	}
+	after := counters(p.hostd, p.s.Admin)
+	if d := grew(before, after, firstSwitches); d != 2 {
+		fail("hostd counted %v first moves to the rings during the job; want 2", d)
+	}
+	// btlcheck's point-to-point phase alone sends each way more than
+	// every size up to maxBytes once.
+	var carried []string
+	for _, g := range []string{"vma", "vmb"} {
+		for _, d := range []string{"rx", "tx"} {
+			key := fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=%s}", d, g)
+			v := grew(before, after, key)
+			if v < 4*maxBytes {
+				fail("%s grew by %v during the job; want at least %d (the job's bytes went by vsock)", key, v, 4*maxBytes)
+			}
+			carried = append(carried, fmt.Sprintf("%s %s %.1f MB", g, d, v/1e6))
+		}
+	}
+	for _, l := range strings.Split(job, "\n") {
+		if strings.Contains(l, "relayed ring") || strings.Contains(l, "data ok") || strings.Contains(l, "round") {
+			t.Logf("job: %s", l)
+		}
+	}
+	t.Logf("hostd flows during the job: %s; vsock devices: %s; the job took %v; boot %v, whole test %v", gotSeen, strings.Join(carried, ", "), took.Round(time.Millisecond),
+		p.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// firstSwitches is hostd's counter of flows' first moves onto the rings.
+const firstSwitches = "shunt_switches_total{reason=none,to=rings}"
+
+// grew is how much counter key grew from one `hostd counters` output to
+// a later one (a counter not there yet is 0).
+func grew(before, after, key string) float64 {
+	return max(counterValue(after, key), 0) - max(counterValue(before, key), 0)
+}
