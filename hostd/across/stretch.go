@@ -1,6 +1,7 @@
 package across
 
 import (
+	"errors"
 	"time"
 
 	"github.com/shuntnet/shunt/hostd/peers"
@@ -223,11 +224,21 @@ func (r *Room) bridgeDone(x *xconn, st *stretch) {
 		return
 	}
 	reason := proto.ReasonPeerUnreachable
-	if err := st.br.Err(); err != nil {
+	err := st.br.Err()
+	switch d, ok := err.(relay.ErrDown); {
+	case errors.Is(err, relay.ErrEnded):
+		// The connection's end, not a fault: both guests' writers left
+		// their rings after their last bytes, which the rings carried.
+		// It leaves the rings as a closed local connection does, with
+		// peer-gone (peer-unreachable would have the broker try the
+		// rings again once the pair is freed, for a closing connection).
+		r.log.Debug("a relayed connection ended: both guests' writers left the rings", "conn", x)
+		reason = proto.ReasonPeerGone
+	case ok:
 		r.log.Debug("a relay bridge stopped", "conn", x, "error", err)
-		if d, ok := err.(relay.ErrDown); ok {
-			reason = d.Reason
-		}
+		reason = d.Reason
+	case err != nil:
+		r.log.Debug("a relay bridge stopped", "conn", x, "error", err)
 	}
 	r.b.DowngradeAcross(x.s, x.req, reason)
 }

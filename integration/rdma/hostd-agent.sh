@@ -142,9 +142,18 @@ remove() {
 	wait $gp || fail the stream
 	cat /tmp/guest.out
 	stage end
-	grep -E "relay link|switch to|bridge stopped|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+	hostdlog
 	show counters
 	say DONE
+}
+# hostdlog: hostd's log lines of the relay's links and switches, or its
+# whole log if the test asked for it (SHUNT_RDMA_HOSTD_LOG=1: $cfg/fulllog)
+hostdlog() {
+	if [ -f "$cfg/fulllog" ]; then
+		sed 's/^/HOSTD-AGENT log: /' /tmp/hostd.log
+	else
+		grep -E "relay link|switch to|bridge stopped|relayed connection ended|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+	fi
 }
 # counter NAME: hostd's counter (hostd counters' NAME line), 0 if none
 counter() { "$hostd" counters -admin /tmp/admin.sock 2>/dev/null | awk -v k="$1" '$1 == k { print $2; f = 1 } END { if (!f) print 0 }'; }
@@ -247,7 +256,7 @@ else
 fi
 stage end
 counters
-grep -E "relay link|switch to|bridge stopped|never said" /tmp/hostd.log | sed 's/^/HOSTD-AGENT log: /'
+hostdlog
 show counters
 # Zero copy: of the bytes the relay sent to the other host (over its
 # links, RDMA then TCP), those the NIC read straight from the guest's

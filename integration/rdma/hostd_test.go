@@ -190,6 +190,15 @@ func hostdRig(t *testing.T, scenario string, n int, limit time.Duration, extra [
 	if err != nil {
 		t.Fatal(err)
 	}
+	if os.Getenv("SHUNT_RDMA_HOSTD_LOG") != "" {
+		// The agents print hostd's whole log at the end, not only the
+		// relay's links and switches (go test -v shows it on success).
+		p := filepath.Join(cfg, "fulllog")
+		if err := os.WriteFile(p, nil, 0o644); err != nil {
+			t.Fatal(err)
+		}
+		files = append(files, p)
+	}
 	agent, _ := filepath.Abs("hostd-agent.sh")
 	rxe, _ := filepath.Abs("rxe.sh")
 	initrd := filepath.Join(dir, "initramfs")

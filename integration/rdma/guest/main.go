@@ -146,6 +146,9 @@ func dial(addr string, n, phases int, dir string) error {
 			return err
 		}
 	}
+	// Where the connection is when the last byte went: the relay (shunt)
+	// unless something moved it since the last part's start.
+	fmt.Printf("GUEST SENT %d path=%s seconds=%.2f\n", sent, c.Path(), time.Since(t0).Seconds())
 	c.CloseWrite()
 	if err := <-got; err != nil {
 		return err
