@@ -527,10 +527,6 @@ void shunt_flow_detach(struct shunt_flow *f);
  * daemon shunt_flow_attach fails as for a missing region (the caller
  * gives the READY back and stays on TCP), and says why in the log. */
 int shunt_stretch_enabled(void);
-/* Turns stretches off for the process: btl/shunt's record rings need a
- * relayed pair's byte stream at both ends, which hostd does not give a
- * vsock VM's flows yet (docs/mpi.md). */
-void shunt_stretch_disable(void);
 /* Whether f's rings are a stretch's. */
 int shunt_flow_stretch(const struct shunt_flow *f);
 /* After this end's writer left f's write ring (close, shutdown): waits

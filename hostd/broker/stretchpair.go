@@ -52,8 +52,7 @@ func vsockPair(f *Flow) bool { return vsockVM(f.GuestA) && vsockVM(f.GuestB) }
 // kernel EOF held while the read ring has not started. Between a VM and
 // a process guest the pair is not marked: the process guest's end of a
 // vsock flow is told DOWN(peer-gone) when the VM goes, which a relayed
-// end takes for a reset (docs/mpi.md, "No vsock stretches to process
-// guests").
+// end takes for a reset (docs/mpi.md, "Between vsock VMs").
 func bridgedPair(c *Conn, f *Flow) bool {
 	return vsockPair(f) && c.a.sess != nil && c.b.sess != nil && resumes(c.a.sess) && resumes(c.b.sess)
 }
