@@ -42,73 +42,26 @@ const (
 // have carried bytes each way. Then a paced 24 MiB stream, checked so,
 // across 3 policy flips, each waited for in `hostd flows` (rings via
 // vsock, then tcp): the VM's library must have stopped its stretch once
-// per flip (RESUME: STOP, ENDED). iperf3 is not run: it hangs on a limit
-// of the stretches (docs/vsock.md, "The C library's stretches").
+// per flip (RESUME: STOP, ENDED). The stream across flips stalled 1 run
+// in 4 before the stretches were attached end to end (docs/vsock.md,
+// "The C library's stretches"); iperf3 is TestVsockIperf3's.
 func TestVsockPreload(t *testing.T) {
-	// The stream across policy flips is opt-in: 3 runs of it passed here
-	// and one stalled after its last flip, on the attach end to end that
-	// the stretches lack (docs/vsock.md). The checked stream before it
-	// runs always, in CI too.
-	flips := os.Getenv("SHUNT_TEST_VSOCK_PRELOAD") == "1"
-	for _, tool := range []string{"make", "gcc"} {
-		testenv.NeedTool(t, tool, "make gcc libc6-dev")
-	}
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
 	defer cancel()
-	dir := t.TempDir()
-	os.Chmod(dir, 0o755)
-	bin := func(name string) string { return filepath.Join(dir, name) }
-	mk := exec.Command("make", "-s", "-C", "../..", "BIN="+dir, "preload", bin("shunt-edge"))
-	mk.Env = append(os.Environ(), "MAKEFLAGS=")
-	if out, err := mk.CombinedOutput(); err != nil {
-		t.Fatalf("make preload shunt-edge: %v\n%s", err, out)
-	}
-	gb := exec.Command("go", "build", "-o", bin("shunt-vstretchd"), "../../cmd/shunt-vstretchd")
-	gb.Env = append(os.Environ(), "CGO_ENABLED=0") // the initramfs's own files run before /usr is there
-	if out, err := gb.CombinedOutput(); err != nil {
-		t.Fatalf("build shunt-vstretchd: %v\n%s", err, out)
-	}
-
+	dir, bin := buildCSide(t)
 	var edgeOut lockedBuffer
 	var v *vsockVM
-	// The process guest's servers under shunt-run, listening before the
-	// VM boots.
-	serve := func(out *lockedBuffer, port int, args ...string) {
-		g := v.s.Rig.Guests[0]
-		cmd := exec.Command(bin("shunt-run"), append([]string{"-v"}, args...)...)
-		cmd.Env = append(os.Environ(), "SHUNT_CONTROL="+v.s.Control(g), "SHUNT_PRELOAD="+bin("libshunt-preload.so"), "SHUNT_EDGE_PACE_US=10000")
-		cmd.Stdout, cmd.Stderr = out, out
-		if err := nsexec.In(g.NSPath(), cmd.Start); err != nil {
-			t.Fatal(err)
-		}
-		exited := make(chan struct{})
-		go func() { cmd.Wait(); close(exited) }()
-		t.Cleanup(func() { cmd.Process.Kill(); <-exited })
-		for !listening(cmd.Process.Pid, port) {
-			select {
-			case <-exited:
-				v.fail("the process guest's %s exited", args[0])
-			case <-ctx.Done():
-				v.fail("the process guest's %s does not listen on %d", args[0], port)
-			case <-time.After(10 * time.Millisecond):
-			}
-		}
-	}
-	files := []string{bin("shunt-run"), bin("libshunt-preload.so"), bin("shunt-edge"), bin("shunt-vstretchd")}
-	how := vmHow{files: files, before: func(vm *vsockVM) {
+	how := vmHow{files: cSideFiles(bin), before: func(vm *vsockVM) {
 		v = vm
 		v.more = func() string {
 			return fmt.Sprintf("process guest's shunt-edge server:\n%s", edgeOut.String())
 		}
 		addr := v.s.Rig.Guests[0].Addr.String()
-		serve(&edgeOut, edgePort, bin("shunt-edge"), "server", addr, fmt.Sprint(edgePort))
+		v.serveC(ctx, bin, &edgeOut, edgePort, []string{"SHUNT_EDGE_PACE_US=10000"}, bin("shunt-edge"), "server", addr, fmt.Sprint(edgePort))
 	}}
-	phases := []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0", fmt.Sprintf("cedge:%d:%d:5", edgePort, edgeLen)}
-	if flips {
-		phases = append(phases, fmt.Sprintf("cedgeflip:%d:%d:6", edgePort, flipLen))
-	}
-	startVsockVMHow(t, ctx, how, append(phases, "pause:3000:0:0")...)
+	startVsockVMHow(t, ctx, how, "cdir:"+dir+":0:0", "vstretchd:0:0:0", fmt.Sprintf("cedge:%d:%d:5", edgePort, edgeLen),
+		fmt.Sprintf("cedgeflip:%d:%d:6", edgePort, flipLen), "pause:3000:0:0")
 	edgeServing := edgeOut.String
 	ctx = v.r.ctx
 
@@ -160,10 +113,6 @@ func TestVsockPreload(t *testing.T) {
 	}
 	t.Logf("the stretch carried %.0f bytes of the VM's stream and %.0f of the process guest's", in, out)
 	t.Logf("shunt-edge stream over vsock: %s", line)
-	if !flips {
-		t.Logf("the stream across policy flips is opt-in (SHUNT_TEST_VSOCK_PRELOAD=1): it stalls 1 run in 4 (docs/vsock.md)")
-		return
-	}
 
 	// A paced checked stream while the policy moves it to TCP and back:
 	// each downgrade stops both bridges, the VM's library stops its
@@ -198,6 +147,63 @@ func TestVsockPreload(t *testing.T) {
 	}
 	t.Logf("shunt-edge stream across %d flips: %s", preloadFlips, line)
 	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// buildCSide builds the C side's programs into a directory of their own
+// (mode 0755: the VM and the process guest run them): shunt-run,
+// libshunt-preload.so, shunt-edge, and shunt-vstretchd (static, Go: the
+// VM's initramfs runs it before the host's /usr is there). bin names a
+// file in it.
+func buildCSide(t *testing.T) (dir string, bin func(string) string) {
+	t.Helper()
+	for _, tool := range []string{"make", "gcc"} {
+		testenv.NeedTool(t, tool, "make gcc libc6-dev")
+	}
+	dir = t.TempDir()
+	os.Chmod(dir, 0o755)
+	bin = func(name string) string { return filepath.Join(dir, name) }
+	mk := exec.Command("make", "-s", "-C", "../..", "BIN="+dir, "preload", bin("shunt-edge"))
+	mk.Env = append(os.Environ(), "MAKEFLAGS=")
+	if out, err := mk.CombinedOutput(); err != nil {
+		t.Fatalf("make preload shunt-edge: %v\n%s", err, out)
+	}
+	gb := exec.Command("go", "build", "-o", bin("shunt-vstretchd"), "../../cmd/shunt-vstretchd")
+	gb.Env = append(os.Environ(), "CGO_ENABLED=0") // the initramfs's own files run before /usr is there
+	if out, err := gb.CombinedOutput(); err != nil {
+		t.Fatalf("build shunt-vstretchd: %v\n%s", err, out)
+	}
+	return dir, bin
+}
+
+// cSideFiles are buildCSide's files for the VM's initramfs (vmHow.files).
+func cSideFiles(bin func(string) string) []string {
+	return []string{bin("shunt-run"), bin("libshunt-preload.so"), bin("shunt-edge"), bin("shunt-vstretchd")}
+}
+
+// serveC starts a server under shunt-run -v in the process guest (env
+// added; its output to out), killed at the test's end, and waits until
+// it listens on port. Called from vmHow.before: before the VM boots.
+func (v *vsockVM) serveC(ctx context.Context, bin func(string) string, out *lockedBuffer, port int, env []string, args ...string) {
+	v.t.Helper()
+	g := v.s.Rig.Guests[0]
+	cmd := exec.Command(bin("shunt-run"), append([]string{"-v"}, args...)...)
+	cmd.Env = append(append(os.Environ(), "SHUNT_CONTROL="+v.s.Control(g), "SHUNT_PRELOAD="+bin("libshunt-preload.so")), env...)
+	cmd.Stdout, cmd.Stderr = out, out
+	if err := nsexec.In(g.NSPath(), cmd.Start); err != nil {
+		v.t.Fatal(err)
+	}
+	exited := make(chan struct{})
+	go func() { cmd.Wait(); close(exited) }()
+	v.t.Cleanup(func() { cmd.Process.Kill(); <-exited })
+	for !listening(cmd.Process.Pid, port) {
+		select {
+		case <-exited:
+			v.fail("the process guest's %s exited", args[0])
+		case <-ctx.Done():
+			v.fail("the process guest's %s does not listen on %d", args[0], port)
+		case <-time.After(10 * time.Millisecond):
+		}
+	}
 }
 
 // waitOn waits until hostd's flows show the connection to the process

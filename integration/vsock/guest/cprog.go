@@ -103,16 +103,22 @@ func cedge(name string, port uint32, n int64, seed uint64, pace int) error {
 	return nil
 }
 
-// ciperf is the VM's end of TestVsockPreload's iperf3 run: the client,
-// secs seconds, to target:port.
-func ciperf(port uint32, secs int64) error {
-	out, err := preloaded(nil, "iperf3", "-c", target, "-p", fmt.Sprint(port), "-t", fmt.Sprint(secs), "-f", "m")
+// ciperf is the VM's end of TestVsockIperf3: iperf3's client under
+// shunt-run, secs seconds, to target:port, with -R (the server sends) if
+// reverse. Its line gives iperf3's exit and its sender and receiver
+// summaries.
+func ciperf(port uint32, secs int64, reverse bool) error {
+	args := []string{"iperf3", "-c", target, "-p", fmt.Sprint(port), "-t", fmt.Sprint(secs), "-f", "m"}
+	if reverse {
+		args = append(args, "-R")
+	}
+	out, err := preloaded(nil, args...)
 	sum := ""
 	for _, l := range strings.Split(out, "\n") {
 		if strings.Contains(l, "sender") || strings.Contains(l, "receiver") {
 			sum += strings.Join(strings.Fields(l), " ") + "; "
 		}
 	}
-	fmt.Printf("SHUNT-VSOCK ciperf port=%d err=%v %s\n", port, err, sum)
+	fmt.Printf("SHUNT-VSOCK ciperf port=%d reverse=%v err=%v %s\n", port, reverse, err, sum)
 	return nil
 }

@@ -50,7 +50,8 @@
 //	                          each way, checked byte for byte at both ends
 //	cedgeflip:PORT:BYTES:SEED as cedge, paced (SHUNT_EDGE_PACE_US): the
 //	                          test flips its path meanwhile
-//	ciperf:PORT:SECS:0        iperf3 -c ADDR -p PORT -t SECS under shunt-run
+//	ciperf:PORT:SECS:REV      iperf3 -c ADDR -p PORT -t SECS under shunt-run
+//	                          (SHUNT_VSOCK=1), with -R if REV is 1
 //	mpiexec:PORT:0:0          TestVsockMPI: run the shell command each TCP
 //	                          connection to PORT sends (mpirun's rsh
 //	                          agent), SHUNT_VSOCK=1, until the VM stops
@@ -121,7 +122,7 @@ func main() {
 		case "cedgeflip":
 			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
 		case "ciperf":
-			err = ciperf(uint32(port), n)
+			err = ciperf(uint32(port), n, seed != 0)
 		case "mpiexec":
 			err = mpiexec(uint32(port))
 		default:
