@@ -45,7 +45,7 @@ struct edge {
 	uint64_t roff, sent, rtail, whead;
 	const struct rings *rg;
 	uint32_t rflags, wflags, got;
-	size_t slen;
+	size_t slen, alen;
 	int seof, rring, wring, rleft, wleft, down, peer_gone;
 };
 
@@ -536,6 +536,7 @@ static void edge_of(struct flow *f, uint32_t got, struct edge *d)
 	d->rring = __atomic_load_n(&f->rring, __ATOMIC_RELAXED);
 	d->wring = __atomic_load_n(&f->wring, __ATOMIC_RELAXED);
 	d->slen = __atomic_load_n(&f->slen, __ATOMIC_RELAXED);
+	d->alen = __atomic_load_n(&f->alen, __ATOMIC_RELAXED);
 	d->seof = __atomic_load_n(&f->seof, __ATOMIC_RELAXED);
 	d->got = got;
 	d->rg = rg;
@@ -554,7 +555,7 @@ static void edge_of(struct flow *f, uint32_t got, struct edge *d)
 static int same_edge(const struct edge *a, const struct edge *b)
 {
 	return a->roff == b->roff && a->sent == b->sent && a->rtail == b->rtail && a->whead == b->whead && a->rg == b->rg &&
-	       a->rflags == b->rflags && a->wflags == b->wflags && a->got == b->got && a->slen == b->slen && a->seof == b->seof &&
+	       a->rflags == b->rflags && a->wflags == b->wflags && a->got == b->got && a->slen == b->slen && a->alen == b->alen && a->seof == b->seof &&
 	       a->rring == b->rring && a->wring == b->wring && a->rleft == b->rleft && a->wleft == b->wleft && a->down == b->down &&
 	       a->peer_gone == b->peer_gone;
 }

@@ -61,7 +61,7 @@ static int letgo_ok(struct flow *f)
 	struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
 	if (f->owner != my_pid || __atomic_load_n(&f->closed, __ATOMIC_SEQ_CST))
 		return 0;
-	if (f->rbytes[1] || f->wbytes[1] || f->rring || f->wring || f->slen || f->seof)
+	if (f->rbytes[1] || f->wbytes[1] || f->rring || f->wring || f->slen || f->seof || f->alen)
 		return 0;
 	return !rg || (f->attach_due && !rg->wleft && !rg->rleft);
 }

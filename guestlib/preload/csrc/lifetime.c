@@ -59,8 +59,12 @@ struct flow *flow_new(void)
 	f->resent = 0;
 	__atomic_store_n(&f->resending, 0, __ATOMIC_RELAXED);
 	__atomic_store_n(&f->rst, 0, __ATOMIC_RELAXED);
-	f->shead = f->slen = 0;
+	f->shead = f->slen = f->sring = 0;
 	f->seof = 0;
+	f->ahead = NULL; /* freed with the flow (flow_discard) */
+	f->alen = 0;
+	f->ahead_at = 0;
+	f->aheads = 0;
 	f->rbytes[0] = f->rbytes[1] = f->wbytes[0] = f->wbytes[1] = 0;
 	f->rswitch = f->wswitch = f->stashed = 0;
 	f->stats_said = 0;
@@ -88,6 +92,11 @@ void flow_discard(struct flow *f)
 {
 	if (!f)
 		return;
+	/* A stretch held ahead is the flow's own memory (a fork child's copy
+	 * too): nobody reads it any more. poll and epoll read only alen. */
+	free(f->ahead);
+	f->ahead = NULL;
+	__atomic_store_n(&f->alen, 0, __ATOMIC_RELEASE);
 	pthread_mutex_lock(&free_mu);
 	f->next_free = free_flows;
 	free_flows = f;
@@ -138,10 +147,10 @@ static void say_stats(struct flow *f)
 	if (!stats || f->owner != my_pid || __atomic_exchange_n(&f->stats_said, 1, __ATOMIC_ACQ_REL))
 		return;
 	pstat("shunt: fd %d stats: read %llu tcp + %llu ring = %llu, wrote %llu tcp + %llu ring = %llu; "
-	      "to the rings: %u reading, %u writing; stashed %u; resent %llu",
+	      "to the rings: %u reading, %u writing; stashed %u; resent %llu; held ahead %u",
 	      f->fd, (unsigned long long)f->rbytes[0], (unsigned long long)f->rbytes[1], (unsigned long long)f->roff,
 	      (unsigned long long)f->wbytes[0], (unsigned long long)f->wbytes[1], (unsigned long long)f->sent, f->rswitch,
-	      f->wswitch, f->stashed, (unsigned long long)f->resent);
+	      f->wswitch, f->stashed, (unsigned long long)f->resent, f->aheads);
 }
 
 /* release ends a connection nobody uses any more: both directions leave

@@ -19,7 +19,14 @@
  * ring blocks in the kernel's recv itself (READY then waits for it to come
  * back before the ring is marked attached, conn.c); one with a ring that
  * has not started sleeps on the kernel socket and the ring at once
- * (wait.c's helper), so the writer's start wakes it. */
+ * (wait.c's helper), so the writer's start wakes it.
+ *
+ * A ring whose writer left (or died) while TCP bytes before its start are
+ * still due is copied aside and left at once (conn.c, reader_ahead: a
+ * firewall's drops can hold those bytes back for long, and the ring's
+ * memory may not outlive hostd's grace): until the TCP stream reaches that
+ * start, every kernel read stops there (ahead_lim; the blocking recv is
+ * not used), and an EOF before it is a broken stream (ECONNRESET). */
 #include "preload.h"
 
 #include <errno.h>
@@ -132,6 +139,44 @@ static int kernel_wait(struct flow *f, int fd, struct rings *rg, int watch, int6
 
 /* ---- the reader ---- */
 
+/* ahead_lim: how many bytes the reader may take from TCP before a
+ * stretch held ahead (rmu held): SIZE_MAX when none is. */
+static size_t ahead_lim(struct flow *f)
+{
+	return f->alen ? (size_t)(f->ahead_at - f->roff) : SIZE_MAX;
+}
+
+/* ahead_due: once the TCP stream reached the stretch held ahead, its
+ * bytes go to the front of the stash (rmu held): 0, or -1 without memory
+ * (the connection is reset then). */
+static int ahead_due(struct flow *f)
+{
+	if (!f->alen || f->roff != f->ahead_at)
+		return 0;
+	size_t n = f->alen;
+	if (f->slen) { /* not expected (a stash holds bytes before it), but kept in order */
+		uint8_t *s = malloc(n + f->slen);
+		if (!s)
+			return -1;
+		memcpy(s, f->ahead, n);
+		memcpy(s + n, f->stash + f->shead, f->slen);
+		free(f->ahead);
+		f->ahead = s;
+		n += f->slen;
+	}
+	free(f->stash);
+	f->stash = f->ahead;
+	f->scap = n;
+	f->shead = 0;
+	f->slen = n;
+	f->sring += f->alen;
+	f->ahead = NULL;
+	__atomic_store_n(&f->alen, 0, __ATOMIC_RELEASE);
+	if (verbose > 1)
+		plog("shunt: fd %d: the TCP stream reached the stretch held ahead at %llu", f->fd, (unsigned long long)f->roff);
+	return 0;
+}
+
 /* tcp_take reads the TCP side of the stream without blocking: the stash
  * first, then a remembered EOF or error, then the kernel. *kernel says
  * whether the bytes came from the kernel. Bytes, 0 at EOF, or -errno. */
@@ -156,8 +201,28 @@ static ssize_t tcp_take(struct flow *f, int fd, uint8_t *buf, size_t n, int flag
 		return e > 0 ? 0 : e;
 	}
 	*kernel = 1;
-	ssize_t k = real_recv(fd, buf, n, (flags & (MSG_PEEK | MSG_OOB)) | MSG_DONTWAIT);
+	size_t lim = ahead_lim(f);
+	ssize_t k = real_recv(fd, buf, n < lim ? n : lim, (flags & (MSG_PEEK | MSG_OOB)) | MSG_DONTWAIT);
+	if (k == 0 && n && f->alen) {
+		plog("shunt: fd %d: the TCP stream ended at %llu, before the ring's stretch held ahead at %llu: reset", fd,
+		     (unsigned long long)f->roff, (unsigned long long)f->ahead_at);
+		return -ECONNRESET;
+	}
 	return k < 0 ? -errno : k;
+}
+
+/* took_tcp counts k bytes read from the TCP side (rmu held, not a peek):
+ * those of the stash's first sring bytes came from a ring. */
+static void took_tcp(struct flow *f, size_t k, int kernel)
+{
+	size_t ring = 0;
+	if (!kernel) {
+		ring = k < f->sring ? k : f->sring;
+		f->sring -= ring;
+	}
+	f->roff += k;
+	f->rbytes[0] += k - ring;
+	f->rbytes[1] += ring;
 }
 
 /* stash keeps n bytes read past a ring's start for after its stretch.
@@ -282,6 +347,10 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 			continue;
 		}
 		f->rring = 0;
+		if (ahead_due(f)) {
+			plog("shunt: fd %d: out of memory for the ring's stretch held ahead: reset", fd);
+			return -ECONNRESET;
+		}
 		uint64_t start;
 		int att = rg && !rg->rleft, kernel;
 		if (att && __atomic_load_n((uint32_t *)(rg->sf.r.hdr + SHUNT_OFF_RESET), __ATOMIC_SEQ_CST))
@@ -293,23 +362,25 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 			att = 0;
 		}
 		if (att && shunt_ring_started(&rg->sf.r, &start)) {
+			if (start < f->roff || (f->alen && start < f->ahead_at + f->alen)) {
+				plog("shunt: fd %d: the peer started a ring at %llu, behind %llu already read: reset", fd,
+				     (unsigned long long)start, (unsigned long long)(f->alen ? f->ahead_at + f->alen : f->roff));
+				return -ECONNRESET;
+			}
 			if (f->roff == start) {
 				to_ring(f, fd, rg);
 				continue;
 			}
-			if (start < f->roff) {
-				plog("shunt: fd %d: the peer started a ring at %llu, behind %llu already read: reset", fd,
-				     (unsigned long long)start, (unsigned long long)f->roff);
-				return -ECONNRESET;
-			}
+			/* The mark is read after the start: the stretch is whole. */
+			if ((shunt_ring_writer_left(&rg->sf.r) || __atomic_load_n(&rg->peer_gone, __ATOMIC_SEQ_CST)) &&
+			    !reader_ahead(f, rg, start, done))
+				continue; /* left, the stretch held ahead: TCP up to it */
 			size_t lim = start - f->roff;
 			ssize_t k = tcp_take(f, fd, buf, n < lim ? n : lim, flags, &kernel);
 			if (k == -EAGAIN)
 				*wait = W_KERNEL;
-			if (k > 0 && !peek) {
-				f->roff += k;
-				f->rbytes[0] += k;
-			}
+			if (k > 0 && !peek)
+				took_tcp(f, k, kernel);
 			return k;
 		}
 		if (att && test_stash_delay_ns && !f->slen) { /* widen the window a stash is for (tests) */
@@ -353,10 +424,8 @@ static ssize_t read_step(struct flow *f, int fd, uint8_t *buf, size_t n, int fla
 				}
 			}
 		}
-		if (k > 0 && !peek) {
-			f->roff += k;
-			f->rbytes[0] += k;
-		}
+		if (k > 0 && !peek)
+			took_tcp(f, k, kernel);
 		return k;
 	}
 }
@@ -404,10 +473,12 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 		pthread_mutex_lock(&f->rmu);
 		for (;;) {
 			rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE);
-			if (!rg && !f->rring && !f->slen && !f->seof && !nb && !got && n && !ended(f, 1)) {
+			if (!rg && !f->rring && !f->slen && !f->seof && !f->alen && !nb && !got && n && !ended(f, 1)) {
 				/* No ring and nothing kept aside: the kernel's own
 				 * blocking recv at once, one system call as without
-				 * the library (not a non-blocking try first). */
+				 * the library (not a non-blocking try first). With a
+				 * stretch held ahead, the kernel's recv could read
+				 * past its start: read_step's, which stops there. */
 				k = kernel_recv(f, fd, buf, n, flags);
 				if (k > 0)
 					got += k;
@@ -432,7 +503,7 @@ ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_
 			}
 			if (k != -EAGAIN || n == 0 || nb || (got && !all) || ended(f, 1))
 				break;
-			if (wait == W_KERNEL && !rg && !f->slen && !f->seof) {
+			if (wait == W_KERNEL && !rg && !f->slen && !f->seof && !f->alen) {
 				/* No ring: the kernel's own blocking recv. */
 				k = kernel_recv(f, fd, (uint8_t *)buf + got, n - got, flags);
 				if (k > 0)
@@ -678,6 +749,8 @@ ssize_t conn_buffered(struct flow *f, int fd)
 		n = shunt_ring_buffered(&rg->sf.r);
 	} else if (f->slen) {
 		n = f->slen;
+	} else if (f->alen && f->roff == f->ahead_at) {
+		n = f->alen; /* the next read moves them to the stash */
 	} else if (rg && !rg->rleft && shunt_ring_started(&rg->sf.r, &start) && f->roff == start) {
 		n = shunt_ring_buffered(&rg->sf.r);
 	} else {
@@ -686,6 +759,8 @@ ssize_t conn_buffered(struct flow *f, int fd)
 			n = k;
 		if (rg && !rg->rleft && shunt_ring_started(&rg->sf.r, &start) && start > f->roff && (uint64_t)n > start - f->roff)
 			n = start - f->roff;
+		if (n > 0 && (size_t)n > ahead_lim(f)) /* not the bytes held ahead, nor any after them */
+			n = (ssize_t)ahead_lim(f);
 	}
 	pthread_mutex_unlock(&f->rmu);
 	return n > 0 ? n : 0;

@@ -230,7 +230,17 @@ struct flow {
 	int rring;      /* reading the ring */
 	uint8_t *stash; /* TCP bytes read past a ring's start, for after its stretch */
 	size_t shead, slen, scap;
+	size_t sring;   /* how many of the stash's first bytes came from a ring (a drain, an ahead): counted as ring bytes */
 	int seof;       /* a kernel EOF (1) or error (-errno) seen while a ring held a stretch */
+	/* A ring's stretch copied out while TCP bytes before its start were
+	 * still due (conn.c, reader_ahead): alen bytes at stream offset
+	 * ahead_at, at most a ring's capacity, one at a time. Every read of
+	 * the kernel stops at ahead_at meanwhile, and there they move to the
+	 * front of the stash (path.c). alen is read atomically by poll and
+	 * epoll: the bytes count as readable only once roff reached them. */
+	uint8_t *ahead;
+	size_t alen;
+	uint64_t ahead_at;
 	int rblocked;   /* readers asleep in a blocking kernel recv (no rings then) */
 	int64_t rhold;  /* a relayed ring's reader holds a kernel EOF or error until this (ns; 0: none; path.c) */
 	int attach_due; /* READY came while rblocked: the reader marks the ring attached when back */
@@ -251,6 +261,7 @@ struct flow {
 	/* Bytes per path, for SHUNT_STATS (0 TCP, 1 ring); under rmu / wmu. */
 	uint64_t rbytes[2], wbytes[2];
 	unsigned rswitch, wswitch, stashed; /* moves to a ring per direction; stash uses */
+	unsigned aheads;                    /* stretches copied out ahead of their TCP bytes (reader_ahead) */
 	int stats_said;                     /* SHUNT_STATS line out (lifetime.c) */
 	pthread_mutex_t rmu, wmu; /* one reader and one writer at a time (SPSC rings, stream offsets); never held while a call sleeps */
 	struct flow *next_free;   /* on the free list; under free_mu */
@@ -367,6 +378,12 @@ int resend_idle(void);
  * waits of its resend goes out (bounded; lifetime.c, forget). */
 void resend_close(struct flow *f, int fd);
 struct rings *reader_leave(struct flow *f, struct rings *rg);
+/* reader_ahead: f's reader is on TCP before rg's ring's start (start >
+ * f->roff) and the ring's writer left it or is gone: it copies the ring's
+ * stretch out to f->ahead and leaves the ring (rmu held). 0 (*done: the
+ * rings to give back, or NULL), or -1 when it stays (no memory, a reset
+ * ring, or a stretch already held ahead: then it waits for TCP). */
+int reader_ahead(struct flow *f, struct rings *rg, uint64_t start, struct rings **done);
 void rings_done(struct flow *f, struct rings *rg);
 void rings_free(struct rings *rg);
 /* conn_end: the last fd closed: leave the rings, CLOSE to hostd. */

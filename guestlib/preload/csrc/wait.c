@@ -359,6 +359,7 @@ short fast_events(struct flow *f, int fd, short ev, short kev)
 	if (ev & POLLIN) {
 		int rring = __atomic_load_n(&f->rring, __ATOMIC_RELAXED);
 		int started = rg && !rring && shunt_ring_started(&rg->sf.r, &start);
+		size_t ahead = __atomic_load_n(&f->alen, __ATOMIC_ACQUIRE);
 		if (__atomic_load_n(&f->rd_shut, __ATOMIC_RELAXED) || __atomic_load_n(&f->closed, __ATOMIC_RELAXED))
 			r |= POLLIN;
 		else if (rring && rg)
@@ -369,10 +370,12 @@ short fast_events(struct flow *f, int fd, short ev, short kev)
 			; /* a relayed ring's reader holds the kernel's EOF for the ring (path.c) */
 		else if (__atomic_load_n(&f->slen, __ATOMIC_RELAXED) || __atomic_load_n(&f->seof, __ATOMIC_RELAXED))
 			r |= POLLIN;
+		else if (ahead && __atomic_load_n(&f->roff, __ATOMIC_RELAXED) == __atomic_load_n(&f->ahead_at, __ATOMIC_RELAXED))
+			r |= POLLIN; /* the stretch held ahead is due (path.c) */
 		else
-			r |= kev & POLLIN;
+			r |= kev & POLLIN; /* with a stretch held ahead: TCP bytes before it */
 		/* The peer's FIN counts once its ring's bytes are read. */
-		if (!rring && !started && !held(f, rg))
+		if (!rring && !started && !held(f, rg) && !ahead)
 			r |= kev & ev & POLLRDHUP;
 	}
 	if (ev & POLLOUT) {
