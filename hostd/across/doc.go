@@ -27,7 +27,10 @@
 //     wrote ended; the hosts exchange that ("stop"), and each sends its
 //     guest RESUME(the other's end): the guest's writer resends what the
 //     other guest's ring does not hold on TCP. Nothing is lost or
-//     duplicated.
+//     duplicated. A bridge that sent from its guest's ring by reference
+//     (zero copy over RDMA) holds RESUME and the relay's LEFT of the
+//     pair until the NIC wrote those bytes (relay.Bridge.Released,
+//     waited for off the event loop, which never waits for the NIC).
 //
 // Files: room.go (the room, its event loop, the peers' callbacks),
 // pairing.go (claims), session.go (the relay sessions the broker sees),
