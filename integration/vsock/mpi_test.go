@@ -14,6 +14,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/integration/mpirig"
+	"github.com/shuntnet/shunt/integration/stack"
 	"github.com/shuntnet/shunt/internal/nsexec"
 	"github.com/shuntnet/shunt/internal/testenv"
 )
@@ -41,7 +42,26 @@ const (
 // device must have carried at least the job's point-to-point bytes each
 // way, so they did not go by TCP. After 150 s it fails with the job's
 // output, hostd's flows, counters and log, and both VMs' consoles.
-func TestVsockMPI(t *testing.T) {
+func TestVsockMPI(t *testing.T) { runVsockMPI(t, 0) }
+
+// TestVsockMPIFlips: the job of TestVsockMPI, running 8 s, while the
+// policy moves both leases to TCP and back mpiFlips times, each switch
+// waited for in `hostd flows` (both leases on tcp, then both on the rings
+// via vsock). Between two vsock VMs each move to TCP is a RESUME to both
+// ranks at the offset the other VM's ring ended (docs/vsock.md, "VM to
+// VM"): the BTL stops its stretch, the writer resends the ring's bytes
+// from there on its lease, the reader drains its ring to the mark
+// (docs/mpi.md, "Between vsock VMs"). Every byte is still checked, and
+// both directions must have moved to relayed rings once per stretch and
+// back to their leases once per flip.
+func TestVsockMPIFlips(t *testing.T) { runVsockMPI(t, mpiFlips) }
+
+// mpiFlips is how many times TestVsockMPIFlips moves the job to TCP and
+// back.
+const mpiFlips = 3
+
+// runVsockMPI is TestVsockMPI with flips policy flips while the job runs.
+func runVsockMPI(t *testing.T, flips int) {
 	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
 	testenv.NeedTool(t, "mpirun", "openmpi-bin")
 	testenv.NeedTool(t, "make", "make")
@@ -77,13 +97,17 @@ func TestVsockMPI(t *testing.T) {
 	before := counters(p.hostd, p.s.Admin)
 
 	const maxBytes = 256 << 10
+	secs := 2
+	if flips > 0 {
+		secs = 8 // the flips (about 2 s) happen while it runs
+	}
 	args := []string{"--allow-run-as-root", "-np", "2", "--host", vmAAddr + ":1," + vmBAddr + ":1",
 		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", rsh, "--mca", "pml", "ob1", "--mca", "btl", "self,vader,shunt",
 		"--mca", "oob_tcp_if_include", "10.77.0.0/16", "--mca", "rtc", "^hwloc", "--bind-to", "none",
 		"--mca", "mca_component_path", mpirig.SysComponents() + ":" + dir,
 		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
 		"--mca", "btl_shunt_port_min", fmt.Sprint(mpiPort), "--mca", "btl_shunt_port_max", fmt.Sprint(mpiPort),
-		bin("btlcheck"), "-m", fmt.Sprint(maxBytes), "-t", "2"}
+		bin("btlcheck"), "-m", fmt.Sprint(maxBytes), "-t", fmt.Sprint(secs)}
 	cmd := exec.CommandContext(ctx, "mpirun", args...)
 	var out lockedBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
@@ -125,7 +149,27 @@ func TestVsockMPI(t *testing.T) {
 	if err := nsexec.In(p.s.Rig.HostNSPath(), cmd.Start); err != nil {
 		t.Fatal(err)
 	}
-	err := cmd.Wait()
+	exited := make(chan error, 1)
+	go func() { exited <- cmd.Wait() }()
+	for i := range flips {
+		// hostd shows a lease on the rings from its READY on; the BTL
+		// moves a direction there at its next message.
+		waitLeases(ctx, p, "rings", exited, fail)
+		waitSwitched(ctx, &out, 2*(i+1), exited, fail)
+		f0 := time.Now()
+		if _, err := p.s.SetPolicy(stack.PolicyTCP); err != nil {
+			fail("flip %d: %v", i, err)
+		}
+		waitLeases(ctx, p, "tcp", exited, fail)
+		f1 := time.Now()
+		if _, err := p.s.SetPolicy(""); err != nil {
+			fail("flip %d: %v", i, err)
+		}
+		waitLeases(ctx, p, "rings", exited, fail)
+		t.Logf("flip %d: both leases to tcp in %v, back on the rings in %v", i, f1.Sub(f0).Round(time.Millisecond), time.Since(f1).Round(time.Millisecond))
+		time.Sleep(500 * time.Millisecond) // bytes on the rings between flips
+	}
+	err := <-exited
 	took := time.Since(t0)
 	close(watchDone)
 	<-watched
@@ -136,10 +180,13 @@ func TestVsockMPI(t *testing.T) {
 	if err != nil || !strings.Contains(job, "data ok") || strings.Contains(job, "ERROR") {
 		fail("the job: %v; want \"data ok\" and no BTL error", err)
 	}
-	if n := strings.Count(job, ": relayed ring (slot "); n != 2 {
-		fail("the BTL moved %d directions to relayed rings; want 2 (one each way between the VMs)", n)
+	if n := strings.Count(job, ": relayed ring (slot "); n != 2*(flips+1) {
+		fail("the BTL moved directions to relayed rings %d times; want %d (each way between the VMs, once per stretch)", n, 2*(flips+1))
 	}
-	if strings.Contains(job, ": tcp (") {
+	if n := strings.Count(job, "ring ended, back on the lease"); n != 2*flips {
+		fail("the BTL moved directions back to their leases %d times; want %d (each way, once per flip)", n, 2*flips)
+	}
+	if flips == 0 && strings.Contains(job, ": tcp (") {
 		fail("a direction stayed on tcp")
 	}
 	mu.Lock()
@@ -151,6 +198,9 @@ func TestVsockMPI(t *testing.T) {
 	after := counters(p.hostd, p.s.Admin)
 	if d := grew(before, after, firstSwitches); d != 2 {
 		fail("hostd counted %v first moves to the rings during the job; want 2", d)
+	}
+	if d := toRings(after) - toRings(before); d != float64(2*(flips+1)) {
+		fail("hostd counted %v moves to the rings during the job; want %d (each lease's first, and one back per flip)", d, 2*(flips+1))
 	}
 	// btlcheck's point-to-point phase alone sends each way more than
 	// every size up to maxBytes once.
@@ -166,7 +216,7 @@ func TestVsockMPI(t *testing.T) {
 		}
 	}
 	for _, l := range strings.Split(job, "\n") {
-		if strings.Contains(l, "relayed ring") || strings.Contains(l, "data ok") || strings.Contains(l, "round") {
+		if strings.Contains(l, "relayed ring") || strings.Contains(l, "data ok") || strings.Contains(l, "round") || strings.Contains(l, "back on the lease") {
 			t.Logf("job: %s", l)
 		}
 	}
@@ -176,6 +226,57 @@ func TestVsockMPI(t *testing.T) {
 
 // firstSwitches is hostd's counter of flows' first moves onto the rings.
 const firstSwitches = "shunt_switches_total{reason=none,to=rings}"
+
+// toRings is the sum of hostd's counters of moves onto the rings, for
+// every reason the connection was on TCP before (a policy reload moves
+// the other flow of its retired pair region with another).
+func toRings(counters string) float64 {
+	n := 0.0
+	for _, l := range strings.Split(counters, "\n") {
+		if f := strings.Fields(l); len(f) == 2 && strings.HasPrefix(f[0], "shunt_switches_total{") && strings.HasSuffix(f[0], ",to=rings}") {
+			n += max(counterValue(l, f[0]), 0)
+		}
+	}
+	return n
+}
+
+// waitSwitched waits until the job's output says n times that a direction
+// moved to a relayed ring; it fails if the job ends first.
+func waitSwitched(ctx context.Context, out *lockedBuffer, n int, exited <-chan error, fail func(string, ...any)) {
+	for strings.Count(out.String(), ": relayed ring (slot ") < n {
+		select {
+		case err := <-exited:
+			fail("the job ended (%v) before its directions moved to relayed rings %d times", err, n)
+		case <-ctx.Done():
+			fail("the job's directions did not move to relayed rings %d times", n)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
+
+// waitLeases waits until hostd's flows show both of the job's leases on
+// path ("rings": via vsock); it fails if the job ends first.
+func waitLeases(ctx context.Context, p *vmPair, path string, exited <-chan error, fail func(string, ...any)) {
+	for {
+		fl, err := p.s.Conns()
+		n := 0
+		for _, f := range fl {
+			if err == nil && f.Path == path && (path != "rings" || f.Via == "vsock") && strings.HasSuffix(f.Dst, fmt.Sprintf(":%d", mpiPort)) {
+				n++
+			}
+		}
+		if n == 2 {
+			return
+		}
+		select {
+		case err := <-exited:
+			fail("the job ended (%v) before both leases were on %s: %+v", err, path, fl)
+		case <-ctx.Done():
+			fail("hostd flows never showed both leases on %s: %+v", path, fl)
+		case <-time.After(20 * time.Millisecond):
+		}
+	}
+}
 
 // grew is how much counter key grew from one `hostd counters` output to
 // a later one (a counter not there yet is 0).
