@@ -36,7 +36,7 @@ type mux struct {
 	mu    sync.Mutex
 	hub   *wait.Hub // the waits of the link's bridges (waitPolicy), started by the first; closed at the link's end
 	flows map[uint32]*Flow
-	early map[uint32]time.Time // flows the peer opened first (its CREDIT 0), and when
+	early map[uint32]earlyOpen // flows the peer opened first (its CREDIT 0)
 	err   error
 }
 
@@ -49,7 +49,7 @@ func (m *mux) init(window, maxEarly int) {
 	}
 	m.window, m.maxEarly = uint64(window), maxEarly
 	m.done = make(chan struct{})
-	m.flows, m.early = map[uint32]*Flow{}, map[uint32]time.Time{}
+	m.flows, m.early = map[uint32]*Flow{}, map[uint32]earlyOpen{}
 }
 
 // Err is why the link ended; nil while it runs.
@@ -143,14 +143,21 @@ func (m *mux) waitPolicy() *wait.Policy {
 	return &wait.Policy{Signal: m.hub}
 }
 
+// earlyOpen is a flow the peer opened before this side did: when its
+// CREDIT 0 came, and whether its ATTACHED came too.
+type earlyOpen struct {
+	at       time.Time
+	attached bool
+}
+
 // earlyFor is how long a peer's open of a flow not opened here is kept
 // when the table is full: longer than any wait for the other side's open.
 const earlyFor = time.Minute
 
 // expireEarlyLocked forgets the peer's opens older than before.
 func (m *mux) expireEarlyLocked(before time.Time) {
-	for id, at := range m.early {
-		if at.Before(before) {
+	for id, e := range m.early {
+		if e.at.Before(before) {
 			delete(m.early, id)
 		}
 	}
@@ -173,7 +180,16 @@ func (m *mux) take(fr frame) error {
 				m.mu.Unlock()
 				return fmt.Errorf("%w: credit for over %d flows not open here", ErrProtocol, m.maxEarly)
 			}
-			m.early[fr.flow] = time.Now()
+			e := m.early[fr.flow]
+			e.at = time.Now()
+			m.early[fr.flow] = e
+		case fr.typ == fAttached && fr.arg == 0 && m.early[fr.flow] != (earlyOpen{}):
+			// The peer's ATTACHED after its open, before this side's
+			// Open (a VM's stretch: its goroutine descheduled between
+			// the Hello and the Open): kept with the open, as bounded.
+			e := m.early[fr.flow]
+			e.attached = true
+			m.early[fr.flow] = e
 		default:
 			// A late frame of a flow closed here (a CREDIT past 0 can only
 			// be one: a flow is credited only after it was opened here).
@@ -271,8 +287,12 @@ func (m *mux) Open(id uint32) (*Flow, error) {
 	}
 	f.cond = sync.NewCond(&f.mu)
 	f.attached = make(chan struct{})
-	if _, ok := m.early[id]; ok {
+	if e, ok := m.early[id]; ok {
 		f.peerOpen = true
+		if e.attached {
+			f.peerAttached = true
+			close(f.attached)
+		}
 		delete(m.early, id)
 	}
 	m.flows[id] = f

@@ -280,6 +280,33 @@ func TestLinkAttached(t *testing.T) {
 	}
 }
 
+// TestLinkAttachedEarly: an ATTACHED that comes after the peer's open
+// but before this side opened the flow is kept with the open (a VM's
+// stretch whose goroutine was descheduled between its Hello and its
+// Open lost it, and its writer stayed on TCP: TestVsockHybrid).
+func TestLinkAttachedEarly(t *testing.T) {
+	la, lb := links(t, 1, LinkOptions{})
+	fa, _ := la.Open(0)
+	fa.Attached()
+	for end := time.Now().Add(10 * time.Second); ; time.Sleep(time.Millisecond) {
+		lb.mu.Lock()
+		e := lb.early[0]
+		lb.mu.Unlock()
+		if e.attached {
+			break
+		}
+		if time.Now().After(end) {
+			t.Fatalf("the early open has no ATTACHED: %+v, dropped %d", e, lb.Dropped())
+		}
+	}
+	fb, _ := lb.Open(0)
+	select {
+	case <-fb.PeerAttached():
+	default:
+		t.Fatal("the flow opened after the peer's ATTACHED does not have it")
+	}
+}
+
 // TestLinkCut: a connection cut mid-stream ends the link on both sides;
 // no side claims more than happened: the sender's Acked is at most what
 // the receiver took, which is at most what was sent.
