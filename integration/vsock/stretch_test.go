@@ -20,6 +20,7 @@ import (
 	"github.com/shuntnet/shunt/shm/region"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/shmtest"
+	"github.com/shuntnet/shunt/shm/wait"
 )
 
 // stretchFlow is hostd's record of one flow between the VM (guest
@@ -38,7 +39,7 @@ const vmGuest = 3
 func (f *stretchFlow) Stretch(guest uint32, h relay.Hello) (vsockhost.Held, error) {
 	f.mu.Lock()
 	defer f.mu.Unlock()
-	if guest != vmGuest || h != f.hello || f.held {
+	if guest != vmGuest || (relay.Hello{Region: h.Region, Slot: h.Slot, Gen: h.Gen}) != f.hello || f.held {
 		return vsockhost.Held{}, fmt.Errorf("guest %d: no flow %+v to bridge", guest, h)
 	}
 	f.held = true
@@ -107,6 +108,19 @@ func TestVsockStretch(t *testing.T) {
 	}()
 	line, err := r.v.WaitAny(ctx, 0, "SHUNT-VSOCK stretch ", "SHUNT-VSOCK ERROR")
 	if err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK stretch ") {
+		// The process guest's ends give up before the region goes (its
+		// writer and reader would run on to the deadline, on unmapped
+		// memory): the reader of BA leaves, the writer of AB leaves.
+		p := &wait.Policy{}
+		if rd, err := ring.NewReader(f.ba, p); err == nil {
+			rd.Attach()
+			rd.Leave()
+		}
+		if w, err := ring.NewWriter(f.ab, p); err == nil {
+			w.Leave()
+		}
+		<-wrote
+		<-got
 		t.Fatalf("the guest's stretch: %q %v\n%s", line, err, state())
 	}
 	if err := <-wrote; err != nil {
