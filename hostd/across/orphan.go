@@ -55,36 +55,14 @@ func readOrphan(mem []byte, m proto.Msg) (orphanEnd, error) {
 		return orphanEnd{}, fmt.Errorf("%w: %v", errOrphan, err)
 	}
 	capacity := uint64(m.Capacity)
-	if o.Out.Started, o.Out.Start, o.Out.X, err = stretchEnd(os, capacity); err != nil {
+	if o.Out.Started, o.Out.Start, o.Out.X, err = relay.RingEnd(os, capacity); err != nil {
 		return orphanEnd{}, fmt.Errorf("%w: the ring toward the guest: %v", errOrphan, err)
 	}
-	if o.InStarted, o.InStart, _, err = stretchEnd(is, capacity); err != nil {
+	if o.InStarted, o.InStart, _, err = relay.RingEnd(is, capacity); err != nil {
 		return orphanEnd{}, fmt.Errorf("%w: the guest's ring: %v", errOrphan, err)
 	}
 	o.InFreed, o.InWritten = is.Read, is.Written
 	return o, nil
-}
-
-// stretchEnd checks one ring's marks as a reader that comes late must:
-// no byte before a start, a start below relay.MaxStart, the head never
-// past the tail and the tail never more than the capacity ahead of it.
-// It returns the start and the end (start + bytes written).
-func stretchEnd(s ring.Stats, capacity uint64) (started bool, start, end uint64, err error) {
-	switch {
-	case s.Reset:
-		return false, 0, 0, fmt.Errorf("reset (reason %d)", s.Reason)
-	case s.Read > s.Written:
-		return false, 0, 0, fmt.Errorf("head %d past tail %d", s.Read, s.Written)
-	case s.Written-s.Read > capacity:
-		return false, 0, 0, fmt.Errorf("tail %d more than the capacity %d past head %d", s.Written, capacity, s.Read)
-	case !s.Started && s.Written != 0:
-		return false, 0, 0, fmt.Errorf("%d bytes without a start", s.Written)
-	case !s.Started:
-		return false, 0, 0, nil
-	case s.Start >= relay.MaxStart || s.Written >= relay.MaxStart:
-		return false, 0, 0, fmt.Errorf("start %d or tail %d out of bounds", s.Start, s.Written)
-	}
-	return true, s.Start, s.Start + s.Written, nil
 }
 
 // holds reports whether the guest's write ring still holds the stream

@@ -245,6 +245,9 @@ func (b *Broker) adoptLocked(r *Region, byID func(uint32) *Guest) int {
 		b.addConnLocked(c)
 		b.flows[f.id] = f
 		b.flowAddedLocked(f)
+		if vm := vsockSide(f); (vm != 0 || vsockPair(f)) && c.path == PathRings {
+			b.adoptStretchLocked(c, f, vm) // its room's bridge died with the last hostd
+		}
 		n++
 	}
 	return n
@@ -318,7 +321,9 @@ func (b *Broker) Reattach(s Session, m proto.Msg) {
 				c.noReqs = false // both ends named their requests: it may return to the rings
 			}
 		}
-		if c.path == PathLeaving { // DOWN again: the one before may have been lost with hostd
+		if r := f.resume; r != nil && r.adopted {
+			b.adoptedReattachedLocked(c, f) // a vsock VM's stretch: RESUME, not DOWN (adoptstretch.go)
+		} else if c.path == PathLeaving { // DOWN again: the one before may have been lost with hostd
 			if switching(s) {
 				s.Send(proto.Msg{Type: proto.Down, ReqID: e.req, RegionID: m.RegionID, Slot: m.Slot, Gen: m.Gen, Reason: c.reason})
 			} else if f.Revoked != proto.ReasonNone {

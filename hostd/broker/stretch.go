@@ -294,6 +294,11 @@ type stretchResume struct {
 	done   bool // the other end got its RESUME (or DOWN)
 	timer  *time.Timer
 	wait   time.Duration // stretchResumeWait when the timer started (a test may change the var meanwhile)
+	// adopted: a flow adopted after a SIGKILLed hostd, its room's bridge
+	// dead with it (adoptstretch.go); its RESUMEs wait for both ends'
+	// REATTACH. broken: it cannot resume at a known offset (both reset).
+	adopted, broken bool
+	otherGone       bool // adopted: the other end went before the VM's RESUME
 }
 
 // vsockSide returns the side of f whose guest carries its flows over
@@ -430,11 +435,15 @@ func (b *Broker) stretchResumeVMDoneLocked(f *Flow, side uint32) bool {
 	if r != nil && r.pair {
 		return b.pairEndDoneLocked(f, side)
 	}
+	if r != nil && r.adopted && !r.vmTold {
+		b.adoptedEndGoneLocked(f, side)
+		return true
+	}
 	if r == nil || r.done || side != r.vm {
 		return r != nil && side == r.vm
 	}
 	r.vmGone = true
-	if c := f.conn; c != nil && c.flow == f && r.vmTold {
+	if c := f.conn; c != nil && c.flow == f && (r.vmTold || r.adopted) {
 		b.vmGoneResumeLocked(c, f)
 	}
 	return true

@@ -1,0 +1,167 @@
+//go:build linux
+
+package vsock_test
+
+import (
+	"context"
+	"crypto/sha256"
+	"fmt"
+	"io"
+	"math/rand/v2"
+	"strconv"
+	"strings"
+	"testing"
+	"time"
+
+	"github.com/shuntnet/shunt/guestlib"
+)
+
+// TestVsockHostdKilled: the VM of TestVsockProcessGuest and the process
+// guest stream seeded bytes both ways at once (64 KiB every 10 ms each)
+// on the rings via vsock; hostd is SIGKILLed mid-stream, with its room's
+// bridge and the VM's vhost-user device, and started again. The new
+// hostd adopts the pair region and, once both ends reattached, resumes
+// the connection on TCP at exact offsets (docs/vsock.md, "hostd
+// restarts"): the VM at where the dead bridge stopped writing the ring
+// toward the process guest, the process guest at where the VM's read
+// ring ended (its ENDED). Each writer resends from its own ring what the
+// other's ring lacks. Then the process guest ends its stream, the VM its
+// own once it read that end: both directions' lengths and SHA-256 must
+// match at both ends, both must have resent bytes from their rings, and
+// hostd's log must show the adoption and the resume. Before, the new
+// hostd moved the adopted flow to TCP by DOWN, as a region's rings, and
+// both readers waited for leave marks no bridge would write: the stream
+// stalled until the deadline.
+func TestVsockHostdKilled(t *testing.T) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
+	defer cancel()
+	v := startVsockVM(t, ctx, fmt.Sprintf("gflip:%d:0:11", procPort), "pause:5000:0:0")
+	r, c := v.r, v.c
+	ctx = r.ctx
+	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
+	defer stop()
+	v.onRings(ctx)
+	p := procDuplex(c.(halfCloser), 13)
+	conn := c.(interface{ Stats() guestlib.Stats })
+	for conn.Stats().RingReceived < 1<<20 {
+		if ctx.Err() != nil {
+			v.fail("the process guest read less than 1 MiB on the rings: %+v", conn.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	v.s.KillHostd()
+	t.Logf("hostd killed; process guest's connection %+v", conn.Stats())
+	if err := v.s.StartHostd(); err != nil {
+		v.fail("start hostd again: %v", err)
+	}
+	// The new hostd adopts the pair region and RESUMEs both ends once
+	// they reattached; the connection is on TCP once both left the rings.
+	v.waitPath(ctx, "tcp")
+	for _, want := range []string{"adopted a vsock VM's stretch", "resuming an adopted vsock stretch on TCP"} {
+		if !strings.Contains(v.s.Log(), want) {
+			v.fail("hostd's log does not say %q", want)
+		}
+	}
+	// Bytes on TCP both ways after the resume, then the end.
+	for n := conn.Stats().TCPReceived; conn.Stats().TCPReceived < n+1<<20; {
+		if ctx.Err() != nil {
+			v.fail("the process guest read less than 1 MiB on TCP after the resume: %+v", conn.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	t.Logf("on TCP: process guest's connection %+v", conn.Stats())
+	close(p.end)
+	var ps, pr duplexGot
+	select {
+	case ps = <-p.sent:
+	case <-ctx.Done():
+		v.fail("the process guest's writer did not end: %+v", conn.Stats())
+	}
+	select {
+	case pr = <-p.recv:
+	case <-ctx.Done():
+		v.fail("the process guest did not read the VM's stream to its end: %+v", conn.Stats())
+	}
+	if ps.err != nil || pr.err != nil {
+		v.fail("process guest: write %d bytes: %v; read %d bytes: %v; %+v", ps.n, ps.err, pr.n, pr.err, conn.Stats())
+	}
+	line, err := r.v.WaitAny(ctx, 0, fmt.Sprintf("SHUNT-VSOCK gflip port=%d ", procPort), "SHUNT-VSOCK ERROR")
+	if err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK gflip") {
+		v.fail("the VM's stream: %q %v", line, err)
+	}
+	f := fields(line)
+	vmSent, _ := strconv.ParseInt(f["sentbytes"], 10, 64)
+	h := sha256.New()
+	io.CopyN(h, rand.NewChaCha8(seedBytes(11)), vmSent)
+	if want := fmt.Sprintf("%x", h.Sum(nil)); f["sent"] != want || fmt.Sprintf("%x", pr.sum) != want || pr.n != vmSent {
+		v.fail("VM to process guest: the VM sent %d bytes (sum %s, seeded %s), the process guest got %d (sum %x)", vmSent, f["sent"], want, pr.n, pr.sum)
+	}
+	if f["recv"] != fmt.Sprintf("%x", ps.sum) || f["bytes"] != strconv.FormatInt(ps.n, 10) {
+		v.fail("process guest to VM: sent %d bytes (sum %x), the VM got %s (sum %s)", ps.n, ps.sum, f["bytes"], f["recv"])
+	}
+	st := conn.Stats()
+	vmResent, _ := strconv.ParseInt(f["resent"], 10, 64)
+	if st.Resent == 0 || vmResent == 0 || st.TCPSent == 0 || st.TCPReceived == 0 {
+		v.fail("the resume resent nothing from the rings (process guest %+v; VM %q)", st, line)
+	}
+	t.Logf("VM -> process guest %d bytes, process guest -> VM %d bytes, checksums equal; resent from the rings: VM %d, process guest %d; process guest %+v",
+		vmSent, ps.n, vmResent, st.Resent, st)
+	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// halfCloser is a connection that can end its writes alone.
+type halfCloser interface {
+	io.ReadWriter
+	CloseWrite() error
+}
+
+// duplexGot is one direction of procDuplex: its length, SHA-256, and how
+// it ended.
+type duplexGot struct {
+	n   int64
+	sum []byte
+	err error
+}
+
+// duplex is the process guest's end of a paced duplex stream.
+type duplex struct {
+	end        chan struct{} // close: the writer half-closes
+	sent, recv chan duplexGot
+}
+
+// procDuplex reads c to EOF and writes seed's bytes to it, 64 KiB every
+// 10 ms, until end is closed.
+func procDuplex(c halfCloser, seed uint64) duplex {
+	d := duplex{end: make(chan struct{}), sent: make(chan duplexGot, 1), recv: make(chan duplexGot, 1)}
+	go func() {
+		h := sha256.New()
+		n, err := io.Copy(h, c)
+		d.recv <- duplexGot{n, h.Sum(nil), err}
+	}()
+	go func() {
+		h := sha256.New()
+		src := rand.NewChaCha8(seedBytes(seed))
+		buf := make([]byte, 64<<10)
+		var n int64
+		tick := time.NewTicker(10 * time.Millisecond)
+		defer tick.Stop()
+		for {
+			select {
+			case <-d.end:
+				d.sent <- duplexGot{n, h.Sum(nil), c.CloseWrite()}
+				return
+			case <-tick.C:
+			}
+			src.Read(buf)
+			k, err := c.Write(buf)
+			h.Write(buf[:k])
+			n += int64(k)
+			if err != nil {
+				d.sent <- duplexGot{n, h.Sum(nil), err}
+				return
+			}
+		}
+	}()
+	return d
+}
