@@ -28,16 +28,26 @@ import (
 // (stretchResumeVMDoneLocked), and a VM that does not answer within
 // stretchResumeWait resets the connection, so nothing waits unbounded.
 //
-// The connection then stays on TCP (reason shutdown, not retried): the
-// VM's vhost-user device died with hostd and QEMU 7.2 does not reconnect
-// it. Between two vsock VMs (both sides held by rooms that died) this is
+// On QEMU the connection then stays on TCP (reason shutdown, not
+// retried): the VM's vhost-user device died with hostd and QEMU 7.2 does
+// not reconnect it. A hybrid vsock's device is the hypervisor's
+// (Guest.VsockKept): the reason is firewall, as for any adopted flow, and
+// the connection returns to the rings once the pair is freed. Between two vsock VMs (both sides held by rooms that died) this is
 // not built: both ends are reset at their REATTACH, never left hanging.
 
 // adoptStretchLocked makes adopted flow f, whose side vm is a vsock VM's,
 // leave its rings by RESUME once both ends reattached (see above).
 func (b *Broker) adoptStretchLocked(c *Conn, f *Flow, vm uint32) {
-	b.leaveRingsLocked(c, proto.ReasonShutdown) // no session yet: it sends nothing
-	r := &stretchResume{vm: vm, reason: proto.ReasonShutdown, adopted: true}
+	reason := proto.ReasonShutdown // not retried: QEMU's device died with hostd
+	if vm != 0 && f.guest(vm).VsockKept {
+		// A hybrid device outlives hostd: the connection returns to the
+		// rings (a fresh ring pair, a fresh stretch) once this pair is
+		// freed and the firewall's lease check passed, as for any
+		// adopted flow.
+		reason = proto.ReasonFirewall
+	}
+	b.leaveRingsLocked(c, reason) // no session yet: it sends nothing
+	r := &stretchResume{vm: vm, reason: reason, adopted: true}
 	f.resume = r
 	f.stretched |= vm
 	var err error
@@ -156,4 +166,12 @@ func (b *Broker) adoptedEndGoneLocked(f *Flow, side uint32) {
 	if c := f.conn; c != nil && c.flow == f {
 		b.adoptedReattachedLocked(c, f)
 	}
+}
+
+// guest is the guest on side of f.
+func (f *Flow) guest(side uint32) *Guest {
+	if side == region.SideB {
+		return f.GuestB
+	}
+	return f.GuestA
 }

@@ -37,6 +37,11 @@ type Guest struct {
 	// Vsock: a VM whose library carries its flows' stretches over vsock
 	// (stretch.go); `hostd flows` says so.
 	Vsock bool
+	// VsockKept: its vsock device outlives hostd (a hybrid vsock's, the
+	// hypervisor's own): a SIGKILLed hostd's stretches may return to the
+	// rings (adoptstretch.go). QEMU's vhost-user device, served by hostd,
+	// does not.
+	VsockKept bool
 
 	addrs     atomic.Pointer[Addrs] // what it owns; swapped whole
 	migrating bool                  // between MigrateOut and MigrateIn: no READY; guarded by the broker's mutex

@@ -33,10 +33,25 @@ import (
 // both readers waited for leave marks no bridge would write: the stream
 // stalled until the deadline.
 func TestVsockHostdKilled(t *testing.T) {
+	hostdKilled(t, vmHow{})
+}
+
+// TestVsockHostdKilledHybrid: TestVsockHostdKilled for the VM of
+// TestVsockHybrid, whose vsock device (the hypervisor's, here this
+// test's stand-in) outlives hostd, its control channel over vsock: after
+// the resume on TCP the connection must return to the rings (a fresh
+// ring pair and stretch, the process guest's second READY) and carry
+// 1 MiB more there before the end.
+func TestVsockHostdKilledHybrid(t *testing.T) {
+	hostdKilled(t, vmHow{noPort: true, hybrid: true})
+}
+
+// hostdKilled runs TestVsockHostdKilled with the VM set up as how says.
+func hostdKilled(t *testing.T, how vmHow) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
-	v := startVsockVM(t, ctx, fmt.Sprintf("gflip:%d:0:11", procPort), "pause:5000:0:0")
+	v := startVsockVMHow(t, ctx, how, fmt.Sprintf("gflip:%d:0:11", procPort), "pause:5000:0:0")
 	r, c := v.r, v.c
 	ctx = r.ctx
 	stop := context.AfterFunc(ctx, func() { c.SetDeadline(time.Now()) })
@@ -56,21 +71,32 @@ func TestVsockHostdKilled(t *testing.T) {
 		v.fail("start hostd again: %v", err)
 	}
 	// The new hostd adopts the pair region and RESUMEs both ends once
-	// they reattached; the connection is on TCP once both left the rings.
-	v.waitPath(ctx, "tcp")
+	// they reattached (its log says so: a line stays, a path may not).
 	for _, want := range []string{"adopted a vsock VM's stretch", "resuming an adopted vsock stretch on TCP"} {
-		if !strings.Contains(v.s.Log(), want) {
-			v.fail("hostd's log does not say %q", want)
+		for !strings.Contains(v.s.Log(), want) {
+			if ctx.Err() != nil {
+				v.fail("hostd's log does not say %q", want)
+			}
+			time.Sleep(20 * time.Millisecond)
 		}
 	}
-	// Bytes on TCP both ways after the resume, then the end.
-	for n := conn.Stats().TCPReceived; conn.Stats().TCPReceived < n+1<<20; {
-		if ctx.Err() != nil {
-			v.fail("the process guest read less than 1 MiB on TCP after the resume: %+v", conn.Stats())
+	// Bytes on TCP after the resume (the VM's resend among them).
+	waitBytes(ctx, v, "on TCP after the resume", func(s guestlib.Stats) uint64 { return s.TCPReceived })
+	if how.hybrid {
+		// Back on the rings: a second READY, hostd's flows say so, and
+		// 1 MiB more read there.
+		for conn.Stats().Readies < 2 {
+			if ctx.Err() != nil {
+				v.fail("the connection did not return to the rings: %+v", conn.Stats())
+			}
+			time.Sleep(10 * time.Millisecond)
 		}
-		time.Sleep(10 * time.Millisecond)
+		v.waitPath(ctx, "rings")
+		waitBytes(ctx, v, "on the rings after the return", func(s guestlib.Stats) uint64 { return s.RingReceived })
+	} else if fi, ok, err := v.s.ConnOn(procPort); err != nil || !ok || fi.Path != "tcp" || fi.Reason != "shutdown" {
+		v.fail("hostd's flows: %+v %v %v: want the connection on tcp (shutdown): QEMU's device died with hostd", fi, ok, err)
 	}
-	t.Logf("on TCP: process guest's connection %+v", conn.Stats())
+	t.Logf("process guest's connection %+v", conn.Stats())
 	close(p.end)
 	var ps, pr duplexGot
 	select {
@@ -108,6 +134,19 @@ func TestVsockHostdKilled(t *testing.T) {
 	t.Logf("VM -> process guest %d bytes, process guest -> VM %d bytes, checksums equal; resent from the rings: VM %d, process guest %d; process guest %+v",
 		vmSent, ps.n, vmResent, st.Resent, st)
 	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// waitBytes waits until the process guest's connection counted 1 MiB
+// more by count (what) than when called.
+func waitBytes(ctx context.Context, v *vsockVM, what string, count func(guestlib.Stats) uint64) {
+	v.t.Helper()
+	conn := v.c.(interface{ Stats() guestlib.Stats })
+	for n := count(conn.Stats()); count(conn.Stats()) < n+1<<20; {
+		if ctx.Err() != nil {
+			v.fail("the process guest read less than 1 MiB %s: %+v", what, conn.Stats())
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
 }
 
 // halfCloser is a connection that can end its writes alone.
