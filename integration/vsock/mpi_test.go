@@ -62,33 +62,16 @@ const mpiFlips = 3
 
 // runVsockMPI is TestVsockMPI with flips policy flips while the job runs.
 func runVsockMPI(t *testing.T, flips int) {
-	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
-	testenv.NeedTool(t, "mpirun", "openmpi-bin")
-	testenv.NeedTool(t, "make", "make")
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
 	defer cancel()
-	dir := t.TempDir()
-	os.Chmod(dir, 0o755)
-	bin := func(name string) string { return filepath.Join(dir, name) }
-	if err := mpirig.Build("../..", dir, "btlcheck"); err != nil {
-		testenv.Missing(t, "cannot build btl/shunt: "+err.Error(), "apt-get install make gcc libopenmpi-dev openmpi-bin")
-	}
-	for _, c := range []string{"shunt-vstretchd", "shunt-vm-agent"} {
-		gb := exec.Command("go", "build", "-o", bin(c), "../../cmd/"+c)
-		gb.Env = append(os.Environ(), "CGO_ENABLED=0") // the initramfs's own files run before /usr is there
-		if out, err := gb.CombinedOutput(); err != nil {
-			t.Fatalf("build %s: %v\n%s", c, err, out)
-		}
-	}
+	dir, bin := buildMPI(t)
 	rsh := bin("rsh")
 	script := fmt.Sprintf("#!/bin/sh\n# plm_rsh_agent: rsh HOST CMD -> CMD in that VM\nexec %s rsh %d \"$@\"\n", bin("shunt-vm-agent"), execPort)
 	if err := os.WriteFile(rsh, []byte(script), 0o755); err != nil {
 		t.Fatal(err)
 	}
-	phases := []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0", fmt.Sprintf("mpiexec:%d:0:0", execPort)}
-	// rsh too: orted checks that plm_rsh_agent's path exists.
-	p := startVMPairFiles(t, ctx, []string{bin("mca_btl_shunt.so"), bin("btlcheck"), bin("shunt-vstretchd"), rsh}, phases, phases)
+	p := startVMPairFiles(t, ctx, mpiFiles(bin), mpiPhases(dir), mpiPhases(dir))
 	for _, r := range []*rig{p.a, p.b} {
 		if line, err := r.v.WaitAny(r.ctx, 0, "SHUNT-VSOCK MPIEXEC", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK MPIEXEC") {
 			p.fail("%s's exec server: %q %v", r.v.Name, line, err)
@@ -101,14 +84,7 @@ func runVsockMPI(t *testing.T, flips int) {
 	if flips > 0 {
 		secs = 8 // the flips (about 2 s) happen while it runs
 	}
-	args := []string{"--allow-run-as-root", "-np", "2", "--host", vmAAddr + ":1," + vmBAddr + ":1",
-		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", rsh, "--mca", "pml", "ob1", "--mca", "btl", "self,vader,shunt",
-		"--mca", "oob_tcp_if_include", "10.77.0.0/16", "--mca", "rtc", "^hwloc", "--bind-to", "none",
-		"--mca", "mca_component_path", mpirig.SysComponents() + ":" + dir,
-		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
-		"--mca", "btl_shunt_port_min", fmt.Sprint(mpiPort), "--mca", "btl_shunt_port_max", fmt.Sprint(mpiPort),
-		bin("btlcheck"), "-m", fmt.Sprint(maxBytes), "-t", fmt.Sprint(secs)}
-	cmd := exec.CommandContext(ctx, "mpirun", args...)
+	cmd := exec.CommandContext(ctx, "mpirun", mpirunArgs(dir, vmAAddr, vmBAddr, maxBytes, secs)...)
 	var out lockedBuffer
 	cmd.Stdout, cmd.Stderr = &out, &out
 	fail := func(format string, args ...any) {
@@ -222,6 +198,53 @@ func runVsockMPI(t *testing.T, flips int) {
 	}
 	t.Logf("hostd flows during the job: %s; vsock devices: %s; the job took %v; boot %v, whole test %v", gotSeen, strings.Join(carried, ", "), took.Round(time.Millisecond),
 		p.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// buildMPI builds btl/shunt, btlcheck, shunt-vstretchd and the exec
+// server's host end (shunt-vm-agent rsh) into a directory the VMs can
+// read; bin names a file there.
+func buildMPI(t *testing.T) (dir string, bin func(string) string) {
+	testenv.NeedTool(t, "mpicc", "libopenmpi-dev openmpi-bin")
+	testenv.NeedTool(t, "mpirun", "openmpi-bin")
+	testenv.NeedTool(t, "make", "make")
+	dir = t.TempDir()
+	os.Chmod(dir, 0o755)
+	bin = func(name string) string { return filepath.Join(dir, name) }
+	if err := mpirig.Build("../..", dir, "btlcheck"); err != nil {
+		testenv.Missing(t, "cannot build btl/shunt: "+err.Error(), "apt-get install make gcc libopenmpi-dev openmpi-bin")
+	}
+	for _, c := range []string{"shunt-vstretchd", "shunt-vm-agent"} {
+		gb := exec.Command("go", "build", "-o", bin(c), "../../cmd/"+c)
+		gb.Env = append(os.Environ(), "CGO_ENABLED=0") // the initramfs's own files run before /usr is there
+		if out, err := gb.CombinedOutput(); err != nil {
+			t.Fatalf("build %s: %v\n%s", c, err, out)
+		}
+	}
+	return dir, bin
+}
+
+// mpiFiles are the files a VM of the job needs: rsh too, since orted
+// checks that plm_rsh_agent's path exists.
+func mpiFiles(bin func(string) string) []string {
+	return []string{bin("mca_btl_shunt.so"), bin("btlcheck"), bin("shunt-vstretchd"), bin("rsh")}
+}
+
+// mpiPhases are a job's VM's phases: shunt-vstretchd, then the exec
+// server for orted.
+func mpiPhases(dir string) []string {
+	return []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0", fmt.Sprintf("mpiexec:%d:0:0", execPort)}
+}
+
+// mpirunArgs are mpirun's arguments for btlcheck (maxBytes, secs) with
+// one rank on each of hosts a and b, through dir's rsh agent.
+func mpirunArgs(dir, a, b string, maxBytes, secs int) []string {
+	return []string{"--allow-run-as-root", "-np", "2", "--host", a + ":1," + b + ":1",
+		"--mca", "routed", "direct", "--mca", "plm_rsh_agent", filepath.Join(dir, "rsh"), "--mca", "pml", "ob1", "--mca", "btl", "self,vader,shunt",
+		"--mca", "oob_tcp_if_include", "10.77.0.0/16", "--mca", "rtc", "^hwloc", "--bind-to", "none",
+		"--mca", "mca_component_path", mpirig.SysComponents() + ":" + dir,
+		"--mca", "btl_shunt_if_include", "10.77.0.0/16", "--mca", "btl_shunt_verbose", "1",
+		"--mca", "btl_shunt_port_min", fmt.Sprint(mpiPort), "--mca", "btl_shunt_port_max", fmt.Sprint(mpiPort),
+		filepath.Join(dir, "btlcheck"), "-m", fmt.Sprint(maxBytes), "-t", fmt.Sprint(secs)}
 }
 
 // firstSwitches is hostd's counter of flows' first moves onto the rings.
