@@ -19,13 +19,15 @@ import (
 // (A, g1) to a process guest (B, g2): the dead room's bridge had written
 // the ring toward B from start to x (x 0: it never started it); a new
 // broker adopts the pair region with grace and both ends' new sessions
-// attach (neither reattached yet). broken resets that ring instead.
-func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, broken bool) (b2 *broker.Broker, na, nb rsession, ra proto.Msg, ab *ring.Ring) {
+// attach (neither reattached yet). broken resets that ring instead; kept
+// makes the VM's device one that outlives hostd (a hybrid vsock's).
+func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, broken bool, kept ...bool) (b2 *broker.Broker, na, nb rsession, ra proto.Msg, ab *ring.Ring) {
 	t.Helper()
 	pairs := &fakePairs{t: t}
 	w := newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
 	w.g1.SharedRegion, w.g2.SharedRegion = false, false
 	w.g1.Vsock = true
+	w.g1.VsockKept = len(kept) > 0 && kept[0]
 	w.b.UsePairRegions(pairs)
 	sa, sb := rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
 	w.b.Attach(sa)
@@ -160,4 +162,17 @@ func TestAdoptedStretchBroken(t *testing.T) {
 	}
 	b2.StretchEnded(na, ended(ra, proto.SideA, 4242)) // too late: nothing more
 	nb.none(t)
+}
+
+// TestAdoptedStretchKeptDevice: a VM whose vsock device outlives hostd (a
+// hybrid vsock's) resumes with reason firewall, which is retried once the
+// adopted pair is freed (back to the rings, as any adopted flow); QEMU's
+// (TestAdoptedStretchResumes) with shutdown, which is not.
+func TestAdoptedStretchKeptDevice(t *testing.T) {
+	b2, na, nb, ra, _ := adoptedStretch(t, 10, 500, time.Minute, false, true)
+	b2.Reattach(na, reattach(ra, proto.SideA, 1))
+	b2.Reattach(nb, reattach(ra, proto.SideB, 2))
+	if m := na.expect(t, proto.Resume, proto.ReasonFirewall, 1); m.Offset != 500 {
+		t.Fatalf("the VM's RESUME at %d, want 500", m.Offset)
+	}
 }
