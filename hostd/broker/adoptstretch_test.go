@@ -19,15 +19,14 @@ import (
 // (A, g1) to a process guest (B, g2): the dead room's bridge had written
 // the ring toward B from start to x (x 0: it never started it); a new
 // broker adopts the pair region with grace and both ends' new sessions
-// attach (neither reattached yet). broken resets that ring instead; kept
-// makes the VM's device one that outlives hostd (a hybrid vsock's).
-func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, broken bool, kept ...bool) (b2 *broker.Broker, na, nb rsession, ra proto.Msg, ab *ring.Ring) {
+// attach (neither reattached yet), o saying how.
+func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, o adoptOpts) (b2 *broker.Broker, na, nb rsession, ra proto.Msg, ab *ring.Ring) {
 	t.Helper()
 	pairs := &fakePairs{t: t}
 	w := newWorldOpts(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1})
 	w.g1.SharedRegion, w.g2.SharedRegion = false, false
-	w.g1.Vsock = true
-	w.g1.VsockKept = len(kept) > 0 && kept[0]
+	w.g1.Vsock, w.g2.Vsock = true, o.pair
+	w.g1.VsockKept = o.kept
 	w.b.UsePairRegions(pairs)
 	sa, sb := rsession{newFileSession(w.g1)}, rsession{newFileSession(w.g2)}
 	w.b.Attach(sa)
@@ -53,7 +52,7 @@ func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, broken b
 			t.Fatal(err)
 		}
 	}
-	if broken {
+	if o.broken {
 		ab.Reset(1)
 	}
 	w.b.Close() // hostd killed: the region stays as it was
@@ -70,6 +69,11 @@ func adoptedStretch(t *testing.T, start, x uint64, grace time.Duration, broken b
 	b2.Attach(nb)
 	return b2, na, nb, ra, ab
 }
+
+// adoptOpts: broken resets the ring toward B before the kill; kept makes
+// the VM's device one that outlives hostd (a hybrid vsock's); pair makes
+// B a vsock VM too.
+type adoptOpts struct{ broken, kept, pair bool }
 
 func reattach(r proto.Msg, side proto.Side, req uint32) proto.Msg {
 	return proto.Msg{Type: proto.Reattach, ReqID: req, RegionID: r.RegionID, Slot: r.Slot, Gen: r.Gen, Side: side}
@@ -91,7 +95,7 @@ func TestAdoptedStretchResumes(t *testing.T) {
 		{"mid-stream", 1 << 20, 1<<20 + 5000, true}, {"other-first", 77, 9000, false}, {"never-started", 0, 0, true},
 	} {
 		t.Run(tc.name, func(t *testing.T) {
-			b2, na, nb, ra, ab := adoptedStretch(t, tc.start, tc.x, time.Minute, false)
+			b2, na, nb, ra, ab := adoptedStretch(t, tc.start, tc.x, time.Minute, adoptOpts{})
 			first, second := func() { b2.Reattach(na, reattach(ra, proto.SideA, 1)) }, func() { b2.Reattach(nb, reattach(ra, proto.SideB, 2)) }
 			if !tc.vmFirst {
 				first, second = second, first
@@ -133,14 +137,14 @@ func TestAdoptedStretchResumes(t *testing.T) {
 // the other end after the RESUME's bound (TestStretchResumeTimeout's).
 func TestAdoptedStretchEndGone(t *testing.T) {
 	t.Run("vm-gone", func(t *testing.T) {
-		b2, _, nb, ra, _ := adoptedStretch(t, 10, 500, 50*time.Millisecond, false)
+		b2, _, nb, ra, _ := adoptedStretch(t, 10, 500, 50*time.Millisecond, adoptOpts{})
 		b2.Reattach(nb, reattach(ra, proto.SideB, 2))
 		if m := nb.expect(t, proto.Resume, proto.ReasonShutdown, 2); m.Offset != proto.ResumeReset {
 			t.Fatalf("the other end's RESUME at %d, want reset", m.Offset)
 		}
 	})
 	t.Run("other-gone", func(t *testing.T) {
-		b2, na, _, ra, _ := adoptedStretch(t, 10, 500, 50*time.Millisecond, false)
+		b2, na, _, ra, _ := adoptedStretch(t, 10, 500, 50*time.Millisecond, adoptOpts{})
 		b2.Reattach(na, reattach(ra, proto.SideA, 1))
 		if m := na.expect(t, proto.Resume, proto.ReasonShutdown, 1); m.Offset != proto.ResumeReset {
 			t.Fatalf("the VM's RESUME at %d, want reset", m.Offset)
@@ -149,19 +153,24 @@ func TestAdoptedStretchEndGone(t *testing.T) {
 }
 
 // TestAdoptedStretchBroken: a ring toward the other end that does not
-// say where the dead bridge stopped (reset) resets both ends at their
-// REATTACH; nobody is told an offset hostd does not know.
+// say where the dead bridge stopped (reset), or a flow between two vsock
+// VMs (both rooms died: not built), resets both ends at their REATTACH;
+// nobody is told an offset hostd does not know, and nobody waits.
 func TestAdoptedStretchBroken(t *testing.T) {
-	b2, na, nb, ra, _ := adoptedStretch(t, 10, 500, time.Minute, true)
-	b2.Reattach(na, reattach(ra, proto.SideA, 1))
-	b2.Reattach(nb, reattach(ra, proto.SideB, 2))
-	for i, s := range []rsession{na, nb} {
-		if m := s.expect(t, proto.Resume, proto.ReasonShutdown, uint32(i+1)); m.Offset != proto.ResumeReset {
-			t.Fatalf("end %d's RESUME at %d, want reset", i+1, m.Offset)
-		}
+	for _, o := range []adoptOpts{{broken: true}, {pair: true}} {
+		t.Run(map[bool]string{false: "reset-ring", true: "two-vsock-vms"}[o.pair], func(t *testing.T) {
+			b2, na, nb, ra, _ := adoptedStretch(t, 10, 500, time.Minute, o)
+			b2.Reattach(na, reattach(ra, proto.SideA, 1))
+			b2.Reattach(nb, reattach(ra, proto.SideB, 2))
+			for i, s := range []rsession{na, nb} {
+				if m := s.expect(t, proto.Resume, proto.ReasonNone, uint32(i+1)); m.Offset != proto.ResumeReset {
+					t.Fatalf("end %d's RESUME at %d, want reset", i+1, m.Offset)
+				}
+			}
+			b2.StretchEnded(na, ended(ra, proto.SideA, 4242)) // too late: nothing more
+			nb.none(t)
+		})
 	}
-	b2.StretchEnded(na, ended(ra, proto.SideA, 4242)) // too late: nothing more
-	nb.none(t)
 }
 
 // TestAdoptedStretchKeptDevice: a VM whose vsock device outlives hostd (a
@@ -169,7 +178,7 @@ func TestAdoptedStretchBroken(t *testing.T) {
 // adopted pair is freed (back to the rings, as any adopted flow); QEMU's
 // (TestAdoptedStretchResumes) with shutdown, which is not.
 func TestAdoptedStretchKeptDevice(t *testing.T) {
-	b2, na, nb, ra, _ := adoptedStretch(t, 10, 500, time.Minute, false, true)
+	b2, na, nb, ra, _ := adoptedStretch(t, 10, 500, time.Minute, adoptOpts{kept: true})
 	b2.Reattach(na, reattach(ra, proto.SideA, 1))
 	b2.Reattach(nb, reattach(ra, proto.SideB, 2))
 	if m := na.expect(t, proto.Resume, proto.ReasonFirewall, 1); m.Offset != 500 {
