@@ -68,7 +68,11 @@ func (b *Broker) adoptStretchLocked(c *Conn, f *Flow, vm uint32) {
 		return
 	}
 	f.ends[sideIdx(vm)] = e
-	b.log.Info("adopted a vsock VM's stretch: its room died with the last hostd; both ends resume on TCP once reattached", "flow", f.Name(), "started", e.started, "x", e.x, "vm_left", e.outLeft)
+	then := "it stays on TCP: the VM's vhost-user device died with the last hostd (until the VM restarts)"
+	if reason == proto.ReasonFirewall {
+		then = "it returns to the rings after: the VM's device outlives hostd"
+	}
+	b.log.Info("adopted a vsock VM's stretch: its room died with the last hostd; both ends resume on TCP once reattached", "flow", f.Name(), "started", e.started, "x", e.x, "vm_left", e.outLeft, "then", then)
 }
 
 // errAdoptedReleased: an end had left the flow before hostd died, so the
