@@ -75,12 +75,13 @@ type Conn struct {
 	// stashRing: how many of stash's first bytes a drain took from a
 	// ring (drainLocked), for Stats.
 	stashRing int
-	// ahead: ring stretches copied out while TCP bytes before their
-	// start were still due (aheadLocked), in stream order.
-	ahead  []stretchAhead
-	tcpErr error  // the kernel's EOF or error, seen while a ring stretch was due
-	zcRead []byte // TCP emulation of ReadBuffer
-	zcPeek bool   // a ring ReadBuffer awaits ReleaseRead
+	// ahead: a ring's stretch copied out while TCP bytes before its
+	// start (aheadAt) were still due (holdAheadLocked); one at a time.
+	ahead   []byte
+	aheadAt uint64
+	tcpErr  error  // the kernel's EOF or error, seen while a ring stretch was due
+	zcRead  []byte // TCP emulation of ReadBuffer
+	zcPeek  bool   // a ring ReadBuffer awaits ReleaseRead
 
 	// Writer state, guarded by writeMu (conn_write.go).
 	writeMu sync.Mutex

@@ -151,9 +151,10 @@ func (c *Conn) readerTryLeaveLocked() {
 	}
 	if !c.rOnRing {
 		if start != c.roff {
-			// TCP bytes before the ring's start are still due.
+			// TCP bytes before the ring's start are still due (or the
+			// start lies behind: the Read reports the broken stream).
 			if left || gone {
-				c.aheadLocked(f, start)
+				c.holdAheadLocked(f, start)
 			}
 			return
 		}
@@ -198,46 +199,42 @@ func readOut(rd *ring.Reader) []byte {
 	}
 }
 
-// stretchAhead is a ring's stretch that the reader holds in its own
-// memory until the TCP stream reaches its start.
-type stretchAhead struct {
-	at uint64 // the stream offset of b[0]: the ring's start
-	b  []byte
-}
-
-// aheadLocked copies the whole stretch of rf's ring, which started at
-// start past roff and whose writer left it (or is gone), out to c.ahead,
-// and leaves the ring. The TCP bytes before start are still due: after a
-// DOWN for a firewall that now drops them they come only with TCP's
-// retransmissions, once the rule goes, which may take many seconds. The
-// ring must not wait for them: hostd takes a retired region's memory back
-// after its grace (a reader of it then fails), and the connection comes
-// back to the rings only once this end left them.
-func (c *Conn) aheadLocked(f *flow, start uint64) {
+// holdAheadLocked copies the whole stretch of rf's ring, which started
+// at start past roff and whose writer left it (or is gone), out to
+// c.ahead, and leaves the ring; it reports whether it did. The TCP bytes
+// before start are still due: after a DOWN for a firewall that now drops
+// them they come only with TCP's retransmissions, once the rule goes,
+// which may take many seconds. The ring must not wait for them: hostd
+// takes a retired region's memory back after its grace (a reader of it
+// then fails), and the connection comes back to the rings only once
+// this end left them. One stretch at a time (at most a ring's capacity
+// of memory, whatever the peer does): with one held, the reader keeps
+// the next ring until the TCP stream reaches the held one.
+func (c *Conn) holdAheadLocked(f *flow, start uint64) bool {
+	if c.ahead != nil || start <= c.roff {
+		return false
+	}
 	if got := readOut(f.rd); len(got) > 0 {
-		c.ahead = append(c.ahead, stretchAhead{at: start, b: got})
+		c.ahead, c.aheadAt = got, start
 	}
 	c.leaveReadLocked()
+	return true
 }
 
-// aheadDueLocked moves the first stretch held ahead to the front of the
-// stash once the TCP stream reached its start, and reports whether it
-// did. Otherwise it returns how many TCP bytes may be read before it
-// (ok false with limit 0: none is held).
+// aheadDueLocked moves the stretch held ahead to the front of the stash
+// once the TCP stream reached its start, and reports whether it did.
+// Otherwise it returns how many TCP bytes may be read before it (0: none
+// is held).
 func (c *Conn) aheadDueLocked() (moved bool, limit uint64) {
-	if len(c.ahead) == 0 {
+	if c.ahead == nil {
 		return false, 0
 	}
-	a := c.ahead[0]
-	if c.roff < a.at {
-		return false, a.at - c.roff
+	if c.roff < c.aheadAt {
+		return false, c.aheadAt - c.roff
 	}
-	c.ahead = c.ahead[1:]
-	if len(c.ahead) == 0 {
-		c.ahead = nil
-	}
-	c.stash = append(a.b, c.stash...) // counted as ring bytes when read
-	c.stashRing += len(a.b)
+	c.stash = append(c.ahead, c.stash...) // counted as ring bytes when read
+	c.stashRing += len(c.ahead)
+	c.ahead = nil
 	return true, 0
 }
 
@@ -249,11 +246,11 @@ func (c *Conn) leaveReadForCloseLocked() bool {
 	c.readerFlowLocked()
 	f := c.rf
 	if f == nil {
-		return len(c.stash) > 0 || len(c.ahead) > 0
+		return len(c.stash) > 0 || c.ahead != nil
 	}
 	b, _ := f.rd.Buffered()
 	c.leaveReadLocked()
-	return b > 0 || len(c.stash) > 0 || len(c.ahead) > 0
+	return b > 0 || len(c.stash) > 0 || c.ahead != nil
 }
 
 // readTCPLocked reads the TCP stream: the stash first, then the socket,
@@ -277,10 +274,9 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 			case start == c.roff:
 				c.toRingLocked()
 				return 0, errAgain
-			case start < c.roff:
-				return 0, c.opErr("read", errBrokenStream)
-			case left || gone:
-				c.aheadLocked(f, start)
+			case start < c.roff || c.ahead != nil && start < c.aheadAt+uint64(len(c.ahead)):
+				return 0, c.opErr("read", errBrokenStream) // behind what was read, or inside the stretch held ahead
+			case (left || gone) && c.holdAheadLocked(f, start):
 				return 0, errAgain
 			}
 			limit = int(min(uint64(limit), start-c.roff))
@@ -344,7 +340,7 @@ func (c *Conn) readTCPLocked(p []byte) (int, error) {
 	if n == 0 && err == nil {
 		return 0, errAgain
 	}
-	if err == io.EOF && len(c.ahead) > 0 {
+	if err == io.EOF && c.ahead != nil {
 		err = errBrokenStream // the stream ended before a stretch held ahead
 	}
 	return c.gotTCP(n), err

@@ -170,7 +170,7 @@ func (c *Conn) tryLeave(f *flow) bool {
 		} else {
 			// A Read blocked in the kernel for TCP bytes before the
 			// ring's start (nothing watches the ring then) leaves it
-			// once woken and the writer left (aheadLocked).
+			// once woken and the writer left (holdAheadLocked).
 			c.guarded("leave", func() {
 				if f.rd.WriterLeft() || f.peerGone.Load() {
 					c.pokeRead()
