@@ -34,9 +34,14 @@ func (b *Bridge) runOut() (err error) {
 	if b.attached != nil {
 		// Tell the other host as soon as the guest's reader attached,
 		// before any byte comes: its bridge attaches its guest's write
-		// ring only then (HoldIn).
+		// ring only then (HoldIn). It reads the ring's memory, so Stop
+		// waits for it (wg) before the rings are let go, and every read
+		// is under the fault guard.
+		b.wg.Add(1)
 		go func() {
-			if fault.Do(func() { _ = b.waitAttached() }) == nil && b.w.ReaderAttached() {
+			defer b.wg.Done()
+			var err error
+			if fault.Do(func() { err = b.waitAttached() }) == nil && err == nil {
 				b.attached()
 			}
 		}()
