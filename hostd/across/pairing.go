@@ -230,7 +230,11 @@ func (r *Room) tryPair(x *xconn) {
 }
 
 // forget drops x. A stretch still on the rings is the broker's to end
-// first (its record's end sends DOWN to the relay session).
+// first (its record's end sends DOWN to the relay session). Its bridge's
+// Stop does not wait for the NIC (Released), and need not here: forget
+// sends no LEFT, so the ring pair's slot stays the relay's until its
+// session ends or the region goes, and the region's Deregister waits for
+// the writes that still read it before hostd unmaps it.
 func (r *Room) forget(x *xconn) {
 	if r.conns[x.id] != x {
 		return
