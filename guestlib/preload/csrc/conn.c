@@ -261,13 +261,11 @@ static void ready(struct flow *f, const struct shunt_msg *m)
  * peer's writer cannot have started; it would mark it only once a byte
  * came, and an idle peer sends none), or the ring's writer left (or is
  * gone): what the ring still holds is copied to the front of the stash
- * first (drain), so that a program that does not read for a while loses
- * nothing when hostd takes the ring's memory away after a revocation; a
- * reader still before the ring's start copies its stretch aside instead
- * (reader_ahead). Else it leaves when it reads the writer's mark
- * (path.c). */
-static int drain(struct flow *f, struct shunt_ring *r);
-
+ * first (aside.c, reader_drain), so that a program that does not read for
+ * a while loses nothing when hostd takes the ring's memory away after a
+ * revocation; a reader still before the ring's start copies its stretch
+ * aside instead (reader_ahead). Else it leaves when it reads the writer's
+ * mark (path.c). */
 static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 {
 	if (rg->rleft)
@@ -304,91 +302,9 @@ static struct rings *reader_idle_leave(struct flow *f, struct rings *rg)
 			return done;
 		return NULL;
 	}
-	if (shunt_ring_buffered(r) != 0 && drain(f, r))
+	if (shunt_ring_buffered(r) != 0 && reader_drain(f, r))
 		return NULL; /* no memory, or reset: it leaves (or fails) when it reads the ring */
 	return reader_leave(f, rg);
-}
-
-/* ring_out reads up to b bytes that r holds, its writer left or gone,
- * into s: how many, or -1 with the ring reset or corrupt (then the reader
- * stays on it, where its next read reports it: a reset flow drops what it
- * holds, and leaving would hand it the kernel's bytes). */
-static ssize_t ring_out(struct shunt_ring *r, uint8_t *s, size_t b)
-{
-	size_t got = 0;
-	while (got < b) {
-		ssize_t k = shunt_ring_read(r, s + got, b - got);
-		if (k < 0 && k != SHUNT_EAGAIN && k != SHUNT_ELEFT)
-			return -1;
-		if (k <= 0)
-			break;
-		got += (size_t)k;
-	}
-	return (ssize_t)got;
-}
-
-/* drain moves what r holds, its writer left or gone, to the front of f's
- * stash (rmu held), where the reader finds it before any later TCP byte.
- * 0, or -1 without memory or with the ring reset (it stays then). */
-static int drain(struct flow *f, struct shunt_ring *r)
-{
-	ssize_t b = shunt_ring_buffered(r);
-	if (b <= 0)
-		return 0;
-	size_t need = (size_t)b + f->slen;
-	uint8_t *s = malloc(need);
-	if (!s)
-		return -1;
-	ssize_t got = ring_out(r, s, (size_t)b);
-	if (got < 0) {
-		free(s);
-		return -1;
-	}
-	if (f->slen)
-		memcpy(s + got, f->stash + f->shead, f->slen);
-	free(f->stash);
-	f->stash = s;
-	f->scap = need;
-	f->shead = 0;
-	f->slen += (size_t)got;
-	f->sring += (size_t)got;
-	f->stashed++;
-	if (verbose > 1)
-		plog("shunt: fd %d: %zd bytes left in the ring kept for the reader", f->fd, got);
-	return 0;
-}
-
-int reader_ahead(struct flow *f, struct rings *rg, uint64_t start, struct rings **done)
-{
-	struct shunt_ring *r = &rg->sf.r;
-	/* One at a time (a second ring given and left before the first's
-	 * TCP bytes came waits for them as before), at most a ring's
-	 * capacity (what the ring holds: shunt_ring_buffered checks it). */
-	if (f->alen || start <= f->roff)
-		return -1;
-	ssize_t b = shunt_ring_buffered(r);
-	if (b < 0)
-		return -1;
-	uint8_t *s = b ? malloc((size_t)b) : NULL;
-	if (b && !s)
-		return -1;
-	ssize_t got = b ? ring_out(r, s, (size_t)b) : 0;
-	if (got < 0) {
-		free(s);
-		return -1;
-	}
-	if (got) {
-		f->ahead = s;
-		f->ahead_at = start;
-		__atomic_store_n(&f->alen, (size_t)got, __ATOMIC_RELEASE);
-		f->aheads++;
-	} else {
-		free(s);
-	}
-	plog("shunt: fd %d: reader left the ring with its stretch [%llu, %llu) copied aside: TCP bytes from %llu are still due",
-	     f->fd, (unsigned long long)start, (unsigned long long)(start + (uint64_t)got), (unsigned long long)f->roff);
-	*done = reader_leave(f, rg);
-	return 0;
 }
 
 /* The leaver: a reader that DOWN could not make leave (the ring's writer

@@ -22,7 +22,7 @@
  * (wait.c's helper), so the writer's start wakes it.
  *
  * A ring whose writer left (or died) while TCP bytes before its start are
- * still due is copied aside and left at once (conn.c, reader_ahead: a
+ * still due is copied aside and left at once (aside.c, reader_ahead: a
  * firewall's drops can hold those bytes back for long, and the ring's
  * memory may not outlive hostd's grace): until the TCP stream reaches that
  * start, every kernel read stops there (ahead_lim; the blocking recv is
@@ -138,44 +138,6 @@ static int kernel_wait(struct flow *f, int fd, struct rings *rg, int watch, int6
 }
 
 /* ---- the reader ---- */
-
-/* ahead_lim: how many bytes the reader may take from TCP before a
- * stretch held ahead (rmu held): SIZE_MAX when none is. */
-static size_t ahead_lim(struct flow *f)
-{
-	return f->alen ? (size_t)(f->ahead_at - f->roff) : SIZE_MAX;
-}
-
-/* ahead_due: once the TCP stream reached the stretch held ahead, its
- * bytes go to the front of the stash (rmu held): 0, or -1 without memory
- * (the connection is reset then). */
-static int ahead_due(struct flow *f)
-{
-	if (!f->alen || f->roff != f->ahead_at)
-		return 0;
-	size_t n = f->alen;
-	if (f->slen) { /* not expected (a stash holds bytes before it), but kept in order */
-		uint8_t *s = malloc(n + f->slen);
-		if (!s)
-			return -1;
-		memcpy(s, f->ahead, n);
-		memcpy(s + n, f->stash + f->shead, f->slen);
-		free(f->ahead);
-		f->ahead = s;
-		n += f->slen;
-	}
-	free(f->stash);
-	f->stash = f->ahead;
-	f->scap = n;
-	f->shead = 0;
-	f->slen = n;
-	f->sring += f->alen;
-	f->ahead = NULL;
-	__atomic_store_n(&f->alen, 0, __ATOMIC_RELEASE);
-	if (verbose > 1)
-		plog("shunt: fd %d: the TCP stream reached the stretch held ahead at %llu", f->fd, (unsigned long long)f->roff);
-	return 0;
-}
 
 /* tcp_take reads the TCP side of the stream without blocking: the stash
  * first, then a remembered EOF or error, then the kernel. *kernel says

@@ -7,6 +7,8 @@
  *   conn.c      connections and hostd: READY, DOWN, LEFT, CLOSE
  *   open.c      OPEN after the open delay; the request-id index
  *   path.c      a connection's reader and writer: TCP, rings, switching
+ *   aside.c     ring bytes the reader keeps in its own memory to leave a
+ *               ring early: drained at DOWN, or held ahead of TCP bytes
  *   io.c        read/write, send/recv families, sendfile, splice, shutdown
  *   wait.c      poll, select, and the helper threads that sleep on rings
  *   epoll.c     epoll
@@ -233,7 +235,7 @@ struct flow {
 	size_t sring;   /* how many of the stash's first bytes came from a ring (a drain, an ahead): counted as ring bytes */
 	int seof;       /* a kernel EOF (1) or error (-errno) seen while a ring held a stretch */
 	/* A ring's stretch copied out while TCP bytes before its start were
-	 * still due (conn.c, reader_ahead): alen bytes at stream offset
+	 * still due (aside.c, reader_ahead): alen bytes at stream offset
 	 * ahead_at, at most a ring's capacity, one at a time. Every read of
 	 * the kernel stops at ahead_at meanwhile, and there they move to the
 	 * front of the stash (path.c). alen is read atomically by poll and
@@ -378,12 +380,21 @@ int resend_idle(void);
  * waits of its resend goes out (bounded; lifetime.c, forget). */
 void resend_close(struct flow *f, int fd);
 struct rings *reader_leave(struct flow *f, struct rings *rg);
-/* reader_ahead: f's reader is on TCP before rg's ring's start (start >
- * f->roff) and the ring's writer left it or is gone: it copies the ring's
- * stretch out to f->ahead and leaves the ring (rmu held). 0 (*done: the
+/* aside.c, rmu held. reader_drain moves what r holds, its writer left or
+ * gone, to the front of f's stash, where the reader finds it before any
+ * later TCP byte: 0, or -1 without memory or with the ring reset (it
+ * stays then). reader_ahead: f's reader is on TCP before rg's ring's start
+ * (start > f->roff) and the ring's writer left it or is gone: it copies
+ * the ring's stretch out to f->ahead and leaves the ring: 0 (*done: the
  * rings to give back, or NULL), or -1 when it stays (no memory, a reset
- * ring, or a stretch already held ahead: then it waits for TCP). */
+ * ring, or a stretch already held ahead: then it waits for TCP).
+ * ahead_lim: how many bytes the reader may take from TCP before a stretch
+ * held ahead (SIZE_MAX: none is). ahead_due: once the TCP stream reached
+ * it, its bytes go to the front of the stash: 0, or -1 without memory. */
+int reader_drain(struct flow *f, struct shunt_ring *r);
 int reader_ahead(struct flow *f, struct rings *rg, uint64_t start, struct rings **done);
+size_t ahead_lim(struct flow *f);
+int ahead_due(struct flow *f);
 void rings_done(struct flow *f, struct rings *rg);
 void rings_free(struct rings *rg);
 /* conn_end: the last fd closed: leave the rings, CLOSE to hostd. */
