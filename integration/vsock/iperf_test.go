@@ -92,28 +92,7 @@ func TestVsockIperf3(t *testing.T) {
 		v.fail("the process guest's library never put a connection on rings")
 	}
 
-	// Every stretch shunt-vstretchd opened ends at its connection's BYE
-	// (or a break), with its bridge's counts.
-	open := regexp.MustCompile(`shunt-vstretchd: stretch \S+ open`)
-	closed := regexp.MustCompile(`shunt-vstretchd: stretch \S+ closed: \{BytesIn:\d+ Freed:(\d+) BytesOut:(\d+) `)
-	var in, out float64
-	for {
-		c := v.r.v.Console()
-		ends := closed.FindAllStringSubmatch(c, -1)
-		if n := len(open.FindAllString(c, -1)); n > 0 && len(ends) == n {
-			for _, m := range ends {
-				i, _ := strconv.ParseFloat(m[1], 64)
-				o, _ := strconv.ParseFloat(m[2], 64)
-				in, out = in+i, out+o
-			}
-			t.Logf("%d stretches carried %.0f bytes from the VM (acknowledged by hostd) and %.0f to it", n, in, out)
-			break
-		}
-		if ctx.Err() != nil {
-			v.fail("shunt-vstretchd did not close every stretch it opened (%d open, %d closed)", len(open.FindAllString(c, -1)), len(ends))
-		}
-		time.Sleep(20 * time.Millisecond)
-	}
+	in, out := stretchCounts(ctx, t, v.r, v.fail)
 	if in < 1<<20 || out < 1<<20 {
 		v.fail("the stretches carried %.0f bytes from the VM and %.0f to it: want at least 1 MiB each way (iperf3's data over vsock, not TCP)", in, out)
 	}
@@ -125,4 +104,91 @@ func TestVsockIperf3(t *testing.T) {
 		}
 	}
 	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// stretchCounts waits until every stretch shunt-vstretchd opened in r's VM
+// closed (its connection's BYE) and sums their bridges' counts: the bytes
+// from the VM that hostd acknowledged (Freed), and the bytes to it.
+func stretchCounts(ctx context.Context, t *testing.T, r *rig, fail func(string, ...any)) (in, out float64) {
+	t.Helper()
+	open := regexp.MustCompile(`shunt-vstretchd: stretch \S+ open`)
+	closed := regexp.MustCompile(`shunt-vstretchd: stretch \S+ closed: \{BytesIn:\d+ Freed:(\d+) BytesOut:(\d+) `)
+	for {
+		c := r.v.Console()
+		ends := closed.FindAllStringSubmatch(c, -1)
+		if n := len(open.FindAllString(c, -1)); n > 0 && len(ends) == n {
+			for _, m := range ends {
+				i, _ := strconv.ParseFloat(m[1], 64)
+				o, _ := strconv.ParseFloat(m[2], 64)
+				in, out = in+i, out+o
+			}
+			t.Logf("%s: %d stretches carried %.0f bytes from the VM (acknowledged by hostd) and %.0f to it", r.v.Name, n, in, out)
+			return in, out
+		}
+		if ctx.Err() != nil {
+			fail("%s: shunt-vstretchd did not close every stretch it opened (%d open, %d closed)", r.v.Name, len(open.FindAllString(c, -1)), len(ends))
+		}
+		time.Sleep(20 * time.Millisecond)
+	}
+}
+
+// TestVsockIperf3VMToVM: TestVsockIperf3 between two vsock VMs (the
+// rig of TestVsockVMToVM): iperf3's server under shunt-run in VM B, its
+// client in VM A, 2 s each way. Both runs must succeed, both VMs'
+// libraries must have put connections on rings over vsock, hostd's flows
+// must show a connection on the rings via vsock meanwhile, and each VM's
+// stretches must have carried at least 1 MiB each way (A's from A in the
+// first run, to A in the -R run; B's the other way), which each VM's
+// device must cover. A writer in either VM moves to its ring only once
+// the other VM's reader attached (attached end to end, through the
+// flow's rings: docs/vsock.md).
+func TestVsockIperf3VMToVM(t *testing.T) {
+	testenv.NeedTool(t, "iperf3", "iperf3")
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 150*time.Second)
+	defer cancel()
+	dir, bin := buildCSide(t)
+	c := []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0"}
+	p := startVMPairFiles(t, ctx, cSideFiles(bin), append(c, fmt.Sprintf("ciperfd:%d:0:0", iperfPort)),
+		append(c, fmt.Sprintf("ciperf:%d:%d:0", iperfPort, iperfSecs), fmt.Sprintf("ciperf:%d:%d:1", iperfPort, iperfSecs)))
+	ctx = p.a.ctx
+	for _, reverse := range []bool{false, true} {
+		prefix := fmt.Sprintf("SHUNT-VSOCK ciperf port=%d reverse=%v ", iperfPort, reverse)
+		seen := false
+		for !p.a.v.Has(0, prefix) && !p.a.v.Has(0, "SHUNT-VSOCK ERROR") && ctx.Err() == nil {
+			if !seen {
+				if fl, err := p.s.Conns(); err == nil {
+					for _, f := range fl {
+						seen = seen || strings.HasSuffix(f.Dst, fmt.Sprintf(":%d", iperfPort)) && f.Path == "rings" && f.Via == "vsock"
+					}
+				}
+			}
+			time.Sleep(20 * time.Millisecond)
+		}
+		line, err := p.a.v.WaitAny(ctx, 0, prefix, "SHUNT-VSOCK ERROR")
+		if err != nil || !strings.Contains(line, "err=<nil> ") || !strings.Contains(line, "receiver") {
+			p.fail("iperf3 (reverse %v) in VM A: %q %v", reverse, line, err)
+		}
+		if !seen {
+			p.fail("iperf3 (reverse %v): hostd's flows never showed a connection to port %d on the rings via vsock while it ran", reverse, iperfPort)
+		}
+		t.Logf("iperf3 -t %d (reverse %v) VM to VM over vsock: %s", iperfSecs, reverse, strings.TrimPrefix(line, prefix))
+	}
+	for g, r := range map[string]*rig{"vma": p.a, "vmb": p.b} {
+		if !strings.Contains(r.v.Console(), "over vsock (shunt-vstretchd)") {
+			p.fail("%s's library never put a connection on rings over vsock", g)
+		}
+		in, out := stretchCounts(ctx, t, r, p.fail)
+		if in < 1<<20 || out < 1<<20 {
+			p.fail("%s's stretches carried %.0f bytes from it and %.0f to it: want at least 1 MiB each way", g, in, out)
+		}
+		cs := counters(p.hostd, p.s.Admin)
+		for dir, n := range map[string]float64{"rx": in, "tx": out} {
+			key := fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=%s}", dir, g)
+			if got := counterValue(cs, key); got < n {
+				p.fail("%s = %v: less than the stretches carried (%v)", key, got, n)
+			}
+		}
+	}
+	t.Logf("boot %v, whole test %v", p.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
 }

@@ -113,6 +113,12 @@ func ciperf(port uint32, secs int64, reverse bool) error {
 		args = append(args, "-R")
 	}
 	out, err := preloaded(nil, args...)
+	// The server may be another VM booted at once, not listening yet
+	// (TestVsockIperf3VMToVM): refused connects are tried again, 30 s.
+	for deadline := time.Now().Add(30 * time.Second); err != nil && strings.Contains(out, "unable to connect") && time.Now().Before(deadline); {
+		time.Sleep(200 * time.Millisecond)
+		out, err = preloaded(nil, args...)
+	}
 	sum := ""
 	for _, l := range strings.Split(out, "\n") {
 		if strings.Contains(l, "sender") || strings.Contains(l, "receiver") {
@@ -121,4 +127,47 @@ func ciperf(port uint32, secs int64, reverse bool) error {
 	}
 	fmt.Printf("SHUNT-VSOCK ciperf port=%d reverse=%v err=%v %s\n", port, reverse, err, sum)
 	return nil
+}
+
+// ciperfd is the server VM's end of TestVsockIperf3VMToVM: iperf3's
+// server under shunt-run on port, in the background until the VM stops;
+// it returns once the server listens (at most 30 s).
+func ciperfd(port uint32) error {
+	cmd := exec.Command(filepath.Join(cdir, "shunt-run"), "-v", "iperf3", "-s", "-p", fmt.Sprint(port))
+	cmd.Env = append(os.Environ(), "SHUNT_VSOCK=1", "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so"))
+	out, err := cmd.StdoutPipe()
+	if err != nil {
+		return err
+	}
+	cmd.Stderr = cmd.Stdout
+	if err := cmd.Start(); err != nil {
+		return err
+	}
+	go prefixed("SHUNT-VSOCK C ", out)
+	for deadline := time.Now().Add(30 * time.Second); !tcpListening(port); time.Sleep(20 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			return fmt.Errorf("iperf3 -s does not listen on %d after 30 s", port)
+		}
+	}
+	fmt.Printf("SHUNT-VSOCK ciperfd port=%d listening\n", port)
+	return nil
+}
+
+// tcpListening reports whether a TCP socket listens on port here
+// (/proc/net/tcp and tcp6: state 0A).
+func tcpListening(port uint32) bool {
+	want := fmt.Sprintf(":%04X", port)
+	for _, p := range []string{"/proc/net/tcp", "/proc/net/tcp6"} {
+		b, err := os.ReadFile(p)
+		if err != nil {
+			continue
+		}
+		for _, l := range strings.Split(string(b), "\n") {
+			f := strings.Fields(l)
+			if len(f) > 3 && strings.HasSuffix(f[1], want) && f[3] == "0A" {
+				return true
+			}
+		}
+	}
+	return false
 }

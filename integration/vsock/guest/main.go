@@ -52,6 +52,8 @@
 //	                          test flips its path meanwhile
 //	ciperf:PORT:SECS:REV      iperf3 -c ADDR -p PORT -t SECS under shunt-run
 //	                          (SHUNT_VSOCK=1), with -R if REV is 1
+//	ciperfd:PORT:0:0          iperf3 -s -p PORT under shunt-run, in the
+//	                          background; once it listens, the next phase
 //	mpiexec:PORT:0:0          TestVsockMPI: run the shell command each TCP
 //	                          connection to PORT sends (mpirun's rsh
 //	                          agent), SHUNT_VSOCK=1, until the VM stops
@@ -123,6 +125,8 @@ func main() {
 			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
 		case "ciperf":
 			err = ciperf(uint32(port), n, seed != 0)
+		case "ciperfd":
+			err = ciperfd(uint32(port))
 		case "mpiexec":
 			err = mpiexec(uint32(port))
 		default:
