@@ -149,7 +149,7 @@ func TestVsockIperf3VMToVM(t *testing.T) {
 	defer cancel()
 	dir, bin := buildCSide(t)
 	c := []string{"cdir:" + dir + ":0:0", "vstretchd:0:0:0"}
-	p := startVMPairFiles(t, ctx, cSideFiles(bin), append(c, fmt.Sprintf("ciperfd:%d:0:0", iperfPort)),
+	p := startVMPairFiles(t, ctx, cSideFiles(bin), append(c, fmt.Sprintf("ciperfd:%d:0:0", iperfPort), "pause:100000:0:0"), // B serves until the test ends
 		append(c, fmt.Sprintf("ciperf:%d:%d:0", iperfPort, iperfSecs), fmt.Sprintf("ciperf:%d:%d:1", iperfPort, iperfSecs)))
 	ctx = p.a.ctx
 	for _, reverse := range []bool{false, true} {
