@@ -92,7 +92,7 @@ func TestVsockIperf3(t *testing.T) {
 		v.fail("the process guest's library never put a connection on rings")
 	}
 
-	in, out := stretchCounts(ctx, t, v.r, v.fail)
+	in, out := stretchCounts(ctx, t, "vm", v.r, v.fail)
 	if in < 1<<20 || out < 1<<20 {
 		v.fail("the stretches carried %.0f bytes from the VM and %.0f to it: want at least 1 MiB each way (iperf3's data over vsock, not TCP)", in, out)
 	}
@@ -109,7 +109,7 @@ func TestVsockIperf3(t *testing.T) {
 // stretchCounts waits until every stretch shunt-vstretchd opened in r's VM
 // closed (its connection's BYE) and sums their bridges' counts: the bytes
 // from the VM that hostd acknowledged (Freed), and the bytes to it.
-func stretchCounts(ctx context.Context, t *testing.T, r *rig, fail func(string, ...any)) (in, out float64) {
+func stretchCounts(ctx context.Context, t *testing.T, name string, r *rig, fail func(string, ...any)) (in, out float64) {
 	t.Helper()
 	open := regexp.MustCompile(`shunt-vstretchd: stretch \S+ open`)
 	closed := regexp.MustCompile(`shunt-vstretchd: stretch \S+ closed: \{BytesIn:\d+ Freed:(\d+) BytesOut:(\d+) `)
@@ -122,11 +122,11 @@ func stretchCounts(ctx context.Context, t *testing.T, r *rig, fail func(string, 
 				o, _ := strconv.ParseFloat(m[2], 64)
 				in, out = in+i, out+o
 			}
-			t.Logf("%s: %d stretches carried %.0f bytes from the VM (acknowledged by hostd) and %.0f to it", r.v.Name, n, in, out)
+			t.Logf("%s: %d stretches carried %.0f bytes from the VM (acknowledged by hostd) and %.0f to it", name, n, in, out)
 			return in, out
 		}
 		if ctx.Err() != nil {
-			fail("%s: shunt-vstretchd did not close every stretch it opened (%d open, %d closed)", r.v.Name, len(open.FindAllString(c, -1)), len(ends))
+			fail("%s: shunt-vstretchd did not close every stretch it opened (%d open, %d closed)", name, len(open.FindAllString(c, -1)), len(ends))
 		}
 		time.Sleep(20 * time.Millisecond)
 	}
@@ -178,7 +178,7 @@ func TestVsockIperf3VMToVM(t *testing.T) {
 		if !strings.Contains(r.v.Console(), "over vsock (shunt-vstretchd)") {
 			p.fail("%s's library never put a connection on rings over vsock", g)
 		}
-		in, out := stretchCounts(ctx, t, r, p.fail)
+		in, out := stretchCounts(ctx, t, g, r, p.fail)
 		if in < 1<<20 || out < 1<<20 {
 			p.fail("%s's stretches carried %.0f bytes from it and %.0f to it: want at least 1 MiB each way", g, in, out)
 		}
