@@ -208,6 +208,6 @@ static const char *const reason_names[SHUNT_NUM_REASONS] = {
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
 	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
-	"migrating", "not-guest", "peer-unreachable", "vsock-pair"};
+	"migrating", "not-guest", "peer-unreachable", "vsock-pair", "vsock-down"};
 
 const char *shunt_reason_name(unsigned r) { return r < SHUNT_NUM_REASONS ? reason_names[r] : "?"; }

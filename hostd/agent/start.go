@@ -74,6 +74,7 @@ func Start(log hclog.Logger, cfg *config.Config) (_ *Agent, err error) {
 	opts.MarkMask = a.markMask()
 	opts.ProofOrig, opts.ProofReply = a.proofBits()
 	opts.ProofMaxAge = cfg.ProofMaxAge
+	opts.VsockServed = func(id uint32) bool { return a.vsock.Served(id) } // a.vsock is set before any guest connects (startVsock)
 	a.b = broker.New(log.Named("broker"), a.ct, a.m, tab, a.guests, opts)
 	a.b.UsePairRegions(a.pairs)
 	a.hot, a.lvhot = a.hotplug(), a.libvirtHotplug()

@@ -60,6 +60,12 @@ type Options struct {
 	// have to leave its rings before hostd takes its memory away
 	// (revoke.go); 0 = DefaultRevokeGrace.
 	RevokeGrace time.Duration
+	// VsockServed, if set, says whether the vsock device of the VM with
+	// this guest id has its hypervisor's front-end (hostd/vsockhost).
+	// QEMU's vhost-user front-end dies with a hostd and does not come
+	// back to the next one: a READY would only have the VM's library
+	// wait out a vsock connect to a device nobody serves.
+	VsockServed func(guest uint32) bool
 }
 
 // DefaultProofMaxAge is Options.ProofMaxAge's default: a little over two

@@ -289,6 +289,8 @@ func (b *Broker) mayUpgradeLocked(c *Conn) proto.Reason {
 		return proto.ReasonInternal
 	case !switching(c.a.sess) || !switching(c.b.sess):
 		return proto.ReasonVersion
+	case b.vsockDownLocked(ga) || b.vsockDownLocked(gb):
+		return proto.ReasonVsockDown
 	case c.fw != nil:
 		return proto.ReasonFirewall
 	case !b.provenLocked(c, time.Now()):

@@ -1,6 +1,7 @@
 package broker_test
 
 import (
+	"sync/atomic"
 	"testing"
 
 	"github.com/shuntnet/shunt/hostd/broker"
@@ -488,4 +489,34 @@ func TestStretchRegionNoDescriptor(t *testing.T) {
 	if len(sa.files) != 0 || len(sb.files) != 1 {
 		t.Fatalf("descriptors sent: %d to the vsock VM (want 0), %d to the process guest (want 1)", len(sa.files), len(sb.files))
 	}
+}
+
+// TestStretchVsockDown: a vsock VM whose device has no front-end (QEMU's
+// died with an earlier hostd and does not reconnect) gets no READY: both
+// ends stay on TCP, saying vsock-down, instead of the VM's library
+// waiting out a vsock connect to a device nobody serves. A hybrid
+// device (VsockKept, the hypervisor's own) is not gated.
+func TestStretchVsockDown(t *testing.T) {
+	var served atomic.Bool
+	w, _, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1,
+		VsockServed: func(id uint32) bool { return served.Load() }})
+	w.g1.Vsock = true
+	ta, tb := w.conn("10.0.0.1:4000", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 1))
+	w.b.Open(sb, open(proto.Passive, tb, 2))
+	sa.expect(t, proto.TCP, proto.ReasonVsockDown, 1)
+	sb.expect(t, proto.TCP, proto.ReasonVsockDown, 2)
+
+	w.g1.VsockKept = true // a hybrid device: hostd does not see it, and it outlives hostd
+	ta, tb = w.conn("10.0.0.1:4001", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 3))
+	w.b.Open(sb, open(proto.Passive, tb, 4))
+	for _, s := range []*fileSession{sa, sb} {
+		if m := s.next(t); m.Type != proto.RegionMsg {
+			t.Fatalf("%+v, want REGION", m)
+		}
+	}
+	<-sb.files // a vsock VM's REGION goes without a descriptor
+	sa.expect(t, proto.Ready, proto.ReasonNone, 3)
+	sb.expect(t, proto.Ready, proto.ReasonNone, 4)
 }

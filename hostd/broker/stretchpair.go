@@ -39,6 +39,14 @@ import (
 // with a vsock block and no group region.
 func vsockVM(g *Guest) bool { return g.Vsock && !g.SharedRegion }
 
+// vsockDownLocked: g carries its flows over vsock and its device has no
+// front-end now (Options.VsockServed). A hybrid device is the
+// hypervisor's own (VsockKept): hostd cannot see it, and it outlives
+// hostd.
+func (b *Broker) vsockDownLocked(g *Guest) bool {
+	return vsockVM(g) && !g.VsockKept && b.opts.VsockServed != nil && !b.opts.VsockServed(g.ID)
+}
+
 // vsockPair reports whether both ends of f are such VMs.
 func vsockPair(f *Flow) bool { return vsockVM(f.GuestA) && vsockVM(f.GuestB) }
 

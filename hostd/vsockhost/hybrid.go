@@ -37,6 +37,25 @@ func (r *Room) ListenControl(guest uint32) (net.Listener, error) {
 	return d.listen(proto.VsockControlPort)
 }
 
+// Served reports whether the guest's vsock device has a front-end now:
+// its QEMU being served, or, for a hybrid vsock, always (the hypervisor
+// serves its own device, which outlives hostd). False without a device.
+func (r *Room) Served(guest uint32) bool {
+	if r == nil {
+		return false
+	}
+	d := r.devs[guest]
+	if d == nil {
+		return false
+	}
+	if d.dev == nil {
+		return true // hybrid: the hypervisor serves its own device
+	}
+	d.mu.Lock()
+	defer d.mu.Unlock()
+	return d.sess != nil
+}
+
 // Has reports whether the guest with id guest has a vsock device (its
 // own or its hypervisor's). A nil Room has none.
 func (r *Room) Has(guest uint32) bool {

@@ -37,6 +37,7 @@ const (
 	ReasonNotGuest               // ERROR: the connecting process is not in the guest's network namespace
 	ReasonPeerUnreachable        // v3: the other end is a guest of a peer host whose hostd is down or refuses (docs/crosshost.md)
 	ReasonVsockPair              // v3: a vsock-stretch VM to a peer host's guest: not built (docs/vsock.md); no longer sent between two such VMs
+	ReasonVsockDown              // v3: the VM's vsock device has no hypervisor front-end (QEMU's died with an earlier hostd; docs/vsock.md)
 	numReasons
 )
 
@@ -45,7 +46,7 @@ var reasonNames = [...]string{
 	"no-conntrack", "not-established", "timeout", "no-space", "cross-group", "guest-limit",
 	"internal", "conntrack-gone", "policy-reload", "peer-gone", "admin", "malformed",
 	"no-hostd", "disabled", "guest-quota", "version", "control-limit", "firewall", "shutdown",
-	"migrating", "not-guest", "peer-unreachable", "vsock-pair",
+	"migrating", "not-guest", "peer-unreachable", "vsock-pair", "vsock-down",
 }
 
 func (r Reason) String() string {
