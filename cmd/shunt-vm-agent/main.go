@@ -58,6 +58,7 @@ import (
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/internal/execserve"
 )
 
 func say(format string, args ...any) { fmt.Printf("SHUNT-VM "+format+"\n", args...) }
@@ -345,34 +346,15 @@ func split(args []string, sep string) [][]string {
 	}
 }
 
-// execServer runs, for each connection, the shell command on its first
-// line, with the command's output going back on the connection. It is what
-// mpirun's rsh agent talks to: the test has no ssh in its VMs. Kernel TCP
-// only; nothing here uses Shunt.
+// execServer serves mpirun's rsh agent (internal/execserve): the test
+// has no ssh in its VMs.
 func execServer(port string) error {
 	l, err := net.Listen("tcp", ":"+port)
 	if err != nil {
 		return err
 	}
 	say("LISTENING")
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return err
-		}
-		go func() {
-			defer c.Close()
-			line, err := bufio.NewReader(c).ReadString('\n')
-			if err != nil {
-				return
-			}
-			say("EXEC %s", strings.TrimSpace(line))
-			cmd := exec.Command("/bin/sh", "-c", line)
-			cmd.Stdout, cmd.Stderr = c, c
-			err = cmd.Run()
-			say("EXEC-EXIT %v", err)
-		}()
-	}
+	return execserve.Serve(l, nil, "", say)
 }
 
 // rsh runs cmd in the VM at host through its exec server, copying the

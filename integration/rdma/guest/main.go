@@ -22,7 +22,6 @@
 package main
 
 import (
-	"bufio"
 	"bytes"
 	"errors"
 	"fmt"
@@ -30,13 +29,13 @@ import (
 	"math/rand/v2"
 	"net"
 	"os"
-	"os/exec"
 	"path/filepath"
 	"strconv"
 	"strings"
 	"time"
 
 	"github.com/shuntnet/shunt/guestlib"
+	"github.com/shuntnet/shunt/internal/execserve"
 )
 
 // deadline bounds each wait: generous, for TCG guests on a loaded machine.
@@ -206,23 +205,7 @@ func execServer(port string) error {
 		return err
 	}
 	fmt.Println("GUEST EXEC-SERVER", port)
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return err
-		}
-		go func() {
-			defer c.Close()
-			line, err := bufio.NewReader(c).ReadString('\n')
-			if err != nil {
-				return
-			}
-			cmd := exec.Command("/bin/sh", "-c", line)
-			cmd.Stdout, cmd.Stderr = c, c
-			err = cmd.Run()
-			fmt.Printf("GUEST EXEC %q: %v\n", strings.TrimSpace(line), err)
-		}()
-	}
+	return execserve.Serve(l, nil, "", func(format string, args ...any) { fmt.Printf("GUEST "+format+"\n", args...) })
 }
 
 // rsh runs cmd at host's exec server and copies its output to stdout.

@@ -3,13 +3,11 @@
 package main
 
 import (
-	"bufio"
 	"fmt"
 	"net"
 	"os"
-	"os/exec"
-	"path/filepath"
-	"strings"
+
+	"github.com/shuntnet/shunt/internal/execserve"
 )
 
 // mpiexec is TestVsockMPI's VM end of mpirun's rsh agent (the VM has no
@@ -26,23 +24,7 @@ func mpiexec(port uint32) error {
 	}
 	env := append(os.Environ(), "SHUNT_VSOCK=1", "PATH="+cdir+":/usr/bin:/bin:/usr/sbin:/sbin", "HOME=/tmp")
 	fmt.Printf("SHUNT-VSOCK MPIEXEC port=%d\n", port)
-	for {
-		c, err := l.Accept()
-		if err != nil {
-			return err
-		}
-		go func() {
-			defer c.Close()
-			line, err := bufio.NewReader(c).ReadString('\n')
-			if err != nil {
-				return
-			}
-			fmt.Printf("SHUNT-VSOCK EXEC %s\n", strings.TrimSpace(line))
-			cmd := exec.Command("/bin/sh", "-c", line)
-			cmd.Env, cmd.Dir = env, filepath.Clean("/tmp")
-			cmd.Stdout, cmd.Stderr = c, c
-			err = cmd.Run()
-			fmt.Printf("SHUNT-VSOCK EXEC-EXIT %v\n", err)
-		}()
-	}
+	return execserve.Serve(l, env, "/tmp", func(format string, args ...any) {
+		fmt.Printf("SHUNT-VSOCK "+format+"\n", args...)
+	})
 }
