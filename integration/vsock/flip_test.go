@@ -4,10 +4,7 @@ package vsock_test
 
 import (
 	"context"
-	"crypto/sha256"
 	"fmt"
-	"io"
-	"math/rand/v2"
 	"strconv"
 	"strings"
 	"testing"
@@ -44,43 +41,7 @@ func TestVsockPolicyFlips(t *testing.T) {
 	v.onRings(ctx)
 
 	// The process guest's end: reads to EOF, writes until told to end.
-	type got struct {
-		n   int64
-		sum []byte
-		err error
-	}
-	recv := make(chan got, 1)
-	go func() {
-		h := sha256.New()
-		n, err := io.Copy(h, c)
-		recv <- got{n, h.Sum(nil), err}
-	}()
-	end := make(chan struct{})
-	sent := make(chan got, 1)
-	go func() {
-		h := sha256.New()
-		src := rand.NewChaCha8(seedBytes(13))
-		buf := make([]byte, 64<<10)
-		var n int64
-		tick := time.NewTicker(10 * time.Millisecond)
-		defer tick.Stop()
-		for {
-			select {
-			case <-end:
-				sent <- got{n, h.Sum(nil), c.(interface{ CloseWrite() error }).CloseWrite()}
-				return
-			case <-tick.C:
-			}
-			src.Read(buf)
-			k, err := c.Write(buf)
-			h.Write(buf[:k])
-			n += int64(k)
-			if err != nil {
-				sent <- got{n, h.Sum(nil), err}
-				return
-			}
-		}
-	}()
+	p := procDuplex(c.(halfCloser), 13)
 	conn := c.(interface{ Stats() guestlib.Stats })
 	for i := range vsockFlips {
 		t0 := time.Now()
@@ -96,36 +57,7 @@ func TestVsockPolicyFlips(t *testing.T) {
 		t.Logf("flip %d: to tcp in %v, back on the rings in %v; process guest's connection %+v", i, t1.Sub(t0).Round(time.Millisecond), time.Since(t1).Round(time.Millisecond), conn.Stats())
 		time.Sleep(300 * time.Millisecond) // bytes on the rings between flips
 	}
-	close(end)
-	var ps, pr got
-	select {
-	case ps = <-sent:
-	case <-ctx.Done():
-		v.fail("the process guest's writer did not end")
-	}
-	select {
-	case pr = <-recv:
-	case <-ctx.Done():
-		v.fail("the process guest did not read the VM's stream to its end: %+v", conn.Stats())
-	}
-	if ps.err != nil || pr.err != nil {
-		v.fail("process guest: write %d bytes: %v; read %d bytes: %v; %+v", ps.n, ps.err, pr.n, pr.err, conn.Stats())
-	}
-	line, err := r.v.WaitAny(ctx, 0, fmt.Sprintf("SHUNT-VSOCK gflip port=%d ", procPort), "SHUNT-VSOCK ERROR")
-	if err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK gflip") {
-		v.fail("the VM's stream: %q %v", line, err)
-	}
-	f := fields(line)
-	// The VM's stream is seeded, so its sum is known from its length.
-	vmSent, _ := strconv.ParseInt(f["sentbytes"], 10, 64)
-	h := sha256.New()
-	io.CopyN(h, rand.NewChaCha8(seedBytes(11)), vmSent)
-	if want := fmt.Sprintf("%x", h.Sum(nil)); f["sent"] != want || fmt.Sprintf("%x", pr.sum) != want || pr.n != vmSent {
-		v.fail("VM to process guest: the VM sent %d bytes (sum %s, seeded %s), the process guest got %d (sum %x)", vmSent, f["sent"], want, pr.n, pr.sum)
-	}
-	if f["recv"] != fmt.Sprintf("%x", ps.sum) || f["bytes"] != strconv.FormatInt(ps.n, 10) {
-		v.fail("process guest to VM: sent %d bytes (sum %x), the VM got %s (sum %s)", ps.n, ps.sum, f["bytes"], f["recv"])
-	}
+	ps, f, line, vmSent := finishGflip(ctx, v, p)
 	// Both ends moved bytes on both paths, and took a READY per stretch.
 	st := conn.Stats()
 	vmRing, vmTCP, vmReadies := strings.Split(f["ring"], "/"), strings.Split(f["tcp"], "/"), f["readies"]

@@ -108,8 +108,27 @@ func hostdKilled(t *testing.T, how vmHow) {
 		}
 	}
 	t.Logf("process guest's connection %+v", conn.Stats())
+	ps, f, line, vmSent := finishGflip(ctx, v, p)
+	st := conn.Stats()
+	vmResent, _ := strconv.ParseInt(f["resent"], 10, 64)
+	if st.Resent == 0 || vmResent == 0 || st.TCPSent == 0 || st.TCPReceived == 0 {
+		v.fail("the resume resent nothing from the rings (process guest %+v; VM %q)", st, line)
+	}
+	t.Logf("VM -> process guest %d bytes, process guest -> VM %d bytes, checksums equal; resent from the rings: VM %d, process guest %d; process guest %+v",
+		vmSent, ps.n, vmResent, st.Resent, st)
+	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// finishGflip ends the process guest's side p of the VM's gflip stream
+// (seed 11 from the VM) and waits for both its directions and the VM's
+// line; both directions' lengths and SHA-256 must match at both ends. It
+// returns what the process guest sent, the VM's fields and line, and
+// how many bytes the VM sent.
+func finishGflip(ctx context.Context, v *vsockVM, p duplex) (ps duplexGot, f map[string]string, line string, vmSent int64) {
+	v.t.Helper()
+	conn := v.c.(interface{ Stats() guestlib.Stats })
 	close(p.end)
-	var ps, pr duplexGot
+	var pr duplexGot
 	select {
 	case ps = <-p.sent:
 	case <-ctx.Done():
@@ -123,12 +142,13 @@ func hostdKilled(t *testing.T, how vmHow) {
 	if ps.err != nil || pr.err != nil {
 		v.fail("process guest: write %d bytes: %v; read %d bytes: %v; %+v", ps.n, ps.err, pr.n, pr.err, conn.Stats())
 	}
-	line, err := r.v.WaitAny(ctx, 0, fmt.Sprintf("SHUNT-VSOCK gflip port=%d ", procPort), "SHUNT-VSOCK ERROR")
+	line, err := v.r.v.WaitAny(ctx, 0, fmt.Sprintf("SHUNT-VSOCK gflip port=%d ", procPort), "SHUNT-VSOCK ERROR")
 	if err != nil || !strings.HasPrefix(line, "SHUNT-VSOCK gflip") {
 		v.fail("the VM's stream: %q %v", line, err)
 	}
-	f := fields(line)
-	vmSent, _ := strconv.ParseInt(f["sentbytes"], 10, 64)
+	f = fields(line)
+	// The VM's stream is seeded, so its sum is known from its length.
+	vmSent, _ = strconv.ParseInt(f["sentbytes"], 10, 64)
 	h := sha256.New()
 	io.CopyN(h, rand.NewChaCha8(seedBytes(11)), vmSent)
 	if want := fmt.Sprintf("%x", h.Sum(nil)); f["sent"] != want || fmt.Sprintf("%x", pr.sum) != want || pr.n != vmSent {
@@ -137,14 +157,7 @@ func hostdKilled(t *testing.T, how vmHow) {
 	if f["recv"] != fmt.Sprintf("%x", ps.sum) || f["bytes"] != strconv.FormatInt(ps.n, 10) {
 		v.fail("process guest to VM: sent %d bytes (sum %x), the VM got %s (sum %s)", ps.n, ps.sum, f["bytes"], f["recv"])
 	}
-	st := conn.Stats()
-	vmResent, _ := strconv.ParseInt(f["resent"], 10, 64)
-	if st.Resent == 0 || vmResent == 0 || st.TCPSent == 0 || st.TCPReceived == 0 {
-		v.fail("the resume resent nothing from the rings (process guest %+v; VM %q)", st, line)
-	}
-	t.Logf("VM -> process guest %d bytes, process guest -> VM %d bytes, checksums equal; resent from the rings: VM %d, process guest %d; process guest %+v",
-		vmSent, ps.n, vmResent, st.Resent, st)
-	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+	return ps, f, line, vmSent
 }
 
 // waitBytes waits until the process guest's connection counted least
