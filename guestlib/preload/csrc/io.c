@@ -231,6 +231,8 @@ INTERPOSE ssize_t sendfile(int out, int in, off_t *off, size_t count)
 		return done_with(f, k);
 	}
 	/* On the ring: by copying. */
+	if (conn_write_shut(f, 0))
+		return done_with(f, -1);
 	char buf[SENDFILE_CHUNK];
 	size_t n = count < sizeof buf ? count : sizeof buf;
 	ssize_t k = off ? pread(in, buf, n, *off) : real_read(in, buf, n);
@@ -427,6 +429,8 @@ INTERPOSE ssize_t splice(int in, loff_t *off_in, int out, loff_t *off_out, size_
 		errno = e;
 		return done_with(fo, r);
 	}
+	if (conn_write_shut(fo, 0))
+		return done_with(fo, -1);
 	/* on the ring: never take from the pipe more than the ring takes now
 	 * when the call must not block */
 	if (nb || fo->nonblock) {

@@ -560,7 +560,8 @@ int conn_tcp_begin(struct flow *f)
 	int ring = writer_moves(f, __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), &done);
 	/* A resend waiting (or a reset): the copying path, conn_send, deals
 	 * with it first. */
-	int tcp = !ring && !f->rs_len && !__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST);
+	int tcp = !ring && !f->rs_len && !__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST) &&
+		  !__atomic_load_n(&f->wr_shut, __ATOMIC_SEQ_CST);
 	if (tcp)
 		f->winflight++;
 	pthread_mutex_unlock(&f->wmu);
@@ -585,6 +586,8 @@ static ssize_t write_step(struct flow *f, int fd, const uint8_t *buf, size_t n, 
 	*wait = W_NONE;
 	if (__atomic_load_n(&f->rst, __ATOMIC_SEQ_CST))
 		return -ECONNRESET; /* RESUME reset the connection (resume.c) */
+	if (__atomic_load_n(&f->wr_shut, __ATOMIC_SEQ_CST))
+		return -EPIPE; /* not the kernel: its FIN may not be out yet (shutdown) */
 	writer_moves(f, rg, done);
 	for (;;) {
 		if (!f->wring || !rg) {
@@ -626,7 +629,7 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 	share_io(f);
 	int nb = f->nonblock || (flags & MSG_DONTWAIT);
 	size_t put = 0;
-	int err = 0;
+	int err = 0, shut = 0;
 	for (;;) {
 		int wait, spun = 0;
 		struct rings *done = NULL, *rg;
@@ -673,6 +676,7 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 			break;
 		if (k < 0 && k != -EAGAIN) {
 			err = -k;
+			shut = k == -EPIPE;
 			break;
 		}
 		if (__atomic_load_n(&f->closed, __ATOMIC_SEQ_CST)) {
@@ -693,10 +697,22 @@ ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, 
 	if (verbose > 1)
 		plog("shunt: send %zu flags %#x -> %zu (%s)", n, flags, put, err ? strerror(err) : "ok");
 	if (err && !put) {
+		if (err == EPIPE && shut && !(flags & MSG_NOSIGNAL))
+			raise(SIGPIPE); /* as the kernel does for a send after shutdown */
 		errno = err;
 		return -1;
 	}
 	return put;
+}
+
+int conn_write_shut(struct flow *f, int flags)
+{
+	if (!__atomic_load_n(&f->wr_shut, __ATOMIC_SEQ_CST))
+		return 0;
+	if (!(flags & MSG_NOSIGNAL))
+		raise(SIGPIPE);
+	errno = EPIPE;
+	return 1;
 }
 
 /* conn_buffered is FIONREAD: what a read would return now, on the path it

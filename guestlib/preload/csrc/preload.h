@@ -409,7 +409,11 @@ ssize_t conn_buffered(struct flow *f, int fd);
 /* A kernel call that writes to the connection's socket itself (sendfile,
  * splice): conn_tcp_begin returns 1 if the writer is on TCP, and then
  * conn_tcp_end(f, bytes written) must follow; 0 if it is on the ring. */
-int conn_tcp_begin(struct flow *f);  /* 0 too while a RESUME's resend waits: it goes first (conn_send) */
+int conn_tcp_begin(struct flow *f); /* 0 too while a RESUME's resend waits (conn_send), or after shutdown(SHUT_WR) */
+/* conn_write_shut: after shutdown(SHUT_WR), 1 with EPIPE (and SIGPIPE
+ * unless MSG_NOSIGNAL), before a copying path takes anything from its
+ * source; the library answers, since the kernel's FIN may not be out yet. */
+int conn_write_shut(struct flow *f, int flags);
 void conn_tcp_end(struct flow *f, ssize_t k);
 void flow_timeouts(int fd, struct flow *f);
 
