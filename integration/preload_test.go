@@ -511,6 +511,18 @@ func TestPreloadEdgeCases(t *testing.T) {
 			}
 		})
 	}
+	// A close with the client's bytes unread in the server's ring resets
+	// the connection, as the kernel's close does for its own unread data
+	// (the server's library says so: without it the client read EOF).
+	t.Run("unread", func(t *testing.T) {
+		out := e.runT(t, 1, client("unread"))
+		if !strings.Contains(out, "PASS unread") || fastLines(out) != 1 {
+			t.Fatalf("unread:\n%s", out)
+		}
+		if !srvOut.waitCount("closed with unread bytes (ring 10,", 1, 5*time.Second) {
+			t.Fatalf("the server's library did not reset for its unread ring bytes:\n%s", srvOut.String())
+		}
+	})
 	for _, test := range []string{"epollmany", "pollmany"} {
 		t.Run(test, func(t *testing.T) {
 			out := e.runT(t, 1, clientAt("7701", test))

@@ -13,7 +13,8 @@
  * connection lets the server read) forkloop (fork while another thread
  * connects; FORKS children connect) nonblock64 sendfile64 (the calls
  * programs built with 64-bit file offsets make: fcntl64, sendfile64)
- * rst (the server closes with SO_LINGER {1, 0}: ECONNRESET) chk mmsg
+ * rst (the server closes with SO_LINGER {1, 0}: ECONNRESET) unread (the
+ * server closes with the client's bytes unread in its ring: ECONNRESET) chk mmsg
  * splice iov (fortified reads, sendmmsg/recvmmsg, splice both ways, IOV_MAX
  * iovecs) rawwrite (a raw write(2) to a fast-path fd: both ends fail with
  * ECONNRESET, none hangs; the server prints "PASS rawwrite-server")
@@ -157,6 +158,18 @@ static void serve(int c)
 		/* Close with RST: the client's read must fail with ECONNRESET. */
 		struct linger lg = {.l_onoff = 1, .l_linger = 0};
 		setsockopt(c, SOL_SOCKET, SO_LINGER, &lg, sizeof lg);
+	} else if (!strcmp(name, "unread")) {
+		/* Close with bytes unread: a reset, as the kernel's close does
+		 * for its own unread data, ring or not. "k": the name was read;
+		 * the client's "r" comes through the ring, "g" says it was read
+		 * (so this end's reader is on the ring); then its next bytes
+		 * are left unread, and the close must reset. */
+		write(c, "k", 1);
+		if (read(c, buf, 1) == 1 && buf[0] == 'r' && write(c, "g", 1) == 1) {
+			struct pollfd p = {.fd = c, .events = POLLIN};
+			poll(&p, 1, 5000);
+			usleep(50000); /* all ten bytes, not just the first */
+		}
 	} else if (!strcmp(name, "rawwrite")) {
 		/* The client writes to its fast-path fd with a raw write(2):
 		 * the read after "g" must end with an error, not wait for
@@ -494,6 +507,15 @@ static int client(const char *ip, int port, const char *t)
 		printf("PASS %s\n", t);
 		fflush(stdout);
 		exit(0); /* fd still open: the library's exit path sends FIN */
+	} else if (!strcmp(t, "unread")) {
+		if (read(fd, b, 1) != 1 || b[0] != 'k' || write(fd, "r", 1) != 1 || read(fd, b, 1) != 1 || b[0] != 'g')
+			return fail(t, "the server's go-ahead");
+		if (write(fd, "0123456789", 10) != 10)
+			return fail(t, "write");
+		int n = read(fd, b, 1);
+		if (n != -1 || errno != ECONNRESET)
+			return printf("FAIL %s: a read after the peer closed with our bytes unread: %d (errno %d %s), want -1 (ECONNRESET)\n",
+				      t, n, errno, strerror(errno)), 1;
 	} else if (!strcmp(t, "rst")) {
 		int n = read(fd, b, 1);
 		if (n != -1 || errno != ECONNRESET)

@@ -175,6 +175,25 @@ void flow_put(struct flow *f)
 
 /* ---- close and dup ---- */
 
+/* reset_if_unread makes the kernel close of a connection with bytes
+ * nobody read (in its read ring, the stash, or a stretch held aside) a
+ * reset (SO_LINGER 0: RST), as the kernel does for its own unread data,
+ * so that the peer does not take a stream this end dropped for a clean
+ * end. Without rmu: a reader may be blocked in the kernel holding it, and
+ * a count that races a read is what the kernel's close sees too. */
+static void reset_if_unread(struct flow *f, struct rings *rg, int fd)
+{
+	if (f->share)
+		return; /* another process may hold the socket and read it (share.c) */
+	ssize_t ring = rg ? shunt_ring_buffered(&rg->sf.r) : 0;
+	if (ring == 0 && !__atomic_load_n(&f->slen, __ATOMIC_RELAXED) && !__atomic_load_n(&f->alen, __ATOMIC_RELAXED))
+		return;
+	struct linger l = {.l_onoff = 1, .l_linger = 0};
+	real_setsockopt(fd, SOL_SOCKET, SO_LINGER, &l, sizeof l);
+	if (verbose)
+		plog("shunt: fd %d: closed with unread bytes (ring %zd, stash %zu, held %zu): reset", fd, ring, f->slen, f->alen);
+}
+
 /* forget drops fd's reference to its flow (the last one releases it), its
  * listener registration and its epoll interests, before the kernel close. */
 void forget(int fd)
@@ -208,6 +227,7 @@ void forget(int fd)
 	if (f->owner == my_pid) {
 		__atomic_store_n(&f->closed, 1, __ATOMIC_SEQ_CST);
 		struct rings *rg = __atomic_load_n(&f->rg, __ATOMIC_ACQUIRE), *done = NULL;
+		reset_if_unread(f, rg, fd);
 		if (rg) {
 			shunt_ring_stop(&rg->sf.r, 1);
 			shunt_ring_stop(&rg->sf.w, 0);
