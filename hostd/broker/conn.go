@@ -495,6 +495,9 @@ func (b *Broker) Left(s Session, m proto.Msg) {
 		return
 	}
 	c := f.conn
+	if r := f.resume; r != nil && r.pair && !r.done {
+		r.left |= side // it left its rings, its end goes on: stretchpair.go
+	}
 	b.releaseLocked(f, side)
 	if c != nil && c.flow == f {
 		b.downgradeLocked(c, proto.ReasonPeerGone) // the other end, if it is still on the rings

@@ -288,6 +288,7 @@ type stretchResume struct {
 	vm     uint32 // the VM's side; 0 between two VMs (pair)
 	pair   bool   // both ends are vsock VMs (stretchPairResumeLocked)
 	gone   uint32 // pair: the sides whose end went before its RESUME
+	left   uint32 // pair: the sides whose end LEFT its rings before its RESUME (not gone: its lease goes on)
 	reason proto.Reason
 	vmTold bool // the VM got its RESUME (or is gone)
 	vmGone bool // the VM's end went before its ENDED

@@ -34,6 +34,15 @@ import (
 // drain, and its stretch is not whole, so the other VM's connection is
 // reset (RESUME(reset)), as is both VMs' if the rooms have not both
 // answered within stretchResumeWait.
+//
+// A VM's reader may see its ring end (the leave mark its room carried
+// there) and send LEFT before its room's Stopped reaches the broker: a
+// race between the VM's control port and the room. That VM left its
+// rings; it did not go (its lease goes on), so the other VM still gets
+// RESUME at its exact X, as if the LEFT had come after. Only a VM gone
+// (CLOSE, its session) before its RESUME makes the other's answer
+// depend on whether the gone VM's stretch ended whole (issue 25: a LEFT
+// was taken for a going, and a btl/shunt job ended on RESUME(reset)).
 
 // vsockVM reports whether g carries its flows over vsock stretches: a VM
 // with a vsock block and no group region.
@@ -129,14 +138,31 @@ func (b *Broker) pairDecideLocked(c *Conn, f *Flow) {
 	if r.timer != nil {
 		r.timer.Stop()
 	}
-	live := func(side uint32) bool { return r.gone&side == 0 && c.end(side).sess != nil && f.released&side == 0 }
+	left := func(side uint32) bool { return r.left&side != 0 }
+	live := func(side uint32) bool {
+		return !left(side) && r.gone&side == 0 && c.end(side).sess != nil && f.released&side == 0
+	}
 	for _, s := range sides {
 		if !live(s) {
 			continue
 		}
 		o := otherSide(s)
 		es, eo := f.ends[sideIdx(s)], f.ends[sideIdx(o)]
-		if !live(o) {
+		if left(o) {
+			// The other VM LEFT its rings before its RESUME: its reader
+			// read its ring to the leave mark its room wrote there, its
+			// end goes on on its lease (btl/shunt does so on a lease it
+			// only reads). s resends from where that ring ended, as if
+			// the other had had its RESUME; only if the other's own
+			// stretch started and is not whole in s's ring are bytes
+			// lost (the other, having left, resends none of it).
+			if eo.started && !(eo.outLeft && es.inLeft) {
+				b.log.Info("a vsock VM left its rings before its RESUME while its own stretch had not reached the other VM whole: its bytes past the stop cannot be resent, the other VM's connection is reset",
+					"flow", f.Name(), "stopped_at", eo.x)
+				b.sendResumeLocked(c, f, s, proto.ResumeReset)
+				continue
+			}
+		} else if !live(o) {
 			// The other VM went before its RESUME: s reads its ring to
 			// the other's leave mark, whole only if the other's writer's
 			// LEFT reached the flow's ring and s's room carried it.
@@ -168,14 +194,17 @@ func (b *Broker) pairDecideLocked(c *Conn, f *Flow) {
 	}
 }
 
-// pairEndDoneLocked: the end of side went while f leaves by the two-step.
-// It reports true: the two-step tells the other VM (pairDecideLocked).
+// pairEndDoneLocked: the end of side went, or LEFT its rings (Left marks
+// r.left first), while f leaves by the two-step. It reports true: the
+// two-step tells the other VM (pairDecideLocked).
 func (b *Broker) pairEndDoneLocked(f *Flow, side uint32) bool {
 	r := f.resume
 	if r.done {
 		return true
 	}
-	r.gone |= side
+	if r.left&side == 0 {
+		r.gone |= side // a LEFT end that closes afterwards stays left
+	}
 	if c := f.conn; c != nil && c.flow == f {
 		b.pairDecideLocked(c, f)
 	}
@@ -193,7 +222,7 @@ func (b *Broker) pairTimeoutLocked(f *Flow) {
 	}
 	b.log.Info("the vsock rooms of two VMs did not stop their bridges in time: the connection is reset", "flow", f.Name(), "waited", r.wait)
 	for _, s := range sides {
-		if r.gone&s == 0 {
+		if (r.gone|r.left)&s == 0 {
 			b.sendResumeLocked(c, f, s, proto.ResumeReset)
 		}
 	}

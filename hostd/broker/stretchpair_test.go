@@ -256,3 +256,79 @@ func TestStretchPairBroken(t *testing.T) {
 		})
 	}
 }
+
+// TestStretchPairResumeReaderLeft: the CI failure of TestVsockMPIFlips
+// (issue 25). Two flows between two vsock VMs share a pair region; the
+// first loses its permission, so the region is retired and the second
+// leaves its rings too (shutdown), by the two-step. On the second only A
+// wrote (btl/shunt writes only the rings of the lease it opened): A's
+// room stops its stretch at X, B's room carries it into B's ring to its
+// leave mark, and B's library, reading that mark, sends LEFT before its
+// room said where its bridge stopped. B left its rings; it did not go:
+// A gets RESUME at X, as if B's LEFT had come after (before the fix,
+// RESUME(reset), and the BTL ended the job). Bytes are lost only if B's
+// own stretch had started and was not whole in A's ring: B, having left,
+// resends nothing, and A's connection is reset.
+func TestStretchPairResumeReaderLeft(t *testing.T) {
+	for _, tc := range []struct {
+		name       string
+		leftFirst  bool // B's LEFT before its room's report (the CI run)
+		bStarted   bool // B's own stretch started (at 2000)
+		bOutLeft   bool // ... and its writer's LEFT reached the flow's ring
+		wantA      uint64
+		wantBAfter bool // B gets its RESUME (it had not left yet)
+	}{
+		{"left-first-unstarted", true, false, false, 1000, false},
+		{"left-after-report", false, false, false, 1000, true},
+		{"left-first-own-whole", true, true, true, 1000, false},
+		{"left-first-own-cut", true, true, false, proto.ResumeReset, false},
+	} {
+		t.Run(tc.name, func(t *testing.T) {
+			w, sa, sb, _, _ := resumeVsockPair(t)
+			ta, tb := w.conn("10.0.0.1:4001", "10.0.0.2:80")
+			w.b.Open(sa, open(proto.Active, ta, 3))
+			w.b.Open(sb, open(proto.Passive, tb, 4))
+			ra, rb := readyIn(t, sa.fileSession), readyIn(t, sb.fileSession)
+			ha, hb := hold(t, w, w.g1, ra), hold(t, w, w.g2, rb)
+			e, _ := w.ct.Lookup(ctrackTuple("4000"))
+			w.ct.Delete(e.ID)
+			w.b.ConntrackDestroyed(e) // flow 1: no bridge, ResumeAll at once
+			sa.expect(t, proto.Resume, proto.ReasonConntrackGone, 1)
+			sb.expect(t, proto.Resume, proto.ReasonConntrackGone, 2)
+			for _, h := range []broker.Held{ha, hb} {
+				if r := <-h.Stop; r != proto.ReasonShutdown {
+					t.Fatalf("flow 2's stop reason %s, want shutdown (its region retired)", r)
+				}
+			}
+			ha.Stopped(true, 1000, false, true)
+			if tc.leftFirst {
+				w.left(sb.session, rb, proto.SideB)
+			}
+			sa.none(t)
+			hb.Stopped(tc.bStarted, 2000, tc.bOutLeft, true)
+			if m := sa.expect(t, proto.Resume, proto.ReasonShutdown, 3); m.Offset != tc.wantA {
+				t.Fatalf("A's RESUME at %d, want %d", m.Offset, tc.wantA)
+			}
+			if tc.wantBAfter {
+				sb.expect(t, proto.Resume, proto.ReasonShutdown, 4)
+				w.left(sb.session, rb, proto.SideB)
+			}
+			sb.none(t)
+			w.left(sa.session, ra, proto.SideA)
+			ha.Release()
+			hb.Release()
+			// Freed: the connection goes back to the rings, in a fresh
+			// region (the retired one takes no flow), and nothing else.
+			for _, s := range []rsession{sa, sb} {
+				m := s.next(t)
+				if m.Type == proto.RegionMsg {
+					m = s.next(t) // a vsock VM's REGION comes without its descriptor
+				}
+				if m.Type != proto.Ready || m.RegionID == ra.RegionID || m.ReqID != ra.ReqID && m.ReqID != rb.ReqID {
+					t.Fatalf("%s: READY again %+v, want request %d or %d in a fresh region", s.g.Name, m, ra.ReqID, rb.ReqID)
+				}
+				s.none(t)
+			}
+		})
+	}
+}
