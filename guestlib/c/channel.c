@@ -1,6 +1,7 @@
-/* The control channel: opening it (a Unix socket, or a virtio-serial port
- * in a VM), HELLO and WELCOME, and framed reads and writes (docs/protocol.md,
- * docs/vm.md). The session (session.c) holds the state around it. */
+/* The control channel: opening it (a Unix socket, a virtio-serial port in
+ * a VM, or in a VM without a port an AF_VSOCK stream to the host), HELLO
+ * and WELCOME, and framed reads and writes (docs/protocol.md, docs/vm.md,
+ * docs/vsock.md). The session (session.c) holds the state around it. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -11,6 +12,7 @@
 #include <string.h>
 #include <sys/stat.h>
 #include <sys/un.h>
+#include <linux/vm_sockets.h>
 
 static int read_full(int fd, int port, void *buf, size_t n)
 {
@@ -206,17 +208,24 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
 	return fd;
 }
 
-/* connect_hello connects to the Unix socket sa (len bytes) and gets
- * WELCOME in m. ERROR(not-guest), hostd refusing a process outside the
- * guest's network namespace, is EPERM, its text in m. */
-static int connect_hello(const struct shunt_session *s, const struct sockaddr_un *sa, socklen_t len, struct shunt_msg *m)
+/* connect_hello connects a socket of family to sa (len bytes) and gets
+ * WELCOME in m, every step bounded: a vsock connect by
+ * SHUNT_VSOCK_CONNECT_MS (the kernel's default bound, said here), HELLO's
+ * write and WELCOME's read by SHUNT_HELLO_TIMEOUT_S. ERROR(not-guest),
+ * hostd refusing a process outside the guest's network namespace, is
+ * EPERM, its text in m. */
+static int connect_hello(const struct shunt_session *s, int family, const struct sockaddr *sa, socklen_t len,
+			 struct shunt_msg *m)
 {
 	errno = 0;
-	int fd = sys_socket(AF_UNIX, SOCK_STREAM | SOCK_CLOEXEC, 0);
+	int fd = sys_socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	struct shunt_msg h = hello(s);
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
-	if (fd < 0 || sys_connect(fd, (const struct sockaddr *)sa, len) < 0 ||
-	    sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
+	struct timeval ct = {.tv_sec = SHUNT_VSOCK_CONNECT_MS / 1000, .tv_usec = SHUNT_VSOCK_CONNECT_MS % 1000 * 1000};
+	if (fd < 0 ||
+	    (family == AF_VSOCK && sys_setsockopt(fd, AF_VSOCK, SO_VM_SOCKETS_CONNECT_TIMEOUT, &ct, sizeof ct) < 0) ||
+	    sys_connect(fd, sa, len) < 0 || sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+	    sys_setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
 	    channel_read(fd, 0, m) ||
 	    (m->type == SHUNT_ERROR && m->reason == SHUNT_REASON_NOT_GUEST && (errno = EPERM)) ||
 	    (m->type != SHUNT_WELCOME && (errno = EPROTO)) || welcome_ok(m)) {
@@ -228,6 +237,27 @@ static int connect_hello(const struct shunt_session *s, const struct sockaddr_un
 	}
 	tv.tv_sec = 0;
 	sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv);
+	sys_setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv);
+	return fd;
+}
+
+/* open_vsock opens the control channel over vsock: a stream to the host
+ * (CID 2) on SHUNT_VSOCK_CONTROL_PORT, where hostd serves every vsock VM's
+ * channel (Go's proto.VsockControlPort; docs/vsock.md, "The control
+ * channel"). The same framing as a Unix socket's, one HELLO (a stream
+ * loses nothing, unlike a port), no descriptors: a REGION comes without
+ * one, and its flows go over vsock stretches (stretch.c). It needs no
+ * file and no permission, so a process after setuid or chroot reaches it
+ * as root's does. Sets s->vsock. */
+static int open_vsock(struct shunt_session *s, struct shunt_msg *m)
+{
+	struct sockaddr_vm sa = {.svm_family = AF_VSOCK, .svm_cid = VMADDR_CID_HOST, .svm_port = SHUNT_VSOCK_CONTROL_PORT};
+	int fd = connect_hello(s, AF_VSOCK, (const struct sockaddr *)&sa, sizeof sa, m);
+	if (fd < 0)
+		return -1;
+	__atomic_store_n(&s->guest_id, m->guest_id, __ATOMIC_RELAXED);
+	__atomic_store_n(&s->vsock, 1, __ATOMIC_SEQ_CST);
+	shunt_logf(s, "shunt: control over vsock (CID 2 port %d)", SHUNT_VSOCK_CONTROL_PORT);
 	return fd;
 }
 
@@ -244,14 +274,15 @@ static int open_socket(const struct shunt_session *s, const char *path, struct s
 	int fd = -1, e = ENAMETOOLONG;
 	if (strlen(path) < sizeof sa.sun_path) {
 		strcpy(sa.sun_path, path);
-		if ((fd = connect_hello(s, &sa, sizeof sa, m)) >= 0)
+		if ((fd = connect_hello(s, AF_UNIX, (const struct sockaddr *)&sa, sizeof sa, m)) >= 0)
 			return fd;
 		e = errno;
 	}
 	struct sockaddr_un an = {.sun_family = AF_UNIX};
 	memcpy(an.sun_path + 1, SHUNT_NETNS_CONTROL, sizeof SHUNT_NETNS_CONTROL - 1);
 	struct shunt_msg am;
-	fd = connect_hello(s, &an, offsetof(struct sockaddr_un, sun_path) + sizeof SHUNT_NETNS_CONTROL, &am);
+	fd = connect_hello(s, AF_UNIX, (const struct sockaddr *)&an, offsetof(struct sockaddr_un, sun_path) + sizeof SHUNT_NETNS_CONTROL,
+			   &am);
 	if (fd >= 0) {
 		*m = am;
 		return fd;
@@ -264,6 +295,9 @@ int channel_open(struct shunt_session *s, struct shunt_msg *m)
 {
 	struct stat st;
 	const char *path = s->c.control;
+	s->vsock_err = 0;
+	if (!strcmp(path, SHUNT_VSOCK_CONTROL))
+		return open_vsock(s, m);
 	if (stat(path, &st) == 0 && S_ISCHR(st.st_mode))
 		return open_port(s, path, m);
 	if (stat(path, &st) < 0 && s->c.discover) {
@@ -283,6 +317,16 @@ int channel_open(struct shunt_session *s, struct shunt_msg *m)
 			shunt_logf(s, "shunt: all %d control ports are in use by other processes (a VM needs one per process)", n);
 			errno = EBUSY;
 			return -1;
+		}
+		/* A VM with vsock and no control port (Firecracker has no
+		 * virtio-serial): hostd serves its channel on vsock, as Go's
+		 * dialControl finds it. No hostd there: a reset at once, and the
+		 * socket is tried as without vsock. */
+		if (stat(SHUNT_VSOCK_DEV, &st) == 0) {
+			int fd = open_vsock(s, m);
+			if (fd >= 0)
+				return fd;
+			s->vsock_err = errno;
 		}
 	}
 	return open_socket(s, path, m);

@@ -54,6 +54,8 @@ struct shunt_session {
 	const char *region_path;
 	char bar[SHUNT_PATH_MAX];
 	int vm; /* a port: set once, read atomically */
+	int vsock; /* the channel went over vsock (open_vsock): set once, read atomically */
+	int vsock_err; /* when discovering: why vsock failed before the socket was tried (0: not tried) */
 	uint32_t guest_id; /* a VM's id, from WELCOME: the pair regions that name it are its own */
 
 	pthread_mutex_t mu; /* guards the fields below, and writes to fd */
@@ -78,9 +80,10 @@ struct shunt_session {
 	int writer;
 };
 
-/* The channel (channel.c). channel_open opens it (socket or port, found
- * as the config says) and returns its fd with WELCOME in m, or -1 with
- * errno; on a port it sets s->vm and s->region_path and turns on kicks.
+/* The channel (channel.c). channel_open opens it (socket, port or vsock,
+ * found as the config says) and returns its fd with WELCOME in m, or -1
+ * with errno; on a port it sets s->vm and s->region_path and turns on
+ * kicks, over vsock s->vsock (a socket's framing: vm stays 0).
  * The rest are framed I/O on an open channel (port: is it a port). */
 int channel_open(struct shunt_session *s, struct shunt_msg *m);
 int channel_read(int fd, int port, struct shunt_msg *m);

@@ -174,9 +174,9 @@ static void region_given(struct shunt_session *s, const struct shunt_msg *m, int
 	 * for a pair region (hostd hot-plugs only for VMs of a group with pair
 	 * regions, which have no stretches): waiting would hold the READY
 	 * behind it for BAR_WAIT_MS (Go: guestlib/bar.go). */
-	if (fd < 0 && shunt_session_vm(s) && m->region_id != 0 && !shunt_stretch_enabled())
+	if (fd < 0 && shunt_session_vm(s) && m->region_id != 0 && !shunt_session_stretches(s))
 		fd = bar_wait(s, m);
-	if (fd < 0 && shunt_stretch_enabled()) {
+	if (fd < 0 && shunt_session_stretches(s)) {
 		shunt_logf(s, "shunt: REGION %u came without its descriptor: its flows go over vsock stretches", m->region_id);
 		return;
 	}

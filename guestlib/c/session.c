@@ -158,6 +158,11 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 }
 
 int shunt_session_vm(struct shunt_session *s) { return __atomic_load_n(&s->vm, __ATOMIC_SEQ_CST); }
+int shunt_session_vsock(struct shunt_session *s) { return __atomic_load_n(&s->vsock, __ATOMIC_SEQ_CST); }
+int shunt_session_stretches(struct shunt_session *s) { return shunt_stretch_enabled() || shunt_session_vsock(s); }
+
+/* keepalive_on: a port or vsock channel gets keepalives (keepalive). */
+static int keepalive_on(struct shunt_session *s) { return shunt_session_vm(s) || shunt_session_vsock(s); }
 
 /* ---- writing: nothing waits for hostd ----
  *
@@ -353,7 +358,9 @@ static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
 /* keepalive PINGs hostd every SHUNT_KEEPALIVE_NS on a port, as the Go
  * library does: a restarted hostd gets no EOF through QEMU, and answers the
  * first PING before HELLO with ERROR(no-hostd), which makes the reader say
- * HELLO and announce again. It ends with the channel (or a fork). */
+ * HELLO and announce again. On vsock too, as Go's: a hostd whose
+ * vhost-user device died with it sends no reset. It ends with the channel
+ * (or a fork). */
 static void *keepalive(void *arg)
 {
 	struct thread_arg a = *(struct thread_arg *)arg;
@@ -412,6 +419,15 @@ static void say_unreachable(struct shunt_session *s, int e, const struct shunt_m
 		shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
 	else if (e == EPERM)
 		shunt_logf(s, "shunt: connections stay on TCP (not-guest): %s", m->text);
+	else if (!strcmp(s->c.control, SHUNT_VSOCK_CONTROL))
+		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s: connections stay on TCP (no-hostd). "
+			      "Does hostd serve this VM's vsock (a vsock block in its guest block, hostd.hcl)?",
+			   SHUNT_VSOCK_CONTROL_PORT, strerror(e));
+	else if (s->vsock_err)
+		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s, and at %s: %s: connections stay on TCP "
+			      "(no-hostd). A VM with vsock and no control port: does hostd serve its vsock (a vsock block in its "
+			      "guest block, hostd.hcl)?",
+			   SHUNT_VSOCK_CONTROL_PORT, strerror(s->vsock_err), s->c.control, strerror(e));
 	else if (e == EACCES || e == ENOENT)
 		shunt_logf(s, "shunt: hostd unreachable at %s: %s (uid %d), and hostd serves no guest in this network namespace: "
 			      "connections stay on TCP (no-hostd). Give the guest its netns in hostd.hcl (every process of the "
@@ -470,7 +486,7 @@ static int reconnect(struct shunt_session *s)
 		if (fd >= 0) {
 			region0_check(s, &w);
 			set_fd(s, fd);
-			if (shunt_session_vm(s) && spawn(keepalive, s, fd))
+			if (keepalive_on(s) && spawn(keepalive, s, fd))
 				shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
 		}
 		pthread_mutex_unlock(&s->mu);
@@ -632,7 +648,7 @@ int shunt_session_ensure(struct shunt_session *s)
 	}
 	set_fd(s, fd);
 	s->said = 0;
-	if (shunt_session_vm(s) && spawn(keepalive, s, fd))
+	if (keepalive_on(s) && spawn(keepalive, s, fd))
 		shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
 	pthread_mutex_unlock(&s->mu);
 	return 0;
@@ -718,7 +734,7 @@ int shunt_flow_attach(struct shunt_session *s, const struct shunt_msg *v, struct
 	if (v->side != 1 && v->side != 2)
 		return SHUNT_ECORRUPT;
 	if (shunt_region_hold(s, v->region_id, &g, &hold))
-		return v->region_id != 0 && shunt_stretch_enabled() ? shunt_stretch_attach(s, v, f) : SHUNT_ECORRUPT;
+		return v->region_id != 0 && shunt_session_stretches(s) ? shunt_stretch_attach(s, v, f) : SHUNT_ECORRUPT;
 	if (shunt_region_slot(&g, v->slot, &sl) || sl.gen != v->gen || sl.capacity != v->capacity) {
 		shunt_region_release(s, hold);
 		return SHUNT_ECORRUPT;

@@ -310,6 +310,13 @@ int shunt_region_slot(struct shunt_region *g, uint32_t i, struct shunt_slot *s);
 /* The abstract Unix socket name (after its NUL) hostd serves inside a
  * process guest's network namespace (Go's proto.NetnsControl). */
 #define SHUNT_NETNS_CONTROL "shunt/control"
+/* The control channel over vsock (docs/vsock.md, "The control channel"):
+ * SHUNT_CONTROL=vsock asks for it (Go's guestlib.VsockControl); a VM
+ * with SHUNT_VSOCK_DEV and no control port gets it when discovering. The
+ * host's port is Go's proto.VsockControlPort. */
+#define SHUNT_VSOCK_CONTROL      "vsock"
+#define SHUNT_VSOCK_CONTROL_PORT 1021
+#define SHUNT_VSOCK_DEV          "/dev/vsock"
 #define SHUNT_PROTO_STRING_MAX 1024 /* region and text; Go's maxString: longer ones are cut when encoded */
 
 enum shunt_msg_type {
@@ -411,6 +418,7 @@ ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
 #define SHUNT_PATH_MAX        256          /* device and sysfs paths: longer names are not ours and are skipped */
 #define SHUNT_RETRY_NS        1000000000LL /* a failed open is retried at most this often */
 #define SHUNT_HELLO_TIMEOUT_S 5            /* WELCOME on a socket */
+#define SHUNT_VSOCK_CONNECT_MS 2000        /* a vsock connect (the kernel's default, set explicitly) */
 #define SHUNT_PORT_HELLO_NS   200000000LL  /* HELLO again on a port after this */
 #define SHUNT_PORT_HELLO_TRIES 25          /* then the port is given up (ETIMEDOUT) */
 #define SHUNT_PORT_WRITE_NS   2000000000LL /* a port whose host end is gone takes no data */
@@ -462,6 +470,14 @@ int shunt_session_ensure(struct shunt_session *s);
 int shunt_session_connected(struct shunt_session *s);
 /* Whether the channel is a port (VM mode: BAR region, kicks). */
 int shunt_session_vm(struct shunt_session *s);
+/* Whether the channel went over vsock (set once, at its first open so):
+ * the VM has no region to map, so its flows go over vsock stretches with
+ * no SHUNT_VSOCK set (shunt_session_stretches), as Go's do. */
+int shunt_session_vsock(struct shunt_session *s);
+/* Whether a READY for a region this process has not mapped takes a
+ * vsock stretch: SHUNT_VSOCK=1 (shunt_stretch_enabled) or a channel over
+ * vsock. */
+int shunt_session_stretches(struct shunt_session *s);
 /* Sends m without waiting (what the channel does not take now is queued,
  * in order): 0, or -1 if the channel is down, or the queue is full (hostd
  * reads nothing) and m is neither CLOSE nor LEFT. */

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"syscall"
 	"time"
 )
 
@@ -63,10 +64,17 @@ func prefixed(prefix string, r io.Reader) {
 // stretches on (SHUNT_VSOCK=1), at most 100 s; its output goes to the
 // console line by line (prefixed), and is returned.
 func preloaded(env []string, args ...string) (string, error) {
+	return preloadedAs(nil, append([]string{"SHUNT_VSOCK=1"}, env...), args...)
+}
+
+// preloadedAs is preloaded with env alone (no SHUNT_VSOCK), as the user
+// cred says (nil: root).
+func preloadedAs(cred *syscall.Credential, env []string, args ...string) (string, error) {
 	ctx, cancel := context.WithTimeout(context.Background(), 100*time.Second)
 	defer cancel()
 	cmd := exec.CommandContext(ctx, filepath.Join(cdir, "shunt-run"), append([]string{"-v"}, args...)...)
-	cmd.Env = append(append(os.Environ(), "SHUNT_VSOCK=1", "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so")), env...)
+	cmd.Env = append(append(os.Environ(), "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so")), env...)
+	cmd.SysProcAttr = &syscall.SysProcAttr{Credential: cred}
 	pr, pw := io.Pipe()
 	cmd.Stdout, cmd.Stderr = pw, pw
 	var all strings.Builder
@@ -91,7 +99,17 @@ func preloaded(env []string, args ...string) (string, error) {
 // each write call, SHUNT_EDGE_PACE_US) makes it last while the test flips
 // its path. The line starts "SHUNT-VSOCK name".
 func cedge(name string, port uint32, n int64, seed uint64, pace int) error {
-	out, err := preloaded([]string{fmt.Sprintf("SHUNT_EDGE_SEED=%d", seed), fmt.Sprintf("SHUNT_EDGE_BYTES=%d", n), fmt.Sprintf("SHUNT_EDGE_PACE_US=%d", pace)},
+	return cedgeAs(name, nil, []string{"SHUNT_VSOCK=1"}, port, n, seed, pace)
+}
+
+// nobody is the user cedgectl runs as: a server's worker after setuid
+// (nginx's), which no file of the VM's grants anything.
+var nobody = &syscall.Credential{Uid: 65534, Gid: 65534}
+
+// cedgeAs is cedge with env alone (no SHUNT_VSOCK unless env says so), as
+// the user cred says (nil: root).
+func cedgeAs(name string, cred *syscall.Credential, env []string, port uint32, n int64, seed uint64, pace int) error {
+	out, err := preloadedAs(cred, append(env, fmt.Sprintf("SHUNT_EDGE_SEED=%d", seed), fmt.Sprintf("SHUNT_EDGE_BYTES=%d", n), fmt.Sprintf("SHUNT_EDGE_PACE_US=%d", pace)),
 		filepath.Join(cdir, "shunt-edge"), "client", target, fmt.Sprint(port), "stream")
 	verdict := "FAIL"
 	for _, l := range strings.Split(out, "\n") {

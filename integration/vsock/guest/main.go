@@ -50,6 +50,10 @@
 //	                          each way, checked byte for byte at both ends
 //	cedgeflip:PORT:BYTES:SEED as cedge, paced (SHUNT_EDGE_PACE_US): the
 //	                          test flips its path meanwhile
+//	cedgectl:PORT:BYTES:SEED  TestVsockPreloadControl: as cedgeflip, with
+//	                          no SHUNT_VSOCK and as uid 65534 (the VM has
+//	                          no control port: the library takes its
+//	                          channel over vsock, and stretches with it)
 //	ciperf:PORT:SECS:REV      iperf3 -c ADDR -p PORT -t SECS under shunt-run
 //	                          (SHUNT_VSOCK=1), with -R if REV is 1
 //	ciperfd:PORT:0:0          iperf3 -s -p PORT under shunt-run, in the
@@ -123,6 +127,8 @@ func main() {
 			err = cedge("cedge", uint32(port), n, seed, 0)
 		case "cedgeflip":
 			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
+		case "cedgectl":
+			err = cedgeAs("cedgectl", nobody, nil, uint32(port), n, seed, edgePace)
 		case "ciperf":
 			err = ciperf(uint32(port), n, seed != 0)
 		case "ciperfd":

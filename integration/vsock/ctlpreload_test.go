@@ -1,0 +1,116 @@
+//go:build linux
+
+package vsock_test
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"testing"
+	"time"
+)
+
+// ctlLen is TestVsockPreloadControl's stream each way: paced at both ends
+// (10 ms after a write call of 48 KB on average), so it lasts about
+// 2 s on the rings, long enough for `hostd flows` to be asked while it
+// is there.
+const ctlLen = 8 << 20
+
+// TestVsockPreloadControl: the C library's control channel over vsock
+// (docs/vsock.md, "The control channel"). The VM of TestVsockPreload,
+// but as TestVsockControlOverVsock's: no virtio-serial device at all and
+// no control socket in hostd's config, so hostd serves the VM's control
+// channel on its vsock device (port 1021) only. In it, shunt-edge's
+// checksummed stream under shunt-run -v, with no SHUNT_VSOCK and no
+// SHUNT_CONTROL (the library finds no port but /dev/vsock, as Go's does)
+// and as uid 65534 (a server's worker after setuid: vsock needs no file
+// permission), to shunt-edge's server under shunt-run in a process
+// guest. It asserts both ends' PASS (8 MiB each way, checked byte for
+// byte), the VM's library log saying its control went over vsock and its
+// connection over a stretch (which the channel over vsock turned on by
+// itself), `hostd flows` showing the connection on the rings via vsock
+// while the stream lasts, shunt-vstretchd's count at BYE (bytes each
+// way) and hostd's device at least as much, the control stream and the
+// stretch both accepted on the device. After 120 s it fails with hostd's
+// flows, counters and log, the server's output and the VM's console.
+func TestVsockPreloadControl(t *testing.T) {
+	start := time.Now()
+	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
+	defer cancel()
+	dir, bin := buildCSide(t)
+	var edgeOut lockedBuffer
+	var v *vsockVM
+	how := vmHow{noPort: true, files: cSideFiles(bin), before: func(vm *vsockVM) {
+		v = vm
+		v.more = func() string {
+			return fmt.Sprintf("process guest's shunt-edge server:\n%s", edgeOut.String())
+		}
+		addr := v.s.Rig.Guests[0].Addr.String()
+		v.serveC(ctx, bin, &edgeOut, edgePort, []string{"SHUNT_EDGE_PACE_US=10000"}, bin("shunt-edge"), "server", addr, fmt.Sprint(edgePort))
+	}}
+	startVsockVMHow(t, ctx, how, "cdir:"+dir+":0:0", "vstretchd:0:0:0", fmt.Sprintf("cedgectl:%d:%d:8", edgePort, ctlLen), "pause:3000:0:0")
+	ctx = v.r.ctx
+
+	// hostd's end: the connection on the rings via vsock, while it lasts.
+	v.waitOn(ctx, edgePort, "rings")
+	t.Logf("hostd flows: the connection to port %d on the rings via vsock, %v after the start", edgePort, time.Since(start).Round(time.Millisecond))
+
+	// The checksummed stream, both ends.
+	line, err := v.r.v.WaitAny(ctx, 0, "SHUNT-VSOCK cedgectl port=", "SHUNT-VSOCK ERROR")
+	if err != nil || !strings.Contains(line, "err=<nil> PASS") {
+		v.fail("the VM's shunt-edge stream (uid 65534, control over vsock): %q %v", line, err)
+	}
+	for deadline := time.Now().Add(10 * time.Second); !strings.Contains(edgeOut.String(), "PASS stream"); time.Sleep(10 * time.Millisecond) {
+		if time.Now().After(deadline) {
+			v.fail("the process guest's shunt-edge server did not pass its end of the stream")
+		}
+	}
+
+	// The VM library's end: control over vsock, the connection on a
+	// stretch's rings, nothing said of SHUNT_VSOCK.
+	console := v.r.v.Console()
+	for _, want := range []string{"SHUNT-VSOCK C shunt: control over vsock (CID 2 port 1021)", "over vsock (shunt-vstretchd)", ": shunt (slot"} {
+		if !strings.Contains(console, want) {
+			v.fail("the VM's library never logged %q", want)
+		}
+	}
+	if strings.Contains(console, "SHUNT-VSOCK C shunt: hostd unreachable") {
+		v.fail("the VM's library said hostd was unreachable")
+	}
+	if !strings.Contains(edgeOut.String(), ": shunt (slot") {
+		v.fail("the process guest's library never put the connection on rings")
+	}
+
+	// What the stretch carried (shunt-vstretchd's count at BYE), and the
+	// device at least that: the bytes really crossed vsock.
+	var closed string
+	for {
+		if c := v.r.v.Console(); strings.Contains(c, " closed: {BytesIn:") {
+			closed = c[strings.Index(c, " closed: {BytesIn:")+len(" closed: "):]
+			break
+		}
+		if ctx.Err() != nil {
+			v.fail("shunt-vstretchd never said the stretch closed")
+		}
+		time.Sleep(10 * time.Millisecond)
+	}
+	var in, out float64
+	if _, err := fmt.Sscanf(closed, "{BytesIn:%g Freed:%g BytesOut:%g", &in, new(float64), &out); err != nil || in <= 0 || out <= 0 {
+		v.fail("the stretch carried %v bytes from the VM and %v to it (%q, %v)", in, out, closed, err)
+	}
+	cs := counters(v.hostd, v.s.Admin)
+	for dir, n := range map[string]float64{"rx": in, "tx": out} {
+		key := fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", dir)
+		if got := counterValue(cs, key); got < n {
+			v.fail("%s = %v after the stream: less than the stretch carried (%v)", key, got, n)
+		}
+	}
+	// The control stream and the stretch, each a connection the VM made
+	// to a listener of hostd's on its device.
+	if got := counterValue(cs, "shunt_vsock_accepted_total{guest=vm}"); got < 2 {
+		v.fail("shunt_vsock_accepted_total{guest=vm} = %v: want the control channel and the stretch (2)", got)
+	}
+	t.Logf("the stretch carried %.0f bytes of the VM's stream and %.0f of the process guest's", in, out)
+	t.Logf("shunt-edge stream, control over vsock, uid 65534: %s", line)
+	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
