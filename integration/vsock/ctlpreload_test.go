@@ -3,8 +3,12 @@
 package vsock_test
 
 import (
+	"bufio"
 	"context"
+	"crypto/sha256"
 	"fmt"
+	"io"
+	"net/http"
 	"strings"
 	"testing"
 	"time"
@@ -15,6 +19,14 @@ import (
 // 2 s on the rings, long enough for `hostd flows` to be asked while it
 // is there.
 const ctlLen = 8 << 20
+
+// The VM's nginx (TestVsockPreloadControl): its port, and /blob's length,
+// read by the process guest at most 64 KiB every 10 ms (at least 1.3 s).
+const (
+	ngxPort = 8080
+	ngxLen  = 8 << 20
+	ngxSeed = 9
+)
 
 // TestVsockPreloadControl: the C library's control channel over vsock
 // (docs/vsock.md, "The control channel"). The VM of TestVsockPreload,
@@ -31,8 +43,15 @@ const ctlLen = 8 << 20
 // itself), `hostd flows` showing the connection on the rings via vsock
 // while the stream lasts, shunt-vstretchd's count at BYE (bytes each
 // way) and hostd's device at least as much, the control stream and the
-// stretch both accepted on the device. After 120 s it fails with hostd's
-// flows, counters and log, the server's output and the VM's console.
+// stretch both accepted on the device. Then Debian's nginx under
+// shunt-run -v in the VM (its own nginx.conf: `user nobody`, as the
+// package's drops to www-data), from which the process guest (guestlib)
+// reads an 8 MiB file: its SHA-256 must match, the process guest's
+// connection must have read from the rings, `hostd flows` must show it
+// on the rings via vsock, and the VM's log must show sessions over vsock
+// of nginx's master and of its worker (nobody). After 120 s it fails
+// with hostd's flows, counters and log, the server's output and the VM's
+// console.
 func TestVsockPreloadControl(t *testing.T) {
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 120*time.Second)
@@ -48,7 +67,7 @@ func TestVsockPreloadControl(t *testing.T) {
 		addr := v.s.Rig.Guests[0].Addr.String()
 		v.serveC(ctx, bin, &edgeOut, edgePort, []string{"SHUNT_EDGE_PACE_US=10000"}, bin("shunt-edge"), "server", addr, fmt.Sprint(edgePort))
 	}}
-	startVsockVMHow(t, ctx, how, "cdir:"+dir+":0:0", "vstretchd:0:0:0", fmt.Sprintf("cedgectl:%d:%d:8", edgePort, ctlLen), "pause:3000:0:0")
+	startVsockVMHow(t, ctx, how, "cdir:"+dir+":0:0", "vstretchd:0:0:0", fmt.Sprintf("cedgectl:%d:%d:8", edgePort, ctlLen), fmt.Sprintf("cnginx:%d:%d:%d", ngxPort, ngxLen, ngxSeed), "pause:100000:0:0")
 	ctx = v.r.ctx
 
 	// hostd's end: the connection on the rings via vsock, while it lasts.
@@ -112,5 +131,77 @@ func TestVsockPreloadControl(t *testing.T) {
 	}
 	t.Logf("the stretch carried %.0f bytes of the VM's stream and %.0f of the process guest's", in, out)
 	t.Logf("shunt-edge stream, control over vsock, uid 65534: %s", line)
+	before := strings.Count(v.r.v.Console(), "SHUNT-VSOCK C shunt: control over vsock")
+
+	// nginx, its worker as nobody: the process guest reads /blob.
+	if l, err := v.r.v.WaitAny(ctx, 0, "SHUNT-VSOCK cnginx port=", "SHUNT-VSOCK ERROR"); err != nil || !strings.HasSuffix(l, "listening") {
+		v.fail("the VM's nginx: %q %v", l, err)
+	}
+	ngxRead(ctx, v)
+	if n := strings.Count(v.r.v.Console(), "SHUNT-VSOCK C shunt: control over vsock") - before; n < 2 {
+		v.fail("the VM's log shows %d sessions over vsock since nginx started: want nginx's master's and its worker's", n)
+	}
 	t.Logf("boot %v, whole test %v", v.booted.Round(time.Millisecond), time.Since(start).Round(time.Millisecond))
+}
+
+// ngxRead reads /blob from the VM's nginx through the process guest's
+// guestlib, at most 64 KiB every 10 ms, and checks its SHA-256 and that
+// the connection went on the rings (via vsock in `hostd flows`, and the
+// process guest's bytes read from its ring).
+func ngxRead(ctx context.Context, v *vsockVM) {
+	v.t.Helper()
+	c, err := v.s.Dial(ctx, 1, fmt.Sprintf("%s:%d", vsockVMAddr, ngxPort))
+	if err != nil {
+		v.fail("dial the VM's nginx: %v", err)
+	}
+	defer c.Close()
+	c.SetDeadline(time.Now().Add(60 * time.Second))
+	type got struct {
+		status int
+		n      int64
+		sum    string
+		err    error
+	}
+	done := make(chan got, 1)
+	go func() {
+		var g got
+		defer func() { done <- g }()
+		if _, g.err = c.Write([]byte("GET /blob HTTP/1.0\r\nHost: vm\r\n\r\n")); g.err != nil {
+			return
+		}
+		resp, err := http.ReadResponse(bufio.NewReader(c), nil)
+		if g.err = err; err != nil {
+			return
+		}
+		defer resp.Body.Close()
+		g.status = resp.StatusCode
+		h := sha256.New()
+		for {
+			k, err := io.CopyN(h, resp.Body, 64<<10)
+			g.n += k
+			if err == io.EOF {
+				break
+			}
+			if g.err = err; err != nil {
+				return
+			}
+			time.Sleep(10 * time.Millisecond) // a slow reader: the body outlives the switch to the rings
+		}
+		g.sum = fmt.Sprintf("%x", h.Sum(nil))
+	}()
+	v.waitOn(ctx, ngxPort, "rings")
+	var g got
+	select {
+	case g = <-done:
+	case <-ctx.Done():
+		v.fail("the process guest's GET /blob did not end")
+	}
+	if want := seededSum(ngxSeed, ngxLen); g.err != nil || g.status != 200 || g.n != ngxLen || g.sum != want {
+		v.fail("GET /blob from the VM's nginx: status %d, %d bytes, sha256 %s, %v: want 200, %d bytes, %s", g.status, g.n, g.sum, g.err, ngxLen, want)
+	}
+	st := c.Stats()
+	if st.RingReceived == 0 {
+		v.fail("the process guest read none of nginx's reply from the rings: %+v", st)
+	}
+	v.t.Logf("GET /blob from the VM's nginx (worker as nobody): %d bytes, SHA-256 equal; process guest read %d from the rings, %d by TCP", g.n, st.RingReceived, st.TCPReceived)
 }

@@ -82,7 +82,7 @@ static int shunt_register(void)
 	c->port_max = 0;
 	reg_int("port_max", "highest port of the lease listener (0: port_min + 255)", &c->port_max, OPAL_INFO_LVL_4);
 	c->control = NULL;
-	reg_string("control", "hostd's control socket (default: $SHUNT_CONTROL, else /run/shunt/guest.sock; in a VM the virtio-serial port is found)",
+	reg_string("control", "hostd's control socket (default: $SHUNT_CONTROL, else /run/shunt/guest.sock; in a VM the virtio-serial port is found, or without one vsock; \"vsock\": over vsock)",
 		   &c->control, OPAL_INFO_LVL_4);
 	c->connect_ms = 2000;
 	reg_int("connect_timeout_ms", "how long a lease connect may take before the peer is left to the next BTL", &c->connect_ms,

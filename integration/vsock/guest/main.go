@@ -54,6 +54,10 @@
 //	                          no SHUNT_VSOCK and as uid 65534 (the VM has
 //	                          no control port: the library takes its
 //	                          channel over vsock, and stretches with it)
+//	cnginx:PORT:BYTES:SEED    TestVsockPreloadControl: nginx under
+//	                          shunt-run -v (workers as nobody) serving
+//	                          /blob (BYTES of SEED's stream) on PORT, in
+//	                          the background; once it listens, the next
 //	ciperf:PORT:SECS:REV      iperf3 -c ADDR -p PORT -t SECS under shunt-run
 //	                          (SHUNT_VSOCK=1), with -R if REV is 1
 //	ciperfd:PORT:0:0          iperf3 -s -p PORT under shunt-run, in the
@@ -129,6 +133,8 @@ func main() {
 			err = cedge("cedgeflip", uint32(port), n, seed, edgePace)
 		case "cedgectl":
 			err = cedgeAs("cedgectl", nobody, nil, uint32(port), n, seed, edgePace)
+		case "cnginx":
+			err = cnginx(uint32(port), n, seed)
 		case "ciperf":
 			err = ciperf(uint32(port), n, seed != 0)
 		case "ciperfd":
