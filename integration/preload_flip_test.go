@@ -26,9 +26,11 @@ const flipEvery = 40 * time.Millisecond
 // after restartAfter. stop returns how many reloads moved something and
 // the most switches a connection record showed.
 type flipper struct {
-	e               *env
-	stopc           chan struct{}
-	wg              sync.WaitGroup
+	e     *env
+	stopc chan struct{}
+	wg    sync.WaitGroup
+
+	mu              sync.Mutex // the flipping goroutine's record, read by enough
 	moved, switches int
 	restarted       bool
 	errs            []string
@@ -49,11 +51,19 @@ func flipDuring(e *env, restartAfter time.Duration) *flipper {
 				return
 			case <-time.After(flipEvery):
 			}
-			if !f.restarted && time.Since(start) > restartAfter {
-				f.restarted = true
+			f.mu.Lock()
+			restart := !f.restarted && time.Since(start) > restartAfter
+			f.mu.Unlock()
+			if restart {
 				e.KillHostd()
-				if err := e.StartHostd(); err != nil {
+				err := e.StartHostd()
+				f.mu.Lock()
+				f.restarted = true
+				if err != nil {
 					f.errs = append(f.errs, "restart: "+err.Error())
+				}
+				f.mu.Unlock()
+				if err != nil {
 					return
 				}
 			}
@@ -61,19 +71,37 @@ func flipDuring(e *env, restartAfter time.Duration) *flipper {
 			if tcp {
 				policy = stack.PolicyTCP
 			}
-			if n, err := e.SetPolicy(policy); err != nil {
+			n, err := e.SetPolicy(policy)
+			recs, rerr := e.Conns()
+			f.mu.Lock()
+			if err != nil {
 				f.errs = append(f.errs, err.Error())
 			} else if n > 0 {
 				f.moved++
 			}
-			if recs, err := e.Conns(); err == nil {
+			if rerr == nil {
 				for _, r := range recs {
 					f.switches = max(f.switches, r.Switches)
 				}
 			}
+			f.mu.Unlock()
 		}
 	}()
 	return f
+}
+
+// enough reports whether the flips so far meet stop's bar (a restart,
+// and 3 reloads and switches after it too): a tool whose run can end
+// before that (redis-benchmark's 100000 requests took under a second in a
+// CI run) runs again until then.
+func (f *flipper) enough(movedAtRestart *int) bool {
+	f.mu.Lock()
+	defer f.mu.Unlock()
+	if !f.restarted {
+		*movedAtRestart = f.moved
+		return false
+	}
+	return f.moved >= *movedAtRestart+3 && f.switches >= 3
 }
 
 func (f *flipper) stop(t *testing.T) {
@@ -111,11 +139,21 @@ func TestPreloadToolsUnderFlips(t *testing.T) {
 		e.start(2, e.guestCmd(2, "redis-server", "--bind", g2, "--port", "6391", "--save", "", "--appendonly", "no", "--protected-mode", "no"))
 		e.waitListening(2, 6391)
 		f := flipDuring(e, time.Second)
-		out := e.run(1, e.guestCmd(1, "redis-benchmark", "-h", g2, "-p", "6391", "-n", "100000", "-c", "4", "-t", "set,get", "-q"))
-		f.stop(t)
-		if !regexp.MustCompile(`GET: [0-9.]+ requests per second`).MatchString(out) || strings.Contains(out, "Error") {
-			t.Fatalf("redis-benchmark under flips:\n%s", out)
+		// Runs of 100000 requests until the flips met their bar (at
+		// most 20: the flipper's own errors or records say why not).
+		movedAtRestart := 0
+		for run := 1; ; run++ {
+			out := e.run(1, e.guestCmd(1, "redis-benchmark", "-h", g2, "-p", "6391", "-n", "100000", "-c", "4", "-t", "set,get", "-q"))
+			if !regexp.MustCompile(`GET: [0-9.]+ requests per second`).MatchString(out) || strings.Contains(out, "Error") {
+				f.stop(t)
+				t.Fatalf("redis-benchmark under flips (run %d):\n%s", run, out)
+			}
+			if f.enough(&movedAtRestart) || run == 20 {
+				t.Logf("redis-benchmark: %d runs of 100000 requests", run)
+				break
+			}
 		}
+		f.stop(t)
 		// The values redis hands back are checked: what was set is got.
 		set := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6391", "set", "flips", "survived"))
 		get := e.run(1, e.guestCmd(1, "redis-cli", "-h", g2, "-p", "6391", "get", "flips"))
