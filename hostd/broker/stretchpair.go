@@ -162,6 +162,7 @@ func (b *Broker) pairDecideLocked(c *Conn, f *Flow) {
 				b.sendResumeLocked(c, f, s, proto.ResumeReset)
 				continue
 			}
+			b.log.Debug("a vsock VM left its rings before its room said where its bridge stopped: the other VM resumes at its exact offset", "flow", f.Name())
 		} else if !live(o) {
 			// The other VM went before its RESUME: s reads its ring to
 			// the other's leave mark, whole only if the other's writer's
