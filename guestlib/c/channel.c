@@ -251,10 +251,25 @@ static int connect_hello(const struct shunt_session *s, int family, const struct
  * as root's does. Sets s->vsock. */
 static int open_vsock(struct shunt_session *s, struct shunt_msg *m)
 {
+	if (s->vsock_quiet && shunt_now_ns() < s->vsock_quiet) {
+		errno = ETIMEDOUT;
+		return -1;
+	}
 	struct sockaddr_vm sa = {.svm_family = AF_VSOCK, .svm_cid = VMADDR_CID_HOST, .svm_port = SHUNT_VSOCK_CONTROL_PORT};
 	int fd = connect_hello(s, AF_VSOCK, (const struct sockaddr *)&sa, sizeof sa, m);
-	if (fd < 0)
+	if (fd < 0) {
+		/* No answer at all (the connect or WELCOME timed out): a device
+		 * nobody serves, as a QEMU VM's once its hostd died. The open
+		 * runs in a program's connect(), so it is not tried again for
+		 * SHUNT_VSOCK_QUIET_NS; a reset (nothing listens) is cheap and
+		 * retried as any failed open. */
+		if (errno == ETIMEDOUT || errno == EAGAIN || errno == EWOULDBLOCK) {
+			s->vsock_quiet = shunt_now_ns() + SHUNT_VSOCK_QUIET_NS;
+			errno = ETIMEDOUT;
+		}
 		return -1;
+	}
+	s->vsock_quiet = 0;
 	__atomic_store_n(&s->guest_id, m->guest_id, __ATOMIC_RELAXED);
 	__atomic_store_n(&s->vsock, 1, __ATOMIC_SEQ_CST);
 	shunt_logf(s, "shunt: control over vsock (CID 2 port %d)", SHUNT_VSOCK_CONTROL_PORT);

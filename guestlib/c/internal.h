@@ -56,6 +56,7 @@ struct shunt_session {
 	int vm; /* a port: set once, read atomically */
 	int vsock; /* the channel went over vsock (open_vsock): set once, read atomically */
 	int vsock_err; /* when discovering: why vsock failed before the socket was tried (0: not tried) */
+	int64_t vsock_quiet; /* vsock is not tried before this (open_vsock), or 0 */
 	uint32_t guest_id; /* a VM's id, from WELCOME: the pair regions that name it are its own */
 
 	pthread_mutex_t mu; /* guards the fields below, and writes to fd */

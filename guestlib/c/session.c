@@ -407,6 +407,11 @@ static unsigned reason_of(int e)
 				    : SHUNT_REASON_NO_HOSTD;
 }
 
+/* quiet says, for a vsock open's errno e, that a device that did not
+ * answer is left alone a while (open_vsock). */
+static const char *quiet(int e) { return e == ETIMEDOUT ? " (no answer: not tried again for 30 s)" : ""; }
+_Static_assert(SHUNT_VSOCK_QUIET_NS == 30000000000LL, "quiet says 30 s");
+
 /* say_unreachable logs why channel_open failed (errno e, m what hostd
  * answered), once per kind of failure, not at every retry, with what to
  * do about it. mu held. */
@@ -415,19 +420,20 @@ static void say_unreachable(struct shunt_session *s, int e, const struct shunt_m
 	if (e == EBUSY || s->said == e) /* channel_open said which ports are busy */
 		return;
 	s->said = e;
+	/* A VM with vsock and no control port found nothing there either
+	 * (discovering: channel_open tried vsock before the socket). */
+	if (s->vsock_err && strcmp(s->c.control, SHUNT_VSOCK_CONTROL))
+		shunt_logf(s, "shunt: no hostd over vsock (CID 2 port %d): %s%s; a VM without control port needs hostd to serve "
+			      "its vsock (a vsock block in its guest block, hostd.hcl)",
+			   SHUNT_VSOCK_CONTROL_PORT, strerror(s->vsock_err), quiet(s->vsock_err));
 	if (e == EPROTONOSUPPORT)
 		shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
 	else if (e == EPERM)
 		shunt_logf(s, "shunt: connections stay on TCP (not-guest): %s", m->text);
 	else if (!strcmp(s->c.control, SHUNT_VSOCK_CONTROL))
-		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s: connections stay on TCP (no-hostd). "
+		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s%s: connections stay on TCP (no-hostd). "
 			      "Does hostd serve this VM's vsock (a vsock block in its guest block, hostd.hcl)?",
-			   SHUNT_VSOCK_CONTROL_PORT, strerror(e));
-	else if (s->vsock_err)
-		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s, and at %s: %s: connections stay on TCP "
-			      "(no-hostd). A VM with vsock and no control port: does hostd serve its vsock (a vsock block in its "
-			      "guest block, hostd.hcl)?",
-			   SHUNT_VSOCK_CONTROL_PORT, strerror(s->vsock_err), s->c.control, strerror(e));
+			   SHUNT_VSOCK_CONTROL_PORT, strerror(e), quiet(e));
 	else if (e == EACCES || e == ENOENT)
 		shunt_logf(s, "shunt: hostd unreachable at %s: %s (uid %d), and hostd serves no guest in this network namespace: "
 			      "connections stay on TCP (no-hostd). Give the guest its netns in hostd.hcl (every process of the "

@@ -419,6 +419,7 @@ ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
 #define SHUNT_RETRY_NS        1000000000LL /* a failed open is retried at most this often */
 #define SHUNT_HELLO_TIMEOUT_S 5            /* WELCOME on a socket */
 #define SHUNT_VSOCK_CONNECT_MS 2000        /* a vsock connect (the kernel's default, set explicitly) */
+#define SHUNT_VSOCK_QUIET_NS  30000000000LL /* vsock not tried again after an open that got no answer */
 #define SHUNT_PORT_HELLO_NS   200000000LL  /* HELLO again on a port after this */
 #define SHUNT_PORT_HELLO_TRIES 25          /* then the port is given up (ETIMEDOUT) */
 #define SHUNT_PORT_WRITE_NS   2000000000LL /* a port whose host end is gone takes no data */
