@@ -48,6 +48,10 @@ func (r *Room) Served(guest uint32) bool {
 	if d == nil {
 		return false
 	}
+	if d.spec.Daemon {
+		dp := r.daemon.Load()
+		return dp != nil && (*dp).Served(guest)
+	}
 	if d.dev == nil {
 		return true // hybrid: the hypervisor serves its own device
 	}

@@ -30,14 +30,34 @@ type Spec struct {
 	// guest's connections to the host's port P arrive at the Unix socket
 	// Hybrid_P, which hostd listens on (hybrid.go).
 	Hybrid string
+	// Daemon: the device is shunt-vsockd's (hostd/vsockd), which forwards
+	// the guest's connections to the host's port P to Hybrid_P as a
+	// hybrid vsock does; Hybrid is then the device's own socket, CID its
+	// CID, and whether QEMU is served is the daemon's to say (UseDaemon).
+	Daemon bool
+	// Frontend, if set, is called when a front-end starts and stops being
+	// served (shunt-vsockd tells hostd so). Not for hybrid devices.
+	Frontend func(connected bool)
+}
+
+// Daemon is shunt-vsockd as hostd sees it (hostd/vsockd.Client): whether
+// a device's QEMU is served now, and the devices' counters.
+type Daemon interface {
+	Served(guest uint32) bool
+	Stats() []Stat
 }
 
 // Room serves the devices. Its methods are safe for concurrent use.
 type Room struct {
-	log  hclog.Logger
-	devs map[uint32]*device // by guest id
-	wg   sync.WaitGroup
+	log    hclog.Logger
+	devs   map[uint32]*device // by guest id
+	wg     sync.WaitGroup
+	daemon atomic.Pointer[Daemon] // set by UseDaemon, for Daemon specs
 }
+
+// UseDaemon has the room ask d about the devices of its Daemon specs.
+// Until then they count as not served.
+func (r *Room) UseDaemon(d Daemon) { r.daemon.Store(&d) }
 
 // device is one VM's vsock device and the socket its QEMU connects to.
 type device struct {
@@ -162,6 +182,9 @@ func (d *device) accept() {
 		}
 		d.sess = c
 		d.serving.Add(1)
+		if d.spec.Frontend != nil {
+			d.spec.Frontend(true) // under mu: the calls keep the order of the changes
+		}
 		d.mu.Unlock()
 		d.sessions.Add(1)
 		d.log.Info("vhost-user front-end connected")
@@ -177,6 +200,9 @@ func (d *device) serve(c *net.UnixConn) {
 	err := vhostuser.Serve(c, d.dev, lf)
 	d.mu.Lock()
 	d.sess = nil
+	if d.spec.Frontend != nil {
+		d.spec.Frontend(false)
+	}
 	d.mu.Unlock()
 	if err != nil {
 		d.log.Warn("vhost-user front-end ended", "error", err)
@@ -234,6 +260,7 @@ type Stat struct {
 	CID         uint32 `json:"cid"`
 	Socket      string `json:"socket,omitempty"`
 	Hybrid      string `json:"hybrid,omitempty"` // a hybrid vsock socket's path (no device of hostd's)
+	Daemon      bool   `json:"vsockd,omitempty"` // the device is shunt-vsockd's (its counters since it started)
 	Connected   bool   `json:"connected"`        // a front-end (QEMU) is being served
 	Sessions    uint64 `json:"sessions"`         // front-ends served since hostd started
 	Refused     uint64 `json:"refused_frontends"`
@@ -257,6 +284,20 @@ func (r *Room) Stats() []Stat {
 		return nil
 	}
 	out := make([]Stat, 0, len(r.devs))
+	var remote map[string]Stat // the daemon's devices, by guest name
+	for _, d := range r.devs {
+		if !d.spec.Daemon {
+			continue
+		}
+		if remote == nil {
+			remote = map[string]Stat{}
+			if dp := r.daemon.Load(); dp != nil {
+				for _, s := range (*dp).Stats() {
+					remote[s.Guest] = s
+				}
+			}
+		}
+	}
 	for _, d := range r.devs {
 		d.mu.Lock()
 		conn := d.sess != nil
@@ -264,6 +305,15 @@ func (r *Room) Stats() []Stat {
 		d.st.mu.Lock()
 		open, served, bad := len(d.st.open), d.st.served, d.st.bad
 		d.st.mu.Unlock()
+		if d.spec.Daemon { // shunt-vsockd's device: its counters the daemon's
+			s, ok := remote[d.spec.Guest]
+			if !ok {
+				s = Stat{Guest: d.spec.Guest, CID: d.spec.CID, Socket: d.spec.Hybrid}
+			}
+			s.Daemon, s.Stretches, s.Bridged, s.BadHellos = true, open, served, bad
+			out = append(out, s)
+			continue
+		}
 		if d.dev == nil { // hybrid: the hypervisor's device, its counters its own
 			out = append(out, Stat{Guest: d.spec.Guest, Hybrid: d.spec.Hybrid, Stretches: open, Bridged: served, BadHellos: bad})
 			continue

@@ -55,13 +55,42 @@ func ServeHybrid(d *Device, path string) (*Hybrid, error) {
 	return h, nil
 }
 
+// ServeHybridGuest is ServeHybrid's guest face alone, for the host ports
+// given: the guest's connection to one of them, P, goes to the Unix
+// socket at path_P if one is there (else RST). Nothing listens at path:
+// no host program reaches the guest through it. shunt-vsockd hands a
+// VM's control channel and stretches to hostd so (hostd/vsockd).
+func ServeHybridGuest(d *Device, path string, ports ...uint32) (*Hybrid, error) {
+	want := map[uint32]bool{}
+	for _, p := range ports {
+		want[p] = true
+	}
+	h := &Hybrid{d: d, path: path, conns: map[io.Closer]bool{}}
+	var err error
+	h.any, err = d.ListenAny(func(port uint32) bool {
+		if !want[port] {
+			return false
+		}
+		st, err := os.Stat(h.portPath(port))
+		return err == nil && st.Mode()&os.ModeSocket != 0
+	})
+	if err != nil {
+		return nil, err
+	}
+	h.wg.Add(1)
+	go h.serveGuest()
+	return h, nil
+}
+
 func (h *Hybrid) portPath(port uint32) string {
 	return h.path + "_" + strconv.FormatUint(uint64(port), 10)
 }
 
 // Close stops both faces and ends the streams they carry.
 func (h *Hybrid) Close() error {
-	h.ul.Close()
+	if h.ul != nil {
+		h.ul.Close()
+	}
 	h.any.Close()
 	h.mu.Lock()
 	for c := range h.conns {
