@@ -22,6 +22,7 @@ import (
 	"github.com/shuntnet/shunt/hostd/ruleset"
 	"github.com/shuntnet/shunt/hostd/server"
 	"github.com/shuntnet/shunt/hostd/virt"
+	"github.com/shuntnet/shunt/hostd/vsockd"
 	"github.com/shuntnet/shunt/hostd/vsockhost"
 	"github.com/shuntnet/shunt/hostd/witness"
 	"github.com/shuntnet/shunt/internal/nsexec"
@@ -53,6 +54,7 @@ type Agent struct {
 	across  *across.Room    // pairs connections across hosts and relays them; nil without peering
 	orphans []orphanRegion  // relay pair regions of a killed hostd, until the cross-host room adopts them (Start)
 	vsock   *vsockhost.Room // the VMs' vhost-user-vsock devices; nil without vsock blocks
+	vsockd  *vsockd.Client  // shunt-vsockd, which serves them with vsockd_socket; nil without
 
 	// libvirt guests, registered and unregistered by the watcher
 	vmu      sync.Mutex
@@ -98,6 +100,9 @@ func (a *Agent) Close() {
 	}
 	if a.vsock != nil {
 		a.vsock.Close()
+	}
+	if a.vsockd != nil {
+		a.vsockd.Close() // the daemon's devices go on
 	}
 	a.wg.Wait()
 	if a.ct != nil {

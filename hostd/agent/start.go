@@ -157,7 +157,8 @@ func (a *Agent) configGuests() ([]server.Endpoint, error) {
 		g := &broker.Guest{Name: gc.Name, ID: gc.ID, Group: a.groups[gc.Group], CTMark: gc.CTMark, Source: "config", SharedRegion: gc.SharedRegion,
 			PairVM: gc.SharedRegion && gc.QMP != "",     // config.checkQMP: qmp only in vm_regions = "pair" groups
 			Vsock:  gc.Vsock != nil && !gc.SharedRegion} // its flows' stretches go over vsock (startVsock)
-		g.VsockKept = g.Vsock && gc.Vsock.Hybrid != "" // the hypervisor's device: it outlives hostd
+		// The hypervisor's device, or shunt-vsockd's: it outlives hostd.
+		g.VsockKept = g.Vsock && (gc.Vsock.Hybrid != "" || cfg.VsockdSocket != "")
 		addrs, err := guestAddrs(cfg.ConntrackNetns, gc)
 		if err != nil {
 			return nil, err

@@ -1,11 +1,18 @@
 package agent
 
 import (
+	"context"
+	"time"
+
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/metrics"
+	"github.com/shuntnet/shunt/hostd/vsockd"
 	"github.com/shuntnet/shunt/hostd/vsockhost"
 	"github.com/shuntnet/shunt/relay"
 )
+
+// vsockdWait bounds hostd's first talk with shunt-vsockd at start.
+const vsockdWait = 5 * time.Second
 
 // startVsock serves the vhost-user-vsock devices of the configured VMs
 // that have a vsock block (hostd/vsockhost), takes their flows' stretches
@@ -15,8 +22,17 @@ import (
 // device's socket at start.
 func (a *Agent) startVsock() error {
 	var specs []vsockhost.Spec
+	var devs []vsockd.Device // shunt-vsockd's, with vsockd_socket
 	for _, g := range a.cfg.Guests {
-		if g.Vsock != nil {
+		switch {
+		case g.Vsock == nil:
+		case a.cfg.VsockdSocket != "" && g.Vsock.Hybrid == "":
+			// shunt-vsockd serves the device and forwards the guest's
+			// connections to hostd's ports to <socket>_<port>, as a
+			// hybrid vsock does.
+			specs = append(specs, vsockhost.Spec{Guest: g.Name, ID: g.ID, CID: g.Vsock.CID, Hybrid: g.Vsock.Socket, Daemon: true})
+			devs = append(devs, vsockd.Device{Guest: g.Name, ID: g.ID, Socket: g.Vsock.Socket, CID: g.Vsock.CID})
+		default:
 			specs = append(specs, vsockhost.Spec{Guest: g.Name, ID: g.ID, Socket: g.Vsock.Socket, CID: g.Vsock.CID, Hybrid: g.Vsock.Hybrid})
 		}
 	}
@@ -26,6 +42,21 @@ func (a *Agent) startVsock() error {
 	var err error
 	if a.vsock, err = vsockhost.Start(a.log.Named("vsock"), specs); err != nil {
 		return err
+	}
+	if len(devs) > 0 {
+		// Before any guest connects: whether each device is served
+		// (broker.Options.VsockServed) is the daemon's word, asked here
+		// once, then kept up to date by its events.
+		ctx, cancel := context.WithTimeout(context.Background(), vsockdWait)
+		a.vsockd, err = vsockd.Start(ctx, a.log.Named("vsockd"), a.cfg.VsockdSocket, devs)
+		cancel()
+		if a.vsockd == nil {
+			return err
+		}
+		if err != nil {
+			a.log.Warn("shunt-vsockd does not answer: its VMs' flows stay on TCP (vsock-down) until it does", "error", err)
+		}
+		a.vsock.UseDaemon(a.vsockd)
 	}
 	for _, g := range a.cfg.Guests {
 		if g.Vsock != nil && !g.SharedRegion {

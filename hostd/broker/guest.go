@@ -38,9 +38,9 @@ type Guest struct {
 	// (stretch.go); `hostd flows` says so.
 	Vsock bool
 	// VsockKept: its vsock device outlives hostd (a hybrid vsock's, the
-	// hypervisor's own): a SIGKILLed hostd's stretches may return to the
-	// rings (adoptstretch.go). QEMU's vhost-user device, served by hostd,
-	// does not.
+	// hypervisor's own, or shunt-vsockd's): a SIGKILLed hostd's
+	// stretches may return to the rings (adoptstretch.go). QEMU's
+	// vhost-user device, served by hostd, does not.
 	VsockKept bool
 
 	addrs     atomic.Pointer[Addrs] // what it owns; swapped whole

@@ -494,8 +494,9 @@ func TestStretchRegionNoDescriptor(t *testing.T) {
 // TestStretchVsockDown: a vsock VM whose device has no front-end (QEMU's
 // died with an earlier hostd and does not reconnect) gets no READY: both
 // ends stay on TCP, saying vsock-down, instead of the VM's library
-// waiting out a vsock connect to a device nobody serves. A hybrid
-// device (VsockKept, the hypervisor's own) is not gated.
+// waiting out a vsock connect to a device nobody serves. Once served
+// (a hybrid device, the hypervisor's own, always counts as served;
+// shunt-vsockd's once the daemon says so) it gets READY.
 func TestStretchVsockDown(t *testing.T) {
 	var served atomic.Bool
 	w, _, sa, sb := pairWorld(t, policy.Spec{RingSize: "64KiB"}, broker.Options{PairRegionLinger: -1,
@@ -507,7 +508,13 @@ func TestStretchVsockDown(t *testing.T) {
 	sa.expect(t, proto.TCP, proto.ReasonVsockDown, 1)
 	sb.expect(t, proto.TCP, proto.ReasonVsockDown, 2)
 
-	w.g1.VsockKept = true // a hybrid device: hostd does not see it, and it outlives hostd
+	w.g1.VsockKept = true // a hybrid device or shunt-vsockd's, which outlive hostd: still as served says
+	ta, tb = w.conn("10.0.0.1:4002", "10.0.0.2:80")
+	w.b.Open(sa, open(proto.Active, ta, 5))
+	w.b.Open(sb, open(proto.Passive, tb, 6))
+	sa.expect(t, proto.TCP, proto.ReasonVsockDown, 5)
+	sb.expect(t, proto.TCP, proto.ReasonVsockDown, 6)
+	served.Store(true)
 	ta, tb = w.conn("10.0.0.1:4001", "10.0.0.2:80")
 	w.b.Open(sa, open(proto.Active, ta, 3))
 	w.b.Open(sb, open(proto.Passive, tb, 4))

@@ -50,10 +50,10 @@ func vsockVM(g *Guest) bool { return g.Vsock && !g.SharedRegion }
 
 // vsockDownLocked: g carries its flows over vsock and its device has no
 // front-end now (Options.VsockServed). A hybrid device is the
-// hypervisor's own (VsockKept): hostd cannot see it, and it outlives
-// hostd.
+// hypervisor's own, which hostd cannot see: VsockServed says it is
+// served (vsockhost.Room.Served); shunt-vsockd's is as the daemon says.
 func (b *Broker) vsockDownLocked(g *Guest) bool {
-	return vsockVM(g) && !g.VsockKept && b.opts.VsockServed != nil && !b.opts.VsockServed(g.ID)
+	return vsockVM(g) && b.opts.VsockServed != nil && !b.opts.VsockServed(g.ID)
 }
 
 // vsockPair reports whether both ends of f are such VMs.

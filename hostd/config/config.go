@@ -44,6 +44,11 @@ type Config struct {
 	// one path for all of them, each process known by its network
 	// namespace. "": none.
 	ContainerSocket string
+	// VsockdSocket is shunt-vsockd's control socket: the QEMU VMs' vsock
+	// devices are then served by that process, which outlives hostd
+	// (hostd/vsockd, docs/vsock.md "hostd restarts"); "": hostd serves
+	// them itself.
+	VsockdSocket string
 	// PairRegionLinger is how long a pair region outlives its last flow
 	// (0: the broker's default; negative: not at all).
 	PairRegionLinger time.Duration
@@ -187,6 +192,7 @@ type file struct {
 	StateDir       string        `hcl:"state_dir,optional"`
 	RegionDir      string        `hcl:"region_dir,optional"`
 	ContainerSock  string        `hcl:"container_socket,optional"`
+	VsockdSocket   string        `hcl:"vsockd_socket,optional"`
 	PairLinger     string        `hcl:"pair_region_linger,optional"`
 	RevokeGrace    string        `hcl:"revoke_grace,optional"`
 	Libvirt        *libvirtBlock `hcl:"libvirt,block"`
@@ -439,6 +445,9 @@ func Parse(name string, src []byte) (*Config, error) {
 			return nil, fmt.Errorf("%s: control: want the guest's control socket (a VM's virtio-serial socket); only a VM with a vsock block may go without, its control channel then on vsock", where)
 		}
 		c.Guests = append(c.Guests, gu)
+	}
+	if err := c.checkVsockd(raw.VsockdSocket); err != nil {
+		return nil, fmt.Errorf("%s", at(err.Error()))
 	}
 	switch {
 	case raw.Policy != nil && raw.PolicyFile != "":

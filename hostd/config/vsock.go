@@ -84,3 +84,27 @@ func hybridOf(b *vsockBlock, g Guest, before []Guest) (*Vsock, error) {
 	}
 	return &Vsock{Hybrid: b.Hybrid}, nil
 }
+
+// checkVsockd sets c.VsockdSocket from sock: an absolute path that is no
+// other socket of hostd's; with it, each QEMU device's socket leaves room
+// for the forwards shunt-vsockd makes next to it (<socket>_1021, _1022).
+func (c *Config) checkVsockd(sock string) error {
+	if c.VsockdSocket = sock; sock == "" {
+		return nil
+	}
+	if !filepath.IsAbs(sock) || filepath.Clean(sock) != sock {
+		return fmt.Errorf("vsockd_socket %q: want a clean absolute path (shunt-vsockd -socket)", sock)
+	}
+	if sock == c.AdminSocket || sock == c.ContainerSocket {
+		return fmt.Errorf("vsockd_socket %s is another socket of hostd's: give it its own path, such as /run/shunt/vsockd.sock", sock)
+	}
+	for _, g := range c.Guests {
+		if g.Control == sock || g.Vsock != nil && (g.Vsock.Socket == sock || g.Vsock.Hybrid == sock) {
+			return fmt.Errorf("vsockd_socket %s is guest %q's socket", sock, g.Name)
+		}
+		if g.Vsock != nil && g.Vsock.Socket != "" && (len(g.Vsock.Socket) > 102 || filepath.Clean(g.Vsock.Socket) != g.Vsock.Socket) {
+			return fmt.Errorf("guest %s: vsock socket %s: with vsockd_socket, want a clean path of at most 102 bytes (shunt-vsockd forwards to <socket>_1022)", g.Name, g.Vsock.Socket)
+		}
+	}
+	return nil
+}

@@ -83,3 +83,29 @@ func TestVsockHybrid(t *testing.T) {
 		}
 	}
 }
+
+// TestVsockdSocket: vsockd_socket is an absolute path of its own, and
+// with it each device socket leaves room for shunt-vsockd's forwards.
+func TestVsockdSocket(t *testing.T) {
+	for _, tc := range []struct{ line, want string }{ // want "" = accepted
+		{`vsockd_socket = "/run/shunt/vsockd.sock"`, ""},
+		{`vsockd_socket = "vsockd.sock"`, "clean absolute path"},
+		{`vsockd_socket = "/run/shunt/vm1.vsock"`, "guest \"vm1\"'s socket"},
+		{`vsockd_socket = "/run/shunt/vm1.sock"`, "guest \"vm1\"'s socket"},
+	} {
+		c, err := config.Parse("hostd.hcl", []byte(tc.line+"\n"+vsockBase))
+		switch {
+		case tc.want == "" && (err != nil || c.VsockdSocket != "/run/shunt/vsockd.sock"):
+			t.Errorf("%s: %v", tc.line, err)
+		case tc.want != "" && (err == nil || !strings.Contains(err.Error(), tc.want)):
+			t.Errorf("%s: %v, want an error saying %q", tc.line, err, tc.want)
+		}
+	}
+	long := strings.Replace(vsockBase, "/run/shunt/vm1.vsock", "/run/shunt/"+strings.Repeat("v", 92), 1)
+	if _, err := config.Parse("hostd.hcl", []byte(long)); err != nil {
+		t.Fatalf("a 103-byte socket without vsockd_socket: %v", err)
+	}
+	if _, err := config.Parse("hostd.hcl", []byte("vsockd_socket = \"/run/shunt/vsockd.sock\"\n"+long)); err == nil || !strings.Contains(err.Error(), "at most 102 bytes") {
+		t.Fatalf("a 103-byte socket with vsockd_socket: %v", err)
+	}
+}

@@ -212,6 +212,12 @@ func checkSockets(ctx context.Context, e *env) {
 			for _, port := range []uint32{proto.VsockControlPort, relay.VsockPort} {
 				socks = append(socks, sock{what: "guest " + g.Name + ": hybrid vsock listener", path: fmt.Sprintf("%s_%d", g.Vsock.Hybrid, port)})
 			}
+		case e.cfg.VsockdSocket != "":
+			// The device's socket is shunt-vsockd's; hostd listens next
+			// to it for what the daemon forwards (hostd/vsockd).
+			for _, port := range []uint32{proto.VsockControlPort, relay.VsockPort} {
+				socks = append(socks, sock{what: "guest " + g.Name + ": listener for shunt-vsockd", path: fmt.Sprintf("%s_%d", g.Vsock.Socket, port)})
+			}
 		default:
 			socks = append(socks, sock{what: "guest " + g.Name + ": vsock socket", path: g.Vsock.Socket})
 		}

@@ -35,6 +35,7 @@ func healthy() Probes {
 		LookupGroup: func(string) error { return nil },
 		RDMA:        func() ([]relay.RDMADevice, error) { return nil, nil },
 		DialUnix:    Host().DialUnix,
+		DialPacket:  Host().DialPacket,
 		Libvirt:     func(context.Context, string, string) error { return nil },
 		Listen:      func(string) error { return nil },
 	}

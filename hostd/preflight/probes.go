@@ -51,6 +51,9 @@ type Probes struct {
 	LookupGroup func(name string) error
 	// DialUnix connects to a Unix stream socket and hangs up.
 	DialUnix func(ctx context.Context, path string) error
+	// DialPacket connects to a Unix SOCK_SEQPACKET socket (shunt-vsockd's)
+	// and hangs up.
+	DialPacket func(ctx context.Context, path string) error
 	// Libvirt connects to the libvirtd at socket, opens uri and hangs up.
 	Libvirt func(ctx context.Context, socket, uri string) error
 	// Listen binds a TCP address and closes the listener again.
@@ -84,6 +87,13 @@ func Host() Probes {
 		RDMA:        func() ([]relay.RDMADevice, error) { return relay.RDMADevices("") },
 		DialUnix: func(ctx context.Context, path string) error {
 			c, err := (&net.Dialer{}).DialContext(ctx, "unix", path)
+			if err == nil {
+				c.Close()
+			}
+			return err
+		},
+		DialPacket: func(ctx context.Context, path string) error {
+			c, err := (&net.Dialer{}).DialContext(ctx, "unixpacket", path)
 			if err == nil {
 				c.Close()
 			}

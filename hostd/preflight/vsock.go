@@ -52,6 +52,26 @@ func checkVsock(ctx context.Context, e *env) {
 			e.problem(fmt.Sprintf("%s has no vhost-user-vsock-pci device: the VMs' vsock blocks cannot be used", qemu), "install QEMU 7.0 or later")
 		}
 	}
+	if e.cfg.VsockdSocket != "" {
+		checkVsockd(ctx, e, names)
+		return
+	}
 	e.warn(fmt.Sprintf("hostd serves the vsock devices of %s: QEMU cannot reconnect a vhost-user-vsock device, so a hostd restart leaves these VMs without vsock until each VM restarts", strings.Join(names, ", ")),
-		"restart hostd only when these VMs can be restarted too (docs/vsock.md, \"hostd restarts\")")
+		"set vsockd_socket and run shunt-vsockd (systemctl enable --now shunt-vsockd), or restart hostd only when these VMs can be restarted too (docs/vsock.md, \"hostd restarts\")")
+}
+
+// checkVsockd: with vsockd_socket, shunt-vsockd serves the QEMU VMs'
+// devices (hostd/vsockd): it must answer on its socket, and it is what
+// must not restart under running VMs.
+func checkVsockd(ctx context.Context, e *env, names []string) {
+	dctx, cancel := context.WithTimeout(ctx, probeTimeout)
+	err := e.p.DialPacket(dctx, e.cfg.VsockdSocket)
+	cancel()
+	if err != nil {
+		e.warn(fmt.Sprintf("shunt-vsockd does not answer at %s (%v): the vsock devices of %s are not served until it does (their QEMUs cannot start; hostd keeps their flows on TCP, vsock-down, and dials it every second)",
+			e.cfg.VsockdSocket, err, strings.Join(names, ", ")), "systemctl enable --now shunt-vsockd (its -socket must be vsockd_socket)")
+		return
+	}
+	e.ok("shunt-vsockd answers at %s and serves the vsock devices of %s: a hostd restart keeps them; restarting shunt-vsockd itself leaves these VMs without vsock until each restarts",
+		e.cfg.VsockdSocket, strings.Join(names, ", "))
 }

@@ -3,6 +3,9 @@ package preflight
 import (
 	"context"
 	"fmt"
+	"net"
+	"os"
+	"path/filepath"
 	"testing"
 )
 
@@ -47,4 +50,37 @@ func TestVsockHybridChecks(t *testing.T) {
 	fs := run(t, c, p)
 	want(t, fs, "sockets", OK, "5 of 5 socket paths", "")
 	want(t, fs, "vsock", OK, "hybrid vsock", "")
+}
+
+// TestVsockdChecks: with vsockd_socket, the device socket is
+// shunt-vsockd's (not checked as hostd's), hostd's listeners next to it
+// are; a daemon that does not answer is a warning with its fix, one that
+// answers is said to keep the devices across hostd restarts.
+func TestVsockdChecks(t *testing.T) {
+	c := newConfig(t)
+	ctl := c.path("run/vsockd.sock")
+	c.top = []string{fmt.Sprintf("vsockd_socket = %q", ctl)}
+	c.guests = []string{fmt.Sprintf("guest \"vm1\" {\n  id = 1\n  group = \"a\"\n  control = %q\n  addresses = [\"10.0.0.1\"]\n  vsock {\n    socket = %q\n    cid = 3\n  }\n}\n",
+		c.path("run/vm1.sock"), c.path("run/vm1.vsock"))}
+	p := healthy()
+	p.Command = func(_ context.Context, name string, args ...string) ([]byte, error) {
+		if name == "qemu-system-x86_64" {
+			return []byte("name \"vhost-user-vsock-pci\", bus PCI\n"), nil
+		}
+		return []byte("ct mark set 0x00000001"), nil
+	}
+	fs := run(t, c, p)
+	want(t, fs, "sockets", OK, "4 of 4 socket paths", "")
+	want(t, fs, "vsock", Warning, "shunt-vsockd does not answer", "systemctl enable --now shunt-vsockd")
+	if err := os.MkdirAll(filepath.Dir(ctl), 0o755); err != nil {
+		t.Fatal(err)
+	}
+	l, err := net.Listen("unixpacket", ctl)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l.Close()
+	fs = run(t, c, p)
+	want(t, fs, "vsock", OK, "a hostd restart keeps them", "")
+	only(t, fs, "vsock")
 }

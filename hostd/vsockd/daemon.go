@@ -199,7 +199,7 @@ func (d *Daemon) control(c *net.UnixConn) {
 	close(ctl.out)
 	c.Close()
 	<-done
-	if err != nil && !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.EOF) {
+	if !errors.Is(err, net.ErrClosed) && !errors.Is(err, io.EOF) { // serve ends only with an error
 		d.log.Warn("hostd's control connection ended", "error", err)
 	} else {
 		d.log.Info("hostd disconnected; the devices go on")

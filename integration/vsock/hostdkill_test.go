@@ -46,8 +46,19 @@ func TestVsockHostdKilledHybrid(t *testing.T) {
 	hostdKilled(t, vmHow{noPort: true, hybrid: true})
 }
 
+// TestVsockHostdKilledQEMU: TestVsockHostdKilled with the QEMU VM's
+// device served by shunt-vsockd (hostd's vsockd_socket), which outlives
+// hostd: the restarted hostd names the device again, the daemon keeps it
+// (the same QEMU session, never re-served), and after the resume on TCP
+// the connection returns to the rings through it, as on a hybrid device,
+// and carries 1 MiB more there before the end.
+func TestVsockHostdKilledQEMU(t *testing.T) {
+	hostdKilled(t, vmHow{vsockd: true})
+}
+
 // hostdKilled runs TestVsockHostdKilled with the VM set up as how says.
 func hostdKilled(t *testing.T, how vmHow) {
+	kept := how.hybrid || how.vsockd // the device outlives hostd
 	start := time.Now()
 	ctx, cancel := context.WithTimeout(context.Background(), 90*time.Second)
 	defer cancel()
@@ -70,6 +81,13 @@ func hostdKilled(t *testing.T, how vmHow) {
 	if err := v.s.StartHostd(); err != nil {
 		v.fail("start hostd again: %v", err)
 	}
+	var dev0 [2]float64 // shunt-vsockd's device's rx and tx bytes at the restart
+	if how.vsockd {
+		out := counters(v.hostd, v.s.Admin)
+		for i, d := range []string{"rx", "tx"} {
+			dev0[i] = counterValue(out, fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", d))
+		}
+	}
 	// The new hostd adopts the pair region and RESUMEs both ends once
 	// they reattached (its log says so: a line stays, a path may not).
 	for _, want := range []string{"adopted a vsock VM's stretch", "resuming an adopted vsock stretch on TCP"} {
@@ -85,11 +103,11 @@ func hostdKilled(t *testing.T, how vmHow) {
 	// may return to the rings sooner (the end's checks ask for TCP bytes
 	// both ways).
 	least := uint64(1 << 20)
-	if how.hybrid {
+	if kept {
 		least = 1
 	}
 	waitBytes(ctx, v, least, "on TCP after the resume", func(s guestlib.Stats) uint64 { return s.TCPReceived })
-	if how.hybrid {
+	if kept {
 		// Back on the rings: a second READY, hostd's flows say so, and
 		// 1 MiB more read there.
 		for conn.Stats().Readies < 2 {
@@ -100,6 +118,9 @@ func hostdKilled(t *testing.T, how vmHow) {
 		}
 		v.waitPath(ctx, "rings")
 		waitBytes(ctx, v, 1<<20, "on the rings after the return", func(s guestlib.Stats) uint64 { return s.RingReceived })
+		if how.vsockd {
+			vsockdKept(v, dev0)
+		}
 	} else {
 		// On QEMU it stays on TCP (a state that lasts: waited for).
 		v.waitPath(ctx, "tcp")
@@ -227,4 +248,35 @@ func procDuplex(c halfCloser, seed uint64) duplex {
 		}
 	}()
 	return d
+}
+
+// vsockdKept checks, after the return to the rings, that shunt-vsockd
+// kept the device through hostd's restart: still running, its QEMU
+// served by the one session it has had, the new hostd told so, and the
+// device carrying, since the restart (dev0: its rx and tx bytes then),
+// at least the 1 MiB the process guest read on the rings from the VM,
+// and bytes to the VM.
+func vsockdKept(v *vsockVM, dev0 [2]float64) {
+	v.t.Helper()
+	if v.vsockd.cmd.ProcessState != nil {
+		v.fail("shunt-vsockd exited: %v", v.vsockd.cmd.ProcessState)
+	}
+	out := counters(v.hostd, v.s.Admin)
+	if n := counterValue(out, "shunt_vsock_frontends_total{guest=vm}"); n != 1 {
+		v.fail("shunt_vsock_frontends_total %v: want 1 (one QEMU session across the restart)", n)
+	}
+	if n := counterValue(out, "shunt_vsock_frontend_connected{guest=vm}"); n != 1 {
+		v.fail("shunt_vsock_frontend_connected %v: want 1", n)
+	}
+	var dev [2]float64
+	for i, d := range []string{"rx", "tx"} {
+		dev[i] = counterValue(out, fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", d))
+	}
+	if dev0[0] < 0 || dev[0]-dev0[0] < 1<<20 || dev[1] <= dev0[1] {
+		v.fail("shunt_vsock_bytes_total rx %v then %v, tx %v then %v: want at least 1 MiB from the VM and bytes to it through shunt-vsockd's device since the restart", dev0[0], dev[0], dev0[1], dev[1])
+	}
+	if !strings.Contains(v.s.Log(), "kept=true qemu_connected=true") {
+		v.fail("the restarted hostd's log does not say shunt-vsockd kept the device with its QEMU")
+	}
+	v.t.Logf("shunt-vsockd kept the device: one QEMU session; since hostd's restart %.0f bytes from the VM and %.0f to it through it", dev[0]-dev0[0], dev[1]-dev0[1])
 }

@@ -135,6 +135,9 @@ type vmHow struct {
 	// hybrid: the vsock device is this process's, served to hostd through
 	// a hybrid vsock socket (vsock.ServeHybrid), as Firecracker's is.
 	hybrid bool
+	// vsockd: shunt-vsockd serves the QEMU device (hostd's vsockd_socket),
+	// a process of the test's own, killed by its pid at the end.
+	vsockd bool
 	// files go into the VM's initramfs (bootOpts.files: the C side's
 	// programs, TestVsockPreload).
 	files []string
@@ -151,6 +154,7 @@ type vsockVM struct {
 	t      *testing.T
 	s      *stack.Stack
 	hostd  string
+	vsockd *vsockdProc // shunt-vsockd, if it serves the device (vmHow.vsockd)
 	r      *rig
 	c      net.Conn // the process guest's accepted connection
 	booted time.Duration
@@ -189,16 +193,25 @@ func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...str
 	}
 	extra := fmt.Sprintf("guest \"vm\" {\n  id = %d\n  group = \"t\"\n%s  addresses = [%q]\n  vsock {\n%s  }\n}\n",
 		vsockVMID, controlLine, vsockVMAddr, device)
+	var daemon *vsockdProc
+	if how.vsockd {
+		daemon = startVsockd(t, dir)
+		extra = fmt.Sprintf("vsockd_socket = %q\n", daemon.sock) + extra
+	}
 	s, err := stack.Start(stack.Options{Name: fmt.Sprintf("vk%d", os.Getpid()%100000), Guests: 1, HostdBin: hostd, Dir: dir, Extra: extra, Logf: t.Logf})
 	if err != nil {
 		t.Fatal(err)
 	}
 	t.Cleanup(func() { s.Close() })
-	v := &vsockVM{t: t, s: s, hostd: hostd}
+	v := &vsockVM{t: t, s: s, hostd: hostd, vsockd: daemon}
 	state := func() string {
 		flows, _ := s.Conns()
 		js, _ := json.MarshalIndent(flows, "", "  ")
-		return fmt.Sprintf("hostd's connections: %s\nhostd counters:\n%s\nhostd log:\n%s", js, counters(hostd, s.Admin), s.Log())
+		d := ""
+		if daemon != nil {
+			d = "shunt-vsockd's log:\n" + daemon.out.String()
+		}
+		return fmt.Sprintf("hostd's connections: %s\nhostd counters:\n%s\nhostd log:\n%s\n%s", js, counters(hostd, s.Admin), s.Log(), d)
 	}
 	v.fail = func(format string, args ...any) {
 		t.Helper()
