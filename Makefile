@@ -101,6 +101,7 @@ deb: preload ## build the shunt-host and shunt-guest Debian packages into bin/ (
 	$(GO) build -ldflags='-s -w' -o $(BIN)/hostd ./cmd/hostd
 	$(GO) build -ldflags='-s -w' -o $(BIN)/cni/shunt ./cmd/shunt-cni
 	CGO_ENABLED=0 $(GO) build -ldflags='-s -w' -o $(BIN)/shunt-vstretchd ./cmd/shunt-vstretchd
+	$(GO) build -ldflags='-s -w' -o $(BIN)/shunt-vsockd ./cmd/shunt-vsockd
 	$(GO) run ./packaging -version '$(VERSION)' -bin $(BIN) -out $(BIN)
 
 deps-demo: ## install what the demo needs (as root on Debian or Ubuntu; prints the apt-get command otherwise)

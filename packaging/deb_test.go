@@ -62,7 +62,7 @@ func TestDebInstall(t *testing.T) {
 				t.Errorf("groupdel shunt: %v\n%s", err, out)
 			}
 		}
-		for _, p := range []string{hostdPath, unitPath, configPath, "/etc/shunt", dashboardPath, "/usr/share/shunt",
+		for _, p := range []string{hostdPath, unitPath, vsockdPath, vsockdUnit, configPath, "/etc/shunt", dashboardPath, "/usr/share/shunt",
 			shuntRunPath, preloadPath, filepath.Dir(preloadPath), udevRulePath} {
 			if _, err := os.Lstat(p); err == nil {
 				t.Errorf("%s is still there after dpkg --purge", p)
@@ -74,7 +74,7 @@ func TestDebInstall(t *testing.T) {
 	}
 
 	t.Run("files", func(t *testing.T) {
-		for _, p := range []string{hostdPath, unitPath, configPath, dashboardPath, shuntRunPath, preloadPath, udevRulePath} {
+		for _, p := range []string{hostdPath, unitPath, vsockdPath, vsockdUnit, configPath, dashboardPath, shuntRunPath, preloadPath, udevRulePath} {
 			if _, err := os.Stat(p); err != nil {
 				t.Errorf("after dpkg -i: %v", err)
 			}
@@ -88,20 +88,23 @@ func TestDebInstall(t *testing.T) {
 	// units ours names (network-online.target, ...) and reports their
 	// problems, which belong to the machine: only lines about our unit
 	// fail the test. Warnings exit 0, so the output counts, not the status.
-	t.Run("unit", func(t *testing.T) {
-		out, err := exec.Command("systemd-analyze", "verify", unitPath).CombinedOutput()
-		var ours []string
-		for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
-			if strings.Contains(l, "shunt-hostd") {
-				ours = append(ours, l)
-			} else if l != "" {
-				t.Logf("systemd-analyze, about another unit: %s", l)
+	for _, unit := range []string{unitPath, vsockdUnit} {
+		t.Run("unit "+filepath.Base(unit), func(t *testing.T) {
+			out, err := exec.Command("systemd-analyze", "verify", unit).CombinedOutput()
+			var ours []string
+			name := strings.TrimSuffix(filepath.Base(unit), ".service")
+			for _, l := range strings.Split(strings.TrimSpace(string(out)), "\n") {
+				if strings.Contains(l, name) {
+					ours = append(ours, l)
+				} else if l != "" {
+					t.Logf("systemd-analyze, about another unit: %s", l)
+				}
 			}
-		}
-		if err != nil || len(ours) > 0 {
-			t.Errorf("systemd-analyze verify %s: %v\n%s", unitPath, err, strings.Join(ours, "\n"))
-		}
-	})
+			if err != nil || len(ours) > 0 {
+				t.Errorf("systemd-analyze verify %s: %v\n%s", unit, err, strings.Join(ours, "\n"))
+			}
+		})
+	}
 
 	t.Run("fastpath", func(t *testing.T) { fastPath(t) })
 }

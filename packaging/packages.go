@@ -16,6 +16,8 @@ import (
 const (
 	hostdPath     = "/usr/sbin/hostd"
 	unitPath      = "/lib/systemd/system/shunt-hostd.service"
+	vsockdPath    = "/usr/sbin/shunt-vsockd"
+	vsockdUnit    = "/lib/systemd/system/shunt-vsockd.service"
 	vstretchdPath = "/usr/sbin/shunt-vstretchd"
 	vstretchdUnit = "/lib/systemd/system/shunt-vstretchd.service"
 	configPath    = "/etc/shunt/hostd.hcl"
@@ -56,7 +58,9 @@ func (b build) packages() ([]*nfpm.Info, error) {
  firewall, NAT and conntrack decide which connections exist, and hands each
  established, allowed flow between two VM or container guests on this host
  to shared-memory rings. The service is installed but not enabled: edit
- /etc/shunt/hostd.hcl, then run systemctl enable --now shunt-hostd.`)
+ /etc/shunt/hostd.hcl, then run systemctl enable --now shunt-hostd.
+ shunt-vsockd (a unit, not enabled) serves QEMU VMs' vsock devices so
+ that they outlive hostd restarts (vsockd_socket).`)
 	// hostd runs no other program: conntrack and interfaces are netlink,
 	// the witness is eBPF. nftables writes the ct marks the example
 	// configuration relies on (ct_mark), but another firewall can too.
@@ -66,6 +70,9 @@ func (b build) packages() ([]*nfpm.Info, error) {
 	host.Contents = files.Contents{
 		file(bin("hostd"), hostdPath, 0o755),
 		file(src("hostd/dist/shunt-hostd.service"), unitPath, 0o644),
+		// The QEMU VMs' vsock devices, outliving hostd (docs/vsock.md).
+		file(bin("shunt-vsockd"), vsockdPath, 0o755),
+		file(src("hostd/dist/shunt-vsockd.service"), vsockdUnit, 0o644),
 		{Source: src("hostd/dist/hostd.hcl"), Destination: configPath, Type: files.TypeConfig,
 			FileInfo: &files.ContentFileInfo{Mode: 0o600}},
 		file(src("hostd/dist/grafana-dashboard.json"), dashboardPath, 0o644),

@@ -265,3 +265,23 @@ func withoutPreload(env []string) []string {
 		return strings.HasPrefix(kv, "SHUNT_PRELOAD=") || strings.HasPrefix(kv, "LD_PRELOAD=")
 	})
 }
+
+// TestUnitRunsPackagedVsockd: shunt-vsockd's unit starts it where
+// shunt-host puts it, on the socket the example configuration names.
+func TestUnitRunsPackagedVsockd(t *testing.T) {
+	unit, err := os.ReadFile("../hostd/dist/shunt-vsockd.service")
+	if err != nil {
+		t.Fatal(err)
+	}
+	hcl, err := os.ReadFile("../hostd/dist/hostd.hcl")
+	if err != nil {
+		t.Fatal(err)
+	}
+	const sock = "/run/shunt/vsockd.sock"
+	if want := "ExecStart=" + vsockdPath + " -socket " + sock + "\n"; !strings.Contains(string(unit), want) {
+		t.Errorf("unit: want %q", want)
+	}
+	if want := "vsockd_socket = \"" + sock + "\""; !strings.Contains(string(hcl), want) {
+		t.Errorf("hostd.hcl: want a line saying %s", want)
+	}
+}

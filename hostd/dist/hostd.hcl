@@ -16,6 +16,7 @@ reattach_grace  = "5s"
 # shutdown_grace = "2s"   # a stopping hostd moves connections to TCP and waits this long for the guests
 # watch_ruleset  = true   # a firewall ruleset change moves connections to TCP until their lease carries packets both ways
 
+# vsockd_socket = "/run/shunt/vsockd.sock"  # shunt-vsockd serves the QEMU VMs' vsock devices, so a hostd restart keeps them (systemctl enable --now shunt-vsockd; docs/vsock.md)
 # state_dir  = "/run/shunt/state"     # root-only: hostd's record of every region
 # region_dir = "/run/shunt/regions"   # root-only: the regions of process-guest pairs
 # Containers (docs/containers.md): the socket the CDI device shunt.net/guest
@@ -74,8 +75,9 @@ guest "vm2" {
   control   = "/run/shunt/vm2.sock"
   addresses = ["192.168.100.12"]
   shared_region = true
-  # A VM without ivshmem: hostd serves its vhost-user-vsock device
-  # (docs/vsock.md; no flow uses it yet). QEMU: -chardev socket,id=vs,path=...
+  # A VM without ivshmem: hostd (or shunt-vsockd, with vsockd_socket)
+  # serves its vhost-user-vsock device and carries its flows over vsock
+  # (docs/vsock.md). QEMU: -chardev socket,id=vs,path=...
   # -device vhost-user-vsock-pci,chardev=vs, with shared guest memory.
   # vsock {
   #   socket = "/run/shunt/vm2.vsock"
