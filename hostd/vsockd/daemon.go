@@ -38,8 +38,9 @@ type Daemon struct {
 	wg  sync.WaitGroup
 
 	mu     sync.Mutex
-	devs   map[uint32]*served // by guest id
-	ctl    *controller        // the hostd connected now, or nil
+	devs   map[uint32]*served     // by guest id
+	ctl    *controller            // the hostd connected now, or nil
+	conns  map[*net.UnixConn]bool // every control connection open, for Close
 	closed bool
 }
 
@@ -83,7 +84,7 @@ func Listen(log hclog.Logger, path string) (*Daemon, error) {
 		return nil, err
 	}
 	l.SetUnlinkOnClose(true)
-	d := &Daemon{log: log, l: l, devs: map[uint32]*served{}}
+	d := &Daemon{log: log, l: l, devs: map[uint32]*served{}, conns: map[*net.UnixConn]bool{}}
 	d.wg.Add(1)
 	go d.accept()
 	return d, nil
@@ -95,13 +96,12 @@ func (d *Daemon) Close() {
 	d.l.Close()
 	d.mu.Lock()
 	d.closed = true
-	ctl := d.ctl
 	devs := d.devs
 	d.devs = map[uint32]*served{}
-	d.mu.Unlock()
-	if ctl != nil {
-		ctl.c.Close()
+	for c := range d.conns {
+		c.Close()
 	}
+	d.mu.Unlock()
 	d.wg.Wait()
 	for _, s := range devs {
 		s.close()
@@ -150,7 +150,20 @@ const takeoverWait = time.Second
 // control serves one connection: its hello, then, if no other hostd is
 // connected, its requests until it goes.
 func (d *Daemon) control(c *net.UnixConn) {
-	defer c.Close()
+	d.mu.Lock()
+	if d.closed {
+		d.mu.Unlock()
+		c.Close()
+		return
+	}
+	d.conns[c] = true
+	d.mu.Unlock()
+	defer func() {
+		d.mu.Lock()
+		delete(d.conns, c)
+		d.mu.Unlock()
+		c.Close()
+	}()
 	_ = c.SetReadDeadline(time.Now().Add(helloWait))
 	m, err := read(c)
 	if err != nil {

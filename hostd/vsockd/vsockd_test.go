@@ -13,6 +13,7 @@ import (
 	"time"
 
 	"github.com/hashicorp/go-hclog"
+	"go.uber.org/goleak"
 
 	"github.com/shuntnet/shunt/hostd/vsockd"
 	"github.com/shuntnet/shunt/vhost/vhosttest"
@@ -25,6 +26,10 @@ import (
 // is forgotten; QEMU's exit is heard; a second controller is turned
 // away; a daemon that restarts is dialed again.
 func TestDaemonOutlivesClient(t *testing.T) {
+	// Registered first, so it runs last: once the daemon and the client
+	// closed (and QEMU is gone), none of their goroutines may be left.
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
 	dir := t.TempDir()
 	ctlPath := filepath.Join(dir, "vsockd.sock")
 	d, err := vsockd.Listen(hclog.NewNullLogger(), ctlPath)
@@ -113,6 +118,8 @@ func TestDaemonOutlivesClient(t *testing.T) {
 // TestControlPeer: the daemon answers nothing to a connection whose
 // first message is no hello, nor to a bad message.
 func TestControlPeer(t *testing.T) {
+	ignore := goleak.IgnoreCurrent()
+	t.Cleanup(func() { goleak.VerifyNone(t, ignore) })
 	ctlPath := filepath.Join(t.TempDir(), "vsockd.sock")
 	d, err := vsockd.Listen(hclog.NewNullLogger(), ctlPath)
 	if err != nil {

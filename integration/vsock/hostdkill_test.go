@@ -56,6 +56,14 @@ func TestVsockHostdKilledQEMU(t *testing.T) {
 	hostdKilled(t, vmHow{vsockd: true})
 }
 
+// TestVsockHostdKilledQEMUVsockControl: TestVsockHostdKilledQEMU for a
+// VM with no virtio-serial port, whose control channel too goes through
+// shunt-vsockd (port 1021 forwarded to hostd): after the kill the VM's
+// library reconnects to the new hostd through the daemon.
+func TestVsockHostdKilledQEMUVsockControl(t *testing.T) {
+	hostdKilled(t, vmHow{vsockd: true, noPort: true})
+}
+
 // hostdKilled runs TestVsockHostdKilled with the VM set up as how says.
 func hostdKilled(t *testing.T, how vmHow) {
 	kept := how.hybrid || how.vsockd // the device outlives hostd
