@@ -84,18 +84,21 @@ func hostdKilled(t *testing.T, how vmHow) {
 		}
 		time.Sleep(10 * time.Millisecond)
 	}
-	v.s.KillHostd()
-	t.Logf("hostd killed; process guest's connection %+v", conn.Stats())
-	if err := v.s.StartHostd(); err != nil {
-		v.fail("start hostd again: %v", err)
-	}
-	var dev0 [2]float64 // shunt-vsockd's device's rx and tx bytes at the restart
+	// shunt-vsockd's device's rx and tx bytes just before the kill: every
+	// byte of the stretch after the return crosses it after this.
+	var dev0 [2]float64
 	if how.vsockd {
 		out := counters(v.hostd, v.s.Admin)
 		for i, d := range []string{"rx", "tx"} {
 			dev0[i] = counterValue(out, fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", d))
 		}
 	}
+	v.s.KillHostd()
+	t.Logf("hostd killed; process guest's connection %+v", conn.Stats())
+	if err := v.s.StartHostd(); err != nil {
+		v.fail("start hostd again: %v", err)
+	}
+
 	// The new hostd adopts the pair region and RESUMEs both ends once
 	// they reattached (its log says so: a line stays, a path may not).
 	for _, want := range []string{"adopted a vsock VM's stretch", "resuming an adopted vsock stretch on TCP"} {
@@ -261,9 +264,9 @@ func procDuplex(c halfCloser, seed uint64) duplex {
 // vsockdKept checks, after the return to the rings, that shunt-vsockd
 // kept the device through hostd's restart: still running, its QEMU
 // served by the one session it has had, the new hostd told so, and the
-// device carrying, since the restart (dev0: its rx and tx bytes then),
-// at least the 1 MiB the process guest read on the rings from the VM,
-// and bytes to the VM.
+// device carrying, since just before the kill (dev0: its rx and tx bytes
+// then), at least the 1 MiB the process guest read on the rings from the
+// VM after the return, and bytes to the VM.
 func vsockdKept(v *vsockVM, dev0 [2]float64) {
 	v.t.Helper()
 	if v.vsockd.cmd.ProcessState != nil {
@@ -281,10 +284,10 @@ func vsockdKept(v *vsockVM, dev0 [2]float64) {
 		dev[i] = counterValue(out, fmt.Sprintf("shunt_vsock_bytes_total{direction=%s,guest=vm}", d))
 	}
 	if dev0[0] < 0 || dev[0]-dev0[0] < 1<<20 || dev[1] <= dev0[1] {
-		v.fail("shunt_vsock_bytes_total rx %v then %v, tx %v then %v: want at least 1 MiB from the VM and bytes to it through shunt-vsockd's device since the restart", dev0[0], dev[0], dev0[1], dev[1])
+		v.fail("shunt_vsock_bytes_total rx %v then %v, tx %v then %v: want at least 1 MiB from the VM and bytes to it through shunt-vsockd's device since the kill", dev0[0], dev[0], dev0[1], dev[1])
 	}
 	if !strings.Contains(v.s.Log(), "kept=true qemu_connected=true") {
 		v.fail("the restarted hostd's log does not say shunt-vsockd kept the device with its QEMU")
 	}
-	v.t.Logf("shunt-vsockd kept the device: one QEMU session; since hostd's restart %.0f bytes from the VM and %.0f to it through it", dev[0]-dev0[0], dev[1]-dev0[1])
+	v.t.Logf("shunt-vsockd kept the device: one QEMU session; since hostd's kill %.0f bytes from the VM and %.0f to it through it", dev[0]-dev0[0], dev[1]-dev0[1])
 }
