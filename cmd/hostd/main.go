@@ -240,7 +240,11 @@ func runClient(cmd string, args []string) error {
 			if v.Connected {
 				qemu = "QEMU connected"
 			}
-			fmt.Fprintf(tw, "vsock %s\tcid %d, %s, %d connections, %s\n", v.Guest, v.CID, qemu, v.Conns, v.Socket)
+			by := ""
+			if v.Daemon {
+				by = " (shunt-vsockd's)"
+			}
+			fmt.Fprintf(tw, "vsock %s\tcid %d, %s, %d connections, %s%s\n", v.Guest, v.CID, qemu, v.Conns, v.Socket, by)
 		}
 	case admin.CmdCounters:
 		var cs map[string]float64
