@@ -241,6 +241,7 @@ fuzz: ## run each fuzz target for FUZZTIME (default 30s)
 	$(GO) test -run '^$$' -fuzz '^FuzzParseDomain$$' -fuzztime $${FUZZTIME:-30s} ./hostd/virt
 	$(GO) test -run '^$$' -fuzz '^FuzzWalk$$' -fuzztime $${FUZZTIME:-30s} ./vhost/virtq
 	$(GO) test -run '^$$' -fuzz '^FuzzServe$$' -fuzztime $${FUZZTIME:-30s} ./vhost/vhostuser
+	$(GO) test -run '^$$' -fuzz '^FuzzDecode$$' -fuzztime $${FUZZTIME:-30s} ./hostd/vsockd
 	@for t in FuzzPackets FuzzHdr; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./vhost/vsock || exit 1; done
 	@for t in FuzzReadFrame FuzzRDMABatch; do $(GO) test -run '^$$' -fuzz "^$$t$$" -fuzztime $${FUZZTIME:-30s} ./relay || exit 1; done
 
