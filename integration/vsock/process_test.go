@@ -151,7 +151,7 @@ type vmHow struct {
 // procPort, and a TCG VM (vhost-user-vsock served by hostd, virtio-serial
 // control, no ivshmem) that dialed it with guestlib.
 type vsockVM struct {
-	t      *testing.T
+	t      testing.TB
 	s      *stack.Stack
 	hostd  string
 	vsockd *vsockdProc // shunt-vsockd, if it serves the device (vmHow.vsockd)
@@ -173,7 +173,7 @@ func startVsockVM(t *testing.T, ctx context.Context, phases ...string) *vsockVM 
 }
 
 // startVsockVMHow is startVsockVM with the VM set up as how says.
-func startVsockVMHow(t *testing.T, ctx context.Context, how vmHow, phases ...string) *vsockVM {
+func startVsockVMHow(t testing.TB, ctx context.Context, how vmHow, phases ...string) *vsockVM {
 	testenv.NeedRoot(t)
 	testenv.NeedTool(t, "nft", "nftables")
 	start := time.Now()

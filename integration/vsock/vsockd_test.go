@@ -24,7 +24,7 @@ type vsockdProc struct {
 // startVsockd builds and starts shunt-vsockd with its control socket in
 // dir, and returns once it answers there; it is killed by its pid when
 // the test ends.
-func startVsockd(t *testing.T, dir string) *vsockdProc {
+func startVsockd(t testing.TB, dir string) *vsockdProc {
 	bin := filepath.Join(dir, "shunt-vsockd")
 	if out, err := exec.Command("go", "build", "-o", bin, "../../cmd/shunt-vsockd").CombinedOutput(); err != nil {
 		t.Fatalf("build shunt-vsockd: %v\n%s", err, out)
