@@ -6,6 +6,7 @@ import (
 	"context"
 	"fmt"
 	"sort"
+	"strings"
 	"testing"
 	"time"
 
@@ -52,6 +53,7 @@ func BenchmarkVsockdHop(b *testing.B) {
 		b.Fatalf("rounds done: hostd %d, shunt-vsockd %d", len(got[false]), len(got[true]))
 	}
 	med := func(v []float64) float64 { v = append([]float64(nil), v...); sort.Float64s(v); return v[len(v)/2] }
+	show := func(v []float64) string { return strings.Trim(fmt.Sprintf("%.1f", v), "[]") }
 	h, d := med(got[false]), med(got[true])
-	b.Logf("MB/s both ways: hostd's device %.1f (median of %v), shunt-vsockd's %.1f (median of %v), vsockd/hostd %.2fx", h, got[false], d, got[true], d/h)
+	b.Logf("MB/s both ways: hostd's device %.1f (median of %s), shunt-vsockd's %.1f (median of %s), vsockd/hostd %.2fx", h, show(got[false]), d, show(got[true]), d/h)
 }
