@@ -32,6 +32,7 @@ type Client struct {
 
 	mu      sync.Mutex
 	conn    *net.UnixConn   // nil while disconnected
+	ready   *net.UnixConn   // conn, once its devices were named
 	answers chan Msg        // the connection's answers, from its reader
 	served  map[uint32]bool // the daemon's last word, by guest id
 	pid     int             // the daemon's, once connected
@@ -118,7 +119,7 @@ func (c *Client) Stats() []vsockhost.Stat {
 // keep dials again whenever the connection is lost.
 func (c *Client) keep() {
 	defer c.wg.Done()
-	var seen chan struct{} // a lost connection already told
+	var seen chan struct{} // a connection already waited for
 	for {
 		c.mu.Lock()
 		lost := c.lost
@@ -127,7 +128,6 @@ func (c *Client) keep() {
 			seen = lost
 			select {
 			case <-lost:
-				c.log.Warn("lost shunt-vsockd; its VMs' vsock counts as down until it answers again", "socket", c.path)
 			case <-c.stop:
 				return
 			}
@@ -224,6 +224,9 @@ func (c *Client) connect(ctx context.Context) (err error) {
 			return err
 		}
 	}
+	c.mu.Lock()
+	c.ready = conn
+	c.mu.Unlock()
 	return nil
 }
 
@@ -304,9 +307,17 @@ func (c *Client) reader(conn *net.UnixConn, answers chan Msg, lost chan struct{}
 	if c.conn == conn {
 		c.conn = nil
 	}
+	wasReady := c.ready == conn
+	if wasReady {
+		c.ready = nil
+	}
 	c.mu.Unlock()
 	close(lost)
-	if !errors.Is(err, net.ErrClosed) {
-		c.log.Debug("shunt-vsockd connection ended", "error", err)
+	select {
+	case <-c.stop:
+	default:
+		if wasReady {
+			c.log.Warn("lost shunt-vsockd; its VMs' vsock counts as down until it answers again (dialing every second)", "socket", c.path, "error", err)
+		}
 	}
 }
