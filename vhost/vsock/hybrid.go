@@ -6,7 +6,6 @@ import (
 	"fmt"
 	"io"
 	"net"
-	"os"
 	"strconv"
 	"strings"
 	"sync"
@@ -18,7 +17,8 @@ import (
 // a host program connects and writes "CONNECT <port>\n" to reach the
 // guest's listener on port (the answer is "OK <host port>\n", then the
 // stream), and, for the guest's connections to host port P, a connection
-// to the Unix socket at Path_P, if one listens there (else RST).
+// to the Unix socket at Path_P, if one listens there (else RST): a
+// socket of this process's user, not reached through a symlink.
 type Hybrid struct {
 	d    *Device
 	path string
@@ -42,8 +42,7 @@ func ServeHybrid(d *Device, path string) (*Hybrid, error) {
 	}
 	h := &Hybrid{d: d, path: path, ul: ul, conns: map[io.Closer]bool{}}
 	h.any, err = d.ListenAny(func(port uint32) bool {
-		st, err := os.Stat(h.portPath(port))
-		return err == nil && st.Mode()&os.ModeSocket != 0
+		return isOwnedSocket(h.portPath(port))
 	})
 	if err != nil {
 		ul.Close()
@@ -71,8 +70,7 @@ func ServeHybridGuest(d *Device, path string, ports ...uint32) (*Hybrid, error) 
 		if !want[port] {
 			return false
 		}
-		st, err := os.Stat(h.portPath(port))
-		return err == nil && st.Mode()&os.ModeSocket != 0
+		return isOwnedSocket(h.portPath(port))
 	})
 	if err != nil {
 		return nil, err
@@ -204,7 +202,9 @@ func (h *Hybrid) serveGuest() {
 		go func() {
 			defer h.wg.Done()
 			path := h.portPath(c.LocalAddr().(*Addr).Port)
-			u, err := net.DialTimeout("unix", path, handshakeTimeout)
+			ctx, cancel := context.WithTimeout(context.Background(), handshakeTimeout)
+			u, err := dialOwned(ctx, path)
+			cancel()
 			if err != nil {
 				h.d.log("vsock cid %d: hybrid: %v", h.d.cid, err)
 				c.Close()
@@ -215,7 +215,7 @@ func (h *Hybrid) serveGuest() {
 				c.Close()
 				return
 			}
-			h.splice(u.(*net.UnixConn), c)
+			h.splice(u, c)
 		}()
 	}
 }

@@ -4,6 +4,7 @@ import (
 	"bytes"
 	"io"
 	"net"
+	"os"
 	"path/filepath"
 	"testing"
 	"time"
@@ -61,5 +62,50 @@ func TestHybridGuestPorts(t *testing.T) {
 	f.sendPkt(func() vsock.Hdr { h := g.hdr(vsock.OpShutdown); h.Flags = vsock.ShutdownSend; return h }(), nil)
 	for deadline := time.Now().Add(10 * time.Second); g.shut&vsock.ShutdownSend == 0 && time.Now().Before(deadline); {
 		g.pump(10 * time.Millisecond)
+	}
+}
+
+// TestHybridGuestSymlink: a forward goes only to a socket of the
+// daemon's user at path_P itself: a symlink planted there (to another
+// VM's path_1021, which would let this VM reach hostd as that one) and
+// another user's socket are refused with RST.
+func TestHybridGuestSymlink(t *testing.T) {
+	f := newFake(t)
+	dir := t.TempDir()
+	path := filepath.Join(dir, "a.vsock")
+	h, err := vsock.ServeHybridGuest(f.dev, path, 1021, 1022)
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer h.Close()
+	// b.vsock_1021 is a real listener (VM B's, hostd's); a.vsock_1021
+	// points at it.
+	lb, err := net.Listen("unix", filepath.Join(dir, "b.vsock_1021"))
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer lb.Close()
+	if err := os.Symlink(filepath.Join(dir, "b.vsock_1021"), path+"_1021"); err != nil {
+		t.Fatal(err)
+	}
+	f.sendPkt(hdr(vsock.OpRequest, 40001, 1021), nil)
+	if h, _ := f.expect(vsock.OpRst); h.SrcPort != 1021 {
+		t.Fatalf("port 1021 through a symlink: %v, want RST", h)
+	}
+	if os.Geteuid() != 0 {
+		t.Log("another user's socket not tried: needs root to chown (run as root)")
+		return
+	}
+	l2, err := net.Listen("unix", path+"_1022")
+	if err != nil {
+		t.Fatal(err)
+	}
+	defer l2.Close()
+	if err := os.Chown(path+"_1022", 65534, 65534); err != nil {
+		t.Fatal(err)
+	}
+	f.sendPkt(hdr(vsock.OpRequest, 40002, 1022), nil)
+	if h, _ := f.expect(vsock.OpRst); h.SrcPort != 1022 {
+		t.Fatalf("port 1022 to uid 65534's socket: %v, want RST", h)
 	}
 }
