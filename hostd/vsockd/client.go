@@ -19,6 +19,11 @@ const answerWait = 5 * time.Second
 // redial is how often the client dials a daemon it lost.
 const redial = time.Second
 
+// connectWait bounds a redial's whole exchange with n devices: hello,
+// list, forgets, one device each (a device made takes a socket and a
+// room; one kept, a round trip).
+func connectWait(n int) time.Duration { return answerWait + time.Duration(n)*10*time.Millisecond }
+
 // Client is hostd's end: it names the devices hostd wants, keeps the
 // daemon's word on which are served, and dials again when it loses the
 // daemon (until Close). Safe for concurrent use.
@@ -36,6 +41,8 @@ type Client struct {
 	answers chan Msg        // the connection's answers, from its reader
 	served  map[uint32]bool // the daemon's last word, by guest id
 	pid     int             // the daemon's, once connected
+	version int             // the protocol version spoken, once connected
+	ousted  bool            // a newer hostd took the daemon over: no redial
 	lost    chan struct{}   // closed when conn is lost
 	stop    chan struct{}
 	wg      sync.WaitGroup
@@ -139,7 +146,13 @@ func (c *Client) keep() {
 			return
 		case <-t.C:
 		}
-		ctx, cancel := context.WithTimeout(context.Background(), answerWait)
+		c.mu.Lock()
+		ousted := c.ousted
+		c.mu.Unlock()
+		if ousted {
+			return
+		}
+		ctx, cancel := context.WithTimeout(context.Background(), connectWait(len(c.devs)))
 		err := c.connect(ctx)
 		cancel()
 		if err != nil {
@@ -148,8 +161,12 @@ func (c *Client) keep() {
 	}
 }
 
-// connect dials, says hello, names the devices and forgets the daemon's
-// others.
+// connect dials, says hello, forgets the daemon's devices hostd no
+// longer has (first, so that a device whose guest now has another's
+// socket or CID is not refused for the stale one's), then names hostd's.
+// A device is stale when no device hostd names has its socket or its
+// id: one that kept either is renamed or changed by its device request,
+// where the daemon refuses to close one whose QEMU is connected.
 func (c *Client) connect(ctx context.Context) (err error) {
 	var dl net.Dialer
 	nc, err := dl.DialContext(ctx, "unixpacket", c.path)
@@ -178,15 +195,44 @@ func (c *Client) connect(ctx context.Context) (err error) {
 	c.wg.Add(1)
 	go c.reader(conn, answers, lost)
 	if err := c.request(ctx, Msg{Op: OpHello, Version: Version}, func(m Msg) (bool, error) {
-		if m.Op != OpHello || m.Version != Version {
-			return false, fmt.Errorf("%w: %s (version %d) for hello", ErrProto, m.Op, m.Version)
+		if m.Op != OpHello || m.Version < MinVersion || m.Version > Version {
+			return false, fmt.Errorf("%w: %s (version %d) for hello, want %d to %d (upgrade shunt-vsockd when its VMs can restart)", ErrProto, m.Op, m.Version, MinVersion, Version)
 		}
 		c.mu.Lock()
-		c.pid = m.PID
+		c.pid, c.version = m.PID, m.Version
 		c.mu.Unlock()
 		return true, nil
 	}); err != nil {
 		return err
+	}
+	sockets := map[string]bool{}
+	for _, d := range c.devs {
+		sockets[d.Socket] = true
+	}
+	type dev struct {
+		id    uint32
+		guest string
+	}
+	var stale []dev
+	if err := c.request(ctx, Msg{Op: OpList}, func(m Msg) (bool, error) {
+		switch m.Op {
+		case OpStat:
+			if !c.want[m.ID] && !sockets[m.Stat.Socket] {
+				stale = append(stale, dev{m.ID, m.Stat.Guest})
+			}
+			return false, nil
+		case OpEnd:
+			return true, nil
+		}
+		return false, fmt.Errorf("%w: %s in a list", ErrProto, m.Op)
+	}); err != nil {
+		return err
+	}
+	for _, s := range stale {
+		c.log.Info("shunt-vsockd's device of a guest hostd no longer has: forgotten", "guest", s.guest, "id", s.id)
+		if err := c.request(ctx, Msg{Op: OpForget, ID: s.id}, func(m Msg) (bool, error) { return m.Op == OpEnd, nil }); err != nil {
+			return err
+		}
 	}
 	for i := range c.devs {
 		dev := c.devs[i]
@@ -203,27 +249,6 @@ func (c *Client) connect(ctx context.Context) (err error) {
 			return err
 		}
 	}
-	var stale []uint32
-	if err := c.request(ctx, Msg{Op: OpList}, func(m Msg) (bool, error) {
-		switch m.Op {
-		case OpStat:
-			if !c.want[m.ID] {
-				stale = append(stale, m.ID)
-			}
-			return false, nil
-		case OpEnd:
-			return true, nil
-		}
-		return false, fmt.Errorf("%w: %s in a list", ErrProto, m.Op)
-	}); err != nil {
-		return err
-	}
-	for _, id := range stale {
-		c.log.Info("shunt-vsockd's device of a guest hostd no longer has: forgotten", "id", id)
-		if err := c.request(ctx, Msg{Op: OpForget, ID: id}, func(m Msg) (bool, error) { return m.Op == OpEnd, nil }); err != nil {
-			return err
-		}
-	}
 	c.mu.Lock()
 	c.ready = conn
 	c.mu.Unlock()
@@ -231,7 +256,7 @@ func (c *Client) connect(ctx context.Context) (err error) {
 }
 
 // request sends m and hands each answer to take until it says done (or
-// fails). Under reqMu.
+// fails), each answer within answerWait. Under reqMu.
 func (c *Client) request(ctx context.Context, m Msg, take func(Msg) (done bool, err error)) error {
 	c.mu.Lock()
 	conn, answers, lost := c.conn, c.answers, c.lost
@@ -247,9 +272,14 @@ func (c *Client) request(ctx context.Context, m Msg, take func(Msg) (done bool, 
 	if err := write(conn, m); err != nil {
 		return fail(fmt.Errorf("shunt-vsockd: send %s: %w", m.Op, err))
 	}
+	t := time.NewTimer(answerWait)
+	defer t.Stop()
 	for {
 		select {
+		case <-t.C:
+			return fail(fmt.Errorf("shunt-vsockd: no answer to %s within %v", m.Op, answerWait))
 		case a := <-answers:
+			t.Reset(answerWait)
 			if a.Op == OpError {
 				if m.Op == OpDevice {
 					// One device refused is that VM's alone.
@@ -274,8 +304,10 @@ func (c *Client) request(ctx context.Context, m Msg, take func(Msg) (done bool, 
 }
 
 // reader takes conn's messages: frontend events into served, answers to
-// the request waiting for them. A bad message, or a request's answers
-// piling up unread, ends the connection.
+// the request waiting for them (a list streams through answers, each
+// taken within answerWait). A bad message, answers nobody takes, or a
+// bye (a newer hostd took the daemon over: this one stops dialing) ends
+// the connection.
 func (c *Client) reader(conn *net.UnixConn, answers chan Msg, lost chan struct{}) {
 	defer c.wg.Done()
 	var err error
@@ -293,11 +325,23 @@ func (c *Client) reader(conn *net.UnixConn, answers chan Msg, lost chan struct{}
 			c.log.Info("shunt-vsockd: a device's QEMU", "id", m.ID, "connected", m.Connected)
 			continue
 		}
+		if m.Op == OpBye {
+			c.mu.Lock()
+			c.ousted = true
+			c.mu.Unlock()
+			c.log.Error("another hostd took shunt-vsockd over: this one no longer names its devices, nor dials it again (is a second hostd running?)", "daemon_said", m.Error)
+			err = errors.New(m.Error)
+			break
+		}
+		t := time.NewTimer(answerWait)
 		select {
 		case answers <- m:
-		default:
-			err = fmt.Errorf("%w: answers nobody asked for", ErrProto)
+		case <-t.C:
+			err = fmt.Errorf("%w: answers nobody takes", ErrProto)
+		case <-c.stop:
+			err = net.ErrClosed
 		}
+		t.Stop()
 		if err != nil {
 			break
 		}
@@ -307,8 +351,8 @@ func (c *Client) reader(conn *net.UnixConn, answers chan Msg, lost chan struct{}
 	if c.conn == conn {
 		c.conn = nil
 	}
-	wasReady := c.ready == conn
-	if wasReady {
+	wasReady := c.ready == conn && !c.ousted
+	if c.ready == conn {
 		c.ready = nil
 	}
 	c.mu.Unlock()

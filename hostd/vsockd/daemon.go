@@ -22,10 +22,16 @@ import (
 // room and a forwarder).
 const maxDevices = 4096
 
-// eventBuffer bounds the frontend events and answers waiting for a slow
-// controller; a controller that lets it fill is dropped (it dials again
-// and asks afresh).
+// eventBuffer bounds the frontend events waiting for a slow controller;
+// a controller that lets it fill is dropped (it dials again and asks
+// afresh).
 const eventBuffer = 1024
+
+// answerSlots bounds the answers queued for the controller: an answer
+// waits for a slot (the writer frees one per message written, each write
+// bounded by writeWait), so a list of every device streams at the pace
+// hostd reads it and never crowds out the events' room.
+const answerSlots = 64
 
 // writeWait bounds one message's write to the controller.
 const writeWait = 5 * time.Second
@@ -55,9 +61,18 @@ type served struct {
 
 // controller is a connected hostd: out is what its writer sends.
 type controller struct {
-	c    *net.UnixConn
-	out  chan Msg
-	free chan struct{} // closed once it no longer holds the slot
+	c     *net.UnixConn
+	out   chan queued   // eventBuffer events and answerSlots answers
+	slots chan struct{} // one per answer queued, freed by the writer
+	free  chan struct{} // closed once it no longer holds the slot
+	// dropped: the controller was dropped (logged once); under d.mu.
+	dropped bool
+}
+
+// queued is a message for the writer; answer says it holds a slot.
+type queued struct {
+	m      Msg
+	answer bool
 }
 
 // Listen listens on the control socket at path (mode 0600; a stale
@@ -91,7 +106,8 @@ func Listen(log hclog.Logger, path string) (*Daemon, error) {
 }
 
 // Close stops serving hostd and closes every device: each VM loses its
-// vsock until it restarts (QEMU 7.2 does not reconnect).
+// vsock until it restarts (QEMU 7.2 does not reconnect). It waits for
+// every goroutine of the daemon's.
 func (d *Daemon) Close() {
 	d.l.Close()
 	d.mu.Lock()
@@ -113,7 +129,7 @@ func (s *served) close() {
 	s.room.Close()
 }
 
-// accept serves one hostd at a time.
+// accept serves the control connections.
 func (d *Daemon) accept() {
 	defer d.wg.Done()
 	for {
@@ -144,11 +160,19 @@ func (d *Daemon) accept() {
 const helloWait = 5 * time.Second
 
 // takeoverWait bounds how long a new hostd waits for the connection of
-// the one before it to end (a dead process's EOF is read at once).
-const takeoverWait = time.Second
+// the one it replaces to end once closed (its writer's write is cut
+// short by the close; its request in hand, at most a device's start).
+const takeoverWait = writeWait
 
-// control serves one connection: its hello, then, if no other hostd is
-// connected, its requests until it goes.
+// byeWait bounds the goodbye written to a controller being replaced: a
+// hung hostd may not read it.
+const byeWait = 500 * time.Millisecond
+
+// control serves one connection: its hello, then its requests until it
+// goes. The newest hello wins: a hostd that says hello replaces the
+// controller connected before it (a restarted hostd may come before its
+// dead predecessor's EOF was read, and a hung one must not keep the
+// devices from the next for ever); only root reaches the socket.
 func (d *Daemon) control(c *net.UnixConn) {
 	d.mu.Lock()
 	if d.closed {
@@ -177,33 +201,38 @@ func (d *Daemon) control(c *net.UnixConn) {
 		return
 	}
 	_ = c.SetReadDeadline(time.Time{})
-	ctl := &controller{c: c, out: make(chan Msg, eventBuffer), free: make(chan struct{})}
+	ctl := &controller{c: c, out: make(chan queued, eventBuffer+answerSlots), slots: make(chan struct{}, answerSlots), free: make(chan struct{})}
 	d.mu.Lock()
-	if old := d.ctl; old != nil && !d.closed {
-		// A restarted hostd may come before its dead predecessor's EOF
-		// was read here: it waits for that a little.
+	for d.ctl != nil && !d.closed {
+		old := d.ctl
 		d.mu.Unlock()
+		d.log.Warn("a new hostd said hello: the previous one's control connection closed")
+		_ = old.c.SetWriteDeadline(time.Now().Add(byeWait))
+		_ = write(old.c, Msg{Op: OpBye, Error: "another hostd took over shunt-vsockd"})
+		old.c.Close()
 		select {
 		case <-old.free:
 		case <-time.After(takeoverWait):
+			d.log.Error("the previous hostd's control connection did not end: the new one refused")
+			_ = write(c, Msg{Op: OpError, Error: "the previous hostd's connection did not end; try again"})
+			return
 		}
 		d.mu.Lock()
 	}
-	if d.closed || d.ctl != nil {
+	if d.closed {
 		d.mu.Unlock()
-		d.log.Warn("a second control connection refused: one hostd at a time")
-		_ = write(c, Msg{Op: OpError, Error: "another hostd is connected"})
+		_ = write(c, Msg{Op: OpError, Error: "shutting down"})
 		return
 	}
 	d.ctl = ctl
-	d.sendLocked(ctl, Msg{Op: OpHello, Version: Version, PID: os.Getpid()})
 	d.mu.Unlock()
-	d.log.Info("hostd connected")
+	d.log.Info("hostd connected", "version", m.Version)
 	done := make(chan struct{})
 	go func() {
 		defer close(done)
 		d.writer(ctl)
 	}()
+	d.answer(ctl, Msg{Op: OpHello, Version: min(m.Version, Version), PID: os.Getpid()})
 	err = d.serve(ctl)
 	d.mu.Lock()
 	d.ctl = nil
@@ -240,30 +269,57 @@ func sameUser(c *net.UnixConn) error {
 	return nil
 }
 
-// writer sends ctl's messages until out closes; a failed write drops the
-// controller.
+// writer sends ctl's messages until out closes, freeing an answer's slot
+// once it is written; a failed write drops the controller (it goes on
+// taking messages, so nobody waits on a slot, until serve ends).
 func (d *Daemon) writer(ctl *controller) {
-	for m := range ctl.out {
-		_ = ctl.c.SetWriteDeadline(time.Now().Add(writeWait))
-		if err := write(ctl.c, m); err != nil {
-			ctl.c.Close()
-			for range ctl.out { // until serve ends and closes it
+	failed := false
+	for q := range ctl.out {
+		if !failed {
+			_ = ctl.c.SetWriteDeadline(time.Now().Add(writeWait))
+			if err := write(ctl.c, q.m); err != nil {
+				failed = true
+				ctl.c.Close()
 			}
-			return
+		}
+		if q.answer {
+			<-ctl.slots
 		}
 	}
 }
 
-// sendLocked queues m for ctl; a controller whose queue is full is
-// dropped (its reads fail, serve ends). Under d.mu.
-func (d *Daemon) sendLocked(ctl *controller, m Msg) {
-	if ctl == nil {
+// answer queues an answer for ctl, waiting for a slot: at most
+// answerSlots writes, each bounded by writeWait. Not under d.mu; only
+// serve's goroutine answers.
+func (d *Daemon) answer(ctl *controller, m Msg) {
+	d.reserve(ctl)
+	d.mu.Lock()
+	d.answerLocked(ctl, m)
+	d.mu.Unlock()
+}
+
+// reserve takes an answer's slot, for answerLocked.
+func (d *Daemon) reserve(ctl *controller) { ctl.slots <- struct{}{} }
+
+// answerLocked queues an answer whose slot was reserved: it never
+// blocks (out has room for every slot beside eventBuffer events), and,
+// queued under d.mu, it keeps its order with the frontend events.
+func (d *Daemon) answerLocked(ctl *controller, m Msg) {
+	ctl.out <- queued{m: m, answer: true}
+}
+
+// eventLocked queues an event for ctl (nil: no controller); one whose
+// queue is full is dropped (its reads fail, serve ends), logged once.
+// Under d.mu.
+func (d *Daemon) eventLocked(ctl *controller, m Msg) {
+	if ctl == nil || ctl.dropped {
 		return
 	}
 	select {
-	case ctl.out <- m:
+	case ctl.out <- queued{m: m}:
 	default:
-		d.log.Warn("hostd does not read its control connection: dropped")
+		ctl.dropped = true
+		d.log.Warn("hostd does not read its control connection: dropped", "events_queued", eventBuffer)
 		ctl.c.Close()
 	}
 }
@@ -291,94 +347,27 @@ func (d *Daemon) serve(ctl *controller) error {
 	}
 }
 
-// device makes dev, or keeps the one the guest has if it is the same;
-// one that differs (a new socket or CID) is closed and made afresh.
-func (d *Daemon) device(ctl *controller, dev Device) {
-	d.mu.Lock()
-	old := d.devs[dev.ID]
-	if old != nil && old.dev == dev {
-		d.sendLocked(ctl, Msg{Op: OpDevice, ID: dev.ID, Kept: true, Connected: old.connected})
-		d.mu.Unlock()
-		return
+// list answers every device's Stat, then end, each as a slot frees: a
+// list of maxDevices streams at hostd's pace.
+func (d *Daemon) list(ctl *controller) {
+	type entry struct {
+		s   *served
+		dev Device
 	}
-	var clash string
-	for id, s := range d.devs {
-		if id != dev.ID && (s.dev.CID == dev.CID || s.dev.Socket == dev.Socket) {
-			clash = s.dev.Guest
+	d.mu.Lock()
+	es := make([]entry, 0, len(d.devs))
+	for _, s := range d.devs {
+		es = append(es, entry{s, s.dev})
+	}
+	d.mu.Unlock()
+	sort.Slice(es, func(i, j int) bool { return es[i].dev.ID < es[j].dev.ID })
+	for _, e := range es {
+		for _, st := range e.s.room.Stats() {
+			st.Guest = e.dev.Guest // the room keeps the name it was made with
+			d.answer(ctl, Msg{Op: OpStat, ID: e.dev.ID, Stat: &st})
 		}
 	}
-	if clash == "" && old == nil && len(d.devs) >= maxDevices {
-		clash = fmt.Sprintf("(%d devices already)", maxDevices)
-	}
-	if clash != "" {
-		d.sendLocked(ctl, Msg{Op: OpError, Error: fmt.Sprintf("guest %s: its socket or cid is guest %s's", dev.Guest, clash)})
-		d.mu.Unlock()
-		return
-	}
-	delete(d.devs, dev.ID)
-	d.mu.Unlock()
-	if old != nil {
-		d.log.Warn("device changed: the old one closed (its VM loses vsock until it restarts)", "guest", dev.Guest, "old", fmt.Sprintf("%+v", old.dev), "new", fmt.Sprintf("%+v", dev))
-		old.close()
-	}
-	s, err := d.start(dev)
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	if err != nil {
-		d.sendLocked(ctl, Msg{Op: OpError, Error: err.Error()})
-		return
-	}
-	if d.closed {
-		go s.close()
-		d.sendLocked(ctl, Msg{Op: OpError, Error: "shutting down"})
-		return
-	}
-	d.devs[dev.ID] = s
-	d.sendLocked(ctl, Msg{Op: OpDevice, ID: dev.ID, Connected: s.connected})
-}
-
-// start makes a device, its socket and its forwarder.
-func (d *Daemon) start(dev Device) (*served, error) {
-	s := &served{dev: dev}
-	spec := vsockhost.Spec{Guest: dev.Guest, ID: dev.ID, Socket: dev.Socket, CID: dev.CID,
-		Frontend: func(connected bool) {
-			d.mu.Lock()
-			defer d.mu.Unlock()
-			s.connected = connected
-			d.sendLocked(d.ctl, Msg{Op: OpFrontend, ID: dev.ID, Connected: connected})
-		}}
-	room, err := vsockhost.Start(d.log.Named("vsock"), []vsockhost.Spec{spec})
-	if err != nil {
-		return nil, err
-	}
-	s.room = room
-	if s.fwd, err = vsock.ServeHybridGuest(room.Device(dev.ID), dev.Socket, Ports...); err != nil {
-		room.Close()
-		return nil, fmt.Errorf("guest %s: forward to hostd: %w", dev.Guest, err)
-	}
-	d.log.Info("device made", "guest", dev.Guest, "cid", dev.CID, "socket", dev.Socket)
-	return s, nil
-}
-
-// list answers every device's Stat, then end.
-func (d *Daemon) list(ctl *controller) {
-	d.mu.Lock()
-	ss := make([]*served, 0, len(d.devs))
-	for _, s := range d.devs {
-		ss = append(ss, s)
-	}
-	d.mu.Unlock()
-	sort.Slice(ss, func(i, j int) bool { return ss[i].dev.ID < ss[j].dev.ID })
-	var stats []vsockhost.Stat
-	for _, s := range ss {
-		stats = append(stats, s.room.Stats()...)
-	}
-	d.mu.Lock()
-	defer d.mu.Unlock()
-	for i := range stats {
-		d.sendLocked(ctl, Msg{Op: OpStat, ID: ss[i].dev.ID, Stat: &stats[i]})
-	}
-	d.sendLocked(ctl, Msg{Op: OpEnd})
+	d.answer(ctl, Msg{Op: OpEnd})
 }
 
 // forget closes the guest's device, if any.
@@ -391,7 +380,5 @@ func (d *Daemon) forget(ctl *controller, id uint32) {
 		d.log.Info("device forgotten: hostd no longer has its guest", "guest", s.dev.Guest)
 		s.close()
 	}
-	d.mu.Lock()
-	d.sendLocked(ctl, Msg{Op: OpEnd})
-	d.mu.Unlock()
+	d.answer(ctl, Msg{Op: OpEnd})
 }

@@ -14,8 +14,16 @@ import (
 	"github.com/shuntnet/shunt/relay"
 )
 
-// Version is the protocol's version; a hello with another is refused.
+// Version is the newest protocol version this side speaks. A hello
+// carries the sender's newest; the daemon accepts any from MinVersion up
+// and answers with the one both speak (the lower), which the client then
+// speaks, so upgrading hostd past a daemon left running (the package
+// does not restart it: that costs the VMs their vsock) does not lock
+// hostd out. The hello's fields are frozen for that.
 const Version = 1
+
+// MinVersion is the oldest version this side still speaks.
+const MinVersion = 1
 
 // MaxMsg bounds a message: one packet.
 const MaxMsg = 4096
@@ -38,6 +46,7 @@ const (
 	OpEnd      = "end"
 	OpFrontend = "frontend"
 	OpError    = "error"
+	OpBye      = "bye" // to a controller replaced by a newer hello
 )
 
 // Msg is one message either way; which fields an op carries is in the
@@ -87,8 +96,8 @@ func (d *Device) Check() error {
 func (m *Msg) check() error {
 	switch m.Op {
 	case OpHello:
-		if m.Version != Version {
-			return fmt.Errorf("%w: version %d, want %d (upgrade hostd and shunt-vsockd together)", ErrProto, m.Version, Version)
+		if m.Version < MinVersion {
+			return fmt.Errorf("%w: version %d, want %d or later (upgrade hostd)", ErrProto, m.Version, MinVersion)
 		}
 	case OpDevice:
 		if m.Device != nil {
@@ -105,7 +114,7 @@ func (m *Msg) check() error {
 		if m.Stat == nil {
 			return fmt.Errorf("%w: stat without a stat", ErrProto)
 		}
-	case OpList, OpEnd, OpError:
+	case OpList, OpEnd, OpError, OpBye:
 	default:
 		return fmt.Errorf("%w: unknown op %q", ErrProto, m.Op)
 	}

@@ -38,6 +38,9 @@ type Spec struct {
 	// Frontend, if set, is called when a front-end starts and stops being
 	// served (shunt-vsockd tells hostd so). Not for hybrid devices.
 	Frontend func(connected bool)
+	// Restart, if set, says what brings back a device whose socket
+	// failed, for the log ("hostd restarts" if empty).
+	Restart string
 }
 
 // Daemon is shunt-vsockd as hostd sees it (hostd/vsockd.Client): whether
@@ -168,7 +171,11 @@ func (d *device) accept() {
 		c, err := d.l.AcceptUnix()
 		if err != nil {
 			if !errors.Is(err, net.ErrClosed) {
-				d.log.Error("vsock socket failed; the VM's vsock is gone until hostd restarts", "error", err)
+				until := d.spec.Restart
+				if until == "" {
+					until = "hostd restarts"
+				}
+				d.log.Error("vsock socket failed: no QEMU can connect to the device until "+until, "error", err)
 			}
 			return
 		}
