@@ -53,6 +53,7 @@ func checkVsock(ctx context.Context, e *env) {
 		}
 	}
 	if e.cfg.VsockdSocket != "" {
+		checkVsockdPaths(e)
 		checkVsockd(ctx, e, names)
 		return
 	}
@@ -74,4 +75,27 @@ func checkVsockd(ctx context.Context, e *env, names []string) {
 	}
 	e.ok("shunt-vsockd answers at %s and serves the vsock devices of %s: a hostd restart keeps them; restarting shunt-vsockd itself leaves these VMs without vsock until each restarts",
 		e.cfg.VsockdSocket, strings.Join(names, ", "))
+}
+
+// vsockdWritable is the one directory shunt-vsockd's unit may write
+// (hostd/dist/shunt-vsockd.service: ProtectSystem=strict,
+// ReadWritePaths=/run/shunt, no capability).
+const vsockdWritable = "/run/shunt"
+
+// checkVsockdPaths: a device socket outside vsockdWritable cannot be
+// made by the daemon as its unit ships (the bind fails: read-only file
+// system), so that VM's QEMU has no device to connect to.
+func checkVsockdPaths(e *env) {
+	var out []string
+	for _, g := range e.cfg.Guests {
+		if g.Vsock != nil && g.Vsock.Hybrid == "" && !strings.HasPrefix(g.Vsock.Socket, vsockdWritable+"/") {
+			out = append(out, fmt.Sprintf("%s (%s)", g.Name, g.Vsock.Socket))
+		}
+	}
+	if len(out) == 0 {
+		return
+	}
+	e.warn(fmt.Sprintf("the vsock device sockets of %s are outside %s, the only directory shunt-vsockd.service may write (ProtectSystem=strict): the daemon cannot make them unless its unit is extended",
+		strings.Join(out, ", "), vsockdWritable),
+		fmt.Sprintf("put the sockets under %s/, or add their directories to the unit by a drop-in: systemctl edit shunt-vsockd, then [Service] ReadWritePaths=%s /your/dir, and systemctl restart shunt-vsockd (costs running VMs their vsock)", vsockdWritable, vsockdWritable))
 }

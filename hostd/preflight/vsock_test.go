@@ -6,7 +6,10 @@ import (
 	"net"
 	"os"
 	"path/filepath"
+	"strings"
 	"testing"
+
+	"github.com/shuntnet/shunt/hostd/config"
 )
 
 // TestVsock: a VM with a vsock block is checked against QEMU's devices
@@ -72,6 +75,9 @@ func TestVsockdChecks(t *testing.T) {
 	fs := run(t, c, p)
 	want(t, fs, "sockets", OK, "4 of 4 socket paths", "")
 	want(t, fs, "vsock", Warning, "shunt-vsockd does not answer", "systemctl enable --now shunt-vsockd")
+	// The test's device socket is outside /run/shunt, which the unit's
+	// sandbox leaves the daemon alone.
+	want(t, fs, "vsock", Warning, "vm1 ("+c.path("run/vm1.vsock")+") are outside /run/shunt", "ReadWritePaths=/run/shunt /your/dir")
 	if err := os.MkdirAll(filepath.Dir(ctl), 0o755); err != nil {
 		t.Fatal(err)
 	}
@@ -83,4 +89,25 @@ func TestVsockdChecks(t *testing.T) {
 	fs = run(t, c, p)
 	want(t, fs, "vsock", OK, "a hostd restart keeps them", "")
 	only(t, fs, "vsock")
+}
+
+// TestVsockdPaths: with vsockd_socket, a QEMU device socket outside
+// /run/shunt (the unit's only writable directory) is warned about, one
+// inside is not, nor a hybrid socket (the hypervisor's).
+func TestVsockdPaths(t *testing.T) {
+	cfg := &config.Config{VsockdSocket: "/run/shunt/vsockd.sock", Guests: []config.Guest{
+		{Name: "in", Vsock: &config.Vsock{Socket: "/run/shunt/in.vsock", CID: 3}},
+		{Name: "out", Vsock: &config.Vsock{Socket: "/run/shuntx/out.vsock", CID: 4}},
+		{Name: "fc", Vsock: &config.Vsock{Hybrid: "/srv/fc.vsock"}},
+	}}
+	e := &env{cfg: cfg, check: "vsock"}
+	checkVsockdPaths(e)
+	if len(e.out) != 1 || !strings.Contains(e.out[0].What, "of out (/run/shuntx/out.vsock) are") {
+		t.Fatalf("got %+v, want one warning naming out alone", e.out)
+	}
+	e.out = nil
+	cfg.Guests = cfg.Guests[:1]
+	if checkVsockdPaths(e); len(e.out) != 0 {
+		t.Fatalf("got %+v for a socket under /run/shunt, want nothing", e.out)
+	}
 }

@@ -20,18 +20,30 @@
 // daemon's own user only: checked by SO_PEERCRED). Each message is one
 // JSON object in one packet of at most MaxMsg bytes; unknown fields, an
 // unknown op and a bad value end the connection. One controller at a
-// time: a second connection gets an error and is closed.
+// time, the newest: a hello replaces the controller before it, which is
+// told bye and closed (a hung hostd must not keep the devices).
 //
 //	hostd                                     shunt-vsockd
-//	hello{version:1}                     -->
-//	                                     <--  hello{version:1, pid}
-//	device{device:{guest,id,socket,cid}} -->  makes it, or keeps the same one
-//	                                     <--  device{id, kept, connected}
+//	hello{version:N}                     -->  N: the newest hostd speaks
+//	                                     <--  hello{version:min(N, its own), pid}
 //	list{}                               -->
 //	                                     <--  stat{stat} ... end{}
 //	forget{id}                           -->  closes a device hostd no longer has
 //	                                     <--  end{}
+//	device{device:{guest,id,socket,cid}} -->  makes it, or keeps the one of that
+//	                                          socket and cid (renamed in place)
+//	                                     <--  device{id, kept, connected}
 //	                                     <--  frontend{id, connected} (any time)
+//	                                     <--  bye{error} (replaced; then closed)
+//
+// hostd lists first and forgets the devices whose socket and id it no
+// longer names, then names its own. A device whose socket or CID
+// changed is made afresh only while no QEMU is connected to it; else the
+// daemon answers error and the device goes on (closing it would leave
+// the VM without vsock until it restarts). Answers wait for one of a
+// few slots the daemon's writer frees as it writes, so a list of every
+// device streams at hostd's pace; events have a queue of their own, and
+// a controller that lets it fill is dropped.
 //
 // Requests are answered in order, one at a time; frontend events come
 // between answers whenever a device's QEMU connects or goes, in the order
