@@ -214,17 +214,21 @@ static int open_port(struct shunt_session *s, const char *path, struct shunt_msg
  * write and WELCOME's read by SHUNT_HELLO_TIMEOUT_S. ERROR(not-guest),
  * hostd refusing a process outside the guest's network namespace, is
  * EPERM, its text in m. */
-static int connect_hello(const struct shunt_session *s, int family, const struct sockaddr *sa, socklen_t len,
-			 struct shunt_msg *m)
+static int connect_hello(struct shunt_session *s, int family, const struct sockaddr *sa, socklen_t len, struct shunt_msg *m)
 {
 	errno = 0;
 	int fd = sys_socket(family, SOCK_STREAM | SOCK_CLOEXEC, 0);
 	struct shunt_msg h = hello(s);
 	struct timeval tv = {.tv_sec = SHUNT_HELLO_TIMEOUT_S};
 	struct timeval ct = {.tv_sec = SHUNT_VSOCK_CONNECT_MS / 1000, .tv_usec = SHUNT_VSOCK_CONNECT_MS % 1000 * 1000};
-	if (fd < 0 ||
-	    (family == AF_VSOCK && sys_setsockopt(fd, AF_VSOCK, SO_VM_SOCKETS_CONNECT_TIMEOUT, &ct, sizeof ct) < 0) ||
-	    sys_connect(fd, sa, len) < 0 || sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
+	/* Only says the kernel's default, so a refusal is no failure: a
+	 * 32-bit userland with a 64-bit time_t passes a struct timeval of
+	 * another size than the kernel's old option takes. */
+	if (fd >= 0 && family == AF_VSOCK && sys_setsockopt(fd, AF_VSOCK, SO_VM_SOCKETS_CONNECT_TIMEOUT, &ct, sizeof ct) < 0) {
+		shunt_logf(s, "shunt: vsock connect timeout not set (%s): the kernel's default bounds the connect", strerror(errno));
+		errno = 0;
+	}
+	if (fd < 0 || sys_connect(fd, sa, len) < 0 || sys_setsockopt(fd, SOL_SOCKET, SO_RCVTIMEO, &tv, sizeof tv) < 0 ||
 	    sys_setsockopt(fd, SOL_SOCKET, SO_SNDTIMEO, &tv, sizeof tv) < 0 || channel_write(fd, 0, &h) ||
 	    channel_read(fd, 0, m) ||
 	    (m->type == SHUNT_ERROR && m->reason == SHUNT_REASON_NOT_GUEST && (errno = EPERM)) ||
@@ -283,7 +287,7 @@ static int open_vsock(struct shunt_session *s, struct shunt_msg *m)
  * namespace: it needs no path and no permission, and reaching it proves
  * the namespace. -1 with the path's errno if neither answers (m then
  * holds hostd's ERROR text, if it sent one). */
-static int open_socket(const struct shunt_session *s, const char *path, struct shunt_msg *m)
+static int open_socket(struct shunt_session *s, const char *path, struct shunt_msg *m)
 {
 	struct sockaddr_un sa = {.sun_family = AF_UNIX};
 	int fd = -1, e = ENAMETOOLONG;

@@ -64,6 +64,11 @@ struct shunt_session {
 	int fd;             /* the channel, or -1; stored atomically (read without mu) */
 	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
 	int64_t tried;      /* when an open last failed */
+	/* An open runs without mu (session.c, "opening"), one at a time: set
+	 * while one does. The fields channel_open writes (vm, vsock,
+	 * vsock_err, vsock_quiet, guest_id, region_path, bar) are the
+	 * opener's alone. */
+	int opening;
 	uint8_t *region;    /* region 0: mapped once per process, at the first WELCOME that names one */
 	struct shunt_region reg;
 	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */
@@ -84,7 +89,8 @@ struct shunt_session {
 /* The channel (channel.c). channel_open opens it (socket, port or vsock,
  * found as the config says) and returns its fd with WELCOME in m, or -1
  * with errno; on a port it sets s->vm and s->region_path and turns on
- * kicks, over vsock s->vsock (a socket's framing: vm stays 0).
+ * kicks, over vsock s->vsock (a socket's framing: vm stays 0). It runs
+ * without s->mu, in the session's one opener (s->opening).
  * The rest are framed I/O on an open channel (port: is it a port). */
 int channel_open(struct shunt_session *s, struct shunt_msg *m);
 int channel_read(int fd, int port, struct shunt_msg *m);

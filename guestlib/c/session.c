@@ -91,6 +91,7 @@ static void fork_child(void)
 		__atomic_store_n(&s->fd, -1, __ATOMIC_SEQ_CST);
 		s->pend = NULL; /* on the stacks of threads the child does not have */
 		s->tried = 0;
+		s->opening = 0; /* its opener, if any, is a thread the child does not have */
 		s->outlen = 0; /* the parent's; its writer thread did not come along */
 		s->writer = 0;
 	}
@@ -468,6 +469,40 @@ static void region0_check(struct shunt_session *s, const struct shunt_msg *w)
 		   (unsigned long long)w->gen);
 }
 
+/* ---- opening: without the lock ----
+ *
+ * An open can take seconds (a vsock connect 2 s, HELLO's write and
+ * WELCOME's read 5 s each; a port's HELLOs 5 s), and every program
+ * thread's close() and connect() takes mu to send (shunt_session_send).
+ * So the open runs with mu let go, by one thread at a time (s->opening):
+ * another that needs the channel meanwhile does not wait, it finds none,
+ * and its connection stays on TCP, as with no hostd. The opener then
+ * takes mu again and installs the channel only if the session is still
+ * this process's and has none; else it closes it. A fork child finds no
+ * open under way (fork_child): its opener stayed in the parent. */
+
+/* open_unlocked opens the channel as the session's one opener, with mu
+ * held on entry and on return but not in between (the caller checked
+ * that s->opening was 0, and that the session is pid's and has no
+ * channel). The fd, with WELCOME in m, or -1 with errno; a channel that
+ * can no longer be installed is closed (-1, ENOTCONN). */
+static int open_unlocked(struct shunt_session *s, pid_t pid, struct shunt_msg *m)
+{
+	s->opening = 1;
+	pthread_mutex_unlock(&s->mu);
+	int fd = channel_open(s, m);
+	int e = errno;
+	pthread_mutex_lock(&s->mu);
+	s->opening = 0;
+	if (fd >= 0 && (s->pid != pid || s->fd >= 0)) {
+		sys_close(fd);
+		fd = -1;
+		e = ENOTCONN;
+	}
+	errno = e;
+	return fd;
+}
+
 static int reconnect(struct shunt_session *s)
 {
 	pid_t pid = me();
@@ -486,8 +521,16 @@ static int reconnect(struct shunt_session *s)
 			announce(s);
 			return -1;
 		}
+		if (s->opening) { /* a program thread's ensure opens: look again after the next pause */
+			pthread_mutex_unlock(&s->mu);
+			continue;
+		}
 		struct shunt_msg w;
-		int fd = channel_open(s, &w);
+		int fd = open_unlocked(s, pid, &w);
+		if (fd < 0 && s->pid != pid) {
+			pthread_mutex_unlock(&s->mu);
+			return -1;
+		}
 		s->why = fd < 0 ? reason_of(errno) : SHUNT_REASON_NO_HOSTD;
 		if (fd >= 0) {
 			region0_check(s, &w);
@@ -609,10 +652,16 @@ int shunt_session_ensure(struct shunt_session *s)
 		__atomic_store_n(&s->pid, pid, __ATOMIC_SEQ_CST);
 		s->tried = 0;
 		s->pend = NULL;
+		s->opening = 0;
 	}
 	if (s->fd >= 0) {
 		pthread_mutex_unlock(&s->mu);
 		return 0;
+	}
+	if (s->opening) { /* another thread opens (without mu): this caller does not wait for it */
+		pthread_mutex_unlock(&s->mu);
+		errno = ENOTCONN;
+		return -1;
 	}
 	int64_t now = shunt_now_ns();
 	if (s->tried && now - s->tried < SHUNT_RETRY_NS) {
@@ -623,7 +672,7 @@ int shunt_session_ensure(struct shunt_session *s)
 	s->tried = now;
 	struct shunt_msg m;
 	m.text[0] = 0;
-	int fd = channel_open(s, &m);
+	int fd = open_unlocked(s, pid, &m);
 	if (fd < 0) {
 		int e = errno;
 		s->why = reason_of(e);

@@ -465,7 +465,9 @@ struct shunt_session_config {
 struct shunt_session *shunt_session_new(const struct shunt_session_config *c);
 /* Opens the channel if it is not open: 0, or -1 with errno. A failed open
  * is retried at most every SHUNT_RETRY_NS, so a missing hostd costs a
- * caller nothing. */
+ * caller nothing. The open runs without the session's lock, one at a
+ * time: while another thread (or the reader, reconnecting) opens, -1 with
+ * ENOTCONN at once, and sends find no channel; nothing waits for it. */
 int shunt_session_ensure(struct shunt_session *s);
 /* Whether the channel is open now. */
 int shunt_session_connected(struct shunt_session *s);

@@ -15,6 +15,9 @@
  *                                            and report the regions mapped before
  *                                            and after UNREGION ("regions 1 0")
  *
+ *   shunt-xtest reopen CONTROL               a program thread's ensure and send while
+ *                                            the reader reopens the channel (reopen.c)
+ *
  *   shunt-xtest stretch BYTES MODE           a vsock stretch through shunt-vstretchd
  *                                            ($SHUNT_VSTRETCHD): stretch.c
  *
@@ -172,6 +175,7 @@ static int session(const char *control)
 int records(const char *name); /* records.c */
 int fault_test(void);           /* fault.c */
 int stretch_test(uint64_t bytes, const char *mode); /* stretch.c */
+int reopen_test(const char *control);               /* reopen.c */
 
 int main(int argc, char **argv)
 {
@@ -182,6 +186,8 @@ int main(int argc, char **argv)
 		return session(argv[2]);
 	if (argc == 4 && !strcmp(argv[1], "stretch"))
 		return stretch_test(strtoull(argv[2], 0, 10), argv[3]);
+	if (argc == 3 && !strcmp(argv[1], "reopen"))
+		return reopen_test(argv[2]);
 	if (argc >= 2 && !strcmp(argv[1], "fault"))
 		return fault_test();
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))
