@@ -9,7 +9,6 @@ import (
 	"os"
 	"os/exec"
 	"path/filepath"
-	"time"
 )
 
 // ngxConf is cnginx's nginx.conf: Debian's nginx (the host's /usr) with
@@ -70,19 +69,8 @@ func cnginx(port uint32, n int64, seed uint64) error {
 	}
 	cmd := exec.Command(filepath.Join(cdir, "shunt-run"), "-v", "nginx", "-e", "stderr", "-p", dir, "-c", conf)
 	cmd.Env = append(os.Environ(), "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so"))
-	out, err := cmd.StdoutPipe()
-	if err != nil {
+	if err := startListening(cmd, "nginx", port); err != nil {
 		return err
-	}
-	cmd.Stderr = cmd.Stdout
-	if err := cmd.Start(); err != nil {
-		return err
-	}
-	go prefixed("SHUNT-VSOCK C ", out)
-	for deadline := time.Now().Add(30 * time.Second); !tcpListening(port); time.Sleep(20 * time.Millisecond) {
-		if time.Now().After(deadline) {
-			return fmt.Errorf("nginx does not listen on %d after 30 s", port)
-		}
 	}
 	fmt.Printf("SHUNT-VSOCK cnginx port=%d listening\n", port)
 	return nil

@@ -153,6 +153,17 @@ func ciperf(port uint32, secs int64, reverse bool) error {
 func ciperfd(port uint32) error {
 	cmd := exec.Command(filepath.Join(cdir, "shunt-run"), "-v", "iperf3", "-s", "-p", fmt.Sprint(port))
 	cmd.Env = append(os.Environ(), "SHUNT_VSOCK=1", "SHUNT_PRELOAD="+filepath.Join(cdir, "libshunt-preload.so"))
+	if err := startListening(cmd, "iperf3 -s", port); err != nil {
+		return err
+	}
+	fmt.Printf("SHUNT-VSOCK ciperfd port=%d listening\n", port)
+	return nil
+}
+
+// startListening starts cmd, a server under shunt-run, in the background
+// until the VM stops, its output on the console as "SHUNT-VSOCK C"
+// lines, and returns once it listens on port (at most 30 s).
+func startListening(cmd *exec.Cmd, name string, port uint32) error {
 	out, err := cmd.StdoutPipe()
 	if err != nil {
 		return err
@@ -164,10 +175,9 @@ func ciperfd(port uint32) error {
 	go prefixed("SHUNT-VSOCK C ", out)
 	for deadline := time.Now().Add(30 * time.Second); !tcpListening(port); time.Sleep(20 * time.Millisecond) {
 		if time.Now().After(deadline) {
-			return fmt.Errorf("iperf3 -s does not listen on %d after 30 s", port)
+			return fmt.Errorf("%s does not listen on %d after 30 s", name, port)
 		}
 	}
-	fmt.Printf("SHUNT-VSOCK ciperfd port=%d listening\n", port)
 	return nil
 }
 
