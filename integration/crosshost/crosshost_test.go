@@ -15,6 +15,8 @@ import (
 	"os/exec"
 	"path/filepath"
 	"strings"
+	"sync"
+	"sync/atomic"
 	"syscall"
 	"testing"
 	"time"
@@ -53,6 +55,18 @@ type pairEnv struct {
 	extras    [2]string
 	ca        *peertest.CA
 	cert, key [2]string
+
+	echoMu sync.Mutex // echoOn's connections, for a failure's report (echoes)
+	echoed []*echoConn
+}
+
+// echoConn is one connection an echo server (echoOn) served, and how its
+// copy ended.
+type echoConn struct {
+	c    net.Conn
+	host int
+	done atomic.Bool
+	err  error // io.Copy's, once done
 }
 
 // peering is host k's (0-based) peering and peer blocks: it listens on

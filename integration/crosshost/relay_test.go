@@ -15,6 +15,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib"
 	"github.com/shuntnet/shunt/hostd/broker"
 	"github.com/shuntnet/shunt/hostd/peers"
 	"github.com/shuntnet/shunt/integration/nsrig"
@@ -50,7 +51,15 @@ func (e *pairEnv) echoOn(k, port int) {
 			if err != nil {
 				return
 			}
-			go func() { io.Copy(c, c); c.Close() }()
+			ec := &echoConn{c: c, host: k + 1}
+			e.echoMu.Lock()
+			e.echoed = append(e.echoed, ec)
+			e.echoMu.Unlock()
+			go func() {
+				_, ec.err = io.Copy(c, c)
+				ec.done.Store(true)
+				c.Close()
+			}()
 		}
 	}()
 }
@@ -62,6 +71,32 @@ func (e *pairEnv) connOn(k, port int) (broker.FlowInfo, bool) {
 		e.t.Logf("h%d flows: %v", k+1, err)
 	}
 	return f, ok
+}
+
+// libraries is both guest libraries' side of a failed stream: the
+// client's counters (c) and each echo connection's, with how its copy
+// ended, so that a failure says which end held what.
+func (e *pairEnv) libraries(c net.Conn) string {
+	type stats interface{ Stats() guestlib.Stats }
+	var b strings.Builder
+	if s, ok := c.(stats); ok {
+		fmt.Fprintf(&b, "client %s: %+v\n", c.LocalAddr(), s.Stats())
+	}
+	e.echoMu.Lock()
+	defer e.echoMu.Unlock()
+	for _, ec := range e.echoed {
+		fmt.Fprintf(&b, "h%d echo %s (done %v, %v)", ec.host, ec.c.RemoteAddr(), ec.done.Load(), func() error {
+			if ec.done.Load() {
+				return ec.err
+			}
+			return nil
+		}())
+		if s, ok := ec.c.(stats); ok {
+			fmt.Fprintf(&b, ": %+v", s.Stats())
+		}
+		b.WriteByte('\n')
+	}
+	return b.String()
 }
 
 func (e *pairEnv) flows() string {
@@ -158,7 +193,7 @@ func (e *pairEnv) stream(c net.Conn, seed uint64, n int, d time.Duration, during
 	}
 	for range 2 {
 		if err := <-done; err != nil {
-			e.t.Fatalf("stream of %d bytes (%d back): %v\n%s", n, got.Load(), err, e.flows())
+			e.t.Fatalf("stream of %d bytes (%d back): %v\n%s\n%s", n, got.Load(), err, e.flows(), e.libraries(c))
 		}
 	}
 }
