@@ -60,15 +60,15 @@ struct shunt_session {
 	uint32_t guest_id; /* a VM's id, from WELCOME: the pair regions that name it are its own */
 
 	pthread_mutex_t mu; /* guards the fields below, and writes to fd */
-	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel; CLOCK_MONOTONIC */
+	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel, an open's end; CLOCK_MONOTONIC */
 	int fd;             /* the channel, or -1; stored atomically (read without mu) */
 	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
 	int64_t tried;      /* when an open last failed */
-	/* An open runs without mu (session.c, "opening"), one at a time: set
-	 * while one does. The fields channel_open writes (vm, vsock,
-	 * vsock_err, vsock_quiet, guest_id, region_path, bar) are the
-	 * opener's alone. */
-	int opening;
+	/* An open runs without mu (session.c, "opening"), one at a time:
+	 * when it began (shunt_now_ns) while one does, else 0. The fields
+	 * channel_open writes (vm, vsock, vsock_err, vsock_quiet, guest_id,
+	 * region_path, bar) are the opener's alone. */
+	int64_t opening;
 	uint8_t *region;    /* region 0: mapped once per process, at the first WELCOME that names one */
 	struct shunt_region reg;
 	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */

@@ -475,8 +475,11 @@ static void region0_check(struct shunt_session *s, const struct shunt_msg *w)
  * WELCOME's read 5 s each; a port's HELLOs 5 s), and every program
  * thread's close() and connect() takes mu to send (shunt_session_send).
  * So the open runs with mu let go, by one thread at a time (s->opening):
- * another that needs the channel meanwhile does not wait, it finds none,
- * and its connection stays on TCP, as with no hostd. The opener then
+ * another that needs the channel meanwhile (ensure) waits for it, but
+ * only until SHUNT_OPEN_WAIT_NS after the open began, so that a
+ * program's threads that connect together all reach a healthy hostd and
+ * none waits long on a silent one; later, it finds no channel and its
+ * connection stays on TCP, as with no hostd. Sends never wait. The opener then
  * takes mu again and installs the channel only if the session is still
  * this process's and has none; else it closes it. A fork child finds no
  * open under way (fork_child): its opener stayed in the parent. */
@@ -488,12 +491,13 @@ static void region0_check(struct shunt_session *s, const struct shunt_msg *w)
  * can no longer be installed is closed (-1, ENOTCONN). */
 static int open_unlocked(struct shunt_session *s, pid_t pid, struct shunt_msg *m)
 {
-	s->opening = 1;
+	s->opening = shunt_now_ns();
 	pthread_mutex_unlock(&s->mu);
 	int fd = channel_open(s, m);
 	int e = errno;
 	pthread_mutex_lock(&s->mu);
 	s->opening = 0;
+	pthread_cond_broadcast(&s->cv); /* the waiters in ensure see the outcome once the opener lets mu go */
 	if (fd >= 0 && (s->pid != pid || s->fd >= 0)) {
 		sys_close(fd);
 		fd = -1;
@@ -501,6 +505,20 @@ static int open_unlocked(struct shunt_session *s, pid_t pid, struct shunt_msg *m
 	}
 	errno = e;
 	return fd;
+}
+
+/* wait_open waits (mu held) for the open another thread has under way,
+ * until SHUNT_OPEN_WAIT_NS after it began: 0 once it has ended (the
+ * channel is then open, or the open failed), -1 if it still runs. */
+static int wait_open(struct shunt_session *s, pid_t pid)
+{
+	while (s->opening && s->pid == pid) {
+		int64_t until = s->opening + SHUNT_OPEN_WAIT_NS;
+		struct timespec dl = {until / 1000000000LL, until % 1000000000LL};
+		if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) == ETIMEDOUT)
+			break;
+	}
+	return s->opening && s->pid == pid ? -1 : 0;
 }
 
 static int reconnect(struct shunt_session *s)
@@ -658,10 +676,14 @@ int shunt_session_ensure(struct shunt_session *s)
 		pthread_mutex_unlock(&s->mu);
 		return 0;
 	}
-	if (s->opening) { /* another thread opens (without mu): this caller does not wait for it */
+	if (s->opening && wait_open(s, pid)) { /* another thread opens (without mu), for too long already */
 		pthread_mutex_unlock(&s->mu);
 		errno = ENOTCONN;
 		return -1;
+	}
+	if (s->fd >= 0) {
+		pthread_mutex_unlock(&s->mu);
+		return 0;
 	}
 	int64_t now = shunt_now_ns();
 	if (s->tried && now - s->tried < SHUNT_RETRY_NS) {

@@ -131,3 +131,71 @@ func TestCReopenWithoutLock(t *testing.T) {
 		t.Fatalf("shunt-xtest reopen: %v\n%s", err, log.String())
 	}
 }
+
+// TestCEnsureWaitsForOpen: two threads that need the channel at once (a
+// program's threads connecting at its start, TestServerMemcached's 8)
+// both reach hostd: the second's ensure, made while the first's open
+// waits for WELCOME, waits for that open (up to SHUNT_OPEN_WAIT_NS after
+// it began) instead of leaving its connection on TCP. The fake holds
+// WELCOME back 100 ms after the second says it calls ensure, so that
+// call is made during the open.
+func TestCEnsureWaitsForOpen(t *testing.T) {
+	bin := xtest(t)
+	h := guesttest.Start(t)
+	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
+	defer cancel()
+	cmd := exec.CommandContext(ctx, bin, "together", h.Control)
+	var log bytes.Buffer
+	cmd.Stderr = &log
+	stdin, err := cmd.StdinPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	stdout, err := cmd.StdoutPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
+	if err := cmd.Start(); err != nil {
+		t.Fatal(err)
+	}
+	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
+	lines := make(chan string, 16)
+	go func() {
+		defer close(lines)
+		sc := bufio.NewScanner(stdout)
+		for sc.Scan() {
+			lines <- sc.Text()
+		}
+	}()
+	next := func() string {
+		t.Helper()
+		select {
+		case l, ok := <-lines:
+			if !ok {
+				t.Fatalf("shunt-xtest together ended early\nthe core's log:\n%s", log.String())
+			}
+			return l
+		case <-ctx.Done():
+			t.Fatalf("shunt-xtest together said nothing within 60 s\nthe core's log:\n%s", log.String())
+		}
+		return ""
+	}
+
+	s := h.Accept(t)
+	s.Expect(t, proto.Hello) // thread a opens and waits for WELCOME
+	if _, err := stdin.Write([]byte("go\n")); err != nil {
+		t.Fatal(err)
+	}
+	if l := next(); l != "b waits" {
+		t.Fatalf("shunt-xtest said %q, want \"b waits\"", l)
+	}
+	time.Sleep(100 * time.Millisecond) // b's ensure is now under way (or it did not wait: the bug)
+	s.WelcomeNoRegion(t)
+	got := map[string]bool{}
+	for range 2 {
+		got[next()] = true
+	}
+	if !got["a ensure 0 (ok)"] || !got["b ensure 0 (ok)"] {
+		t.Fatalf("the two threads said %v, want both ensure 0: the second's connection would have stayed on TCP\nthe core's log:\n%s", got, log.String())
+	}
+}

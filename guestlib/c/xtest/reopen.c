@@ -7,7 +7,13 @@
  * thread calls shunt_session_ensure and sends a CLOSE, and says what they
  * returned: "ensure R send R". Once reconnected (the announce callback)
  * it says "announced". It ends at EOF on stdin. Lines on stdout, the
- * core's log on stderr. */
+ * core's log on stderr.
+ *
+ * shunt-xtest together CONTROL: two threads that need the channel at
+ * once, as a program's threads that connect at its start. Thread A
+ * opens it (the fake waits before WELCOME); at "go" on stdin the main
+ * thread says "b waits" and calls ensure during A's open. Each says
+ * "a ensure R" and "b ensure R". */
 #define _GNU_SOURCE
 #include "shunt.h"
 
@@ -15,7 +21,10 @@
 #include <stdio.h>
 #include <string.h>
 
+#include <pthread.h>
+
 int reopen_test(const char *control);
+int together_test(const char *control);
 
 static void logline(void *arg, const char *line)
 {
@@ -57,5 +66,32 @@ int reopen_test(const char *control)
 		printf("ensure %d (%s) send %d\n", e, en ? strerror(en) : "ok", r);
 		fflush(stdout);
 	}
+	return 0;
+}
+
+static void *opener(void *arg)
+{
+	int e = shunt_session_ensure(arg);
+	printf("a ensure %d (%s)\n", e, e ? strerror(errno) : "ok");
+	fflush(stdout);
+	return NULL;
+}
+
+int together_test(const char *control)
+{
+	struct shunt_session_config c = {.control = control, .log = logline};
+	struct shunt_session *s = shunt_session_new(&c);
+	pthread_t a;
+	if (!s || pthread_create(&a, NULL, opener, s))
+		return perror("session"), 1;
+	char line[64];
+	while (fgets(line, sizeof line, stdin) && strcmp(line, "go\n"))
+		;
+	printf("b waits\n");
+	fflush(stdout);
+	int e = shunt_session_ensure(s);
+	printf("b ensure %d (%s)\n", e, e ? strerror(errno) : "ok");
+	fflush(stdout);
+	pthread_join(a, NULL);
 	return 0;
 }

@@ -17,6 +17,7 @@
  *
  *   shunt-xtest reopen CONTROL               a program thread's ensure and send while
  *                                            the reader reopens the channel (reopen.c)
+ *   shunt-xtest together CONTROL             two threads' ensure during one open (reopen.c)
  *
  *   shunt-xtest stretch BYTES MODE           a vsock stretch through shunt-vstretchd
  *                                            ($SHUNT_VSTRETCHD): stretch.c
@@ -176,6 +177,7 @@ int records(const char *name); /* records.c */
 int fault_test(void);           /* fault.c */
 int stretch_test(uint64_t bytes, const char *mode); /* stretch.c */
 int reopen_test(const char *control);               /* reopen.c */
+int together_test(const char *control);             /* reopen.c */
 
 int main(int argc, char **argv)
 {
@@ -188,6 +190,8 @@ int main(int argc, char **argv)
 		return stretch_test(strtoull(argv[2], 0, 10), argv[3]);
 	if (argc == 3 && !strcmp(argv[1], "reopen"))
 		return reopen_test(argv[2]);
+	if (argc == 3 && !strcmp(argv[1], "together"))
+		return together_test(argv[2]);
 	if (argc >= 2 && !strcmp(argv[1], "fault"))
 		return fault_test();
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))
