@@ -14,13 +14,23 @@
 #include <sys/un.h>
 #include <linux/vm_sockets.h>
 
-static int read_full(int fd, int port, void *buf, size_t n)
+/* read_full reads n bytes; on a (non-blocking) port it waits for them
+ * until `until` (shunt_now_ns; 0: for good, the reader between frames),
+ * then fails with ETIMEDOUT: an open must not wait for good on the rest
+ * of a frame an earlier user of the port left half-read. */
+static int read_full(int fd, int port, void *buf, size_t n, int64_t until)
 {
 	uint8_t *p = buf;
 	while (n) {
 		ssize_t k = sys_read(fd, p, n);
 		if (k < 0 && errno == EAGAIN && port) { /* a port is non-blocking (see open_port) */
-			sys_poll1(fd, POLLIN, -1);
+			int64_t left = until ? until - shunt_now_ns() : 0;
+			if (until && (left <= 0 || sys_poll1(fd, POLLIN, (int)(left / 1000000) + 1) == 0)) {
+				errno = ETIMEDOUT;
+				return -1;
+			}
+			if (!until)
+				sys_poll1(fd, POLLIN, -1);
 			continue;
 		}
 		if (k <= 0) {
@@ -88,18 +98,21 @@ int channel_recv(int fd, int port, struct shunt_msg *m, struct shunt_fdq *q)
 	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
 }
 
-int channel_read(int fd, int port, struct shunt_msg *m)
+/* read_frame is channel_read, waiting on a port until `until` (read_full). */
+static int read_frame(int fd, int port, struct shunt_msg *m, int64_t until)
 {
 	uint8_t buf[SHUNT_PROTO_HEADER + SHUNT_PROTO_MAX], type;
-	if (read_full(fd, port, buf, SHUNT_PROTO_HEADER))
+	if (read_full(fd, port, buf, SHUNT_PROTO_HEADER, until))
 		return -1;
 	ssize_t n = shunt_msg_header(buf, &type);
 	if (n == SHUNT_EVERSION)
 		errno = EPROTONOSUPPORT; /* an older hostd: the session says "version" */
-	if (n < 0 || read_full(fd, port, buf + SHUNT_PROTO_HEADER, n))
+	if (n < 0 || read_full(fd, port, buf + SHUNT_PROTO_HEADER, n, until))
 		return -1;
 	return shunt_msg_decode(buf, SHUNT_PROTO_HEADER + n, m) ? -1 : 0;
 }
+
+int channel_read(int fd, int port, struct shunt_msg *m) { return read_frame(fd, port, m, 0); }
 
 /* write_all writes all of buf: to a socket without SIGPIPE; to a
  * (non-blocking) port waiting at most SHUNT_PORT_WRITE_NS for room, since
@@ -169,7 +182,7 @@ static int port_hello(const struct shunt_session *s, int fd, struct shunt_msg *m
 			int64_t left = until - shunt_now_ns();
 			if (left <= 0 || sys_poll1(fd, POLLIN, (int)(left / 1000000) + 1) <= 0)
 				break;
-			if (channel_read(fd, 1, m))
+			if (read_frame(fd, 1, m, shunt_now_ns() + SHUNT_PORT_WRITE_NS))
 				return -1;
 			if (m->type == SHUNT_WELCOME)
 				return welcome_ok(m);

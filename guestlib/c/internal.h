@@ -63,12 +63,13 @@ struct shunt_session {
 	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel, an open's end; CLOCK_MONOTONIC */
 	int fd;             /* the channel, or -1; stored atomically (read without mu) */
 	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
-	int64_t tried;      /* when an open last failed */
-	/* An open runs without mu (session.c, "opening"), one at a time:
-	 * when it began (shunt_now_ns) while one does, else 0. The fields
-	 * channel_open writes (vm, vsock, vsock_err, vsock_quiet, guest_id,
-	 * region_path, bar) are the opener's alone. */
+	int64_t tried;      /* when an open last failed (its end) */
+	/* An open runs without mu (opening.c), one at a time: when it began
+	 * (shunt_now_ns) while one does, else 0. The fields channel_open
+	 * writes (vm, vsock, vsock_err, vsock_quiet, guest_id, region_path,
+	 * bar) are the opener's alone. */
 	int64_t opening;
+	unsigned opens;     /* opens begun in this process: only its first is waited for */
 	uint8_t *region;    /* region 0: mapped once per process, at the first WELCOME that names one */
 	struct shunt_region reg;
 	struct shunt_mapping **maps; /* the regions that came by REGION (regions.c) */
@@ -86,11 +87,25 @@ struct shunt_session {
 	int writer;
 };
 
+/* The session's parts that opening.c shares (session.c): this process's
+ * pid (kept current across fork without a system call), the channel
+ * changed (mu held), the reader and keepalive threads started for a new
+ * channel (the reader: 0, or -1 without a thread; a missing keepalive is
+ * logged), and the announce callback. */
+pid_t session_self(void);
+void session_set_fd(struct shunt_session *s, int fd);
+int session_start_reader(struct shunt_session *s, int fd);
+void session_start_keepalive(struct shunt_session *s, int fd);
+void session_announce(struct shunt_session *s);
+/* session_reconnect (opening.c) reopens the channel for the reader after
+ * hostd went away: the new fd, or -1 to end the reader. */
+int session_reconnect(struct shunt_session *s);
+
 /* The channel (channel.c). channel_open opens it (socket, port or vsock,
  * found as the config says) and returns its fd with WELCOME in m, or -1
  * with errno; on a port it sets s->vm and s->region_path and turns on
  * kicks, over vsock s->vsock (a socket's framing: vm stays 0). It runs
- * without s->mu, in the session's one opener (s->opening).
+ * without s->mu, in the session's one opener (s->opening, opening.c).
  * The rest are framed I/O on an open channel (port: is it a port). */
 int channel_open(struct shunt_session *s, struct shunt_msg *m);
 int channel_read(int fd, int port, struct shunt_msg *m);

@@ -1,5 +1,6 @@
 /* The session with hostd (shunt.h): state, the reader thread, requests,
- * reconnect and keepalive, and the flows the session's region holds. */
+ * keepalive, and the flows the session's region holds; opening the
+ * channel is opening.c's. */
 #define _GNU_SOURCE
 #include "internal.h"
 
@@ -47,7 +48,7 @@ static pthread_mutex_t all_mu = PTHREAD_MUTEX_INITIALIZER;
  * handlers run). */
 static pid_t self;
 
-static pid_t me(void)
+pid_t session_self(void)
 {
 	pid_t p = __atomic_load_n(&self, __ATOMIC_RELAXED);
 	if (!p) {
@@ -64,8 +65,16 @@ static int fork_ok; /* the handlers are registered */
 static void fork_prepare(void)
 {
 	pthread_mutex_lock(&all_mu);
-	for (size_t i = 0; i < nall; i++)
-		pthread_mutex_lock(&all[i]->mu);
+	for (size_t i = 0; i < nall; i++) {
+		struct shunt_session *s = all[i];
+		pthread_mutex_lock(&s->mu);
+		/* An open under way (without mu, opening.c): its descriptor must
+		 * not reach the child. It ends within its own bounds. */
+		if (s->opening && s->pid == session_self())
+			shunt_logf(s, "shunt: fork waits for the control channel's open under way");
+		while (s->opening && s->pid == session_self())
+			pthread_cond_wait(&s->cv, &s->mu);
+	}
 	regions_fork_prepare();
 }
 
@@ -91,7 +100,8 @@ static void fork_child(void)
 		__atomic_store_n(&s->fd, -1, __ATOMIC_SEQ_CST);
 		s->pend = NULL; /* on the stacks of threads the child does not have */
 		s->tried = 0;
-		s->opening = 0; /* its opener, if any, is a thread the child does not have */
+		s->opening = 0; /* fork_prepare waited for the parent's; kept for clarity */
+		s->opens = 0;   /* the child's first open is its own */
 		s->outlen = 0; /* the parent's; its writer thread did not come along */
 		s->writer = 0;
 	}
@@ -154,7 +164,7 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c)
 		free(s);
 		return NULL;
 	}
-	s->pid = me(); /* after remember registered the fork handlers, which keep me()'s pid current */
+	s->pid = session_self(); /* after remember registered the fork handlers, which keep session_self()'s pid current */
 	return s;
 }
 
@@ -196,13 +206,13 @@ static int again(void) { return errno == EAGAIN || errno == EWOULDBLOCK || errno
 static void *drain(void *arg)
 {
 	struct shunt_session *s = arg;
-	pid_t pid = me();
+	pid_t pid = session_self();
 	int fd = -1;
 	int64_t progress = 0;
 	pthread_mutex_lock(&s->mu);
 	while (s->outlen && s->fd >= 0 && s->pid == pid) {
 		int port = shunt_session_vm(s);
-		if (s->fd != fd) { /* a new channel (its queue is its own: set_fd) */
+		if (s->fd != fd) { /* a new channel (its queue is its own: session_set_fd) */
 			fd = s->fd;
 			progress = shunt_now_ns();
 		}
@@ -238,7 +248,7 @@ static void *drain(void *arg)
  * own once it calls ensure. */
 static int write_locked(struct shunt_session *s, const struct shunt_msg *m)
 {
-	/* getpid, not me(): a child that skipped the fork handlers (vfork)
+	/* getpid, not session_self(): a child that skipped the fork handlers (vfork)
 	 * never writes its parent's channel. */
 	if (s->fd < 0 || s->pid != getpid())
 		return -1;
@@ -293,12 +303,12 @@ int shunt_session_send(struct shunt_session *s, const struct shunt_msg *m)
  * library), and must not wait behind a slow channel open. */
 int shunt_session_connected(struct shunt_session *s)
 {
-	return __atomic_load_n(&s->fd, __ATOMIC_SEQ_CST) >= 0 && __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) == me();
+	return __atomic_load_n(&s->fd, __ATOMIC_SEQ_CST) >= 0 && __atomic_load_n(&s->pid, __ATOMIC_SEQ_CST) == session_self();
 }
 
-/* set_fd changes the channel (mu held); readers without mu load it
+/* session_set_fd changes the channel (mu held); readers without mu load it
  * atomically (shunt_session_connected). */
-static void set_fd(struct shunt_session *s, int fd)
+void session_set_fd(struct shunt_session *s, int fd)
 {
 	s->outlen = 0; /* what the old channel did not take is not the new one's */
 	__atomic_store_n(&s->fd, fd, __ATOMIC_SEQ_CST);
@@ -367,7 +377,7 @@ static void *keepalive(void *arg)
 	struct thread_arg a = *(struct thread_arg *)arg;
 	free(arg);
 	struct shunt_session *s = a.s;
-	pid_t pid = me();
+	pid_t pid = session_self();
 	for (;;) {
 		struct timespec ts = {SHUNT_KEEPALIVE_NS / 1000000000, SHUNT_KEEPALIVE_NS % 1000000000};
 		nanosleep(&ts, NULL);
@@ -382,193 +392,17 @@ static void *keepalive(void *arg)
 	}
 }
 
-static void announce(struct shunt_session *s)
+void session_announce(struct shunt_session *s)
 {
 	if (s->c.announce)
 		s->c.announce(s->c.arg, s);
 }
 
-/* reconnect reopens the channel after hostd went away, for a process that
- * holds something (an idle one reconnects at its next ensure instead), and
- * returns the new fd, or -1 to end the reader: another thread reconnected
- * first (announce is then done here too), the process forked, or it holds
- * nothing. */
-static int map_region(struct shunt_session *s, const char *path);
-
-/* reason_of is why connections stay on TCP when channel_open failed with
- * errno e: an older hostd (version), every control port of the VM in use
- * by other processes (control-limit, as Go says), hostd refusing a
- * process outside the guest's network namespace (not-guest), or no
- * hostd. */
-static unsigned reason_of(int e)
-{
-	return e == EPROTONOSUPPORT ? SHUNT_REASON_VERSION
-	       : e == EBUSY	    ? SHUNT_REASON_CONTROL_LIMIT
-	       : e == EPERM	    ? SHUNT_REASON_NOT_GUEST
-				    : SHUNT_REASON_NO_HOSTD;
-}
-
-/* quiet says, for a vsock open's errno e, that a device that did not
- * answer is left alone a while (open_vsock). */
-static const char *quiet(int e) { return e == ETIMEDOUT ? " (no answer: not tried again for 30 s)" : ""; }
-_Static_assert(SHUNT_VSOCK_QUIET_NS == 30000000000LL, "quiet says 30 s");
-
-/* say_unreachable logs why channel_open failed (errno e, m what hostd
- * answered), once per kind of failure, not at every retry, with what to
- * do about it. mu held. */
-static void say_unreachable(struct shunt_session *s, int e, const struct shunt_msg *m)
-{
-	if (e == EBUSY || s->said == e) /* channel_open said which ports are busy */
-		return;
-	s->said = e;
-	/* A VM with vsock and no control port found nothing there either
-	 * (discovering: channel_open tried vsock before the socket). */
-	if (s->vsock_err && strcmp(s->c.control, SHUNT_VSOCK_CONTROL))
-		shunt_logf(s, "shunt: no hostd over vsock (CID 2 port %d): %s%s; a VM without control port needs hostd to serve "
-			      "its vsock (a vsock block in its guest block, hostd.hcl)",
-			   SHUNT_VSOCK_CONTROL_PORT, strerror(s->vsock_err), quiet(s->vsock_err));
-	if (e == EPROTONOSUPPORT)
-		shunt_logf(s, "shunt: hostd at %s is older or shares no ring format: connections stay on TCP (version)", s->c.control);
-	else if (e == EPERM)
-		shunt_logf(s, "shunt: connections stay on TCP (not-guest): %s", m->text);
-	else if (!strcmp(s->c.control, SHUNT_VSOCK_CONTROL))
-		shunt_logf(s, "shunt: hostd unreachable over vsock (CID 2 port %d): %s%s: connections stay on TCP (no-hostd). "
-			      "Does hostd serve this VM's vsock (a vsock block in its guest block, hostd.hcl)?",
-			   SHUNT_VSOCK_CONTROL_PORT, strerror(e), quiet(e));
-	else if (e == EACCES || e == ENOENT)
-		shunt_logf(s, "shunt: hostd unreachable at %s: %s (uid %d), and hostd serves no guest in this network namespace: "
-			      "connections stay on TCP (no-hostd). Give the guest its netns in hostd.hcl (every process of the "
-			      "guest may then connect, after setuid or chroot too), or open the channel before dropping privileges "
-			      "(docs/preload.md)",
-			   s->c.control, strerror(e), (int)getuid());
-	else
-		shunt_logf(s, "shunt: hostd unreachable at %s: %s: connections stay on TCP (no-hostd)", s->c.control, strerror(e));
-}
-
-/* region0_check maps a VM's region 0 again when its mapping no longer
- * shows the region WELCOME w names (no valid header, another size or
- * generation): its ivshmem device was unplugged and plugged back (a live
- * migration, docs/vm.md), so the old mapping shows dead memory and the
- * new device may be disabled or elsewhere. The BAR is found (and enabled)
- * again, as Go's remapRegionZero does. The old mapping is kept: its
- * connections left its rings before the unplug (DOWN(migrating)), and
- * nothing counts its users. mu held; before the announcements (OPEN
- * again), so every READY after them finds the new mapping. */
-static void region0_check(struct shunt_session *s, const struct shunt_msg *w)
-{
-	struct shunt_region g;
-	if (!s->region || !w->region_size || s->region_path != s->bar ||
-	    (shunt_region_attach(&g, s->region, s->reg.size) == 0 && g.size == w->region_size &&
-	     __atomic_load_n((uint64_t *)(s->region + 64), __ATOMIC_SEQ_CST) == w->gen))
-		return;
-	if (shunt_find_bar(s->bar, sizeof s->bar) || map_region(s, s->bar)) {
-		shunt_logf(s, "shunt: region 0 changed and its device cannot be found or mapped again: connections stay on TCP");
-		return;
-	}
-	shunt_logf(s, "shunt: region 0 mapped again (%s, generation %llu): its device was plugged back", s->bar,
-		   (unsigned long long)w->gen);
-}
-
-/* ---- opening: without the lock ----
- *
- * An open can take seconds (a vsock connect 2 s, HELLO's write and
- * WELCOME's read 5 s each; a port's HELLOs 5 s), and every program
- * thread's close() and connect() takes mu to send (shunt_session_send).
- * So the open runs with mu let go, by one thread at a time (s->opening):
- * another that needs the channel meanwhile (ensure) waits for it, but
- * only until SHUNT_OPEN_WAIT_NS after the open began, so that a
- * program's threads that connect together all reach a healthy hostd and
- * none waits long on a silent one; later, it finds no channel and its
- * connection stays on TCP, as with no hostd. Sends never wait. The opener then
- * takes mu again and installs the channel only if the session is still
- * this process's and has none; else it closes it. A fork child finds no
- * open under way (fork_child): its opener stayed in the parent. */
-
-/* open_unlocked opens the channel as the session's one opener, with mu
- * held on entry and on return but not in between (the caller checked
- * that s->opening was 0, and that the session is pid's and has no
- * channel). The fd, with WELCOME in m, or -1 with errno; a channel that
- * can no longer be installed is closed (-1, ENOTCONN). */
-static int open_unlocked(struct shunt_session *s, pid_t pid, struct shunt_msg *m)
-{
-	s->opening = shunt_now_ns();
-	pthread_mutex_unlock(&s->mu);
-	int fd = channel_open(s, m);
-	int e = errno;
-	pthread_mutex_lock(&s->mu);
-	s->opening = 0;
-	pthread_cond_broadcast(&s->cv); /* the waiters in ensure see the outcome once the opener lets mu go */
-	if (fd >= 0 && (s->pid != pid || s->fd >= 0)) {
-		sys_close(fd);
-		fd = -1;
-		e = ENOTCONN;
-	}
-	errno = e;
-	return fd;
-}
-
-/* wait_open waits (mu held) for the open another thread has under way,
- * until SHUNT_OPEN_WAIT_NS after it began: 0 once it has ended (the
- * channel is then open, or the open failed), -1 if it still runs. */
-static int wait_open(struct shunt_session *s, pid_t pid)
-{
-	while (s->opening && s->pid == pid) {
-		int64_t until = s->opening + SHUNT_OPEN_WAIT_NS;
-		struct timespec dl = {until / 1000000000LL, until % 1000000000LL};
-		if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) == ETIMEDOUT)
-			break;
-	}
-	return s->opening && s->pid == pid ? -1 : 0;
-}
-
-static int reconnect(struct shunt_session *s)
-{
-	pid_t pid = me();
-	for (int delay = SHUNT_BACKOFF_MIN_MS;; delay = 2 * delay < SHUNT_BACKOFF_MAX_MS ? 2 * delay : SHUNT_BACKOFF_MAX_MS) {
-		if (!s->c.holds || !s->c.holds(s->c.arg))
-			return -1;
-		struct timespec ts = {delay / 1000, (delay % 1000) * 1000000L};
-		nanosleep(&ts, NULL);
-		pthread_mutex_lock(&s->mu);
-		if (s->pid != pid) {
-			pthread_mutex_unlock(&s->mu);
-			return -1;
-		}
-		if (s->fd >= 0) {
-			pthread_mutex_unlock(&s->mu);
-			announce(s);
-			return -1;
-		}
-		if (s->opening) { /* a program thread's ensure opens: look again after the next pause */
-			pthread_mutex_unlock(&s->mu);
-			continue;
-		}
-		struct shunt_msg w;
-		int fd = open_unlocked(s, pid, &w);
-		if (fd < 0 && s->pid != pid) {
-			pthread_mutex_unlock(&s->mu);
-			return -1;
-		}
-		s->why = fd < 0 ? reason_of(errno) : SHUNT_REASON_NO_HOSTD;
-		if (fd >= 0) {
-			region0_check(s, &w);
-			set_fd(s, fd);
-			if (keepalive_on(s) && spawn(keepalive, s, fd))
-				shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
-		}
-		pthread_mutex_unlock(&s->mu);
-		if (fd >= 0) {
-			shunt_logf(s, "shunt: reconnected to hostd");
-			announce(s);
-			return fd;
-		}
-	}
-}
-
 /* reader reads the channel: verdicts to their requests, PONG, KICK,
  * REVOKE, and answers hostd's keepalive PING with PONG. The channel ends at EOF, or at ERROR(no-hostd): a new hostd
  * behind a port that QEMU reconnected before we read EOF, which knows
- * nothing of this session. Either way it reconnects (reconnect). */
+ * nothing of this session. Either way it reconnects (session_reconnect,
+ * opening.c). */
 static void *reader(void *arg)
 {
 	struct thread_arg a = *(struct thread_arg *)arg;
@@ -619,7 +453,7 @@ static void *reader(void *arg)
 		pthread_mutex_lock(&s->mu);
 		sys_close(fd);
 		if (s->fd == fd)
-			set_fd(s, -1);
+			session_set_fd(s, -1);
 		for (struct pending *p = s->pend; p; p = p->next)
 			if (!p->done) {
 				memset(p->reply, 0, sizeof *p->reply);
@@ -630,112 +464,30 @@ static void *reader(void *arg)
 		pthread_cond_broadcast(&s->cv);
 		pthread_mutex_unlock(&s->mu);
 		shunt_logf(s, "shunt: lost hostd");
-		if ((fd = reconnect(s)) < 0)
+		if ((fd = session_reconnect(s)) < 0)
 			return NULL;
 		port = shunt_session_vm(s);
 	}
 }
 
-static int map_region(struct shunt_session *s, const char *path)
-{
-	int fd = open(path, O_RDWR | O_CLOEXEC);
-	struct stat st;
-	if (fd < 0 || fstat(fd, &st) < 0) {
-		if (fd >= 0)
-			sys_close(fd);
-		return -1;
-	}
-	void *mem = mmap(NULL, st.st_size, PROT_READ | PROT_WRITE, MAP_SHARED, fd, 0);
-	sys_close(fd);
-	if (mem == MAP_FAILED)
-		return -1;
-	/* Into s->reg only once it holds: a remap that fails (region0_check)
-	 * keeps the old mapping and its description together. */
-	struct shunt_region g;
-	if (shunt_region_attach(&g, mem, st.st_size)) {
-		munmap(mem, st.st_size);
-		return -1;
-	}
-	s->reg = g;
-	s->region = mem;
-	return 0;
-}
+int session_start_reader(struct shunt_session *s, int fd) { return spawn(reader, s, fd); }
 
-int shunt_session_ensure(struct shunt_session *s)
+void session_start_keepalive(struct shunt_session *s, int fd)
 {
-	pthread_mutex_lock(&s->mu);
-	pid_t pid = me();
-	if (s->pid != pid) { /* forked: the parent's channel and requests are not ours */
-		set_fd(s, -1);
-		__atomic_store_n(&s->pid, pid, __ATOMIC_SEQ_CST);
-		s->tried = 0;
-		s->pend = NULL;
-		s->opening = 0;
-	}
-	if (s->fd >= 0) {
-		pthread_mutex_unlock(&s->mu);
-		return 0;
-	}
-	if (s->opening && wait_open(s, pid)) { /* another thread opens (without mu), for too long already */
-		pthread_mutex_unlock(&s->mu);
-		errno = ENOTCONN;
-		return -1;
-	}
-	if (s->fd >= 0) {
-		pthread_mutex_unlock(&s->mu);
-		return 0;
-	}
-	int64_t now = shunt_now_ns();
-	if (s->tried && now - s->tried < SHUNT_RETRY_NS) {
-		pthread_mutex_unlock(&s->mu);
-		errno = ENOTCONN;
-		return -1;
-	}
-	s->tried = now;
-	struct shunt_msg m;
-	m.text[0] = 0;
-	int fd = open_unlocked(s, pid, &m);
-	if (fd < 0) {
-		int e = errno;
-		s->why = reason_of(e);
-		say_unreachable(s, e, &m);
-		pthread_mutex_unlock(&s->mu);
-		errno = e;
-		return -1;
-	}
-	/* Region 0: what WELCOME names (a process guest gets none: its regions
-	 * come by REGION), or the BAR in a VM, or SHUNT_REGION. */
-	const char *region = s->region_path ? s->region_path : m.region;
-	if (!s->region && *region && map_region(s, region)) {
-		shunt_logf(s, "shunt: cannot map the region %s", region);
-		sys_close(fd);
-		pthread_mutex_unlock(&s->mu);
-		errno = ENXIO;
-		return -1;
-	}
-	region0_check(s, &m);
-	if (spawn(reader, s, fd)) {
-		if (s->said != -1) /* once, not at every retry (a process limit of 0) */
-			shunt_logf(s, "shunt: cannot start the control reader thread (a process limit?): connections stay on TCP");
-		s->said = -1;
-		sys_close(fd);
-		pthread_mutex_unlock(&s->mu);
-		errno = EAGAIN;
-		return -1;
-	}
-	set_fd(s, fd);
-	s->said = 0;
 	if (keepalive_on(s) && spawn(keepalive, s, fd))
 		shunt_logf(s, "shunt: no keepalive thread: a hostd restart is noticed at the next EOF only");
-	pthread_mutex_unlock(&s->mu);
-	return 0;
 }
 
 /* next_id gives a fresh request id (mu held): never 0. */
 static uint32_t next_id(struct shunt_session *s) { return ++s->next_req ? s->next_req : ++s->next_req; }
 
+/* request and sync wait on cv with mu held, so they are no cancellation
+ * points: a thread cancelled there would leave mu held for good (as
+ * shunt_session_ensure, opening.c). */
 void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct shunt_msg *reply, int timeout_ms)
 {
+	int cs;
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cs);
 	struct timespec dl = deadline(timeout_ms);
 	struct pending p = {.reply = reply};
 	memset(reply, 0, sizeof *reply);
@@ -760,6 +512,7 @@ void shunt_session_request(struct shunt_session *s, struct shunt_msg *m, struct 
 			break;
 		}
 	pthread_mutex_unlock(&s->mu);
+	pthread_setcancelstate(cs, NULL);
 }
 
 int shunt_session_open(struct shunt_session *s, struct shunt_msg *m)
@@ -790,6 +543,8 @@ unsigned shunt_session_reason(struct shunt_session *s)
 
 void shunt_session_sync(struct shunt_session *s)
 {
+	int cs;
+	pthread_setcancelstate(PTHREAD_CANCEL_DISABLE, &cs);
 	struct timespec dl = deadline(SHUNT_SYNC_TIMEOUT_MS);
 	pthread_mutex_lock(&s->mu);
 	struct shunt_msg m = {.type = SHUNT_PING, .nonce = ++s->nonce};
@@ -798,6 +553,7 @@ void shunt_session_sync(struct shunt_session *s)
 			if (pthread_cond_timedwait(&s->cv, &s->mu, &dl) == ETIMEDOUT)
 				break;
 	pthread_mutex_unlock(&s->mu);
+	pthread_setcancelstate(cs, NULL);
 }
 
 /* ---- flows ---- */

@@ -418,7 +418,7 @@ ssize_t shunt_msg_header(const uint8_t *h, uint8_t *type);
 #define SHUNT_PATH_MAX        256          /* device and sysfs paths: longer names are not ours and are skipped */
 #define SHUNT_RETRY_NS        1000000000LL /* a failed open is retried at most this often */
 #define SHUNT_HELLO_TIMEOUT_S 5            /* WELCOME on a socket */
-#define SHUNT_OPEN_WAIT_NS    500000000LL  /* another thread's open is waited for until this long after it began */
+#define SHUNT_OPEN_WAIT_NS    500000000LL  /* the process's first open is waited for until this long after it began */
 #define SHUNT_VSOCK_CONNECT_MS 2000        /* a vsock connect (the kernel's default, set explicitly) */
 #define SHUNT_VSOCK_QUIET_NS  30000000000LL /* vsock not tried again after an open that got no answer */
 #define SHUNT_PORT_HELLO_NS   200000000LL  /* HELLO again on a port after this */
@@ -459,6 +459,9 @@ struct shunt_session_config {
 	 * needed), and, once reconnected, tell it (LISTEN, REATTACH). */
 	int (*holds)(void *arg);
 	void (*announce)(void *arg, struct shunt_session *s);
+	/* How long after the process's first open began another thread's
+	 * ensure waits for it (0: SHUNT_OPEN_WAIT_NS). */
+	int open_wait_ms;
 };
 
 /* Makes a session; nothing is opened yet. The strings in c are copied.
@@ -467,10 +470,12 @@ struct shunt_session *shunt_session_new(const struct shunt_session_config *c);
 /* Opens the channel if it is not open: 0, or -1 with errno. A failed open
  * is retried at most every SHUNT_RETRY_NS, so a missing hostd costs a
  * caller nothing. The open runs without the session's lock, one at a
- * time: while another thread (or the reader, reconnecting) opens, a
- * caller waits for that open until SHUNT_OPEN_WAIT_NS after it began
- * (the threads of a program that connect at once all reach hostd), then
- * -1 with ENOTCONN; sends meanwhile find no channel. */
+ * time: while another thread opens, a caller waits for that open only if
+ * it is the process's first (the threads of a program that connect at
+ * its start all reach hostd), until SHUNT_OPEN_WAIT_NS after it began;
+ * otherwise, or after that, -1 with ENOTCONN. Sends meanwhile find no
+ * channel. A fork waits for an open under way. Not a cancellation
+ * point. */
 int shunt_session_ensure(struct shunt_session *s);
 /* Whether the channel is open now. */
 int shunt_session_connected(struct shunt_session *s);

@@ -4,7 +4,9 @@ import (
 	"bufio"
 	"bytes"
 	"context"
+	"io"
 	"os/exec"
+	"strconv"
 	"strings"
 	"testing"
 	"time"
@@ -132,21 +134,24 @@ func TestCReopenWithoutLock(t *testing.T) {
 	}
 }
 
-// TestCEnsureWaitsForOpen: two threads that need the channel at once (a
-// program's threads connecting at its start, TestServerMemcached's 8)
-// both reach hostd: the second's ensure, made while the first's open
-// waits for WELCOME, waits for that open (up to SHUNT_OPEN_WAIT_NS after
-// it began) instead of leaving its connection on TCP. The fake holds
-// WELCOME back 100 ms after the second says it calls ensure, so that
-// call is made during the open.
-func TestCEnsureWaitsForOpen(t *testing.T) {
+// openRun is shunt-xtest MODE CONTROL whose thread a opens the session
+// against a fake hostd that holds WELCOME back: its stdout and stderr (the
+// core's log) as lines, "go" written once HELLO came, and the fake's
+// session to answer on.
+type openRun struct {
+	t         *testing.T
+	ctx       context.Context
+	out, errs chan string
+	log       *bytes.Buffer
+	s         *guesttest.Session
+}
+
+func startOpenRun(t *testing.T, mode string) *openRun {
 	bin := xtest(t)
 	h := guesttest.Start(t)
 	ctx, cancel := context.WithTimeout(context.Background(), 60*time.Second)
-	defer cancel()
-	cmd := exec.CommandContext(ctx, bin, "together", h.Control)
-	var log bytes.Buffer
-	cmd.Stderr = &log
+	t.Cleanup(cancel)
+	cmd := exec.CommandContext(ctx, bin, mode, h.Control)
 	stdin, err := cmd.StdinPipe()
 	if err != nil {
 		t.Fatal(err)
@@ -155,47 +160,98 @@ func TestCEnsureWaitsForOpen(t *testing.T) {
 	if err != nil {
 		t.Fatal(err)
 	}
+	stderr, err := cmd.StderrPipe()
+	if err != nil {
+		t.Fatal(err)
+	}
 	if err := cmd.Start(); err != nil {
 		t.Fatal(err)
 	}
-	defer func() { _ = cmd.Process.Kill(); _ = cmd.Wait() }()
-	lines := make(chan string, 16)
-	go func() {
-		defer close(lines)
-		sc := bufio.NewScanner(stdout)
+	t.Cleanup(func() { _ = cmd.Process.Kill(); _ = cmd.Wait() })
+	r := &openRun{t: t, ctx: ctx, out: make(chan string, 16), errs: make(chan string, 64), log: &bytes.Buffer{}}
+	lines := func(rd io.Reader, ch chan string) {
+		defer close(ch)
+		sc := bufio.NewScanner(rd)
 		for sc.Scan() {
-			lines <- sc.Text()
+			ch <- sc.Text()
 		}
-	}()
-	next := func() string {
-		t.Helper()
-		select {
-		case l, ok := <-lines:
-			if !ok {
-				t.Fatalf("shunt-xtest together ended early\nthe core's log:\n%s", log.String())
-			}
-			return l
-		case <-ctx.Done():
-			t.Fatalf("shunt-xtest together said nothing within 60 s\nthe core's log:\n%s", log.String())
-		}
-		return ""
 	}
-
-	s := h.Accept(t)
-	s.Expect(t, proto.Hello) // thread a opens and waits for WELCOME
+	go lines(stdout, r.out)
+	go lines(stderr, r.errs)
+	r.s = h.Accept(t)
+	r.s.Expect(t, proto.Hello) // thread a opens and waits for WELCOME
 	if _, err := stdin.Write([]byte("go\n")); err != nil {
 		t.Fatal(err)
 	}
-	if l := next(); l != "b waits" {
-		t.Fatalf("shunt-xtest said %q, want \"b waits\"", l)
+	return r
+}
+
+// next is the program's next line on ch, the core's log lines kept.
+func (r *openRun) next(ch chan string, what string) string {
+	r.t.Helper()
+	for {
+		select {
+		case l, ok := <-ch:
+			if !ok {
+				r.t.Fatalf("shunt-xtest ended before %s\nthe core's log:\n%s", what, r.log.String())
+			}
+			if ch == r.errs {
+				r.log.WriteString(l + "\n")
+			}
+			return l
+		case <-r.ctx.Done():
+			r.t.Fatalf("no %s within 60 s\nthe core's log:\n%s", what, r.log.String())
+		}
 	}
-	time.Sleep(100 * time.Millisecond) // b's ensure is now under way (or it did not wait: the bug)
-	s.WelcomeNoRegion(t)
+}
+
+// logged waits for a core's log line that holds want.
+func (r *openRun) logged(want string) {
+	r.t.Helper()
+	for !strings.Contains(r.next(r.errs, "the log line "+strconv.Quote(want)), want) {
+	}
+}
+
+// TestCEnsureWaitsForOpen: two threads that need the channel at once (a
+// program's threads connecting at its start, TestServerMemcached's 8)
+// both reach hostd: the second's ensure, made during the first's open of
+// the process's channel, waits for it instead of leaving its connection
+// on TCP. By order, not time: WELCOME goes only once the core logged
+// that the second waits (the bound is 60 s here, c.open_wait_ms).
+func TestCEnsureWaitsForOpen(t *testing.T) {
+	r := startOpenRun(t, "together")
+	if l := r.next(r.out, "b's line"); l != "b calls ensure" {
+		t.Fatalf("shunt-xtest said %q, want \"b calls ensure\"", l)
+	}
+	r.logged("waiting for another thread's open")
+	r.s.WelcomeNoRegion(t)
 	got := map[string]bool{}
 	for range 2 {
-		got[next()] = true
+		got[r.next(r.out, "both ensures' answers")] = true
 	}
 	if !got["a ensure 0 (ok)"] || !got["b ensure 0 (ok)"] {
-		t.Fatalf("the two threads said %v, want both ensure 0: the second's connection would have stayed on TCP\nthe core's log:\n%s", got, log.String())
+		t.Fatalf("the two threads said %v, want both ensure 0: the second's connection would have stayed on TCP\nthe core's log:\n%s", got, r.log.String())
+	}
+}
+
+// TestCForkWaitsForOpen: a fork while another thread opens the channel
+// waits for that open, so the child does not inherit the half-open
+// channel (hostd would not see the parent's session end while the child
+// lives; a port would stay busy). WELCOME goes once the core logged that
+// the fork waits; the child then has no socket (fork_child closes the
+// installed channel).
+func TestCForkWaitsForOpen(t *testing.T) {
+	r := startOpenRun(t, "forkopen")
+	if l := r.next(r.out, "the fork's line"); l != "forking" {
+		t.Fatalf("shunt-xtest said %q, want \"forking\"", l)
+	}
+	r.logged("fork waits for the control channel's open")
+	r.s.WelcomeNoRegion(t)
+	got := map[string]bool{}
+	for range 2 {
+		got[r.next(r.out, "the child's and a's lines")] = true
+	}
+	if !got["child sockets 0"] || !got["a ensure 0 (ok)"] {
+		t.Fatalf("shunt-xtest said %v, want \"child sockets 0\" and a's ensure 0\nthe core's log:\n%s", got, r.log.String())
 	}
 }

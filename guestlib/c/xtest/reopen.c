@@ -10,10 +10,15 @@
  * core's log on stderr.
  *
  * shunt-xtest together CONTROL: two threads that need the channel at
- * once, as a program's threads that connect at its start. Thread A
- * opens it (the fake waits before WELCOME); at "go" on stdin the main
- * thread says "b waits" and calls ensure during A's open. Each says
- * "a ensure R" and "b ensure R". */
+ * once, as a program's threads that connect at its start. Thread a
+ * opens it (the fake holds WELCOME back); at "go" on stdin the main
+ * thread says "b calls ensure" and calls it during a's open. Each says
+ * "a ensure R" and "b ensure R".
+ *
+ * shunt-xtest forkopen CONTROL: a fork during another thread's open.
+ * Thread a opens; at "go" the main thread says "forking" and forks; the
+ * child says "child sockets N" (its socket descriptors: 0 unless the
+ * half-open channel came along) and exits. */
 #define _GNU_SOURCE
 #include "shunt.h"
 
@@ -22,9 +27,13 @@
 #include <string.h>
 
 #include <pthread.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 int reopen_test(const char *control);
 int together_test(const char *control);
+int forkopen_test(const char *control);
 
 static void logline(void *arg, const char *line)
 {
@@ -77,21 +86,63 @@ static void *opener(void *arg)
 	return NULL;
 }
 
-int together_test(const char *control)
+/* open_in_thread makes the session and has thread a open it (the test's
+ * fake then holds WELCOME back), and waits for "go" on stdin. */
+static struct shunt_session *open_in_thread(const char *control, pthread_t *a)
 {
-	struct shunt_session_config c = {.control = control, .log = logline};
+	struct shunt_session_config c = {.control = control, .log = logline, .open_wait_ms = 60000};
 	struct shunt_session *s = shunt_session_new(&c);
-	pthread_t a;
-	if (!s || pthread_create(&a, NULL, opener, s))
-		return perror("session"), 1;
+	if (!s || pthread_create(a, NULL, opener, s))
+		return NULL;
 	char line[64];
 	while (fgets(line, sizeof line, stdin) && strcmp(line, "go\n"))
 		;
-	printf("b waits\n");
+	return s;
+}
+
+int together_test(const char *control)
+{
+	pthread_t a;
+	struct shunt_session *s = open_in_thread(control, &a);
+	if (!s)
+		return perror("session"), 1;
+	printf("b calls ensure\n");
 	fflush(stdout);
 	int e = shunt_session_ensure(s);
 	printf("b ensure %d (%s)\n", e, e ? strerror(errno) : "ok");
 	fflush(stdout);
+	pthread_join(a, NULL);
+	return 0;
+}
+
+/* sockets counts this process's socket descriptors above stderr. */
+static int sockets(void)
+{
+	int n = 0;
+	struct stat st;
+	for (int fd = 3; fd < 1024; fd++)
+		if (fstat(fd, &st) == 0 && S_ISSOCK(st.st_mode))
+			n++;
+	return n;
+}
+
+int forkopen_test(const char *control)
+{
+	pthread_t a;
+	struct shunt_session *s = open_in_thread(control, &a);
+	if (!s)
+		return perror("session"), 1;
+	printf("forking\n");
+	fflush(stdout);
+	pid_t c = fork();
+	if (c == 0) {
+		printf("child sockets %d\n", sockets());
+		fflush(stdout);
+		_exit(0);
+	}
+	int st;
+	if (c < 0 || waitpid(c, &st, 0) != c)
+		return perror("fork"), 1;
 	pthread_join(a, NULL);
 	return 0;
 }

@@ -18,6 +18,7 @@
  *   shunt-xtest reopen CONTROL               a program thread's ensure and send while
  *                                            the reader reopens the channel (reopen.c)
  *   shunt-xtest together CONTROL             two threads' ensure during one open (reopen.c)
+ *   shunt-xtest forkopen CONTROL             a fork during another thread's open (reopen.c)
  *
  *   shunt-xtest stretch BYTES MODE           a vsock stretch through shunt-vstretchd
  *                                            ($SHUNT_VSTRETCHD): stretch.c
@@ -178,6 +179,7 @@ int fault_test(void);           /* fault.c */
 int stretch_test(uint64_t bytes, const char *mode); /* stretch.c */
 int reopen_test(const char *control);               /* reopen.c */
 int together_test(const char *control);             /* reopen.c */
+int forkopen_test(const char *control);             /* reopen.c */
 
 int main(int argc, char **argv)
 {
@@ -192,6 +194,8 @@ int main(int argc, char **argv)
 		return reopen_test(argv[2]);
 	if (argc == 3 && !strcmp(argv[1], "together"))
 		return together_test(argv[2]);
+	if (argc == 3 && !strcmp(argv[1], "forkopen"))
+		return forkopen_test(argv[2]);
 	if (argc >= 2 && !strcmp(argv[1], "fault"))
 		return fault_test();
 	if (argc >= 2 && !strcmp(argv[1], "vectors"))

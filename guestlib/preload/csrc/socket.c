@@ -84,14 +84,16 @@ INTERPOSE int connect(int fd, const struct sockaddr *addr, socklen_t len)
 		plog("shunt: fd %d connect: tcp (io_uring: the process set up io_uring, which the library cannot see)", fd);
 		return real_connect(fd, addr, len);
 	}
+	/* FD_CONNECTING while the kernel connects: a fork meanwhile (another
+	 * thread) makes the socket the kernel's in both processes (fork.c),
+	 * and the kind this call leaves is then FD_KERNEL's. The generation
+	 * is read before ensure, which may wait for another thread's open:
+	 * a fork during that wait counts too. */
+	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 	if (shunt_session_ensure(session)) {
 		plog("shunt: fd %d connect: tcp (%s)", fd, shunt_reason_name(shunt_session_reason(session)));
 		return real_connect(fd, addr, len);
 	}
-	/* FD_CONNECTING while the kernel connects: a fork meanwhile (another
-	 * thread) makes the socket the kernel's in both processes (fork.c),
-	 * and the kind this call leaves is then FD_KERNEL's. */
-	unsigned gen = __atomic_load_n(&fork_gen, __ATOMIC_RELAXED);
 	__atomic_store_n(&kind[fd], FD_CONNECTING, __ATOMIC_RELEASE);
 	int r = real_connect(fd, addr, len), e = errno;
 	uint8_t k = FD_CONNECTING;
