@@ -62,6 +62,7 @@ struct shunt_session {
 	pthread_mutex_t mu; /* guards the fields below, and writes to fd */
 	pthread_cond_t cv;  /* verdicts, PONGs, a lost channel, an open's end; CLOCK_MONOTONIC */
 	int fd;             /* the channel, or -1; stored atomically (read without mu) */
+	unsigned chan;      /* the channel's generation: bumped at each change of fd (a reopen may reuse the number) */
 	pid_t pid;          /* the process fd belongs to (see fork in shunt.h); likewise */
 	int64_t tried;      /* when an open last failed (its end) */
 	/* An open runs without mu (opening.c), one at a time: when it began

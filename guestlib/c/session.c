@@ -311,6 +311,7 @@ int shunt_session_connected(struct shunt_session *s)
 void session_set_fd(struct shunt_session *s, int fd)
 {
 	s->outlen = 0; /* what the old channel did not take is not the new one's */
+	s->chan++;
 	__atomic_store_n(&s->fd, fd, __ATOMIC_SEQ_CST);
 }
 
@@ -328,7 +329,7 @@ static struct timespec deadline(int ms)
 	return dl;
 }
 
-struct thread_arg { struct shunt_session *s; int fd; };
+struct thread_arg { struct shunt_session *s; int fd; unsigned chan; };
 
 int shunt_thread_start(pthread_t *th, size_t stack, void *(*fn)(void *), void *arg)
 {
@@ -358,7 +359,7 @@ static int spawn(void *(*fn)(void *), struct shunt_session *s, int fd)
 	struct thread_arg *a = malloc(sizeof *a);
 	if (!a)
 		return -1;
-	*a = (struct thread_arg){s, fd};
+	*a = (struct thread_arg){s, fd, s->chan};
 	if (shunt_thread_start(NULL, 0, fn, a)) {
 		free(a);
 		return -1;
@@ -382,7 +383,7 @@ static void *keepalive(void *arg)
 		struct timespec ts = {SHUNT_KEEPALIVE_NS / 1000000000, SHUNT_KEEPALIVE_NS % 1000000000};
 		nanosleep(&ts, NULL);
 		pthread_mutex_lock(&s->mu);
-		if (s->fd != a.fd || s->pid != pid) {
+		if (s->fd != a.fd || s->chan != a.chan || s->pid != pid) { /* by generation: a new channel may reuse the number */
 			pthread_mutex_unlock(&s->mu);
 			return NULL;
 		}
