@@ -80,6 +80,7 @@ type Conn struct {
 	ahead   []byte
 	aheadAt uint64
 	tcpErr  error  // the kernel's EOF or error, seen while a ring stretch was due
+	back    []byte // bytes WriteTo's destination did not take: read first (unread)
 	zcRead  []byte // TCP emulation of ReadBuffer
 	zcPeek  bool   // a ring ReadBuffer awaits ReleaseRead
 

@@ -7,35 +7,44 @@ import (
 	"github.com/shuntnet/shunt/shm/ring"
 )
 
-// io.Copy with a Conn on either side (io.WriterTo, io.ReaderFrom). A
-// Conn as the source hands the destination the ring's bytes in place
-// (ReadBuffer, ReleaseRead), so they are copied once, by the
-// destination's Write, instead of into a user buffer first; on TCP it
-// reads into the Conn's own buffer. Both follow the path switching of
-// Read and Write: the stream offsets, the deadlines and the fallbacks are
-// theirs.
+// io.Copy with a Conn on either side (io.WriterTo, io.ReaderFrom). Both
+// go through a pooled buffer of their own, as io.Copy's own loop does,
+// and follow the path switching of Read and Write: the stream offsets,
+// the deadlines and the fallbacks are theirs. Neither hands ring memory
+// to the other side's code: a call into it may block for good (a kernel
+// send that a firewall stalls, a slow consumer), and a ring lent to it
+// could not be left at DOWN (see WriteTo).
 
 // copyChunk is the most WriteTo hands the destination at once, and what
 // ReadFrom reads at once: a ring's publication batch.
 const copyChunk = ring.Batch
 
 // WriteTo implements io.WriterTo: it writes the stream to w until EOF
-// (then it returns nil, as io.Copy does) or an error of either side. On
-// a ring, w.Write gets the ring's bytes in place (no user buffer) and
-// bytes w did not take stay in the ring; the read deadline holds as for
-// Read. Like Read, it is one reader at a time.
+// (then it returns nil, as io.Copy does) or an error of either side. It
+// reads into a pooled buffer, never handing w the ring's bytes in place:
+// a w.Write that blocks would hold the read ring past a DOWN (its reader
+// cannot leave a ring whose memory w still reads), hostd takes a retired
+// region back after its grace, and the connection then failed ("ring
+// memory gone": an echo server's io.Copy(c, c) whose kernel send a
+// firewall stalled, TestWriteToDownWhileDestinationBlocks). Bytes w did
+// not take are returned first by the next read (Read, ReadBuffer or
+// WriteTo). The read deadline holds as for Read. Like Read, it is one
+// reader at a time.
 func (c *Conn) WriteTo(w io.Writer) (int64, error) {
+	bp := copyBufs.Get().(*[]byte)
+	defer copyBufs.Put(bp)
+	buf := *bp
 	var total int64
 	for {
-		b, err := c.ReadBuffer(copyChunk)
-		if len(b) > 0 {
-			n, werr := c.handOut(w, b)
+		k, err := c.Read(buf)
+		if k > 0 {
+			n, werr := c.handOut(w, buf[:k])
 			total += int64(n)
-			if rerr := c.ReleaseRead(n); werr == nil {
-				werr = rerr
-			}
-			if werr == nil && n < len(b) {
-				werr = io.ErrShortWrite
+			if n < k {
+				c.unread(buf[n:k])
+				if werr == nil {
+					werr = io.ErrShortWrite
+				}
 			}
 			if werr != nil {
 				return total, werr
@@ -50,15 +59,33 @@ func (c *Conn) WriteTo(w io.Writer) (int64, error) {
 	}
 }
 
-// handOut is w.Write(b), b being a ring's bytes in place or the Conn's
-// TCP buffer; the one place where a caller's code reads ring memory (a
-// fault guard for a peer's truncation of the region belongs here).
+// handOut is w.Write(b); a Writer that reports more than it was given
+// took nothing.
 func (c *Conn) handOut(w io.Writer, b []byte) (int, error) {
 	n, err := w.Write(b)
 	if n < 0 || n > len(b) {
 		n, err = 0, io.ErrShortWrite // a broken Writer releases nothing
 	}
 	return n, err
+}
+
+// unread puts b back before the stream's next byte: the last bytes a
+// read returned that WriteTo's destination did not take. At most what
+// that read returned, so the bytes put back never exceed a chunk.
+func (c *Conn) unread(b []byte) {
+	c.readMu.Lock()
+	defer c.readMu.Unlock()
+	c.back = append(append(make([]byte, 0, len(b)+len(c.back)), b...), c.back...)
+}
+
+// readBackLocked returns bytes put back (unread) into p; they were
+// counted when first read.
+func (c *Conn) readBackLocked(p []byte) int {
+	n := copy(p, c.back)
+	if c.back = c.back[n:]; len(c.back) == 0 {
+		c.back = nil
+	}
+	return n
 }
 
 // copyBufs are ReadFrom's buffers: one per ReadFrom under way, none
@@ -71,8 +98,8 @@ var copyBufs = sync.Pool{New: func() any { b := make([]byte, copyChunk); return 
 // allocated per call); not into reserved ring space, because a ring
 // reservation held across a Read of r that blocks would keep the
 // direction on the ring after DOWN, and CloseWrite and Close could not
-// end it. A source that is itself a Conn implements io.WriterTo, which
-// io.Copy prefers: its ring bytes go straight into this Conn's Write.
+// end it. (A source that is itself a Conn implements io.WriterTo, which
+// io.Copy prefers.)
 func (c *Conn) ReadFrom(r io.Reader) (int64, error) {
 	bp := copyBufs.Get().(*[]byte)
 	defer copyBufs.Put(bp)

@@ -44,6 +44,9 @@ func (c *Conn) Read(p []byte) (_ int, err error) {
 		if expired(c.readDeadline()) {
 			return 0, c.opErr("read", os.ErrDeadlineExceeded)
 		}
+		if len(c.back) > 0 {
+			return c.readBackLocked(p), nil
+		}
 		c.readerFlowLocked()
 		var n int
 		var err error
@@ -246,11 +249,11 @@ func (c *Conn) leaveReadForCloseLocked() bool {
 	c.readerFlowLocked()
 	f := c.rf
 	if f == nil {
-		return len(c.stash) > 0 || c.ahead != nil
+		return len(c.stash) > 0 || c.ahead != nil || len(c.back) > 0
 	}
 	b, _ := f.rd.Buffered()
 	c.leaveReadLocked()
-	return b > 0 || len(c.stash) > 0 || c.ahead != nil
+	return b > 0 || len(c.stash) > 0 || c.ahead != nil || len(c.back) > 0
 }
 
 // readTCPLocked reads the TCP stream: the stash first, then the socket,

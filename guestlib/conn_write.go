@@ -176,7 +176,11 @@ func (c *Conn) ringSent(n int) {
 // ReadBuffer returns up to max readable bytes (zero copy on a ring: in
 // place, until ReleaseRead(n) consumes them), blocking until at least one
 // is readable. On TCP it reads into an internal buffer, consumed at once:
-// callers need not care which path is active.
+// callers need not care which path is active. Until ReleaseRead the ring
+// is lent out: a DOWN cannot move the reader off it, and if the caller
+// holds the bytes longer than hostd's revoke grace (a call that blocks
+// meanwhile) the region is taken back and the connection fails. So
+// release before any call that may block; WriteTo copies for this reason.
 func (c *Conn) ReadBuffer(max int) (_ []byte, err error) {
 	defer c.caught(fault.Arm(), "read", &err)
 	c.readMu.Lock()
@@ -193,6 +197,12 @@ func (c *Conn) ReadBuffer(max int) (_ []byte, err error) {
 		}
 		if expired(c.readDeadline()) {
 			return nil, c.opErr("read", os.ErrDeadlineExceeded)
+		}
+		if len(c.back) > 0 {
+			if cap(c.zcRead) < max {
+				c.zcRead = make([]byte, max)
+			}
+			return c.zcRead[:c.readBackLocked(c.zcRead[:max])], nil
 		}
 		c.readerFlowLocked()
 		if c.rOnRing {

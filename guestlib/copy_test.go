@@ -9,6 +9,10 @@ import (
 	"os"
 	"testing"
 	"time"
+	"unsafe"
+
+	"github.com/shuntnet/shunt/guestlib/guesttest"
+	"github.com/shuntnet/shunt/internal/proto"
 )
 
 // onlyReader hides a reader's WriterTo, so io.Copy uses the
@@ -193,5 +197,65 @@ func TestRingNoAllocsSizes(t *testing.T) {
 				t.Errorf("%s of %d bytes on the rings: %v allocations, want 0", name, size, a)
 			}
 		}
+	}
+}
+
+// blockedWriter is a destination whose first Write blocks until release
+// is closed, as a kernel send does while a firewall drops the peer's
+// ACKs; it records what each Write was handed.
+type blockedWriter struct {
+	entered chan []byte // the first Write's bytes, as handed
+	release chan struct{}
+	got     bytes.Buffer
+}
+
+func (w *blockedWriter) Write(p []byte) (int, error) {
+	if w.entered != nil {
+		w.entered <- p
+		w.entered = nil
+		<-w.release
+	}
+	return w.got.Write(p)
+}
+
+// TestWriteToDownWhileDestinationBlocks: io.Copy from a Conn on a ring
+// into a destination whose Write blocks (an echo server's own kernel
+// send, stalled by a firewall that drops the peer's ACKs), and DOWN
+// comes meanwhile. The read ring must still be left and LEFT sent at
+// once: hostd takes a retired region back after its grace, and a reader
+// that still held the ring then failed ("ring memory gone": h2's echo
+// in TestAcrossHostsRelay/drop). So the destination must not hold ring
+// memory; the bytes then come whole and in order.
+func TestWriteToDownWhileDestinationBlocks(t *testing.T) {
+	sc := newScripted(t)
+	sc.pw.Start(0)
+	if _, err := sc.pw.Write([]byte("ring bytes")); err != nil {
+		t.Fatal(err)
+	}
+	w := &blockedWriter{entered: make(chan []byte, 1), release: make(chan struct{})}
+	copied := async(func() error { _, err := sc.conn.WriteTo(w); return err })
+	b := await(t, w.entered, "the destination's Write")
+	_ = sc.pw.Leave()
+	sc.s.Send(t, guesttest.Down(sc.f.B, proto.ReasonFirewall))
+	m, err := sc.s.Read(guesttest.Wait)
+	if err != nil || m.Type != proto.Left || m.Slot != sc.f.B.Slot || m.Gen != sc.f.B.Gen {
+		close(w.release)
+		t.Fatalf("after DOWN, with WriteTo's destination blocked: %+v, %v; want LEFT %d.%d\n%+v", m, err, sc.f.B.Slot, sc.f.B.Gen, sc.conn.Stats())
+	}
+	mem := sc.conn.client.region.Mem()
+	lo, hi := uintptr(unsafe.Pointer(unsafe.SliceData(mem))), uintptr(unsafe.Pointer(unsafe.SliceData(mem)))+uintptr(len(mem))
+	if p := uintptr(unsafe.Pointer(unsafe.SliceData(b))); p >= lo && p < hi {
+		t.Errorf("the destination holds the ring's memory after LEFT (%#x in the region [%#x, %#x))", p, lo, hi)
+	}
+	close(w.release)
+	if _, err := sc.peer.Write([]byte("+tcp")); err != nil {
+		t.Fatal(err)
+	}
+	sc.peer.Close()
+	if err := await(t, copied, "WriteTo"); err != nil || w.got.String() != "ring bytes+tcp" {
+		t.Fatalf("WriteTo = %v, destination got %q; want nil, \"ring bytes+tcp\"", err, w.got.String())
+	}
+	if st := sc.conn.Stats(); st.RingReceived != 10 || st.TCPReceived != 4 {
+		t.Fatalf("stats %+v, want 10 ring and 4 TCP bytes", st)
 	}
 }
