@@ -298,7 +298,7 @@ func (d *demo) print(sz sizes, hostdCPU, guestCPU time.Duration) {
 		"(%d MiB each through Shunt, %d MiB through the kernel) and %d connection setups. Ratios above 1x favour Shunt.\n"+
 		"Every figure is what a program sees: the peer is a separate process in guest 2, a Go program using\n"+
 		"guestlib (Listen) or the net package; a stream counts the bytes the sink reports it received.\n"+
-		"(*) io.Copy uses the Conn's WriteTo on Shunt (the ring's bytes go to io.Discard in place, no copy)\n"+
+		"(*) io.Copy uses the Conn's WriteTo on Shunt (the ring's bytes copied once, into its pooled 32 KiB buffer)\n"+
 		"and 8 KiB reads on the kernel; the 8 KiB row makes both copy every byte into the program's buffer.\n",
 		sz.rounds, sz.pings, sz.streamed>>20, sz.streamed>>23, sz.setups)
 	for _, r := range rows {
