@@ -79,10 +79,13 @@ type Conn struct {
 	// start (aheadAt) were still due (holdAheadLocked); one at a time.
 	ahead   []byte
 	aheadAt uint64
-	tcpErr  error  // the kernel's EOF or error, seen while a ring stretch was due
-	back    []byte // bytes WriteTo's destination did not take: read first (unread)
-	zcRead  []byte // TCP emulation of ReadBuffer
-	zcPeek  bool   // a ring ReadBuffer awaits ReleaseRead
+	// aheadHeld: ahead is set. Written under readMu and fmu, read by
+	// READY under fmu (flow.attachLater).
+	aheadHeld atomic.Bool
+	tcpErr    error  // the kernel's EOF or error, seen while a ring stretch was due
+	back      []byte // bytes WriteTo's destination did not take: read first (unread)
+	zcRead    []byte // TCP emulation of ReadBuffer
+	zcPeek    bool   // a ring ReadBuffer awaits ReleaseRead
 
 	// Writer state, guarded by writeMu (conn_write.go).
 	writeMu sync.Mutex

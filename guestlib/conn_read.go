@@ -211,14 +211,19 @@ func readOut(rd *ring.Reader) []byte {
 // takes a retired region's memory back after its grace (a reader of it
 // then fails), and the connection comes back to the rings only once
 // this end left them. One stretch at a time (at most a ring's capacity
-// of memory, whatever the peer does): with one held, the reader keeps
-// the next ring until the TCP stream reaches the held one.
+// of memory, whatever the peer does): while one is held, the next
+// READY's read ring is attached only once the TCP stream reached it
+// (flow.attachLater), so an honest writer cannot start a second stretch
+// meanwhile; one that starts it unattached keeps its ring until then.
 func (c *Conn) holdAheadLocked(f *flow, start uint64) bool {
 	if c.ahead != nil || start <= c.roff {
 		return false
 	}
 	if got := readOut(f.rd); len(got) > 0 {
 		c.ahead, c.aheadAt = got, start
+		c.fmu.Lock()
+		c.aheadHeld.Store(true)
+		c.fmu.Unlock()
 	}
 	c.leaveReadLocked()
 	return true
@@ -238,6 +243,15 @@ func (c *Conn) aheadDueLocked() (moved bool, limit uint64) {
 	c.stash = append(c.ahead, c.stash...) // counted as ring bytes when read
 	c.stashRing += len(c.ahead)
 	c.ahead = nil
+	c.fmu.Lock()
+	c.aheadHeld.Store(false)
+	if f := c.cur.Load(); f != nil && f.attachLater {
+		f.attachLater = false
+		if !f.down.Load() && !f.rLeft.Load() {
+			f.rd.Attach() // the peer's writer may start it now
+		}
+	}
+	c.fmu.Unlock()
 	return true, 0
 }
 

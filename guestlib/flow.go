@@ -36,6 +36,11 @@ type flow struct {
 	peerGone atomic.Bool // ... with reason peer-gone: the reader does not wait for the writer's leave
 	wLeft    atomic.Bool
 	rLeft    atomic.Bool
+	// attachLater: READY came while a stretch was held ahead
+	// (holdAheadLocked), so its read ring is attached only once the TCP
+	// stream reaches that stretch (aheadDueLocked). Guarded by the
+	// Conn's fmu.
+	attachLater bool
 	// wSync says who may touch w while the writer is not on the ring:
 	// the writer, in writerSyncLocked (wsBusy, kept once it started the
 	// ring), or the leaver, which leaves a ring the writer never started
@@ -81,7 +86,16 @@ func (c *Conn) ready(m proto.Msg) (err error) {
 	}
 	f.rwait = f.rd.NewWaiter(func() bool { return f.peerGone.Load() || c.closed.Load() || c.rshut.Load() })
 	f.wwait = f.w.NewWaiter(func() bool { return f.down.Load() || c.wshut.Load() })
-	f.rd.Attach()
+	if c.aheadHeld.Load() {
+		// A writer starts its ring only once the reader attached it:
+		// unattached, the peer's bytes stay on TCP in this direction,
+		// and no second stretch can start past TCP bytes still due
+		// (holdAheadLocked keeps one stretch; a second would keep its
+		// ring past DOWN, until hostd's grace took it).
+		f.attachLater = true
+	} else {
+		f.rd.Attach()
+	}
 	c.cur.Store(f)
 	c.client.register(f.key, c)
 	c.st.readies.Add(1)

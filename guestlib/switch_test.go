@@ -257,6 +257,8 @@ type scripted struct {
 	pr   *ring.Reader
 	// The rings themselves (AB: the peer writes; BA: the Conn writes).
 	ab, ba *ring.Ring
+	h      *guesttest.Hostd
+	open   proto.Msg // the Conn's OPEN, for another READY
 }
 
 func newScripted(t *testing.T) *scripted {
@@ -274,7 +276,7 @@ func newScripted(t *testing.T) *scripted {
 	pw, _ := ring.NewWriter(ab, &wait.Policy{})
 	pr, _ := ring.NewReader(ba, &wait.Policy{})
 	waitFor(t, "the Conn's reader to attach", pw.ReaderAttached)
-	return &scripted{conn: conn, peer: peer, s: s, f: f, pw: pw, pr: pr, ab: ab, ba: ba}
+	return &scripted{conn: conn, peer: peer, s: s, f: f, pw: pw, pr: pr, ab: ab, ba: ba, h: h, open: open}
 }
 
 // TestSwitchStash forces the rare TCP over-read: the Conn's kernel read
