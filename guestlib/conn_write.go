@@ -2,6 +2,7 @@ package guestlib
 
 import (
 	"errors"
+	"io"
 	"net"
 	"os"
 	"syscall"
@@ -194,6 +195,9 @@ func (c *Conn) ReadBuffer(max int) (_ []byte, err error) {
 		}
 		if c.rst.Load() {
 			return nil, c.resetErr("read", errBrokenStream)
+		}
+		if c.rshut.Load() { // as Read: after CloseRead the TCP read answers errAgain, on which this loop would spin
+			return nil, io.EOF
 		}
 		if expired(c.readDeadline()) {
 			return nil, c.opErr("read", os.ErrDeadlineExceeded)

@@ -465,6 +465,24 @@ func TestCloseReadOnRing(t *testing.T) {
 	}
 }
 
+// TestCloseReadReadBuffer: after CloseRead, ReadBuffer returns EOF, as
+// Read does, on TCP and on the ring (on TCP it spun until Close).
+func TestCloseReadReadBuffer(t *testing.T) {
+	for _, ring := range []bool{false, true} {
+		sc := newScripted(t)
+		if ring {
+			sc.pw.Start(0)
+		}
+		if err := sc.conn.CloseRead(); err != nil {
+			t.Fatal(err)
+		}
+		got := async(func() error { _, err := sc.conn.ReadBuffer(64); return err })
+		if err := await(t, got, "ReadBuffer"); err != io.EOF {
+			t.Fatalf("ReadBuffer after CloseRead (ring started %v) = %v, want EOF", ring, err)
+		}
+	}
+}
+
 // TestRingNoAllocs: once both directions are on the rings, a Write and a
 // Read of bytes that are there allocate nothing.
 func TestRingNoAllocs(t *testing.T) {
