@@ -1,7 +1,6 @@
 package guestlib
 
 import (
-	"io"
 	"testing"
 
 	"github.com/shuntnet/shunt/guestlib/guesttest"
@@ -20,23 +19,7 @@ import (
 // took it (the connection failed). Once the bytes come, the ring is
 // attached, and the stream is whole and in order.
 func TestSwitchReadyWhileAheadHeld(t *testing.T) {
-	sc := newScripted(t)
-	if _, err := sc.peer.Write([]byte("AAAA")); err != nil {
-		t.Fatal(err)
-	}
-	sc.pw.Start(8) // TCP bytes 4 to 8 are still due
-	if _, err := sc.pw.Write([]byte("RRRR")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 64)
-	if n, err := sc.conn.Read(b); err != nil || string(b[:n]) != "AAAA" {
-		t.Fatalf("first read %q, %v; want AAAA (only up to the ring's start)", b[:n], err)
-	}
-	rest := async(func() []byte {
-		b := make([]byte, 20)
-		n, _ := io.ReadFull(sc.conn, b)
-		return b[:n]
-	})
+	sc, rest := ringPastDueBytes(t, 20)
 	_ = sc.pw.Leave()
 	sc.s.Send(t, guesttest.Down(sc.f.B, proto.ReasonFirewall))
 	sc.s.Expect(t, proto.Left) // the stretch is held ahead

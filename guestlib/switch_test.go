@@ -651,6 +651,31 @@ func TestSwitchDownWhileTCPSendBlocks(t *testing.T) {
 	}
 }
 
+// ringPastDueBytes: the peer sent "AAAA" on TCP and started its ring at
+// offset 8 with "RRRR" in it, TCP bytes 4 to 8 still due (a firewall
+// drops them and their retransmissions); the Conn read "AAAA" (only up
+// to the ring's start), and a ReadFull of n more bytes is under way.
+func ringPastDueBytes(t *testing.T, n int) (*scripted, <-chan []byte) {
+	t.Helper()
+	sc := newScripted(t)
+	if _, err := sc.peer.Write([]byte("AAAA")); err != nil {
+		t.Fatal(err)
+	}
+	sc.pw.Start(8)
+	if _, err := sc.pw.Write([]byte("RRRR")); err != nil {
+		t.Fatal(err)
+	}
+	b := make([]byte, 64)
+	if k, err := sc.conn.Read(b); err != nil || string(b[:k]) != "AAAA" {
+		t.Fatalf("first read %q, %v; want AAAA (only up to the ring's start)", b[:k], err)
+	}
+	return sc, async(func() []byte {
+		b := make([]byte, n)
+		k, _ := io.ReadFull(sc.conn, b)
+		return b[:k]
+	})
+}
+
 // TestSwitchDownWhileTCPReadBlocks: the peer's writer started its ring
 // past TCP bytes that have not arrived (a firewall drops them, and its
 // retransmissions with them), and a Read waits in the kernel for them.
@@ -658,23 +683,7 @@ func TestSwitchDownWhileTCPSendBlocks(t *testing.T) {
 // out and LEFT sent at once, not when TCP delivers, since hostd takes a
 // retired region back after its grace. Every byte then comes in order.
 func TestSwitchDownWhileTCPReadBlocks(t *testing.T) {
-	sc := newScripted(t)
-	if _, err := sc.peer.Write([]byte("AAAA")); err != nil {
-		t.Fatal(err)
-	}
-	sc.pw.Start(8) // TCP bytes 4 to 8 are still due
-	if _, err := sc.pw.Write([]byte("RRRR")); err != nil {
-		t.Fatal(err)
-	}
-	b := make([]byte, 64)
-	if n, err := sc.conn.Read(b); err != nil || string(b[:n]) != "AAAA" {
-		t.Fatalf("first read %q, %v; want AAAA (only up to the ring's start)", b[:n], err)
-	}
-	rest := async(func() []byte {
-		b := make([]byte, 12)
-		n, _ := io.ReadFull(sc.conn, b)
-		return b[:n]
-	})
+	sc, rest := ringPastDueBytes(t, 12)
 	waitFor(t, "the Read to block in the kernel", func() bool {
 		sc.conn.dlMu.Lock()
 		defer sc.conn.dlMu.Unlock()

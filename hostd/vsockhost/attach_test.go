@@ -9,6 +9,7 @@ import (
 	"testing"
 	"time"
 
+	"github.com/shuntnet/shunt/guestlib/vstretch"
 	"github.com/shuntnet/shunt/relay"
 	"github.com/shuntnet/shunt/shm/ring"
 	"github.com/shuntnet/shunt/shm/shmtest"
@@ -51,20 +52,7 @@ func TestStretchAttachedEndToEnd(t *testing.T) {
 	if r := <-procRead; r.Err != nil || r.Start != vmStart || r.N != n || !bytes.Equal(r.Sum, sum(seeded(1, n))) {
 		t.Fatalf("process guest read: start %d, %d bytes, sum ok %v, err %v\n%s", r.Start, r.N, bytes.Equal(r.Sum, sum(seeded(1, n))), r.Err, state())
 	}
-	select {
-	case <-s.Done():
-	case <-time.After(time.Until(deadline)):
-		t.Fatalf("the VM's bridge did not end after both directions left\n%s", state())
-	}
-	if !errors.Is(s.Err(), relay.ErrEnded) {
-		t.Fatalf("VM bridge ended with %v\n%s", s.Err(), state())
-	}
-	s.Close()
-	select {
-	case <-served:
-	case <-time.After(time.Until(deadline)):
-		t.Fatalf("the room's bridge did not end\n%s", state())
-	}
+	bridgesEnd(t, s, served, deadline, state)
 }
 
 // TestStretchHeldLeft: a VM writer whose ring was never attached (the
@@ -98,6 +86,16 @@ func TestStretchHeldLeft(t *testing.T) {
 	if !s.W.Stats().Left || s.W.Stats().ReaderAttached {
 		t.Fatalf("the VM's write ring was attached\n%s", state())
 	}
+	bridgesEnd(t, s, served, deadline, state)
+	if ab := f.ab.Stats(); !ab.Left || ab.Started || ab.Reset {
+		t.Fatalf("the process guest's read ring: %+v, want left unstarted, not reset\n%s", ab, state())
+	}
+}
+
+// bridgesEnd: once both directions left, the VM's bridge ends with
+// ErrEnded, and then, closed, so does the room's.
+func bridgesEnd(t *testing.T, s *vstretch.Stretch, served <-chan struct{}, deadline time.Time, state func() string) {
+	t.Helper()
 	select {
 	case <-s.Done():
 	case <-time.After(time.Until(deadline)):
@@ -111,8 +109,5 @@ func TestStretchHeldLeft(t *testing.T) {
 	case <-served:
 	case <-time.After(time.Until(deadline)):
 		t.Fatalf("the room's bridge did not end\n%s", state())
-	}
-	if ab := f.ab.Stats(); !ab.Left || ab.Started || ab.Reset {
-		t.Fatalf("the process guest's read ring: %+v, want left unstarted, not reset\n%s", ab, state())
 	}
 }
