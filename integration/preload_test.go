@@ -515,6 +515,11 @@ func TestPreloadEdgeCases(t *testing.T) {
 	// the connection, as the kernel's close does for its own unread data
 	// (the server's library says so: without it the client read EOF).
 	t.Run("unread", func(t *testing.T) {
+		t.Cleanup(func() {
+			if t.Failed() {
+				t.Logf("the server's log:\n%s", srvOut.String())
+			}
+		})
 		out := e.runT(t, 1, client("unread"))
 		if !strings.Contains(out, "PASS unread") || fastLines(out) != 1 {
 			t.Fatalf("unread:\n%s", out)

@@ -69,8 +69,7 @@ static void trip(int ep, int fd)
 	pthread_mutex_lock(&f->rmu);
 	uint64_t start;
 	int on_ring = f->rring || (!rg->rleft && shunt_ring_started(&rg->sf.r, &start) && f->roff == start);
-	char c;
-	ssize_t pk = on_ring && !f->slen ? real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT) : -1;
+	ssize_t pk = on_ring && !f->slen ? kernel_peek(f, fd) : -1;
 	int gone = pk == 0 || (pk < 0 && on_ring && !f->slen && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR);
 	/* Not on a relayed ring: the other guest's FIN, and at a downgrade its
 	 * TCP bytes, outrun the ring bytes the relays carry (the relay marks

@@ -217,12 +217,20 @@ static void to_ring(struct flow *f, int fd, struct rings *rg)
 	f->rswitch++;
 	if (shunt_ring_writer_left(&rg->sf.r) || rg->bridged)
 		return;
-	char c;
 	int e = errno;
-	ssize_t k = real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+	ssize_t k = kernel_peek(f, fd);
 	if (k == 0 || (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR))
 		__atomic_store_n(&rg->peer_gone, 1, __ATOMIC_SEQ_CST);
 	errno = e;
+}
+
+ssize_t kernel_peek(struct flow *f, int fd)
+{
+	char c;
+	ssize_t k = real_recv(fd, &c, 1, MSG_PEEK | MSG_DONTWAIT);
+	if (k < 0 && errno != EAGAIN && errno != EWOULDBLOCK && errno != EINTR && !f->seof)
+		__atomic_store_n(&f->seof, -errno, __ATOMIC_RELAXED); /* after the ring's stretch, as read_step's */
+	return k;
 }
 
 /* RELAY_HOLD_NS bounds how long a relayed ring's reader holds a kernel

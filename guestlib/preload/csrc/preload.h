@@ -404,6 +404,11 @@ void conn_end(struct flow *f);
  * flow_timeouts reads fd's SO_RCVTIMEO and SO_SNDTIMEO back from the
  * kernel into f. */
 ssize_t conn_recv(struct flow *f, int fd, void *buf, size_t n, int flags, int64_t *deadline);
+/* kernel_peek peeks at the socket's next byte without blocking (rmu
+ * held): 1, 0 at EOF, or -1 with errno (EAGAIN: nothing yet). The kernel
+ * reports an RST once, and a peek uses that up too: the error is kept in
+ * f->seof, so the program's read still gets ECONNRESET. */
+ssize_t kernel_peek(struct flow *f, int fd);
 ssize_t conn_send(struct flow *f, int fd, const void *buf, size_t n, int flags, int64_t *deadline);
 ssize_t conn_buffered(struct flow *f, int fd);
 /* A kernel call that writes to the connection's socket itself (sendfile,
